@@ -1,0 +1,1 @@
+"""Prefect flows: wiring of the stages in tasks/, nothing else."""

@@ -1,0 +1,56 @@
+"""The nightly ingest flow: list -> plan shards -> encode (one task per shard) -> commit -> artifact."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from prefect import flow, unmapped
+from prefect.artifacts import create_markdown_artifact
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.config import IngestConfig
+from imgest import encoders
+from imgest.encoders import DEFAULT_MODEL
+from imgest.lock import StoreLock
+from imgest.storage import open_location
+from tasks.commit import commit_run_task, new_summary
+from tasks.decode import DEFAULT_MAX_PIXELS
+from tasks.encode import encode_shard_task
+from tasks.listing import list_catalogue_task
+from tasks.plan import plan_ingest_task
+from tasks.report import render_summary
+from tasks.state import new_run_id, prepare_state_task
+from tasks.tuning import choose_batch_size_task
+
+
+# One shard task at a time: each shard already decodes in parallel ahead of its encoder, and two
+# shards sharing one model would only fight over the same cores or GPU.
+@flow(name="ingest", task_runner=ThreadPoolTaskRunner(max_workers=1), validate_parameters=True)
+def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: str = "auto",
+           device: str = "auto", shard_size: int = 2000, decode_workers: int = 2,
+           max_pixels: int = DEFAULT_MAX_PIXELS) -> dict:
+    cfg = IngestConfig(catalogue, store, model, str(batch_size), device, shard_size, decode_workers, max_pixels)
+    spec = encoders.resolve(cfg.model)
+    device = encoders.resolve_device(cfg.device)
+    store_loc = open_location(cfg.store)
+    catalogue_url = open_location(cfg.catalogue, must_exist=True, what="catalogue").url
+    with StoreLock(store_loc, owner=f"ingest@{socket.gethostname()}:{os.getpid()}"):
+        state, orphans = prepare_state_task(store_loc.url, spec.describe())
+        run_id = new_run_id(state.seq + 1)
+        summary = new_summary(spec, run_id, catalogue_url, store_loc.url)
+        listing = list_catalogue_task(catalogue_url)
+        plan = plan_ingest_task(listing, state, run_id, cfg.shard_size)
+        batch, source = (0, "nothing to encode")
+        if plan.shards:
+            batch, source = choose_batch_size_task(store_loc.url, spec, device, cfg.fixed_batch_size)
+        futures = encode_shard_task.map(plan.shards, unmapped(spec), unmapped(device), unmapped(catalogue_url),
+                                        unmapped(store_loc.url), unmapped(batch), unmapped(cfg.decode_workers),
+                                        unmapped(cfg.max_pixels))
+        results = futures.result()
+        summary.batch_size, summary.batch_size_source, summary.device = batch, source, device
+        summary.removed_orphans = orphans
+        summary = commit_run_task(store_loc.url, state, plan, results, summary)
+    create_markdown_artifact(render_summary(summary), key="ingest-summary",
+                             description=f"imgest ingest {summary.run_id} ({spec.model_id})")
+    return summary.to_dict()

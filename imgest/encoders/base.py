@@ -1,0 +1,146 @@
+"""What every encoder offers: a picklable spec, a loaded encoder, device and precision choices."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+
+class EncoderError(ValueError):
+    """A model name, device or modality is not usable; the message lists what is allowed."""
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """Everything needed to rebuild an encoder in another process, and to say what made an embedding.
+
+    ``model_id`` pins the weights (content hash or hub revision) and the preprocessing, so two runs
+    that write the same model_id produce comparable vectors.
+    """
+
+    name: str  # what the user typed: "efficientnet-lite0", "hf:openai/clip-vit-base-patch32"
+    family: str  # registry key that loads it
+    source: str  # weights file, local folder or hub id
+    revision: str  # weights digest or hub commit
+    dim: int
+    preprocessing: dict[str, Any]
+    modalities: tuple[str, ...] = ("image",)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def preprocessing_digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.preprocessing, sort_keys=True).encode()).hexdigest()[:8]
+
+    @property
+    def model_id(self) -> str:
+        return f"{self.name}@{self.revision[:16]}+pre.{self.preprocessing_digest}"
+
+    @property
+    def slug(self) -> str:
+        """Folder-safe namespace: readable name plus a digest of the model id."""
+        readable = re.sub(r"[^a-zA-Z0-9._-]+", "-", self.name.split("/")[-1].removeprefix("hf:")).strip("-.")
+        digest = hashlib.sha256(self.model_id.encode()).hexdigest()[:8]
+        return f"{readable.lower() or 'model'}-{digest}"
+
+    def describe(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(model_id=self.model_id, slug=self.slug, modalities=list(self.modalities),
+                   normalisation="l2", dtype="float32")
+        return out
+
+
+class Encoder(Protocol):
+    spec: EncoderSpec
+    device: str
+    input_shape: tuple[int, int, int]
+
+    def preprocess(self, image) -> np.ndarray:
+        """PIL RGB image -> CHW float32 array; runs in decode threads, so it must be thread-safe."""
+
+    def encode_images(self, batch: np.ndarray) -> np.ndarray:
+        """NCHW float32 -> (N, dim) float32, L2-normalised."""
+
+    def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
+        """Texts -> (N, dim) float32, L2-normalised; raises EncoderError without a text tower."""
+
+
+def file_digest(path: str, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    allowed = ("auto", "cpu", "cuda")
+    if device not in allowed and not re.fullmatch(r"cuda:\d+", device):
+        raise EncoderError(f"unknown device {device!r}; allowed: {', '.join(allowed)} or cuda:N")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EncoderError(f"device {device!r} asked for but CUDA is not available here; use --device cpu or auto")
+    return device
+
+
+def device_key(device: str) -> str:
+    """Stable name of the hardware a tuning result was measured on."""
+    import torch
+
+    if device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        name = torch.cuda.get_device_name(index)
+    else:
+        name = _cpu_model()
+        name = f"{name}-{torch.get_num_threads()}threads"
+    return re.sub(r"[^a-zA-Z0-9._-]+", "-", f"{device.split(':')[0]}-{name}").strip("-").lower()
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return os.uname().machine
+
+
+def autocast(device: str):
+    """bf16 (or fp16 where bf16 is missing) autocast on CUDA; plain fp32 on CPU."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.autocast("cuda", dtype=dtype)
+
+
+def to_device(batch: np.ndarray, device: str):
+    """Host array -> tensor on ``device``; pinned memory and a non-blocking copy on CUDA."""
+    import torch
+
+    tensor = torch.from_numpy(np.ascontiguousarray(batch))
+    if device.startswith("cuda"):
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+def l2_normalise(features) -> np.ndarray:
+    import torch
+
+    features = features.float()
+    features = torch.nn.functional.normalize(features, dim=-1)
+    return features.detach().cpu().numpy().astype(np.float32, copy=False)
+
+
+Resolver = Callable[[str], EncoderSpec]
+Loader = Callable[[EncoderSpec, str], Encoder]

@@ -1,0 +1,138 @@
+"""Hugging Face transformers encoders: CLIP and SigLIP (image and text towers), DINOv2 (image)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from imgest.encoders.base import EncoderError, EncoderSpec, autocast, file_digest, l2_normalise, to_device
+
+PREFIX = "hf:"
+# model_type -> (modalities, how to read the embedding dimension from config.json)
+SUPPORTED = {
+    "clip": (("image", "text"), lambda c: c["projection_dim"]),
+    "siglip": (("image", "text"), lambda c: c["vision_config"]["hidden_size"]),
+    "dinov2": (("image",), lambda c: c["hidden_size"]),
+}
+_WEIGHT_FILES = (".safetensors", ".bin", ".json", ".txt", ".model")
+
+
+def _folder_digest(folder: str) -> str:
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and name.endswith(_WEIGHT_FILES) and not name.startswith("."):
+            h.update(name.encode())
+            h.update(file_digest(path).encode())
+    return h.hexdigest()
+
+
+def _fetch(repo_id: str, revision: str | None) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, revision=revision,
+                                 allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+    except Exception as exc:
+        raise EncoderError(
+            f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}); "
+            "download it beforehand (HF_HUB_OFFLINE=1 then reads the cache) or pass hf:<local folder>"
+        ) from exc
+
+
+def resolve(name: str) -> EncoderSpec:
+    target = name[len(PREFIX):]
+    if not target:
+        raise EncoderError("hf: needs a hub id or a local folder, e.g. hf:openai/clip-vit-base-patch32")
+    if os.path.isdir(target):
+        folder = os.path.abspath(target)
+        revision = _folder_digest(folder)
+        source = folder
+    else:
+        repo_id, _, rev = target.partition("@")
+        folder = _fetch(repo_id, rev or None)
+        revision = os.path.basename(folder.rstrip("/"))  # the snapshot folder is the commit hash
+        source = folder
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.exists(config_path):
+        raise EncoderError(f"{name}: no config.json in {folder}; expected a transformers model folder")
+    with open(config_path) as fh:
+        config = json.load(fh)
+    model_type = config.get("model_type", "?")
+    if model_type not in SUPPORTED:
+        raise EncoderError(f"{name}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    modalities, dim_of = SUPPORTED[model_type]
+    preprocessing: dict = {"model_type": model_type}
+    processor_path = os.path.join(folder, "preprocessor_config.json")
+    if os.path.exists(processor_path):
+        with open(processor_path) as fh:
+            preprocessing["image_processor"] = json.load(fh)
+    return EncoderSpec(
+        name=name if not os.path.isdir(target) else f"{PREFIX}{os.path.abspath(target)}",
+        family="hf",
+        source=source,
+        revision=revision,
+        dim=int(dim_of(config)),
+        preprocessing=preprocessing,
+        modalities=modalities,
+        extra={"model_type": model_type},
+    )
+
+
+class HFEncoder:
+    def __init__(self, spec: EncoderSpec, device: str):
+        from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+
+        self.spec, self.device = spec, device
+        self.model_type = spec.extra["model_type"]
+        self.model = AutoModel.from_pretrained(spec.source).eval().to(device)
+        self.processor = AutoImageProcessor.from_pretrained(spec.source)
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.source) if "text" in spec.modalities else None
+        self.input_shape = tuple(self.preprocess(_blank()).shape)
+
+    def preprocess(self, image) -> np.ndarray:
+        return np.asarray(self.processor(images=[image], return_tensors="np")["pixel_values"][0], np.float32)
+
+    def encode_images(self, batch: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode(), autocast(self.device):
+            pixels = to_device(batch, self.device)
+            if self.model_type == "dinov2":
+                features = self.model(pixel_values=pixels).pooler_output
+            else:
+                features = _pooled(self.model.get_image_features(pixel_values=pixels))
+        return l2_normalise(features)
+
+    def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
+        import torch
+
+        if self.tokenizer is None:
+            raise EncoderError(f"{self.spec.name} ({self.model_type}) is image-only: it has no text tower")
+        padding = "max_length" if self.model_type == "siglip" else True
+        max_len = self.model.config.text_config.max_position_embeddings
+        tokens = self.tokenizer(list(texts), padding=padding, truncation=True, max_length=max_len,
+                                return_tensors="pt")
+        tokens = {k: v.to(self.device) for k, v in tokens.items() if k in ("input_ids", "attention_mask")}
+        with torch.inference_mode(), autocast(self.device):
+            features = _pooled(self.model.get_text_features(**tokens))
+        return l2_normalise(features)
+
+
+def _pooled(output):
+    # transformers 5 returns a ModelOutput whose pooler_output is the projected embedding; 4.x a tensor.
+    return output if hasattr(output, "dim") else output.pooler_output
+
+
+def _blank():
+    from PIL import Image
+
+    return Image.new("RGB", (256, 256), "white")
+
+
+def load(spec: EncoderSpec, device: str) -> HFEncoder:
+    return HFEncoder(spec, device)

@@ -1,0 +1,226 @@
+"""Object storage: the one module that talks to fsspec; everything else passes URLs and keys."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
+
+
+def redact(text: str) -> str:
+    """Remove credentials embedded in URLs (``s3://KEY:SECRET@bucket``) and known secret values."""
+    text = _USERINFO.sub(r"\g<scheme>***@", str(text))
+    for var in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID"):
+        secret = os.environ.get(var)
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "***")
+    return text
+
+
+class StorageError(RuntimeError):
+    """An object store could not be reached or used; the message names the URL (redacted)."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str  # path relative to the root, '/'-separated
+    size: int
+    mtime: float | None
+    etag: str | None
+
+
+def _normalise(url: str) -> str:
+    url = str(url).strip()
+    if not url:
+        raise StorageError("empty storage URL; give a local folder, file://, s3://bucket/prefix or any fsspec URL")
+    if "://" not in url and not url.startswith("/"):
+        url = os.path.abspath(url)
+    return url.rstrip("/") or "/"
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    value = info.get("mtime", info.get("LastModified", info.get("last_modified")))
+    if value is None:
+        return None
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    return float(value)
+
+
+def _etag(info: dict[str, Any]) -> str | None:
+    value = info.get("ETag", info.get("etag"))
+    return str(value).strip('"') if value else None
+
+
+class Location:
+    """A root URL on some filesystem; keys below it are '/'-separated relative paths."""
+
+    def __init__(self, url: str, **storage_options: Any):
+        self.url = _normalise(url)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options)
+        except (ImportError, ValueError) as exc:
+            raise StorageError(f"cannot open {redact(self.url)}: {exc}") from exc
+        self.root = self.root.rstrip("/") or "/"
+        self.is_local = "file" in _protocols(self.fs)
+
+    def __repr__(self) -> str:
+        return f"Location({redact(self.url)!r})"
+
+    # -- paths -------------------------------------------------------------------------------
+    def path(self, key: str = "") -> str:
+        key = key.strip("/")
+        if not key:
+            return self.root
+        return f"{self.root}/{key}" if self.root != "/" else f"/{key}"
+
+    def uri(self, key: str = "") -> str:
+        """Full URL of a key, as users see it (``s3://bucket/prefix/key`` or an absolute path)."""
+        path = self.path(key)
+        return path if self.is_local else self.fs.unstrip_protocol(path)
+
+    def child(self, key: str) -> "Location":
+        clone = object.__new__(Location)
+        clone.fs, clone.is_local = self.fs, self.is_local
+        clone.root = self.path(key)
+        clone.url = self.uri(key)
+        return clone
+
+    # -- listing -----------------------------------------------------------------------------
+    def exists(self, key: str = "") -> bool:
+        return self.fs.exists(self.path(key))
+
+    def walk(self, key: str = "") -> Iterator[ObjectInfo]:
+        """Every object below ``key`` (recursively), with size, mtime and etag when the store has one."""
+        base = self.path(key)
+        self.fs.invalidate_cache(base)
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return
+        prefix = base.rstrip("/") + "/"
+        for path, info in sorted(found.items()):
+            if info.get("type") == "directory" or not path.startswith(prefix):
+                continue
+            yield ObjectInfo(
+                key=path[len(prefix):],
+                size=int(info.get("size") or 0),
+                mtime=_mtime(info),
+                etag=_etag(info),
+            )
+
+    def list_names(self, key: str) -> list[str]:
+        """Names directly below ``key`` (files and folders); empty when it does not exist."""
+        base = self.path(key)
+        self.fs.invalidate_cache(base)
+        try:
+            entries = self.fs.ls(base, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in entries if p.rstrip("/") != base.rstrip("/"))
+
+    # -- reading -----------------------------------------------------------------------------
+    def read_bytes(self, key: str) -> bytes:
+        return self.fs.cat_file(self.path(key))
+
+    def read_json(self, key: str) -> Any:
+        return json.loads(self.read_bytes(key))
+
+    def read_table(self, key: str, columns: list[str] | None = None) -> pa.Table:
+        with self.fs.open(self.path(key), "rb") as fh:
+            return pq.read_table(fh, columns=columns)
+
+    def read_parquet_metadata(self, key: str) -> dict[str, str]:
+        with self.fs.open(self.path(key), "rb") as fh:
+            meta = pq.read_schema(fh).metadata or {}
+        return {k.decode(): v.decode() for k, v in meta.items()}
+
+    # -- writing -----------------------------------------------------------------------------
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """Make ``key`` appear whole or not at all.
+
+        A single PUT is atomic on object stores; on a local disk we write a hidden temp file in the
+        same folder, fsync it and rename it over the target, so a kill never leaves half a file.
+        """
+        path = self.path(key)
+        if self.is_local:
+            folder = os.path.dirname(path)
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        else:
+            self.fs.pipe_file(path, data)
+
+    def write_json(self, key: str, obj: Any) -> None:
+        self.write_bytes(key, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
+
+    def write_table(self, key: str, table: pa.Table) -> bytes:
+        """Write a Parquet file atomically; returns its bytes (callers checksum them)."""
+        sink = io.BytesIO()
+        pq.write_table(table, sink, compression="zstd")
+        data = sink.getvalue()
+        self.write_bytes(key, data)
+        return data
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if it does not exist (O_EXCL locally, If-None-Match on S3)."""
+        path = self.path(key)
+        if self.is_local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with self.fs.open(path, "xb") as fh:
+                fh.write(data)
+        except FileExistsError:
+            return False
+        return True
+
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm_file(self.path(key))
+        except FileNotFoundError:
+            pass
+
+    def open_output(self, key: str):
+        path = self.path(key)
+        if self.is_local:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        return self.fs.open(path, "wb")
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)
+
+
+def open_location(url: str, *, must_exist: bool = False, what: str = "location") -> Location:
+    """Open ``url`` and, when asked, check it is reachable, turning client errors into one clear line."""
+    loc = Location(url)
+    if must_exist:
+        try:
+            found = loc.fs.exists(loc.root)
+        except Exception as exc:  # botocore/aiohttp errors vary; the point is one readable line
+            raise StorageError(f"{what} {redact(loc.url)} is unreachable: {type(exc).__name__}: {redact(exc)}") from exc
+        if not found and not loc.is_local:
+            # An S3 prefix "exists" only when it has objects; the bucket must exist.
+            bucket = loc.root.split("/", 1)[0]
+            try:
+                found = loc.fs.exists(bucket)
+            except Exception as exc:
+                raise StorageError(f"{what} {redact(loc.url)} is unreachable: {type(exc).__name__}: {redact(exc)}") from exc
+        if not found:
+            raise StorageError(f"{what} {redact(loc.url)} does not exist")
+    return loc

@@ -1,0 +1,99 @@
+"""Commit a run: fold its shard markers and deletions into the next snapshot, record the run summary."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from imgest.encoders import EncoderSpec
+from imgest.storage import Location
+from tasks.plan import Plan
+from tasks.shards import ShardResult
+from tasks.state import DELETED, CatalogueState, commit_key, now_iso, write_snapshot
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    model_id: str
+    slug: str
+    catalogue: str
+    store: str
+    started: str
+    finished: str = ""
+    listed: int = 0
+    skipped: int = 0
+    new: int = 0
+    changed: int = 0
+    unchanged: int = 0
+    deleted: int = 0
+    rejected: int = 0
+    encoded: int = 0
+    vanished: int = 0
+    resumed_shards: int = 0  # committed by an earlier, interrupted run and folded in now
+    shards: int = 0
+    batch_size: int = 0
+    batch_size_source: str = ""
+    device: str = ""
+    images_per_second: float = 0.0
+    encode_seconds: float = 0.0
+    seconds: float = 0.0
+    snapshot_seq: int = 0
+    rejected_items: list[tuple[str, str]] = field(default_factory=list)
+    removed_orphans: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summary_key(run_id: str) -> str:
+    return f"runs/{run_id}.json"
+
+
+def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list[ShardResult],
+               summary: RunSummary) -> RunSummary:
+    """Shards are durable (their markers exist) before this runs; the snapshot is written last."""
+    resumed = len(state.pending)
+    for result in results:
+        state.apply_commit(store.read_json(commit_key(state.slug, result.shard)))
+    stamp = now_iso()
+    for item_id in plan.deleted:
+        item = state.items[item_id]
+        item.status, item.shard, item.run_id, item.updated_at, item.reason = DELETED, None, plan.run_id, stamp, None
+    touched = sum(r.unchanged for r in results)
+    summary.listed, summary.skipped, summary.new = plan.listed, plan.skipped, plan.new
+    summary.unchanged = plan.unchanged + touched
+    summary.changed = plan.changed_candidates - touched
+    summary.deleted = len(plan.deleted)
+    summary.encoded = sum(r.encoded for r in results)
+    summary.rejected_items = [rej for r in results for rej in r.rejected]
+    summary.rejected = len(summary.rejected_items)
+    summary.vanished = sum(r.vanished for r in results)
+    summary.shards = len(results)
+    summary.resumed_shards = resumed
+    summary.encode_seconds = round(sum(r.seconds for r in results), 3)
+    if summary.encode_seconds:
+        summary.images_per_second = round(summary.encoded / summary.encode_seconds, 2)
+    if results or plan.deleted or resumed:
+        counts = {k: v for k, v in summary.to_dict().items() if isinstance(v, int)}
+        summary.snapshot_seq = write_snapshot(store, state, plan.run_id, counts)
+    else:
+        summary.snapshot_seq = state.seq
+    summary.finished = now_iso()
+    summary.seconds = (datetime.fromisoformat(summary.finished) - datetime.fromisoformat(summary.started)).seconds
+    store.write_json(summary_key(plan.run_id), summary.to_dict())
+    return summary
+
+
+@task(name="commit", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 10])
+def commit_run_task(store_url: str, state: CatalogueState, plan: Plan, results: list[ShardResult],
+                    summary: RunSummary) -> RunSummary:
+    return commit_run(Location(store_url), state, plan, results, summary)
+
+
+def new_summary(spec: EncoderSpec, run_id: str, catalogue: str, store: str) -> RunSummary:
+    return RunSummary(run_id=run_id, model_id=spec.model_id, slug=spec.slug, catalogue=catalogue, store=store,
+                      started=now_iso())

@@ -1,0 +1,138 @@
+"""Shard writer: rows of one shard -> a Parquet file, then its commit marker (written last)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import numpy as np
+import pyarrow as pa
+
+import imgest
+from imgest.encoders import EncoderSpec
+from imgest.storage import Location
+from tasks.plan import ShardPlan, WorkItem
+from tasks.state import commit_key, now_iso, shard_key
+
+
+def shard_schema(spec: EncoderSpec) -> pa.Schema:
+    fields = [
+        ("item_id", pa.string()),
+        ("uri", pa.string()),
+        ("content_hash", pa.string()),
+        ("model_id", pa.string()),
+        ("embedding", pa.list_(pa.float32(), spec.dim)),
+        ("etag", pa.string()),
+        ("size", pa.int64()),
+        ("mtime", pa.float64()),
+        ("run_id", pa.string()),
+        ("encoded_at", pa.timestamp("us", tz="UTC")),
+    ]
+    return pa.schema(fields, metadata=spec_metadata(spec))
+
+
+def spec_metadata(spec: EncoderSpec) -> dict[str, str]:
+    import json
+
+    return {
+        "imgest.version": imgest.__version__,
+        "imgest.model_id": spec.model_id,
+        "imgest.model_name": spec.name,
+        "imgest.model_revision": spec.revision,
+        "imgest.dim": str(spec.dim),
+        "imgest.dtype": "float32",
+        "imgest.normalisation": "l2",
+        "imgest.preprocessing": json.dumps(spec.preprocessing, sort_keys=True),
+    }
+
+
+@dataclass
+class ShardResult:
+    shard: str
+    encoded: int = 0
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (item_id, reason)
+    unchanged: int = 0  # signature moved, bytes identical
+    vanished: int = 0  # deleted between listing and reading; the next run tombstones it
+    bytes: int = 0
+    sha256: str | None = None
+    seconds: float = 0.0
+    encode_seconds: float = 0.0
+    wait_seconds: float = 0.0  # encoder idle, waiting on decode
+
+
+def _object_fields(item: WorkItem, content_hash: str) -> dict:
+    return {"item_id": item.item_id, "uri": item.uri, "etag": item.etag, "size": item.size,
+            "mtime": item.mtime, "content_hash": content_hash}
+
+
+class ShardWriter:
+    """Collects one shard's outcome; ``flush`` makes it durable and then visible."""
+
+    def __init__(self, store: Location, spec: EncoderSpec, plan: ShardPlan):
+        self.store, self.spec, self.plan = store, spec, plan
+        self.result = ShardResult(shard=plan.name)
+        self._rows: list[dict] = []
+        self._vectors: list[np.ndarray] = []
+        self._rejected: list[dict] = []
+        self._unchanged: list[dict] = []
+
+    def add(self, items: list[tuple[WorkItem, str]], embeddings: np.ndarray) -> None:
+        if embeddings.shape != (len(items), self.spec.dim):
+            raise ValueError(f"encoder returned {embeddings.shape}, expected ({len(items)}, {self.spec.dim})")
+        self._rows.extend(_object_fields(item, h) for item, h in items)
+        self._vectors.append(np.asarray(embeddings, np.float32))
+
+    def reject(self, item: WorkItem, content_hash: str | None, reason: str) -> None:
+        self._rejected.append({**_object_fields(item, content_hash), "reason": reason})
+        self.result.rejected.append((item.item_id, reason))
+
+    def unchanged(self, item: WorkItem, content_hash: str) -> None:
+        self._unchanged.append(_object_fields(item, content_hash))
+        self.result.unchanged += 1
+
+    def vanished(self, item: WorkItem) -> None:
+        self.result.vanished += 1
+
+    def _table(self) -> pa.Table:
+        vectors = np.concatenate(self._vectors) if self._vectors else np.zeros((0, self.spec.dim), np.float32)
+        now = datetime.now(timezone.utc)
+        n = len(self._rows)
+        schema = shard_schema(self.spec)
+        columns = {name: [r[name] for r in self._rows] for name in ("item_id", "uri", "content_hash", "etag",
+                                                                    "size", "mtime")}
+        flat = pa.array(vectors.reshape(-1), pa.float32())
+        table = pa.table({
+            **{k: columns[k] for k in ("item_id", "uri", "content_hash")},
+            "model_id": [self.spec.model_id] * n,
+            "embedding": pa.FixedSizeListArray.from_arrays(flat, self.spec.dim),
+            **{k: columns[k] for k in ("etag", "size", "mtime")},
+            "run_id": [self.plan.run_id] * n,
+            "encoded_at": pa.array([now] * n, pa.timestamp("us", tz="UTC")),
+        }, schema=schema)
+        meta = dict(schema.metadata or {})
+        meta.update({b"imgest.run_id": self.plan.run_id.encode(), b"imgest.shard": self.plan.name.encode(),
+                     b"imgest.rows": str(n).encode()})
+        return table.replace_schema_metadata(meta)
+
+    def flush(self) -> ShardResult:
+        """Write the Parquet file (atomically), then the commit marker that makes it count."""
+        self.result.encoded = len(self._rows)
+        if self._rows:
+            data = self.store.write_table(shard_key(self.spec.slug, self.plan.name), self._table())
+            self.result.bytes, self.result.sha256 = len(data), hashlib.sha256(data).hexdigest()
+        marker = {
+            "run_id": self.plan.run_id,
+            "shard": self.plan.name,
+            "model_id": self.spec.model_id,
+            "file": shard_key(self.spec.slug, self.plan.name) if self._rows else None,
+            "rows": len(self._rows),
+            "bytes": self.result.bytes,
+            "sha256": self.result.sha256,
+            "created": now_iso(),
+            "encoded": self._rows,
+            "rejected": self._rejected,
+            "unchanged": self._unchanged,
+        }
+        self.store.write_json(commit_key(self.spec.slug, self.plan.name), marker)
+        return self.result
