@@ -1,0 +1,121 @@
+"""Test data builders: hostile image files, small real catalogues, tiny transformers models."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+from PIL import Image
+
+
+def jpeg_bytes(image: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "JPEG", **kw)
+    return buf.getvalue()
+
+
+def png_bytes(image: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG", **kw)
+    return buf.getvalue()
+
+
+def solid(colour, size=(64, 48), mode="RGB") -> Image.Image:
+    return Image.new(mode, size, colour)
+
+
+def gradient(seed: int, size=(64, 64)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
+    return Image.fromarray(base).resize(size, Image.Resampling.BILINEAR)
+
+
+def exif_rotated_jpeg() -> bytes:
+    """A 40x20 image whose EXIF says 'rotate 90': decoded it must be 20x40."""
+    image = gradient(1, (40, 20))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 CW
+    return jpeg_bytes(image, exif=exif.tobytes())
+
+
+def animated_gif() -> bytes:
+    frames = [solid((255, 0, 0), (32, 32)).convert("P"), solid((0, 0, 255), (32, 32)).convert("P")]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return buf.getvalue()
+
+
+def hostile_files() -> dict[str, bytes]:
+    """Every decoding case the pipeline promises to handle, keyed by file name."""
+    cmyk = solid((0, 255, 255, 0), mode="CMYK")  # CMYK red
+    rgba = Image.new("RGBA", (32, 32), (255, 0, 0, 0))  # fully transparent: must become white
+    palette = solid((0, 128, 0)).convert("P")
+    palette_t = Image.new("P", (16, 16), 0)
+    palette_t.putpalette([0, 0, 0] * 256)
+    palette_t.info["transparency"] = 0
+    sixteen = Image.fromarray(np.full((16, 16), 32768, np.uint16))  # mid grey in 16 bits
+    good = jpeg_bytes(gradient(7))
+    return {
+        "ok.jpg": good,
+        "cmyk.jpg": jpeg_bytes(cmyk),
+        "alpha.png": png_bytes(rgba),
+        "palette.png": png_bytes(palette),
+        "palette-transparent.png": png_bytes(palette_t, transparency=0),
+        "sixteen-bit.png": png_bytes(sixteen),
+        "animated.gif": animated_gif(),
+        "rotated.jpg": exif_rotated_jpeg(),
+        "grey.png": png_bytes(solid(128, mode="L")),
+        "empty.jpg": b"",
+        "truncated.jpg": good[: len(good) // 2],
+        "not-an-image.png": b"this is text, not a PNG\n",
+        "huge.png": png_bytes(solid((1, 2, 3), (400, 400))),  # a bomb under max_pixels=100_000
+    }
+
+
+def write_files(root: str, files: dict[str, bytes]) -> None:
+    for key, data in files.items():
+        path = os.path.join(root, key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as fh:
+            fh.write(data)
+
+
+def small_catalogue(n: int, seed: int = 0, prefix: str = "img") -> dict[str, bytes]:
+    return {f"{prefix}/{i:04d}.jpg": jpeg_bytes(gradient(seed * 10_000 + i)) for i in range(n)}
+
+
+def make_tiny_hf_model(kind: str, folder: str) -> str:
+    """Random-weight CLIP/SigLIP/DINOv2 with a word-level tokenizer, saved as a transformers folder."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (CLIPConfig, CLIPImageProcessor, CLIPModel, Dinov2Config, Dinov2Model,
+                              PreTrainedTokenizerFast, SiglipConfig, SiglipImageProcessor, SiglipModel)
+
+    torch.manual_seed(0)
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=32, patch_size=8)
+    text = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                vocab_size=64, max_position_embeddings=16)
+    size = {"height": 32, "width": 32}
+    if kind == "clip":
+        model = CLIPModel(CLIPConfig(text_config={**text, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2},
+                                     vision_config=vision, projection_dim=24))
+        processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=size)
+    elif kind == "siglip":
+        model = SiglipModel(SiglipConfig(text_config=text, vision_config=vision))
+        processor = SiglipImageProcessor(size=size)
+    elif kind == "dinov2":
+        model = Dinov2Model(Dinov2Config(**vision))
+        processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=size)
+    else:
+        raise ValueError(kind)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    if kind != "dinov2":
+        words = ["[BOS]", "[EOS]", "[PAD]", "[UNK]", "a", "red", "blue", "shoe", "bag", "photo", "of"]
+        tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                model_max_length=16).save_pretrained(folder)
+    return folder

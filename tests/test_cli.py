@@ -1,0 +1,56 @@
+"""The command line: one-line reasons and exit code 2 on bad input, before any work starts."""
+
+import pytest
+from typer.testing import CliRunner
+
+from imgest.cli import app
+
+runner = CliRunner()
+
+
+def _ingest(*args):
+    return runner.invoke(app, ["ingest", *args])
+
+
+def test_unknown_model(tmp_path):
+    result = _ingest("--catalogue", str(tmp_path), "--store", str(tmp_path / "s"), "--model", "resnet9000")
+    assert result.exit_code == 2
+    assert "unknown model 'resnet9000'; known: efficientnet-lite0, hf:" in result.output
+
+
+def test_missing_catalogue(tmp_path):
+    result = _ingest("--catalogue", str(tmp_path / "nope"), "--store", str(tmp_path / "s"))
+    assert result.exit_code == 2 and "catalogue" in result.output and "does not exist" in result.output
+
+
+def test_unreachable_s3_catalogue(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    result = _ingest("--catalogue", "s3://no-bucket/x", "--store", str(tmp_path / "s"))
+    assert result.exit_code == 2 and "unreachable" in result.output
+    assert "imgest-test-secret-never-logged" not in result.output
+
+
+def test_bad_store_url(tmp_path):
+    result = _ingest("--catalogue", str(tmp_path), "--store", "nosuchproto://bucket/x")
+    assert result.exit_code == 2 and "nosuchproto://bucket/x" in result.output
+
+
+@pytest.mark.parametrize("flag,value,expected", [
+    ("--batch-size", "big", "batch_size must be 'auto' or a positive integer"),
+    ("--batch-size", "0", "batch_size must be 'auto' or a positive integer"),
+    ("--device", "tpu", "device must be one of auto, cpu, cuda"),
+    ("--shard-size", "0", "shard_size must be an integer >= 1"),
+])
+def test_bad_parameters_name_the_field(tmp_path, flag, value, expected):
+    result = _ingest("--catalogue", str(tmp_path), "--store", str(tmp_path / "s"), flag, value)
+    assert result.exit_code == 2 and expected in result.output
+
+
+def test_status_and_export_of_unknown_model(tmp_path):
+    (tmp_path / "store").mkdir()
+    result = runner.invoke(app, ["export", "--store", str(tmp_path / "store"), "--model", "x", "--out",
+                                 str(tmp_path / "o.parquet")])
+    assert result.exit_code == 2 and "has no model 'x'; models in the store: none" in result.output
+    result = runner.invoke(app, ["status", "--store", str(tmp_path / "store")])
+    assert result.exit_code == 0 and "no models ingested yet" in result.output

@@ -1,0 +1,103 @@
+"""Encoder registry: the packaged Lite0 weights on real photos, and the hf: path with tiny random models."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from imgest import encoders
+from imgest.demo import photo
+from imgest.encoders import EncoderError
+from imgest.storage import Location
+from tasks.decode import to_rgb
+from tasks.tuning import cached_or_tuned, tune_batch_size
+
+
+def test_unknown_model_lists_the_registry():
+    with pytest.raises(EncoderError, match=r"unknown model 'clip-big'; known: efficientnet-lite0, hf:"):
+        encoders.resolve("clip-big")
+
+
+def test_unknown_device_lists_allowed():
+    with pytest.raises(EncoderError, match="allowed: auto, cpu, cuda"):
+        encoders.resolve_device("tpu")
+
+
+@pytest.fixture(scope="module")
+def lite0():
+    return encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
+
+
+def _embed(encoder, images):
+    return encoder.encode_images(np.stack([encoder.preprocess(to_rgb(im)) for im in images]))
+
+
+def test_lite0_spec_pins_weights_and_preprocessing():
+    spec = encoders.resolve("efficientnet-lite0")
+    assert spec.dim == 1280 and spec.modalities == ("image",)
+    assert spec.model_id.startswith("efficientnet-lite0@" + spec.revision[:16])
+    assert "+pre." in spec.model_id and spec.slug.startswith("efficientnet-lite0-")
+
+
+def test_lite0_real_photo_and_its_crop_are_nearest(lite0):
+    astronaut, coffee, chelsea = photo("astronaut"), photo("coffee"), photo("chelsea")
+    w, h = astronaut.size
+    crop = astronaut.crop((w // 10, h // 10, w - w // 10, h - h // 10))
+    vectors = _embed(lite0, [astronaut, crop, coffee, chelsea])
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    sims = vectors @ vectors.T
+    assert sims[0, 1] > sims[0, 2] and sims[0, 1] > sims[0, 3]
+    assert sims[0, 1] > sims[2, 3]  # photo vs its crop beats any two different photos
+
+
+def test_lite0_has_no_text_tower(lite0):
+    with pytest.raises(EncoderError, match="no text tower"):
+        lite0.encode_texts(["a red shoe"])
+
+
+@pytest.mark.parametrize("kind,dim,text", [("clip", 24, True), ("siglip", 32, True), ("dinov2", 32, False)])
+def test_hf_path_loads_local_folders(tiny_models, kind, dim, text):
+    spec = encoders.resolve(f"hf:{tiny_models[kind]}")
+    assert spec.dim == dim and spec.extra["model_type"] == kind
+    encoder = encoders.load(spec, "cpu")
+    vectors = _embed(encoder, [photo("coffee"), photo("camera"), photo("logo")])
+    assert vectors.shape == (3, dim)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    if text:
+        texts = encoder.encode_texts(["a red shoe", "photo of a blue bag"])
+        assert texts.shape == (2, dim) and np.allclose(np.linalg.norm(texts, axis=1), 1.0, atol=1e-5)
+    else:
+        with pytest.raises(EncoderError, match="image-only"):
+            encoder.encode_texts(["a red shoe"])
+
+
+def test_model_id_changes_with_weights(tiny_models, tmp_path):
+    import torch
+    from transformers import AutoModel
+
+    copy = tmp_path / "clip-copy"
+    shutil.copytree(tiny_models["clip"], copy)
+    same = encoders.resolve(f"hf:{copy}")
+    model = AutoModel.from_pretrained(copy)
+    with torch.no_grad():
+        model.visual_projection.weight.add_(0.01)
+    model.save_pretrained(copy)
+    changed = encoders.resolve.__wrapped__(f"hf:{copy}")
+    assert same.model_id != changed.model_id and same.slug != changed.slug
+
+
+def test_missing_config_is_a_clear_error(tmp_path):
+    with pytest.raises(EncoderError, match="no config.json"):
+        encoders.resolve(f"hf:{tmp_path}")
+
+
+def test_tuning_picks_the_measured_best_and_caches_it(tiny_models, tmp_path):
+    encoder = encoders.load(encoders.resolve(f"hf:{tiny_models['dinov2']}"), "cpu")
+    tuning = tune_batch_size(encoder, candidates=(1, 2, 4, 8), min_seconds=0.05)
+    assert tuning.batch_size == max(tuning.measured, key=tuning.measured.get)
+    assert all(rate > 0 for rate in tuning.measured.values())
+    store = Location(str(tmp_path))
+    first = cached_or_tuned(store, encoder)
+    key = f"tuning/model={encoder.spec.slug}/{tuning.device_key}.json"
+    assert store.exists(key)
+    assert cached_or_tuned(store, encoder) == first  # read back, not measured again

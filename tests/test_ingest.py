@@ -1,0 +1,185 @@
+"""The ingest flow end to end under a real Prefect server: incremental runs, S3, kill -9, a second writer."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import duckdb
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from flows.ingest import ingest
+from imgest.cli import app
+from tasks.export import export_live, store_status
+from tests.helpers import gradient, hostile_files, jpeg_bytes, small_catalogue, write_files
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+SECRET = os.environ["AWS_SECRET_ACCESS_KEY"]
+BAD = {"empty.jpg", "truncated.jpg", "not-an-image.png", "huge.png"}
+
+
+def _run(catalogue, store, **kw):
+    kw.setdefault("batch_size", "4")
+    kw.setdefault("shard_size", 5)
+    kw.setdefault("max_pixels", 100_000)
+    return ingest(catalogue=str(catalogue), store=str(store), **kw)
+
+
+def _export_ids(store, out, model="efficientnet-lite0"):
+    result = export_live(str(store), model, str(out))
+    table = pq.read_table(out)
+    ids = table.column("item_id").to_pylist()
+    assert result["rows"] == len(ids) == len(set(ids)), "every live item exactly once"
+    return table
+
+
+def test_incremental_runs_add_change_touch_delete(tmp_path):
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    files = {**small_catalogue(12), **{f"hostile/{k}": v for k, v in hostile_files().items()}}
+    write_files(str(cat), {**files, "README.txt": b"not an image", "_SUCCESS": b""})
+
+    first = _run(cat, store)
+    images = len(files)
+    assert (first["listed"], first["new"], first["skipped"]) == (images, images, 2)
+    assert first["rejected"] == len(BAD) and first["encoded"] == images - len(BAD)
+    assert {i.split("/")[-1] for i, _ in first["rejected_items"]} == BAD
+    status = store_status(str(store))["models"][0]
+    assert status["live"] == images - len(BAD) and status["tombstones"] == 0
+    reasons = {r["item_id"]: r["reason"] for r in status["rejected"]}
+    assert reasons["hostile/empty.jpg"].startswith("EmptyFile")
+    assert reasons["hostile/huge.png"].startswith("DecompressionBombError")
+    before = _export_ids(store, tmp_path / "one.parquet")
+
+    # No change: nothing is read, decoded or encoded; the snapshot does not move.
+    quiet = _run(cat, store)
+    assert (quiet["new"], quiet["changed"], quiet["deleted"], quiet["encoded"], quiet["shards"]) == (0, 0, 0, 0, 0)
+    assert quiet["unchanged"] == images and quiet["snapshot_seq"] == first["snapshot_seq"]
+
+    # Add two, change one, touch one (same bytes, new mtime), delete one, fix one rejected file.
+    write_files(str(cat), {"img/new-a.jpg": jpeg_bytes(gradient(900)), "img/new-b.jpg": jpeg_bytes(gradient(901)),
+                           "img/0001.jpg": jpeg_bytes(gradient(555)), "hostile/empty.jpg": jpeg_bytes(gradient(3))})
+    os.utime(cat / "img/0002.jpg", (time.time() + 50, time.time() + 50))
+    os.remove(cat / "img/0003.jpg")
+    third = _run(cat, store)
+    assert (third["new"], third["changed"], third["deleted"], third["rejected"]) == (2, 2, 1, 0)
+    assert third["encoded"] == 4 and third["unchanged"] == images - 1 - 2  # touched counts as unchanged
+
+    after = _export_ids(store, tmp_path / "two.parquet")
+    old = dict(zip(before.column("item_id").to_pylist(), before.column("embedding").to_pylist()))
+    new = dict(zip(after.column("item_id").to_pylist(), after.column("embedding").to_pylist()))
+    assert "img/0003.jpg" not in new and {"img/new-a.jpg", "img/new-b.jpg", "hostile/empty.jpg"} <= set(new)
+    assert new["img/0001.jpg"] != old["img/0001.jpg"] and new["img/0002.jpg"] == old["img/0002.jpg"]
+    status = store_status(str(store))["models"][0]
+    assert status["live"] == len(new) and status["tombstones"] == 1 and len(status["rejected"]) == 3
+
+    # The shard folder reads as is with pyarrow.dataset (hive partition) and DuckDB.
+    shards = store / "embeddings"
+    dataset = ds.dataset(str(shards), format="parquet", partitioning="hive")
+    assert set(dataset.to_table(columns=["model"]).column("model").to_pylist()) == {status["slug"]}
+    rows = duckdb.sql(f"select item_id, model_id, len(embedding) as d "
+                      f"from read_parquet('{shards}/*/*.parquet', hive_partitioning=true)").fetchall()
+    assert {d for _, _, d in rows} == {1280} and {m for _, m, _ in rows} == {status["model_id"]}
+    meta = pq.read_schema(next(shards.glob("*/*.parquet"))).metadata
+    assert meta[b"imgest.model_id"].decode() == status["model_id"] and meta[b"imgest.normalisation"] == b"l2"
+
+
+def test_second_model_gets_its_own_namespace_and_auto_batch(tmp_path, tiny_models):
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    write_files(str(cat), small_catalogue(6))
+    _run(cat, store)
+    run = _run(cat, store, model=f"hf:{tiny_models['clip']}", batch_size="auto")
+    assert run["encoded"] == 6 and run["batch_size_source"].startswith("auto, measured")
+    models = {m["name"]: m for m in store_status(str(store))["models"]}
+    assert len(models) == 2 and all(m["live"] == 6 for m in models.values())
+    assert len({m["slug"] for m in models.values()}) == 2
+    table = _export_ids(store, tmp_path / "clip.parquet", model=models[f"hf:{tiny_models['clip']}"]["slug"])
+    assert table.schema.field("embedding").type.list_size == 24
+    again = _run(cat, store, model=f"hf:{tiny_models['clip']}", batch_size="auto")
+    assert again["encoded"] == 0 and again["batch_size_source"] == "nothing to encode"
+
+
+def _s3(url: str):
+    import s3fs
+
+    return s3fs.S3FileSystem(client_kwargs={"endpoint_url": url})
+
+
+def test_s3_catalogue_and_store(tmp_path, s3_endpoint, caplog):
+    fs = _s3(s3_endpoint)
+    fs.mkdir("catalogue-bucket")
+    fs.mkdir("store-bucket")
+    keys = ["shop/with space.jpg", "shop/ünï/ß.jpg", "shop/hash#1.JPG", "shop/q?.jpeg", "shop/plus+1.jpg"]
+    for i, key in enumerate(keys):
+        fs.pipe(f"catalogue-bucket/{key}", jpeg_bytes(gradient(i)))
+    fs.pipe("catalogue-bucket/shop/.DS_Store", b"junk")
+    cat, store = "s3://catalogue-bucket/shop", "s3://store-bucket/imgest"
+
+    first = _run(cat, store)
+    assert first["new"] == 5 and first["encoded"] == 5 and first["skipped"] == 1
+    fs.pipe("catalogue-bucket/shop/hash#1.JPG", jpeg_bytes(gradient(77)))  # new bytes, new ETag
+    fs.rm("catalogue-bucket/shop/q?.jpeg")
+    second = _run(cat, store)
+    assert (second["changed"], second["deleted"], second["unchanged"], second["encoded"]) == (1, 1, 3, 1)
+
+    table = _export_ids(store, tmp_path / "live.parquet")
+    assert sorted(table.column("item_id").to_pylist()) == sorted(k[5:] for k in keys if "q?" not in k)
+    assert all(u.startswith("s3://catalogue-bucket/shop/") for u in table.column("uri").to_pylist())
+
+    # Secrets never land in the store, the run summary or the logs.
+    written = b"".join(fs.cat(p) for p in fs.find("store-bucket/imgest") if p.endswith(".json"))
+    assert SECRET.encode() not in written and SECRET not in json.dumps(second) and SECRET not in caplog.text
+
+
+def test_empty_catalogue_ingests_nothing(tmp_path):
+    (tmp_path / "empty").mkdir()
+    run = _run(tmp_path / "empty", tmp_path / "store")
+    assert run["listed"] == 0 and run["encoded"] == 0
+
+
+KILLABLE = """
+import sys
+from flows.ingest import ingest
+ingest(catalogue=sys.argv[1], store=sys.argv[2], batch_size="1", shard_size=4)
+"""
+
+
+def test_kill_mid_run_then_rerun_is_exactly_once_and_second_writer_refused(tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    n = 80
+    write_files(str(cat), {k: jpeg_bytes(gradient(i, (320, 240))) for i, k in enumerate(small_catalogue(n))})
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-c", KILLABLE, str(cat), str(store)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    commits = store / "state"
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(commits.glob("model=*/commits/*.json")):
+        assert proc.poll() is None, "ingest ended before committing a shard"
+        time.sleep(0.02)
+
+    # While it runs, a second ingest on the same store is refused with a clear message.
+    refused = CliRunner().invoke(app, ["ingest", "--catalogue", str(cat), "--store", str(store)])
+    assert refused.exit_code == 2 and "locked by run" in refused.output and "another ingest" in refused.output
+
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not list(commits.glob("model=*/snapshots/*.parquet")), "killed before its snapshot"
+    committed = sum(json.loads(p.read_text())["rows"] for p in commits.glob("model=*/commits/*.json"))
+    assert 0 < committed < n
+
+    rerun = _run(cat, store, batch_size="4", shard_size=10)
+    assert rerun["resumed_shards"] >= 1
+    assert rerun["encoded"] == n - committed, "nothing committed before the kill is encoded again"
+    table = _export_ids(store, tmp_path / "live.parquet")
+    assert table.num_rows == n
+    # No orphan or temp file is left where readers look: the folder read as is has each item once.
+    names = [p.name for p in (store / "embeddings").glob("*/*")]
+    assert all(name.startswith("part-") and name.endswith(".parquet") for name in names)
+    rows = ds.dataset(str(store / "embeddings"), format="parquet").count_rows()
+    assert rows == n

@@ -1,0 +1,87 @@
+"""Listing recognises images by extension and odd keys; planning sorts new/changed/unchanged/deleted."""
+
+import os
+
+from imgest.storage import Location
+from tasks.listing import is_image_key, list_catalogue
+from tasks.plan import plan_ingest
+from tasks.state import DELETED, LIVE, REJECTED, CatalogueState, ItemState
+from tests.helpers import jpeg_bytes, solid, write_files
+
+ODD_KEYS = ["with space.jpg", "ünïcode/ß.png", "hash#tag.JPG", "what?.jpeg", "plus+sign.Png"]
+
+
+def test_extensions_case_insensitive_and_junk_skipped(tmp_path):
+    files = {k: jpeg_bytes(solid((1, 2, 3))) for k in ODD_KEYS}
+    files.update({"README.txt": b"x", ".DS_Store": b"x", "_SUCCESS": b"", "sub/notes.md": b"x"})
+    write_files(str(tmp_path), files)
+    listing = list_catalogue(str(tmp_path))
+    assert sorted(o.key for o in listing.objects) == sorted(ODD_KEYS)
+    assert listing.skipped == 4
+    assert not is_image_key("photo.jpg.txt") and is_image_key("A.TIFF")
+
+
+def test_file_url_and_plain_path_list_the_same(tmp_path):
+    write_files(str(tmp_path), {"a/b.jpg": b"1"})
+    assert [o.key for o in list_catalogue(f"file://{tmp_path}").objects] == ["a/b.jpg"]
+    assert [o.key for o in list_catalogue(str(tmp_path)).objects] == ["a/b.jpg"]
+
+
+def _state(**items) -> CatalogueState:
+    return CatalogueState(slug="m", items={k: v for k, v in items.items()})
+
+
+def _item(key, status=LIVE, size=1, mtime=1.0, etag=None, h="h"):
+    return ItemState(item_id=key, uri=key, status=status, etag=etag, size=size, mtime=mtime, content_hash=h)
+
+
+def test_plan_classifies_by_signature(tmp_path):
+    write_files(str(tmp_path), {k: b"x" for k in ("same.jpg", "touched.jpg", "new.jpg", "back.jpg", "bad.jpg")})
+    listing = list_catalogue(str(tmp_path))
+    info = {o.key: o for o in listing.objects}
+    state = _state(**{
+        "same.jpg": _item("same.jpg", size=1, mtime=info["same.jpg"].mtime),
+        "touched.jpg": _item("touched.jpg", size=1, mtime=0.5, h="old"),
+        "gone.jpg": _item("gone.jpg"),
+        "back.jpg": _item("back.jpg", status=DELETED),
+        "bad.jpg": _item("bad.jpg", status=REJECTED, size=1, mtime=info["bad.jpg"].mtime),
+        "old-tombstone.jpg": _item("old-tombstone.jpg", status=DELETED),
+    })
+    plan = plan_ingest(listing, state, "r00000002-x-y", shard_size=2)
+    assert plan.unchanged == 2  # same.jpg, and bad.jpg stays rejected until it changes
+    assert plan.new == 2  # new.jpg, and back.jpg which had been deleted
+    assert plan.changed_candidates == 1
+    assert plan.deleted == ["gone.jpg"]
+    to_read = [w.item_id for s in plan.shards for w in s.items]
+    assert sorted(to_read) == ["back.jpg", "new.jpg", "touched.jpg"]
+    assert [len(s.items) for s in plan.shards] == [2, 1]
+    assert {w.item_id: w.prev_hash for s in plan.shards for w in s.items}["touched.jpg"] == "old"
+    assert plan.shards[1].name == "part-r00000002-x-y-00001"
+
+
+def test_etag_decides_when_both_sides_have_one(tmp_path):
+    write_files(str(tmp_path), {"a.jpg": b"x"})
+    listing = list_catalogue(str(tmp_path))
+    obj = listing.objects[0]
+    object.__setattr__(obj, "etag", "e1")
+    same = plan_ingest(listing, _state(**{"a.jpg": _item("a.jpg", size=1, mtime=0.0, etag="e1")}), "r1", 10)
+    moved = plan_ingest(listing, _state(**{"a.jpg": _item("a.jpg", size=1, mtime=obj.mtime, etag="e0")}), "r1", 10)
+    assert same.unchanged == 1 and moved.changed_candidates == 1
+
+
+def test_location_atomic_write_and_exclusive_create(tmp_path):
+    loc = Location(str(tmp_path))
+    loc.write_bytes("a/b.bin", b"one")
+    loc.write_bytes("a/b.bin", b"two")
+    assert loc.read_bytes("a/b.bin") == b"two"
+    assert not [n for n in os.listdir(tmp_path / "a") if n.startswith(".tmp-")]
+    assert loc.create_exclusive("lock", b"1") and not loc.create_exclusive("lock", b"2")
+    assert loc.read_bytes("lock") == b"1"
+
+
+def test_redact_hides_credentials():
+    from imgest.storage import redact
+
+    text = redact("s3://AKIA:topsecret@bucket/x failed with imgest-test-secret-never-logged")
+    assert "topsecret" not in text and "imgest-test-secret-never-logged" not in text
+    assert "bucket/x" in text
