@@ -55,3 +55,35 @@ class IngestConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    store: str
+    model: str = "efficientnet-lite0"
+    kind: str = "auto"
+    memory: str = "4G"
+    target_recall: float = 0.95
+    k: int = 10
+    queries: int = 1000
+    alias: str | None = "serving"
+
+    def __post_init__(self) -> None:
+        from tasks.index_choice import KINDS, IndexChoiceError, parse_memory
+
+        if self.kind not in KINDS and not any(t in self.kind for t in ("Flat", "HNSW", "IVF", "PQ", "SQ")):
+            raise ConfigError(f"kind must be one of {', '.join(KINDS)} or a faiss factory string; got {self.kind!r}")
+        try:
+            parse_memory(self.memory)
+        except IndexChoiceError as exc:
+            raise ConfigError(str(exc)) from None
+        if not 0 < self.target_recall <= 1:
+            raise ConfigError(f"target_recall must be in (0, 1]; got {self.target_recall}")
+        for name in ("k", "queries"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1; got {getattr(self, name)!r}")
+        if self.alias is not None:
+            from tasks.index_store import ALIAS_NAME
+
+            if not ALIAS_NAME.match(self.alias):
+                raise ConfigError(f"alias must be lowercase letters, digits, '-' or '_'; got {self.alias!r}")

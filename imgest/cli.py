@@ -32,8 +32,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from imgest.lock import StoreLockedError
     from imgest.storage import StorageError
     from tasks.export import ModelNotFoundError
+    from tasks.index_choice import IndexChoiceError
+    from tasks.index_store import IndexIntegrityError, IndexNotFoundError
+    from tasks.search import SearchError
 
-    return ConfigError, EncoderError, StoreLockedError, StorageError, ModelNotFoundError, FileNotFoundError
+    return (ConfigError, EncoderError, StoreLockedError, StorageError, ModelNotFoundError, FileNotFoundError,
+            IndexChoiceError, IndexIntegrityError, IndexNotFoundError, SearchError)
 
 
 @app.command()
@@ -122,22 +126,139 @@ def export(
     typer.echo(f"exported {result['rows']} live embeddings of {result['model_id']} to {result['out']}")
 
 
+@app.command("build-index")
+def build_index_cmd(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    model: str = typer.Option("efficientnet-lite0", help="Model name, model id or slug in the store"),
+    kind: str = typer.Option("auto", help="auto, flat, hnsw, ivfsq8, ivfpq or a faiss factory string"),
+    memory: str = typer.Option("4G", help="Memory budget for the index, e.g. 512M, 4G"),
+    target_recall: float = typer.Option(0.95, help="recall@k against exact search the served parameters must meet"),
+    k: int = typer.Option(10, help="k of the recall target"),
+    queries: int = typer.Option(1000, help="Held-out corpus queries used to measure recall"),
+    alias: str = typer.Option("serving", help="Alias to move once the version is verified ('' for none)"),
+    as_json: bool = typer.Option(False, "--json", help="Print the index card as JSON"),
+) -> None:
+    """Build a new immutable index version from the live embeddings and move an alias to it."""
+    try:
+        from flows.config import IndexConfig
+        from imgest.storage import open_location
+        from tasks.export import find_model
+
+        cfg = IndexConfig(store, model, kind, memory, target_recall, k, queries, alias or None)
+        find_model(open_location(cfg.store, must_exist=True, what="store"), cfg.model)
+
+        from flows.build_index import build_index
+        from tasks.index_card import render_card
+
+        result = build_index(**cfg.__dict__)
+    except _user_errors() as exc:
+        _fail(exc)
+    if not result["built"]:
+        typer.echo(f"no index built: {result['reason']}")
+    elif as_json:
+        typer.echo(json.dumps(result["card"], indent=2))
+    else:
+        typer.echo(render_card(result["card"]))
+
+
+@app.command()
+def nightly(
+    catalogue: str = typer.Option(..., help="Folder or URL of the catalogue"),
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    model: str = typer.Option("efficientnet-lite0", help="efficientnet-lite0 or hf:<hub id or local folder>"),
+    batch_size: str = typer.Option("auto", help="'auto' or N"),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
+    kind: str = typer.Option("auto", help="Index kind or faiss factory string"),
+    memory: str = typer.Option("4G", help="Memory budget for the index"),
+    target_recall: float = typer.Option(0.95, help="recall@10 target for the served parameters"),
+) -> None:
+    """Ingest, then build and verify a fresh index and move `serving` to it."""
+    try:
+        from flows.config import IndexConfig, IngestConfig
+        from imgest import encoders
+        from imgest.storage import open_location
+
+        IngestConfig(catalogue, store, model, batch_size, device)
+        IndexConfig(store, model, kind, memory, target_recall)
+        encoders.resolve(model)
+        open_location(catalogue, must_exist=True, what="catalogue")
+
+        from flows.nightly import nightly as nightly_flow
+        from tasks.commit import RunSummary
+        from tasks.index_card import render_card
+        from tasks.report import render_summary
+
+        result = nightly_flow(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
+                              kind=kind, memory=memory, target_recall=target_recall)
+    except _user_errors() as exc:
+        _fail(exc)
+    typer.echo(render_summary(RunSummary(**result["ingest"])))
+    index = result["index"]
+    typer.echo(render_card(index["card"]) if index["built"] else f"no index built: {index['reason']}")
+
+
+@app.command("search")
+def search_cmd(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    image: Optional[str] = typer.Option(None, help="Query image: a path or URL"),
+    text: Optional[str] = typer.Option(None, help="Query text (models with a text tower)"),
+    queries: Optional[str] = typer.Option(None, help="JSONL file: query_id and image or text per line"),
+    k: int = typer.Option(10, help="Results per query"),
+    alias: str = typer.Option("serving", help="Alias to search (ignored with --model)"),
+    model: Optional[str] = typer.Option(None, help="Search this model's index instead of an alias"),
+    version: Optional[int] = typer.Option(None, help="With --model: this version (default: latest)"),
+    device: str = typer.Option("auto", help="Where to embed the queries"),
+    as_json: bool = typer.Option(False, "--json", help="JSON output"),
+) -> None:
+    """Search by image, by text, or a batch of queries, with the model that built the index."""
+    from dataclasses import asdict
+
+    try:
+        from tasks.search import Query, Searcher, SearchError, read_queries
+
+        given = [x for x in (image, text, queries) if x is not None]
+        if len(given) != 1:
+            raise SearchError("give exactly one of --image, --text or --queries")
+        batch = read_queries(queries) if queries else [Query("query", image, text)]
+        searcher = Searcher(store, alias, model, version, device)
+        results = searcher.search(batch, k)
+    except _user_errors() as exc:
+        _fail(exc)
+    card = searcher.card
+    if as_json:
+        payload = [{"query_id": q.query_id, "hits": [asdict(h) for h in hits]} for q, hits in zip(batch, results)]
+        typer.echo(json.dumps({"model_id": card["model_id"], "version": card["version"], "results": payload},
+                              indent=2))
+        return
+    from tasks.index_card import served_parameters
+
+    typer.echo(f"index model={card['slug']} v{card['version']:04d} ({card['factory']}, {served_parameters(card)})")
+    for query, hits in zip(batch, results):
+        typer.echo(f"\n{query.query_id}: {query.image or query.text}")
+        for hit in hits:
+            typer.echo(f"  {hit.rank:>3}  {hit.score:.4f}  {hit.item_id}")
+
+
 @app.command()
 def demo(
     workdir: str = typer.Option("demo", help="Where to put the demo catalogue and store"),
     per_class: int = typer.Option(60, help="Fashion-MNIST images per class (10 classes)"),
 ) -> None:
-    """Build a demo catalogue of real offline images, ingest it, then show the store's status."""
+    """Build a demo catalogue of real offline images, run the nightly job on it, search it once."""
     from imgest.demo import build_demo_catalogue
 
     catalogue = os.path.join(workdir, "catalogue")
+    store_dir = os.path.join(workdir, "store")
     if not os.path.exists(catalogue):
         counts = build_demo_catalogue(catalogue, fashion_per_class=per_class)
         typer.echo(f"demo catalogue written to {catalogue}: {counts}")
-    ingest(catalogue=catalogue, store=os.path.join(workdir, "store"), model="efficientnet-lite0",
-           batch_size="auto", device="auto", shard_size=2000, decode_workers=2, max_pixels=100_000_000,
-           as_json=False)
-    status(store=os.path.join(workdir, "store"), as_json=False)
+    nightly(catalogue=catalogue, store=store_dir, model="efficientnet-lite0", batch_size="auto", device="auto",
+            kind="auto", memory="4G", target_recall=0.95)
+    status(store=store_dir, as_json=False)
+    query = os.path.join(catalogue, "photos", "chelsea.jpg")
+    typer.echo(f"\n$ imgest search --store {store_dir} --image {query} --k 5")
+    search_cmd(store=store_dir, image=query, text=None, queries=None, k=5, alias="serving", model=None,
+               version=None, device="auto", as_json=False)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -7,11 +7,11 @@ import os
 import socket
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from imgest.storage import Location
 
-LOCK_KEY = "locks/ingest.lock"
+LOCK_KEY = "locks/writer.lock"
 
 
 class StoreLockedError(RuntimeError):
@@ -49,7 +49,7 @@ class StoreLock:
         return time.time() - float(holder.get("heartbeat", 0)) > self.ttl
 
     def acquire(self) -> None:
-        self._started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self._started = datetime.now(UTC).isoformat(timespec="seconds")
         for _ in range(3):
             if self.store.create_exclusive(LOCK_KEY, self._payload()):
                 self._thread = threading.Thread(target=self._beat, name="imgest-lock-heartbeat", daemon=True)
@@ -62,8 +62,8 @@ class StoreLock:
             if not self._is_stale(holder):
                 raise StoreLockedError(
                     f"store {self.store.url} is locked by run {holder.get('owner')} (host {holder.get('host')}, "
-                    f"pid {holder.get('pid')}, started {holder.get('started')}): another ingest is running; "
-                    "wait for it to finish"
+                    f"pid {holder.get('pid')}, started {holder.get('started')}): another ingest or index build "
+                    "is running; wait for it to finish"
                 )
             self.broke = holder
             self.store.delete(LOCK_KEY)
@@ -87,7 +87,7 @@ class StoreLock:
         if holder.get("owner") == self.owner:
             self.store.delete(LOCK_KEY)
 
-    def __enter__(self) -> "StoreLock":
+    def __enter__(self) -> StoreLock:
         self.acquire()
         return self
 

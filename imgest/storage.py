@@ -7,8 +7,9 @@ import json
 import os
 import re
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import fsspec
 import pyarrow as pa
@@ -89,7 +90,7 @@ class Location:
         path = self.path(key)
         return path if self.is_local else self.fs.unstrip_protocol(path)
 
-    def child(self, key: str) -> "Location":
+    def child(self, key: str) -> Location:
         clone = object.__new__(Location)
         clone.fs, clone.is_local = self.fs, self.is_local
         clone.root = self.path(key)
@@ -209,18 +210,41 @@ def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
 def open_location(url: str, *, must_exist: bool = False, what: str = "location") -> Location:
     """Open ``url`` and, when asked, check it is reachable, turning client errors into one clear line."""
     loc = Location(url)
-    if must_exist:
+    if not must_exist:
+        return loc
+
+    def probe(path: str) -> bool:
         try:
-            found = loc.fs.exists(loc.root)
+            return loc.fs.exists(path)
         except Exception as exc:  # botocore/aiohttp errors vary; the point is one readable line
             raise StorageError(f"{what} {redact(loc.url)} is unreachable: {type(exc).__name__}: {redact(exc)}") from exc
-        if not found and not loc.is_local:
-            # An S3 prefix "exists" only when it has objects; the bucket must exist.
-            bucket = loc.root.split("/", 1)[0]
-            try:
-                found = loc.fs.exists(bucket)
-            except Exception as exc:
-                raise StorageError(f"{what} {redact(loc.url)} is unreachable: {type(exc).__name__}: {redact(exc)}") from exc
-        if not found:
-            raise StorageError(f"{what} {redact(loc.url)} does not exist")
+
+    # An S3 prefix "exists" only once it holds objects: an empty prefix in an existing bucket is fine.
+    if not (probe(loc.root) or (not loc.is_local and probe(loc.root.split("/", 1)[0]))):
+        raise StorageError(f"{what} {redact(loc.url)} does not exist")
     return loc
+
+
+def read_url(url: str) -> bytes:
+    """Bytes of one object named by a full URL or path (a query image, a queries file)."""
+    url = _normalise(url)
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        return fs.cat_file(path)
+    except FileNotFoundError as exc:
+        raise StorageError(f"{redact(url)} does not exist") from exc
+    except (ImportError, ValueError) as exc:
+        raise StorageError(f"cannot open {redact(url)}: {exc}") from exc
+
+
+def local_copy(loc: Location, key: str, cache_dir: str, name: str) -> str:
+    """A local file path for ``key``: the file itself on a disk, else a download cached under ``name``."""
+    if loc.is_local:
+        return loc.path(key)
+    os.makedirs(cache_dir, exist_ok=True)
+    target = os.path.join(cache_dir, name)
+    if not os.path.exists(target):
+        tmp = f"{target}.{uuid.uuid4().hex}.part"
+        loc.fs.get_file(loc.path(key), tmp)
+        os.replace(tmp, target)
+    return target

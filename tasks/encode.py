@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import numpy as np
 from prefect import task

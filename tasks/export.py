@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from imgest.lock import LOCK_KEY
 from imgest.storage import Location, open_location
-from tasks.state import DELETED, LIVE, REJECTED, latest_snapshot_seq, list_models, load_state, shard_key
+from tasks.live import iter_live_tables
+from tasks.state import DELETED, LIVE, REJECTED, latest_snapshot_seq, list_models, load_state
 
 
 class ModelNotFoundError(LookupError):
@@ -77,24 +75,16 @@ def export_live(store_url: str, model: str, out: str) -> dict:
     store = open_location(store_url, must_exist=True, what="store")
     card = find_model(store, model)
     state = load_state(store, card["slug"])
-    by_shard: dict[str, set[str]] = defaultdict(set)
-    for item in state.items.values():
-        if item.status == LIVE:
-            by_shard[item.shard].add(item.item_id)
     target = Location(out)
-    rows, schema = 0, None
+    rows = 0
     with target.open_output("") as fh:
         writer = None
-        for shard in sorted(by_shard):
-            table = store.read_table(shard_key(card["slug"], shard))
-            keep = pa.array(sorted(by_shard[shard]))
-            table = table.filter(pc.is_in(table["item_id"], value_set=keep))
+        for table in iter_live_tables(store, state):
             if writer is None:
-                schema = table.schema
-                writer = pq.ParquetWriter(fh, schema, compression="zstd")
-            writer.write_table(table.cast(schema))
+                writer = pq.ParquetWriter(fh, table.schema, compression="zstd")
+            writer.write_table(table.cast(writer.schema))
             rows += table.num_rows
-        if writer is None:
+        if writer is None:  # an empty export still has the right columns
             writer = pq.ParquetWriter(fh, _empty_schema(card), compression="zstd")
         writer.close()
     return {"model_id": card["model_id"], "slug": card["slug"], "rows": rows, "out": target.url}

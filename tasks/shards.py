@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import pyarrow as pa
@@ -96,7 +96,7 @@ class ShardWriter:
 
     def _table(self) -> pa.Table:
         vectors = np.concatenate(self._vectors) if self._vectors else np.zeros((0, self.spec.dim), np.float32)
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         n = len(self._rows)
         schema = shard_schema(self.spec)
         columns = {name: [r[name] for r in self._rows] for name in ("item_id", "uri", "content_hash", "etag",

@@ -14,9 +14,9 @@ import dataclasses
 import json
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Iterable
+from datetime import UTC, datetime
 
 import pyarrow as pa
 from prefect import task
@@ -77,12 +77,12 @@ def snapshot_key(slug: str, seq: int) -> str:
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def new_run_id(seq: int) -> str:
     """Sortable: snapshot sequence first, so a rerun after a crash sorts after the crashed run."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     return f"r{seq:08d}-{stamp}-{secrets.token_hex(3)}"
 
 

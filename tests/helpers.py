@@ -89,8 +89,17 @@ def make_tiny_hf_model(kind: str, folder: str) -> str:
     """Random-weight CLIP/SigLIP/DINOv2 with a word-level tokenizer, saved as a transformers folder."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (CLIPConfig, CLIPImageProcessor, CLIPModel, Dinov2Config, Dinov2Model,
-                              PreTrainedTokenizerFast, SiglipConfig, SiglipImageProcessor, SiglipModel)
+    from transformers import (
+        CLIPConfig,
+        CLIPImageProcessor,
+        CLIPModel,
+        Dinov2Config,
+        Dinov2Model,
+        PreTrainedTokenizerFast,
+        SiglipConfig,
+        SiglipImageProcessor,
+        SiglipModel,
+    )
 
     torch.manual_seed(0)
     vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

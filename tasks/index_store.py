@@ -1,0 +1,165 @@
+"""Index versions (immutable folders with a card written last) and aliases (atomic, with history).
+
+  indexes/model=<slug>/v<NNNN>/index.faiss   the faiss file
+  indexes/model=<slug>/v<NNNN>/ids.parquet   faiss id -> item_id, uri, content_hash
+  indexes/model=<slug>/v<NNNN>/card.json     what made it, what it serves; its presence means complete
+  aliases/<name>.json                        {slug, version, model_id, ...} plus the history of moves
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from imgest.storage import Location, local_copy
+from tasks.state import now_iso
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "imgest", "indexes")
+ALIAS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+
+
+class IndexIntegrityError(RuntimeError):
+    """An index file does not match the checksum its card records; it is never served."""
+
+
+class IndexNotFoundError(LookupError):
+    """No such alias, model index or version; the message lists what exists."""
+
+
+def index_prefix(slug: str) -> str:
+    return f"indexes/model={slug}"
+
+
+def version_prefix(slug: str, version: int) -> str:
+    return f"{index_prefix(slug)}/v{version:04d}"
+
+
+def _version_numbers(store: Location, slug: str) -> list[int]:
+    return sorted(int(n[1:]) for n in store.list_names(index_prefix(slug)) if re.fullmatch(r"v\d{4,}", n))
+
+
+def list_versions(store: Location, slug: str) -> list[int]:
+    """Complete versions only: a folder without its card is a build that did not finish."""
+    return [v for v in _version_numbers(store, slug) if store.exists(f"{version_prefix(slug, v)}/card.json")]
+
+
+def write_version(store: Location, slug: str, index_bytes: bytes, ids: pa.Table, card: dict) -> dict:
+    """Write index and id map, then the card with their checksums; returns the card. Never overwrites."""
+    version = max(_version_numbers(store, slug), default=0) + 1
+    prefix = version_prefix(slug, version)
+    store.write_bytes(f"{prefix}/index.faiss", index_bytes)
+    ids_bytes = store.write_table(f"{prefix}/ids.parquet", ids)
+    card = {
+        **card,
+        "version": version,
+        "index_file": f"{prefix}/index.faiss",
+        "ids_file": f"{prefix}/ids.parquet",
+        "sha256": hashlib.sha256(index_bytes).hexdigest(),
+        "ids_sha256": hashlib.sha256(ids_bytes).hexdigest(),
+        "bytes_on_disk": len(index_bytes),
+        "created": now_iso(),
+    }
+    if not store.create_exclusive(f"{prefix}/card.json", json.dumps(card, indent=2, sort_keys=True).encode()):
+        raise RuntimeError(f"index version {prefix} already has a card; versions are immutable")
+    return card
+
+
+def read_card(store: Location, slug: str, version: int) -> dict:
+    key = f"{version_prefix(slug, version)}/card.json"
+    if not store.exists(key):
+        have = ", ".join(f"v{v:04d}" for v in list_versions(store, slug)) or "none"
+        raise IndexNotFoundError(f"no index version {version} for model={slug}; complete versions: {have}")
+    return store.read_json(key)
+
+
+# -- aliases ---------------------------------------------------------------------------------------
+def alias_key(name: str) -> str:
+    if not ALIAS_NAME.match(name):
+        raise ValueError(f"alias names are lowercase letters, digits, '-' and '_' (start with a letter); got {name!r}")
+    return f"aliases/{name}.json"
+
+
+def read_alias(store: Location, name: str) -> dict | None:
+    key = alias_key(name)
+    return store.read_json(key) if store.exists(key) else None
+
+
+def list_aliases(store: Location) -> dict[str, dict]:
+    names = [n[:-5] for n in store.list_names("aliases") if n.endswith(".json")]
+    return {n: store.read_json(f"aliases/{n}.json") for n in names}
+
+
+def set_alias(store: Location, name: str, card: dict, reason: str) -> dict:
+    """Point ``name`` at a complete version in one atomic write; the previous target joins the history."""
+    current = read_alias(store, name)
+    history = []
+    if current:
+        history = current.pop("history", [])[-49:] + [current]
+    entry = {"alias": name, "slug": card["slug"], "model_id": card["model_id"], "version": card["version"],
+             "sha256": card["sha256"], "updated": now_iso(), "reason": reason, "history": history}
+    store.write_json(alias_key(name), entry)
+    return entry
+
+
+# -- opening ---------------------------------------------------------------------------------------
+@dataclass
+class OpenIndex:
+    card: dict
+    index: object  # faiss.Index with the served search parameter set
+    item_ids: list[str]
+    uris: list[str]
+
+    def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.index.search(np.ascontiguousarray(vectors, np.float32), k)
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def resolve_target(store: Location, alias: str | None, slug: str | None, version: int | None) -> tuple[str, int]:
+    if slug is None:
+        entry = read_alias(store, alias or "serving")
+        if entry is None:
+            have = ", ".join(sorted(list_aliases(store))) or "none"
+            raise IndexNotFoundError(f"no alias {alias or 'serving'!r} in {store.url}; aliases: {have}")
+        return entry["slug"], int(entry["version"])
+    if version is None:
+        versions = list_versions(store, slug)
+        if not versions:
+            raise IndexNotFoundError(f"model={slug} has no complete index in {store.url}; run build-index")
+        version = versions[-1]
+    return slug, int(version)
+
+
+def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAULT_CACHE) -> OpenIndex:
+    """Verify the checksum, then read (IVF indexes memory-mapped) and set the served parameter."""
+    import faiss
+
+    from tasks.index_build import set_param
+
+    card = read_card(store, slug, version)
+    path = local_copy(store, card["index_file"], cache_dir, f"{card['sha256']}.faiss")
+    actual = _file_sha256(path)
+    if actual != card["sha256"]:
+        raise IndexIntegrityError(f"{card['index_file']} has sha256 {actual[:16]}..., its card says "
+                                  f"{card['sha256'][:16]}...: refusing to serve a corrupted index")
+    flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if card["kind"] in ("ivfsq8", "ivfpq") else 0
+    index = faiss.read_index(path, flags)
+    set_param(index, card["search"]["param"], card["search"]["value"])
+    ids_bytes = store.read_bytes(card["ids_file"])
+    if hashlib.sha256(ids_bytes).hexdigest() != card["ids_sha256"]:
+        raise IndexIntegrityError(f"{card['ids_file']} does not match the checksum in its card: refusing to serve")
+    ids = pq.read_table(pa.BufferReader(ids_bytes))
+    return OpenIndex(card, index, ids["item_id"].to_pylist(), ids["uri"].to_pylist())

@@ -1,0 +1,124 @@
+"""Search an index by image or text, with exactly the model that built it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from imgest import encoders
+from imgest.encoders import EncoderError
+from imgest.storage import open_location, read_url
+from tasks.decode import decode_image
+from tasks.export import find_model
+from tasks.index_store import OpenIndex, open_index, resolve_target
+
+
+class SearchError(ValueError):
+    """A query cannot be answered correctly (wrong model, no text tower, bad query); never a wrong answer."""
+
+
+@dataclass
+class Hit:
+    rank: int
+    item_id: str
+    uri: str
+    score: float
+
+
+@dataclass
+class Query:
+    query_id: str
+    image: str | None = None
+    text: str | None = None
+
+
+def read_queries(url: str) -> list[Query]:
+    """JSONL: one object per line with ``query_id`` and either ``image`` (path or URL) or ``text``."""
+    queries = []
+    for number, line in enumerate(read_url(url).decode().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SearchError(f"{url} line {number}: not JSON ({exc})") from exc
+        if "query_id" not in obj or ("image" in obj) == ("text" in obj):
+            raise SearchError(f"{url} line {number}: needs query_id and exactly one of image or text; got "
+                              f"keys {sorted(obj)}")
+        queries.append(Query(str(obj["query_id"]), obj.get("image"), obj.get("text")))
+    return queries
+
+
+class Searcher:
+    """An opened index plus its encoder; load once, answer many queries."""
+
+    def __init__(self, store_url: str, alias: str | None = "serving", model: str | None = None,
+                 version: int | None = None, device: str = "auto"):
+        self.store = open_location(store_url, must_exist=True, what="store")
+        slug = find_model(self.store, model)["slug"] if model else None
+        slug, version = resolve_target(self.store, None if slug else alias, slug, version)
+        self.opened: OpenIndex = open_index(self.store, slug, version)
+        card = self.opened.card
+        spec = encoders.resolve(card["model_name"])
+        if spec.model_id != card["model_id"]:
+            raise SearchError(f"index v{version} of model={slug} was built by {card['model_id']}, but "
+                              f"{card['model_name']} here is {spec.model_id}: queries would be embedded by a "
+                              "different model; rebuild the index or restore those weights")
+        self.spec, self.device = spec, device
+        self._encoder = None
+
+    @property
+    def card(self) -> dict:
+        return self.opened.card
+
+    def encoder(self):
+        if self._encoder is None:
+            self._encoder = encoders.load(self.spec, self.device)
+        return self._encoder
+
+    def embed(self, queries: list[Query]) -> np.ndarray:
+        encoder = self.encoder()
+        texts = [q.text for q in queries if q.text is not None]
+        if texts and "text" not in self.spec.modalities:
+            raise SearchError(f"{self.spec.name} has no text tower: text queries are refused (image queries work)")
+        vectors = np.zeros((len(queries), self.spec.dim), np.float32)
+        image_rows = [i for i, q in enumerate(queries) if q.image is not None]
+        if image_rows:
+            pixels = [encoder.preprocess(decode_image(read_url(queries[i].image))) for i in image_rows]
+            vectors[image_rows] = encoder.encode_images(np.stack(pixels))
+        text_rows = [i for i, q in enumerate(queries) if q.text is not None]
+        if text_rows:
+            try:
+                vectors[text_rows] = encoder.encode_texts([queries[i].text for i in text_rows])
+            except EncoderError as exc:
+                raise SearchError(str(exc)) from exc
+        return vectors
+
+    def search_vectors(self, vectors: np.ndarray, k: int = 10) -> list[list[Hit]]:
+        if vectors.ndim != 2 or vectors.shape[1] != self.spec.dim:
+            raise SearchError(f"query vectors have shape {vectors.shape}; this index takes (n, {self.spec.dim})")
+        scores, ids = self.opened.search(vectors, k)
+        return [[Hit(rank + 1, self.opened.item_ids[i], self.opened.uris[i], float(s))
+                 for rank, (s, i) in enumerate(zip(srow, irow)) if i >= 0] for srow, irow in zip(scores, ids)]
+
+    def search(self, queries: list[Query], k: int = 10) -> list[list[Hit]]:
+        return self.search_vectors(self.embed(queries), k)
+
+
+def search(store_url: str, *, image: str | None = None, text: str | None = None, k: int = 10,
+           alias: str | None = "serving", model: str | None = None, version: int | None = None,
+           device: str = "auto") -> list[Hit]:
+    """One query by image (path or URL) or by text; the Python mirror of ``imgest search``."""
+    if (image is None) == (text is None):
+        raise SearchError("give exactly one of image or text")
+    searcher = Searcher(store_url, alias, model, version, device)
+    return searcher.search([Query("q", image, text)], k)[0]
+
+
+def hits_as_dicts(hits: list[Hit]) -> list[dict]:
+    return [asdict(h) for h in hits]
+
+
+__all__ = ["Hit", "Query", "SearchError", "Searcher", "hits_as_dicts", "read_queries", "search"]
