@@ -1,0 +1,170 @@
+"""Index builds end to end: card, versions, aliases seen atomically, corruption refused, search."""
+
+import hashlib
+import json
+import shutil
+import threading
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from flows.build_index import build_index
+from flows.ingest import ingest
+from flows.nightly import nightly
+from imgest.cli import app
+from imgest.demo import PHOTOS, photo
+from imgest.storage import Location
+from tasks.index_store import IndexIntegrityError, open_index, read_alias, set_alias
+from tasks.search import Query, Searcher, SearchError, search
+from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+def photo_catalogue(root):
+    files = {}
+    for name in PHOTOS:
+        image = photo(name).convert("RGB")
+        files[f"photos/{name}.jpg"] = jpeg_bytes(image, quality=90)
+    files.update({f"synthetic/{i:03d}.png": png_bytes(gradient(i)) for i in range(12)})
+    write_files(str(root), files)
+    return files
+
+
+@pytest.fixture(scope="module")
+def lite0_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("indexed")
+    cat, store = root / "catalogue", root / "store"
+    files = photo_catalogue(cat)
+    result = nightly(catalogue=str(cat), store=str(store), batch_size="4")
+    return {"root": root, "catalogue": cat, "store": store, "files": files, "result": result}
+
+
+def test_nightly_builds_a_verified_version_and_moves_serving(lite0_store):
+    result, store = lite0_store["result"], lite0_store["store"]
+    card = result["index"]["card"]
+    n = len(lite0_store["files"])
+    assert result["ingest"]["encoded"] == n and card["n"] == n and card["d"] == 1280
+    assert card["version"] == 1 and card["factory"] == "Flat" and card["recall"]["met"]
+    for key in ("model_id", "factory", "search", "n", "d", "bytes_on_disk", "bytes_per_vector_by_encoding", "times",
+                "recall", "latency_ms_per_query", "snapshot", "sha256", "created", "imgest_version"):
+        assert key in card, key
+    assert card["bytes_per_vector_by_encoding"]["fp32"] == 4 * 1280
+    index_file = store / card["index_file"]
+    assert hashlib.sha256(index_file.read_bytes()).hexdigest() == card["sha256"]
+    ids = pq.read_table(store / card["ids_file"])
+    assert ids.column("faiss_id").to_pylist() == list(range(n))
+    alias = read_alias(Location(str(store)), "serving")
+    assert (alias["slug"], alias["version"], alias["sha256"]) == (card["slug"], 1, card["sha256"])
+
+
+def test_catalogue_photo_finds_itself_first(lite0_store):
+    query = lite0_store["catalogue"] / "photos" / "chelsea.jpg"
+    hits = search(str(lite0_store["store"]), image=str(query), k=3)
+    assert hits[0].item_id == "photos/chelsea.jpg" and hits[0].score == pytest.approx(1.0, abs=1e-4)
+    assert [h.rank for h in hits] == [1, 2, 3]
+    # a crop of the photo (not in the catalogue) still finds it first
+    crop = lite0_store["root"] / "crop.jpg"
+    image = photo("astronaut")
+    image.crop((40, 40, 470, 470)).save(crop)
+    assert search(str(lite0_store["store"]), image=str(crop), k=1)[0].item_id == "photos/astronaut.jpg"
+
+
+def test_text_on_image_only_model_is_refused(lite0_store):
+    with pytest.raises(SearchError, match="no text tower"):
+        search(str(lite0_store["store"]), text="a cat")
+
+
+def test_batch_queries_file_through_cli(lite0_store):
+    queries = lite0_store["root"] / "queries.jsonl"
+    cat = lite0_store["catalogue"]
+    queries.write_text("\n".join(json.dumps({"query_id": n, "image": str(cat / "photos" / f"{n}.jpg")})
+                                 for n in ("coffee", "rocket")) + "\n")
+    result = CliRunner().invoke(app, ["search", "--store", str(lite0_store["store"]), "--queries", str(queries),
+                                      "--k", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert [r["hits"][0]["item_id"] for r in payload["results"]] == ["photos/coffee.jpg", "photos/rocket.jpg"]
+
+
+def test_alias_switch_is_seen_atomically_by_a_concurrent_reader(lite0_store, tmp_path):
+    store = Location(str(tmp_path))
+    cards = [{"slug": "m", "model_id": "m@1", "version": v, "sha256": f"{v:064d}"} for v in (1, 2)]
+    set_alias(store, "serving", cards[0], "first")
+    seen, errors, stop = set(), [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            try:
+                seen.add(read_alias(store, "serving")["version"])
+            except Exception as exc:  # a torn read would show up here
+                errors.append(exc)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for i in range(200):
+        set_alias(store, "serving", cards[i % 2], f"switch {i}")
+    stop.set()
+    thread.join()
+    assert not errors and seen == {1, 2}
+    history = read_alias(store, "serving")["history"]
+    assert len(history) == 50 and history[-1]["reason"] == "switch 198"
+
+
+def test_corrupted_index_is_refused(lite0_store, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(lite0_store["store"], store)
+    card = json.loads((store / "indexes").glob("*/v0001/card.json").__next__().read_text())
+    path = store / card["index_file"]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(IndexIntegrityError, match="refusing to serve a corrupted index"):
+        open_index(Location(str(store)), card["slug"], 1)
+    result = CliRunner().invoke(app, ["search", "--store", str(store), "--image",
+                                      str(lite0_store["catalogue"] / "photos" / "coffee.jpg")])
+    assert result.exit_code == 2 and "corrupted" in result.output
+
+
+def test_deleted_items_disappear_after_rebuild(lite0_store, tmp_path):
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    shutil.copytree(lite0_store["catalogue"], cat)
+    shutil.copytree(lite0_store["store"], store)
+    (cat / "photos" / "chelsea.jpg").unlink()
+    result = nightly(catalogue=str(cat), store=str(store), batch_size="4")
+    assert result["ingest"]["deleted"] == 1 and result["index"]["card"]["version"] == 2
+    hits = search(str(store), image=str(lite0_store["catalogue"] / "photos" / "chelsea.jpg"), k=50)
+    assert "photos/chelsea.jpg" not in {h.item_id for h in hits}
+    old = Searcher(str(store), model=result["index"]["card"]["slug"], version=1)  # versions are immutable
+    assert "photos/chelsea.jpg" in old.opened.item_ids
+
+
+def test_text_search_through_tiny_clip_and_model_mismatch(tmp_path, tiny_models):
+    clip = tmp_path / "clip"
+    shutil.copytree(tiny_models["clip"], clip)
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    write_files(str(cat), {f"{i:03d}.png": png_bytes(gradient(i)) for i in range(30)})
+    ingest(catalogue=str(cat), store=str(store), model=f"hf:{clip}", batch_size="8")
+    built = build_index(store=str(store), model=f"hf:{clip}", kind="hnsw")
+    assert built["card"]["factory"] == "HNSW32,Flat" and built["card"]["search"]["param"] == "efSearch"
+    searcher = Searcher(str(store))
+    hits = searcher.search([Query("t", text="a red shoe")], k=5)[0]
+    assert len(hits) == 5 and len({h.item_id for h in hits}) == 5
+    direct = searcher.encoder().encode_texts(["a red shoe"])
+    assert np.isclose(hits[0].score, float(searcher.search_vectors(direct, 1)[0][0].score), atol=1e-5)
+
+    # Change the weights behind the same name: queries would come from another model, so refuse.
+    import torch
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(clip)
+    with torch.no_grad():
+        model.text_projection.weight.mul_(-1)
+    model.save_pretrained(clip)
+    from imgest import encoders
+
+    encoders.resolve.cache_clear()
+    with pytest.raises(SearchError, match="was built by .* queries would be embedded by a different model"):
+        Searcher(str(store))
