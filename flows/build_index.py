@@ -28,7 +28,7 @@ from tasks.index_choice import choose_index
 @flow(name="build-index", validate_parameters=True)
 def build_index(store: str, model: str = DEFAULT_MODEL, kind: str = "auto", memory: str = "4G",
                 target_recall: float = 0.95, k: int = 10, queries: int = 1000,
-                alias: str | None = "serving") -> dict:
+                alias: str | None = "auto") -> dict:
     cfg = IndexConfig(store, model, kind, memory, target_recall, k, queries, alias)
     store_loc = open_location(cfg.store, must_exist=True, what="store")
     with StoreLock(store_loc, owner=f"build-index@{socket.gethostname()}:{os.getpid()}"):
@@ -41,7 +41,7 @@ def build_index(store: str, model: str = DEFAULT_MODEL, kind: str = "auto", memo
         tuned = tune_task(index, live.vectors, cfg.target_recall, cfg.k, cfg.queries)
         card = write_version_task(store_loc.url, index, live,
                                   make_card(card_model, live, choice, cfg.memory, times, tuned))
-        alias_entry = verify_and_alias_task(store_loc.url, card, cfg.alias)
+        moved = verify_and_alias_task(store_loc.url, card, cfg.alias)
     create_markdown_artifact(render_card(card), key="index-card",
                              description=f"index model={card['slug']} v{card['version']:04d}")
-    return {"built": True, "card": card, "alias": alias_entry}
+    return {"built": True, "card": card, "aliases": [a["alias"] for a in moved]}

@@ -66,7 +66,7 @@ class IndexConfig:
     target_recall: float = 0.95
     k: int = 10
     queries: int = 1000
-    alias: str | None = "serving"
+    alias: str | None = "auto"  # follow: move the aliases already on this model; create `serving` if none
 
     def __post_init__(self) -> None:
         from tasks.index_choice import KINDS, IndexChoiceError, parse_memory
@@ -82,7 +82,7 @@ class IndexConfig:
         for name in ("k", "queries"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1; got {getattr(self, name)!r}")
-        if self.alias is not None:
+        if self.alias not in (None, "auto"):
             from tasks.index_store import ALIAS_NAME
 
             if not ALIAS_NAME.match(self.alias):

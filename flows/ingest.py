@@ -6,7 +6,7 @@ import os
 import socket
 
 from prefect import flow, unmapped
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.config import IngestConfig
@@ -19,7 +19,7 @@ from tasks.decode import DEFAULT_MAX_PIXELS
 from tasks.encode import encode_shard_task
 from tasks.listing import list_catalogue_task
 from tasks.plan import plan_ingest_task
-from tasks.report import render_summary
+from tasks.report import progress_line, render_summary
 from tasks.state import new_run_id, prepare_state_task
 from tasks.tuning import choose_batch_size_task
 
@@ -47,7 +47,15 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
         futures = encode_shard_task.map(plan.shards, unmapped(spec), unmapped(device), unmapped(catalogue_url),
                                         unmapped(store_loc.url), unmapped(batch), unmapped(cfg.decode_workers),
                                         unmapped(cfg.max_pixels))
-        results = futures.result()
+        progress = None
+        if plan.shards:
+            progress = create_progress_artifact(0.0, key="ingest-progress",
+                                                description=f"{len(plan.shards)} shard(s) to encode")
+        results = []
+        for future in futures:  # in shard order, so progress moves as shards commit
+            results.append(future.result())
+            update_progress_artifact(progress, 100.0 * len(results) / len(plan.shards),
+                                     description=progress_line(results, plan))
         summary.batch_size, summary.batch_size_source, summary.device = batch, source, device
         summary.removed_orphans = orphans
         summary = commit_run_task(store_loc.url, state, plan, results, summary)

@@ -1,4 +1,4 @@
-"""The nightly job: ingest what changed, then build a fresh index for that model and move `serving`."""
+"""The nightly job: ingest what changed, then build fresh indexes; during a migration window, for both models."""
 
 from __future__ import annotations
 
@@ -7,14 +7,21 @@ from prefect import flow
 from flows.build_index import build_index
 from flows.ingest import ingest
 from imgest.encoders import DEFAULT_MODEL
+from imgest.storage import open_location
 from tasks.decode import DEFAULT_MAX_PIXELS
+from tasks.migration import check_window_model, nightly_models
 
 
 @flow(name="nightly", validate_parameters=True)
 def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: str = "auto", device: str = "auto",
             shard_size: int = 2000, decode_workers: int = 2, max_pixels: int = DEFAULT_MAX_PIXELS,
-            kind: str = "auto", memory: str = "4G", target_recall: float = 0.95, k: int = 10,
-            alias: str | None = "serving") -> dict:
-    summary = ingest(catalogue, store, model, batch_size, device, shard_size, decode_workers, max_pixels)
-    index = build_index(store, summary["slug"], kind, memory, target_recall, k, alias=alias)
-    return {"ingest": summary, "index": index}
+            kind: str = "auto", memory: str = "4G", target_recall: float = 0.95, k: int = 10) -> dict:
+    store_loc = open_location(store)
+    runs = []
+    for name, expected_slug in nightly_models(store_loc, model):
+        summary = ingest(catalogue, store, name, batch_size, device, shard_size, decode_workers, max_pixels)
+        check_window_model(expected_slug, summary)
+        # alias "auto": each rebuilt index moves the aliases already on its model (serving, shadow, previous)
+        index = build_index(store, summary["slug"], kind, memory, target_recall, k, alias="auto")
+        runs.append({"ingest": summary, "index": index})
+    return {**runs[0], "models": runs}

@@ -34,10 +34,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from tasks.export import ModelNotFoundError
     from tasks.index_choice import IndexChoiceError
     from tasks.index_store import IndexIntegrityError, IndexNotFoundError
+    from tasks.migration import MigrationError
     from tasks.search import SearchError
 
     return (ConfigError, EncoderError, StoreLockedError, StorageError, ModelNotFoundError, FileNotFoundError,
-            IndexChoiceError, IndexIntegrityError, IndexNotFoundError, SearchError)
+            IndexChoiceError, IndexIntegrityError, IndexNotFoundError, SearchError, MigrationError)
 
 
 @app.command()
@@ -135,7 +136,8 @@ def build_index_cmd(
     target_recall: float = typer.Option(0.95, help="recall@k against exact search the served parameters must meet"),
     k: int = typer.Option(10, help="k of the recall target"),
     queries: int = typer.Option(1000, help="Held-out corpus queries used to measure recall"),
-    alias: str = typer.Option("serving", help="Alias to move once the version is verified ('' for none)"),
+    alias: str = typer.Option("auto", help="Alias to move once verified: 'auto' moves the aliases already on "
+                              "this model (creating `serving` if the store has none); a name; '' for none"),
     as_json: bool = typer.Option(False, "--json", help="Print the index card as JSON"),
 ) -> None:
     """Build a new immutable index version from the live embeddings and move an alias to it."""
@@ -208,6 +210,8 @@ def search_cmd(
     model: Optional[str] = typer.Option(None, help="Search this model's index instead of an alias"),
     version: Optional[int] = typer.Option(None, help="With --model: this version (default: latest)"),
     device: str = typer.Option("auto", help="Where to embed the queries"),
+    fuse: Optional[str] = typer.Option(None, help="'rrf': reciprocal rank fusion of serving and shadow"),
+    rrf_k: int = typer.Option(60, help="k of reciprocal rank fusion"),
     as_json: bool = typer.Option(False, "--json", help="JSON output"),
 ) -> None:
     """Search by image, by text, or a batch of queries, with the model that built the index."""
@@ -220,11 +224,19 @@ def search_cmd(
         if len(given) != 1:
             raise SearchError("give exactly one of --image, --text or --queries")
         batch = read_queries(queries) if queries else [Query("query", image, text)]
-        searcher = Searcher(store, alias, model, version, device)
-        results = searcher.search(batch, k)
+        if fuse is not None:
+            if fuse != "rrf":
+                raise SearchError(f"unknown fusion {fuse!r}; allowed: rrf")
+            from tasks.search import fused_search
+
+            results = fused_search(store, batch, k, ("serving", "shadow"), rrf_k, device)
+            card = {"model_id": "rrf(serving, shadow)", "version": None}
+        else:
+            searcher = Searcher(store, alias, model, version, device)
+            results = searcher.search(batch, k)
+            card = searcher.card
     except _user_errors() as exc:
         _fail(exc)
-    card = searcher.card
     if as_json:
         payload = [{"query_id": q.query_id, "hits": [asdict(h) for h in hits]} for q, hits in zip(batch, results)]
         typer.echo(json.dumps({"model_id": card["model_id"], "version": card["version"], "results": payload},
@@ -232,7 +244,11 @@ def search_cmd(
         return
     from tasks.index_card import served_parameters
 
-    typer.echo(f"index model={card['slug']} v{card['version']:04d} ({card['factory']}, {served_parameters(card)})")
+    if fuse is None:
+        typer.echo(f"index model={card['slug']} v{card['version']:04d} ({card['factory']}, "
+                   f"{served_parameters(card)})")
+    else:
+        typer.echo(f"reciprocal rank fusion (k={rrf_k}) of serving and shadow")
     for query, hits in zip(batch, results):
         typer.echo(f"\n{query.query_id}: {query.image or query.text}")
         for hit in hits:
@@ -258,7 +274,121 @@ def demo(
     query = os.path.join(catalogue, "photos", "chelsea.jpg")
     typer.echo(f"\n$ imgest search --store {store_dir} --image {query} --k 5")
     search_cmd(store=store_dir, image=query, text=None, queries=None, k=5, alias="serving", model=None,
-               version=None, device="auto", as_json=False)
+               version=None, device="auto", fuse=None, rrf_k=60, as_json=False)
+
+
+@app.command()
+def reencode(
+    catalogue: str = typer.Option(..., help="Folder or URL of the catalogue"),
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    model: str = typer.Option(..., help="The new model: efficientnet-lite0 or hf:<hub id or local folder>"),
+    batch_size: str = typer.Option("auto", help="'auto' or N"),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
+) -> None:
+    """Encode the whole catalogue with a new model into its own namespace (resumable; old data untouched)."""
+    try:
+        from flows.config import IngestConfig
+        from imgest import encoders
+        from imgest.storage import open_location
+
+        IngestConfig(catalogue, store, model, batch_size, device)
+        encoders.resolve(model)
+        open_location(catalogue, must_exist=True, what="catalogue")
+        from flows.reencode import reencode as reencode_flow
+        from tasks.report import render_reencode
+
+        summary = reencode_flow(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device)
+    except _user_errors() as exc:
+        _fail(exc)
+    typer.echo(render_reencode(summary))
+
+
+migrate_app = typer.Typer(help="Change the embedding model through a dual-index migration window.",
+                          no_args_is_help=True)
+app.add_typer(migrate_app, name="migrate")
+
+
+def _migrate(store: str, action: str, as_json: bool = False, **params) -> None:
+    try:
+        from imgest.storage import open_location
+
+        open_location(store, must_exist=True, what="store")
+        if action == "status":  # read-only: no Prefect run needed
+            from tasks.migration import window_status
+
+            result = window_status(open_location(store))
+        else:
+            from flows.migrate import migrate
+
+            result = migrate(store=store, action=action, **params)
+    except _user_errors() as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2, default=str))
+    elif "finished" in result:
+        typer.echo(f"window {result['finished']['window']['id']} finished; deleted now: "
+                   f"{result['finished']['deleted'] or 'nothing yet (retention, or an alias still points at it)'}")
+    else:
+        from tasks.report import render_window
+
+        typer.echo(render_window(result))
+
+
+@migrate_app.command("start")
+def migrate_start(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    to: str = typer.Option(..., help="The new model"),
+    catalogue: Optional[str] = typer.Option(None, help="Default: the serving model's last catalogue"),
+    batch_size: str = typer.Option("auto", help="'auto' or N"),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
+    kind: str = typer.Option("auto", help="Index kind for the new model"),
+    memory: str = typer.Option("4G", help="Memory budget for the new index"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Open (or resume) a window: re-encode with the new model, build its index, point `shadow` at it."""
+    _migrate(store, "start", as_json, to=to, catalogue=catalogue, batch_size=batch_size, device=device, kind=kind,
+             memory=memory)
+
+
+@migrate_app.command("status")
+def migrate_status(store: str = typer.Option(..., help="Folder or URL of the store"),
+                   as_json: bool = typer.Option(False, "--json")) -> None:
+    """Coverage, index currency, aliases, evaluation and storage of the open window."""
+    _migrate(store, "status", as_json)
+
+
+@migrate_app.command("promote")
+def migrate_promote(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    gate: Optional[str] = typer.Option(None, help="Evaluation JSON; refuse when shadow is worse than serving"),
+    margin: float = typer.Option(0.0, help="Allowed drop of the gated metric"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Swap `serving` to the new model (full coverage and a current, checksummed index required)."""
+    gate_obj = None
+    if gate:
+        from imgest.storage import read_url
+
+        try:
+            gate_obj = json.loads(read_url(gate))
+        except _user_errors() as exc:
+            _fail(exc)
+    _migrate(store, "promote", as_json, gate=gate_obj, margin=margin)
+
+
+@migrate_app.command("rollback")
+def migrate_rollback(store: str = typer.Option(..., help="Folder or URL of the store"),
+                     as_json: bool = typer.Option(False, "--json")) -> None:
+    """Swap `serving` back to the old model, any time before finish."""
+    _migrate(store, "rollback", as_json)
+
+
+@migrate_app.command("finish")
+def migrate_finish(store: str = typer.Option(..., help="Folder or URL of the store"),
+                   retain_days: float = typer.Option(7.0, help="Keep the retired model's data this long"),
+                   as_json: bool = typer.Option(False, "--json")) -> None:
+    """Close the window; the model no longer serving is deleted after the retention, never while aliased."""
+    _migrate(store, "finish", as_json, retain_days=retain_days)
 
 
 def main() -> None:  # pragma: no cover - console entry point

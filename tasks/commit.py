@@ -42,6 +42,8 @@ class RunSummary:
     encode_seconds: float = 0.0
     seconds: float = 0.0
     snapshot_seq: int = 0
+    projected_full_encode_hours: float = 0.0  # the whole listed catalogue at this run's images/s
+    gpu_hours: float = 0.0
     rejected_items: list[tuple[str, str]] = field(default_factory=list)
     removed_orphans: list[str] = field(default_factory=list)
 
@@ -77,6 +79,10 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
     summary.encode_seconds = round(sum(r.seconds for r in results), 3)
     if summary.encode_seconds:
         summary.images_per_second = round(summary.encoded / summary.encode_seconds, 2)
+    if summary.images_per_second:
+        summary.projected_full_encode_hours = round(summary.listed / summary.images_per_second / 3600, 3)
+    if summary.device.startswith("cuda"):
+        summary.gpu_hours = round(summary.encode_seconds / 3600, 4)
     if results or plan.deleted or resumed:
         counts = {k: v for k, v in summary.to_dict().items() if isinstance(v, int)}
         summary.snapshot_seq = write_snapshot(store, state, plan.run_id, counts)

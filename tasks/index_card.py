@@ -12,7 +12,7 @@ import imgest
 from imgest.storage import Location
 from tasks.index_build import BuildTimes, Tuned, build, tune_search
 from tasks.index_choice import HNSW_M, IndexChoice, parse_memory
-from tasks.index_store import open_index, set_alias, write_version
+from tasks.index_store import list_aliases, open_index, read_alias, set_alias, write_version
 from tasks.live import LiveVectors, load_live_vectors
 
 
@@ -108,16 +108,33 @@ def write_version_task(store_url: str, index, live: LiveVectors, card: dict) -> 
     return write_version(Location(store_url), card["slug"], data, ids_table(live), card)
 
 
+def aliases_to_move(store: Location, slug: str, alias: str | None) -> list[str]:
+    """'auto': every alias already on this model follows its rebuilds, and `serving` is created when
+    the store has none; a name: that alias too; None: no alias moves."""
+    if alias is None:
+        return []
+    names = set(follower_aliases(store, slug))
+    if alias == "auto":
+        if read_alias(store, "serving") is None:
+            names.add("serving")
+    else:
+        names.add(alias)
+    return sorted(names)
+
+
+def follower_aliases(store: Location, slug: str) -> list[str]:
+    return sorted(name for name, entry in list_aliases(store).items() if entry["slug"] == slug)
+
+
 @task(name="verify-and-alias", cache_policy=NO_CACHE)
-def verify_and_alias_task(store_url: str, card: dict, alias: str | None) -> dict | None:
+def verify_and_alias_task(store_url: str, card: dict, alias: str | None) -> list[dict]:
     """Re-open the written version (checksums, vector count) before any alias points at it."""
     store = Location(store_url)
     opened = open_index(store, card["slug"], card["version"])
     if opened.index.ntotal != card["n"] or len(opened.item_ids) != card["n"]:
         raise RuntimeError(f"index v{card['version']} holds {opened.index.ntotal} vectors, card says {card['n']}")
-    if alias:
-        return set_alias(store, alias, card, reason=f"nightly build v{card['version']:04d}")
-    return None
+    return [set_alias(store, name, card, reason=f"build v{card['version']:04d}")
+            for name in aliases_to_move(store, card["slug"], alias)]
 
 
 def served_parameters(card: dict) -> str:

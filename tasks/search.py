@@ -121,4 +121,22 @@ def hits_as_dicts(hits: list[Hit]) -> list[dict]:
     return [asdict(h) for h in hits]
 
 
-__all__ = ["Hit", "Query", "SearchError", "Searcher", "hits_as_dicts", "read_queries", "search"]
+
+
+def fused_search(store_url: str, queries: list[Query], k: int = 10, aliases: tuple[str, ...] = ("serving", "shadow"),
+                 rrf_k: int = 60, device: str = "auto") -> list[list[Hit]]:
+    """Reciprocal rank fusion of several aliases (e.g. serving and shadow during a migration window).
+
+    Each alias embeds the query with its own model, so vectors of two models are never compared; only
+    ranks are combined. Scores returned are RRF scores."""
+    from tasks.fusion import rrf
+
+    searchers = [Searcher(store_url, alias=a, device=device) for a in aliases]
+    depth = max(k, 100)
+    per_alias = [s.search(queries, depth) for s in searchers]
+    uris = {h.item_id: h.uri for results in per_alias for hits in results for h in hits}
+    fused = []
+    for q in range(len(queries)):
+        ranking = rrf([[h.item_id for h in results[q]] for results in per_alias], k=rrf_k)[:k]
+        fused.append([Hit(rank, item, uris[item], score) for rank, (item, score) in enumerate(ranking, 1)])
+    return fused

@@ -1,0 +1,252 @@
+"""The model-migration window: its state in the store, coverage, and the alias moves it allows.
+
+  migration/window.json          the open window (created exclusively: two cannot be open at once)
+  migration/history/<id>.json    closed windows
+  migration/retire/<slug>.json   a model whose data may be deleted after a date, once no alias needs it
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import secrets
+import socket
+from datetime import UTC, datetime, timedelta
+
+from imgest.storage import Location
+from tasks.export import find_model
+from tasks.index_store import (
+    IndexNotFoundError,
+    index_prefix,
+    list_aliases,
+    list_versions,
+    open_index,
+    read_alias,
+    read_card,
+    set_alias,
+)
+from tasks.state import LIVE, embeddings_prefix, latest_snapshot_seq, load_state, now_iso, state_prefix
+
+WINDOW_KEY = "migration/window.json"
+
+
+class MigrationError(RuntimeError):
+    """A migration step is not allowed now; the message says why and what would make it allowed."""
+
+
+def read_window(store: Location) -> dict | None:
+    return store.read_json(WINDOW_KEY) if store.exists(WINDOW_KEY) else None
+
+
+def _save(store: Location, window: dict) -> dict:
+    store.write_json(WINDOW_KEY, window)
+    return window
+
+
+def record(store: Location, window: dict, event: str, **details) -> dict:
+    window.setdefault("events", []).append({"at": now_iso(), "event": event, **details})
+    return _save(store, window)
+
+
+def open_window(store: Location, serving_slug: str, target: dict, catalogue: str | None) -> dict:
+    """Open a window from the serving model to ``target``; rerunning the same start resumes it."""
+    current = read_window(store)
+    if current is not None:
+        if current["to"]["slug"] == target["slug"]:
+            return current
+        raise MigrationError(f"a migration window is already open ({current['from']['name']} -> "
+                             f"{current['to']['name']}, since {current['opened_at']}); promote, roll back or "
+                             "finish it before opening another")
+    source = find_model(store, serving_slug)
+    if source["slug"] == target["slug"]:
+        raise MigrationError(f"{target['name']} is already the serving model; nothing to migrate to")
+    window = {
+        "id": f"w-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}",
+        "from": {k: source[k] for k in ("name", "slug", "model_id", "dim")},
+        "to": {k: target[k] for k in ("name", "slug", "model_id", "dim")},
+        "catalogue": catalogue,
+        "opened_by": f"{getpass.getuser()}@{socket.gethostname()}",
+        "opened_at": now_iso(),
+        "status": "open",
+        "events": [],
+    }
+    if not store.create_exclusive(WINDOW_KEY, json.dumps(window, indent=2).encode()):
+        return open_window(store, serving_slug, target, catalogue)  # another start won the race
+    return window
+
+
+def require_window(store: Location) -> dict:
+    window = read_window(store)
+    if window is None:
+        raise MigrationError(f"no migration window is open in {store.url}; start one with `imgest migrate start`")
+    return window
+
+
+def coverage(store: Location, window: dict) -> dict:
+    """Share of the old model's live items that the new model holds with the same content."""
+    old = {i.item_id: i.content_hash for i in load_state(store, window["from"]["slug"]).items.values()
+           if i.status == LIVE}
+    new = {i.item_id: i.content_hash for i in load_state(store, window["to"]["slug"]).items.values()
+           if i.status == LIVE}
+    covered = sum(1 for item, digest in old.items() if new.get(item) == digest)
+    missing = sorted(item for item, digest in old.items() if new.get(item) != digest)
+    return {"live": len(old), "covered": covered, "share": round(covered / len(old), 6) if old else 1.0,
+            "missing_examples": missing[:10]}
+
+
+def index_current(store: Location, slug: str) -> dict:
+    """The newest complete index version of a model, and whether it was built from the latest snapshot."""
+    versions = list_versions(store, slug)
+    if not versions:
+        return {"version": None, "current": False, "reason": "no complete index"}
+    card = read_card(store, slug, versions[-1])
+    snapshot = latest_snapshot_seq(store, slug)
+    current = card["snapshot"] == snapshot
+    return {"version": versions[-1], "snapshot": card["snapshot"], "latest_snapshot": snapshot, "current": current,
+            "recall": card["recall"], "reason": "" if current else f"built from snapshot {card['snapshot']}, "
+            f"latest is {snapshot}"}
+
+
+def storage_bytes(store: Location, slug: str) -> dict:
+    sizes = {}
+    for name, prefix in (("shards", embeddings_prefix(slug)), ("indexes", index_prefix(slug)),
+                         ("state", state_prefix(slug))):
+        sizes[name] = sum(obj.size for obj in store.walk(prefix))
+    sizes["total"] = sum(sizes.values())
+    return sizes
+
+
+def window_status(store: Location) -> dict:
+    window = read_window(store)
+    if window is None:
+        return {"open": False}
+    aliases = {name: {"slug": a["slug"], "version": a["version"]} for name, a in list_aliases(store).items()}
+    return {
+        "open": True,
+        "window": {k: v for k, v in window.items() if k != "events"},
+        "events": window.get("events", [])[-10:],
+        "coverage": coverage(store, window),
+        "index": {side: index_current(store, window[side]["slug"]) for side in ("from", "to")},
+        "aliases": aliases,
+        "evaluation": window.get("evaluation"),
+        "storage": {side: storage_bytes(store, window[side]["slug"]) for side in ("from", "to")},
+    }
+
+
+def _latest_card(store: Location, slug: str) -> dict:
+    versions = list_versions(store, slug)
+    if not versions:
+        raise MigrationError(f"model={slug} has no complete index")
+    return read_card(store, slug, versions[-1])
+
+
+def check_gate(gate: dict, margin: float) -> str | None:
+    """An evaluation result refuses promotion when the new model is worse than serving by > margin.
+
+    Reads ``{"metric": "recall@10", "a": {...}, "b": {...}}`` style files: ``serving`` is A, ``shadow`` is B;
+    or a flat ``{"serving": x, "shadow": y}``. Returns the refusal reason, or None.
+    """
+    metric = gate.get("metric", "recall@10")
+    if "serving" in gate and "shadow" in gate:
+        old, new = float(gate["serving"]), float(gate["shadow"])
+    else:
+        old, new = float(gate["a"][metric]), float(gate["b"][metric])
+    if new < old - margin:
+        return f"gate: shadow {metric} {new:.4f} is worse than serving {old:.4f} by more than the margin {margin}"
+    return None
+
+
+def promote(store: Location, gate: dict | None = None, margin: float = 0.0) -> dict:
+    """serving -> the new model's newest verified index; the old target is kept as `previous`."""
+    window = require_window(store)
+    if window["status"] == "promoted":
+        return window
+    cov = coverage(store, window)
+    if cov["share"] < 1.0:
+        raise MigrationError(f"refused: {window['to']['name']} covers {cov['covered']}/{cov['live']} live items "
+                             f"({cov['share']:.2%}); rerun `imgest migrate start` to finish the re-encode "
+                             f"(missing e.g. {cov['missing_examples'][:3]})")
+    state = index_current(store, window["to"]["slug"])
+    if not state["current"]:
+        raise MigrationError(f"refused: {window['to']['name']} has no current index ({state['reason']}); run "
+                             "`imgest migrate start` or the nightly build first")
+    if gate is not None and (reason := check_gate(gate, margin)):
+        raise MigrationError(f"refused by {reason}")
+    card = _latest_card(store, window["to"]["slug"])
+    open_index(store, card["slug"], card["version"])  # checksums verified before anything points at it
+    serving = read_alias(store, "serving")
+    if serving is not None:
+        set_alias(store, "previous", read_card(store, serving["slug"], serving["version"]), "migration promote")
+    set_alias(store, "serving", card, f"migration {window['id']} promote")
+    window["status"] = "promoted"
+    return record(store, window, "promoted", serving=f"{card['slug']} v{card['version']}")
+
+
+def rollback(store: Location) -> dict:
+    """serving -> the old model's newest verified index, at any time before finish."""
+    window = require_window(store)
+    card = _latest_card(store, window["from"]["slug"])
+    open_index(store, card["slug"], card["version"])
+    set_alias(store, "serving", card, f"migration {window['id']} rollback")
+    window["status"] = "rolled_back"
+    return record(store, window, "rolled_back", serving=f"{card['slug']} v{card['version']}")
+
+
+def finish(store: Location, retain_days: float = 7.0) -> dict:
+    """Close the window; the model not serving is scheduled for deletion after the retention."""
+    window = require_window(store)
+    serving = read_alias(store, "serving")
+    keep = serving["slug"] if serving else window["to"]["slug"]
+    drop = window["from"] if keep == window["to"]["slug"] else window["to"]
+    for name in ("previous", "shadow"):  # window-only aliases: rollback is no longer possible after finish
+        store.delete(f"aliases/{name}.json")
+    retire_at = (datetime.now(UTC) + timedelta(days=retain_days)).isoformat(timespec="seconds")
+    store.write_json(f"migration/retire/{drop['slug']}.json", {**drop, "retire_after": retire_at,
+                                                               "window": window["id"]})
+    window["status"], window["closed_at"], window["retired"] = "finished", now_iso(), drop
+    record(store, window, "finished", keep=keep, retire=drop["slug"], retire_after=retire_at)
+    store.write_json(f"migration/history/{window['id']}.json", window)
+    store.delete(WINDOW_KEY)
+    return {"window": window, "deleted": collect_retired(store)}
+
+
+def collect_retired(store: Location) -> list[str]:
+    """Delete retired models past their date, never while any alias points at them."""
+    deleted = []
+    pointed = {a["slug"] for a in list_aliases(store).values()}
+    for name in store.list_names("migration/retire"):
+        entry = store.read_json(f"migration/retire/{name}")
+        due = datetime.fromisoformat(entry["retire_after"]) <= datetime.now(UTC)
+        if not due or entry["slug"] in pointed:
+            continue
+        for prefix in (embeddings_prefix(entry["slug"]), index_prefix(entry["slug"]), state_prefix(entry["slug"])):
+            for obj in list(store.walk(prefix)):
+                store.delete(f"{prefix}/{obj.key}")
+        store.delete(f"migration/retire/{name}")
+        deleted.append(entry["slug"])
+    return deleted
+
+
+def aliases_for(store: Location, slug: str) -> list[str]:
+    """Aliases that follow a model's rebuilds: those pointing at it now."""
+    return sorted(name for name, a in list_aliases(store).items() if a["slug"] == slug)
+
+
+__all__ = ["IndexNotFoundError", "MigrationError", "aliases_for", "collect_retired", "coverage", "finish",
+           "open_window", "promote", "read_window", "record", "require_window", "rollback", "window_status"]
+
+
+def nightly_models(store: Location, model: str) -> list[tuple[str, str | None]]:
+    """(model name, expected slug) to ingest and index tonight: the window's two models while one is
+    open (deletions and changes must reach both), else just ``model``."""
+    window = read_window(store)
+    if window is None:
+        return [(model, None)]
+    return [(window["from"]["name"], window["from"]["slug"]), (window["to"]["name"], window["to"]["slug"])]
+
+
+def check_window_model(expected_slug: str | None, summary: dict) -> None:
+    if expected_slug is not None and summary["slug"] != expected_slug:
+        raise MigrationError(f"the weights behind {summary['model_id'].split('@')[0]} changed during the migration "
+                             f"window (now model={summary['slug']}, window has model={expected_slug}); restore them "
+                             "or roll back and finish the window")

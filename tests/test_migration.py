@@ -1,0 +1,170 @@
+"""Model change end to end: re-encode killed and resumed, the dual-index window with catalogue changes,
+promote/finish and promote/rollback, while a searcher runs throughout."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from flows.migrate import migrate
+from flows.nightly import nightly
+from imgest.cli import app
+from imgest.storage import Location
+from tasks.index_store import read_alias
+from tasks.migration import MigrationError, read_window, window_status
+from tasks.search import Query, Searcher, fused_search
+from tests.helpers import gradient, jpeg_bytes, write_files
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+class SearchLoop:
+    """Searches `serving` in a loop; records which model answered and any error."""
+
+    def __init__(self, store, query):
+        self.store, self.query = str(store), query
+        self.models, self.errors, self.stop = [], [], threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                searcher = Searcher(self.store)
+                hits = searcher.search([Query("q", image=self.query)], k=3)[0]
+                assert len(hits) == 3
+                self.models.append(searcher.card["model_id"])
+            except Exception as exc:  # noqa: BLE001 - any error breaks the invariant
+                self.errors.append(repr(exc))
+            time.sleep(0.05)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+def catalogue(root, n, size=(96, 96)):
+    write_files(str(root), {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, size)) for i in range(n)})
+
+
+KILL_START = """
+import sys
+from flows.migrate import migrate
+migrate(store=sys.argv[1], action="start", to=sys.argv[2], batch_size="1", shard_size=3)
+"""
+
+
+def test_promote_then_finish_with_kill_changes_and_searcher(tmp_path, tiny_models):
+    from prefect.settings import PREFECT_API_URL
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    catalogue(cat, 45, size=(320, 240))
+    old = f"hf:{tiny_models['clip']}"
+    base = nightly(catalogue=str(cat), store=str(store), model=old, batch_size="8")
+    old_id = base["ingest"]["model_id"]
+    query = str(cat / "p" / "001.jpg")
+
+    with pytest.raises(MigrationError, match="no migration window is open"):
+        migrate(store=str(store), action="promote")
+
+    with SearchLoop(store, query) as loop:
+        # Kill the start during its re-encode, then rerun the same command: it continues.
+        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": os.getcwd()}
+        proc = subprocess.Popen([sys.executable, "-c", KILL_START, str(store), "efficientnet-lite0"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 180
+        while time.time() < deadline and not [p for p in store.glob("state/model=efficientnet*/commits/*.json")]:
+            assert proc.poll() is None, "migrate start ended before the re-encode committed a shard"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        window = read_window(Location(str(store)))
+        assert window["status"] == "open" and window["events"][-1]["event"] == "reencode-started"
+        assert read_alias(Location(str(store)), "shadow") is None
+
+        with pytest.raises(MigrationError, match="already open"):
+            migrate(store=str(store), action="start", to=f"hf:{tiny_models['dinov2']}")
+
+        status = migrate(store=str(store), action="start", to="efficientnet-lite0", batch_size="4", shard_size=3)
+        assert status["window"]["id"] == window["id"], "the same window resumed"
+        assert status["coverage"]["share"] == 1.0 and status["index"]["to"]["current"]
+        assert status["aliases"]["serving"]["slug"] == base["ingest"]["slug"]
+        new_slug = status["window"]["to"]["slug"]
+        assert status["aliases"]["shadow"]["slug"] == new_slug
+        runs = [json.loads(p.read_text()) for p in (store / "runs").glob("*.json")]
+        new_runs = [r for r in runs if r["slug"] == new_slug]
+        assert sum(r["encoded"] for r in new_runs) == 45, "no image encoded twice across the kill"
+        assert max(r["resumed_shards"] for r in new_runs) >= 1
+
+        # Catalogue changes during the window reach both models.
+        write_files(str(cat), {"p/new.jpg": jpeg_bytes(gradient(999, (320, 240))),
+                               "p/002.jpg": jpeg_bytes(gradient(555, (320, 240)))})
+        os.remove(cat / "p" / "003.jpg")
+        night = nightly(catalogue=str(cat), store=str(store), model=old, batch_size="4")
+        assert [r["ingest"]["slug"] for r in night["models"]] == [base["ingest"]["slug"], new_slug]
+        for run in night["models"]:
+            assert (run["ingest"]["new"], run["ingest"]["changed"], run["ingest"]["deleted"]) == (1, 1, 1)
+            assert run["index"]["card"]["n"] == 45
+        store_loc = Location(str(store))
+        assert read_alias(store_loc, "serving")["version"] == 2 and read_alias(store_loc, "shadow")["version"] == 2
+
+        fused = fused_search(str(store), [Query("q", image=query)], k=5)[0]
+        assert len(fused) == 5 and "p/003.jpg" not in {h.item_id for h in fused}
+
+        gate = tmp_path / "eval.json"
+        gate.write_text(json.dumps({"metric": "recall@10", "serving": 0.9, "shadow": 0.7}))
+        refused = CliRunner().invoke(app, ["migrate", "promote", "--store", str(store), "--gate", str(gate),
+                                           "--margin", "0.05"])
+        assert refused.exit_code == 2 and "worse than serving" in refused.output
+
+        promoted = migrate(store=str(store), action="promote")
+        assert promoted["aliases"]["serving"]["slug"] == new_slug
+        assert promoted["aliases"]["previous"]["slug"] == base["ingest"]["slug"]
+
+        # Still in the window: the nightly keeps both current; serving follows the new model.
+        nightly(catalogue=str(cat), store=str(store), model=old, batch_size="4")
+        assert read_alias(store_loc, "serving")["slug"] == new_slug
+        finished = migrate(store=str(store), action="finish", retain_days=0)
+        assert base["ingest"]["slug"] in finished["finished"]["deleted"]
+    assert not loop.errors, loop.errors[:3]
+    assert set(loop.models) == {old_id, status["window"]["to"]["model_id"]}, "both models served, never another"
+    assert not (store / "embeddings" / f"model={base['ingest']['slug']}").exists()
+    assert read_alias(store_loc, "previous") is None and read_window(store_loc) is None
+    assert window_status(store_loc) == {"open": False}
+
+
+def test_promote_then_rollback_and_refusals(tmp_path, tiny_models):
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    catalogue(cat, 12)
+    old, new = f"hf:{tiny_models['clip']}", f"hf:{tiny_models['dinov2']}"
+    with pytest.raises(MigrationError, match="nothing is serving yet"):
+        (store / "x").mkdir(parents=True)
+        migrate(store=str(store), action="start", to=new)
+    base = nightly(catalogue=str(cat), store=str(store), model=old, batch_size="8")
+    unknown = CliRunner().invoke(app, ["migrate", "start", "--store", str(store), "--to", "resnet9000"])
+    assert unknown.exit_code == 2 and "unknown model 'resnet9000'" in unknown.output
+
+    start = migrate(store=str(store), action="start", to=new, batch_size="8")
+    new_slug = start["window"]["to"]["slug"]
+    query = str(cat / "p" / "004.jpg")
+    with SearchLoop(store, query) as loop:
+        migrate(store=str(store), action="promote")
+        time.sleep(0.5)
+        rolled = migrate(store=str(store), action="rollback")
+        time.sleep(0.5)
+    assert rolled["aliases"]["serving"]["slug"] == base["ingest"]["slug"]
+    assert not loop.errors, loop.errors[:3]
+    finished = migrate(store=str(store), action="finish", retain_days=0)
+    assert finished["finished"]["window"]["retired"]["slug"] == new_slug
+    assert new_slug in finished["finished"]["deleted"]
+    assert read_alias(Location(str(store)), "shadow") is None
+    assert read_alias(Location(str(store)), "serving")["slug"] == base["ingest"]["slug"]
