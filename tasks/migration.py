@@ -141,19 +141,35 @@ def _latest_card(store: Location, slug: str) -> dict:
 
 
 def check_gate(gate: dict, margin: float) -> str | None:
-    """An evaluation result refuses promotion when the new model is worse than serving by > margin.
+    """Refuse promotion when the new model is worse than serving by more than ``margin``.
 
-    Reads ``{"metric": "recall@10", "a": {...}, "b": {...}}`` style files: ``serving`` is A, ``shadow`` is B;
-    or a flat ``{"serving": x, "shadow": y}``. Returns the refusal reason, or None.
+    Reads the JSON of ``imgest eval --alias serving --compare shadow`` (A is serving, B is shadow; the
+    gated metric is its ``metric``, recall at the largest K), or ``{"serving": x, "shadow": y}``.
+    Returns the refusal reason, or None.
     """
     metric = gate.get("metric", "recall@10")
     if "serving" in gate and "shadow" in gate:
         old, new = float(gate["serving"]), float(gate["shadow"])
     else:
-        old, new = float(gate["a"][metric]), float(gate["b"][metric])
+        if gate["a"].get("alias") != "serving" or gate["b"].get("alias") != "shadow":
+            raise MigrationError("the gate file must compare --alias serving against --compare shadow")
+        old, new = float(gate["a"]["metrics"][metric]), float(gate["b"]["metrics"][metric])
     if new < old - margin:
         return f"gate: shadow {metric} {new:.4f} is worse than serving {old:.4f} by more than the margin {margin}"
     return None
+
+
+def record_evaluation(store: Location, report: dict) -> None:
+    """Keep the latest serving-vs-shadow evaluation in the open window (for status and the gate)."""
+    window = read_window(store)
+    if window is None or "b" not in report or {report["a"]["alias"], report["b"]["alias"]} != {"serving", "shadow"}:
+        return
+    metric = report["metric"]
+    window["evaluation"] = {"at": now_iso(), "metric": metric, "queries": report["queries"],
+                            report["a"]["alias"]: report["a"]["metrics"][metric],
+                            report["b"]["alias"]: report["b"]["metrics"][metric],
+                            "interval": {k: report["compare"]["bootstrap"][metric][k] for k in ("low", "high")}}
+    _save(store, window)
 
 
 def promote(store: Location, gate: dict | None = None, margin: float = 0.0) -> dict:

@@ -5,16 +5,17 @@ from __future__ import annotations
 import functools
 import threading
 
-from imgest.encoders import efficientnet, hf
+from imgest.encoders import efficientnet, hf, pixels
 from imgest.encoders.base import Encoder, EncoderError, EncoderSpec, device_key, resolve_device
 
 # family -> (resolve name -> spec, load spec on device -> encoder)
 REGISTRY = {
     efficientnet.NAME: (efficientnet.resolve, efficientnet.load),
     "hf": (hf.resolve, hf.load),
+    pixels.NAME: (pixels.resolve, pixels.load),
 }
 DEFAULT_MODEL = efficientnet.NAME
-KNOWN_NAMES = (efficientnet.NAME, "hf:<hub id or local folder> (CLIP, SigLIP, DINOv2)")
+KNOWN_NAMES = (efficientnet.NAME, "hf:<hub id or local folder> (CLIP, SigLIP, DINOv2)", pixels.NAME)
 
 
 def _family(name: str) -> str:

@@ -1,0 +1,88 @@
+"""The cost model of the serving model at N items: encode time, re-encode cost, query latency, storage."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from imgest import encoders
+from imgest.storage import Location
+from tasks.index_choice import HNSW_M, choose_index, parse_memory
+from tasks.index_store import read_alias, read_card
+from tasks.state import list_models
+from tasks.tuning import tune_batch_size
+
+
+def _latency_ms(fn, repeats: int = 5) -> float:
+    fn()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return round((time.perf_counter() - t0) * 1000 / repeats, 2)
+
+
+def storage_per_vector(d: int, pq_m: int = 64) -> dict[str, float]:
+    return {"fp32": 4 * d, "fp16": 2 * d, "int8": d, f"pq{pq_m}": pq_m, "hnsw32_graph": round(2 * HNSW_M * 4 * 1.1, 1)}
+
+
+def cost_report(store_url: str, corpus_size: int, gpu_hour_price: float | None = None,
+                node_memory: str = "64G", device: str = "auto", min_seconds: float = 1.0) -> dict:
+    store = Location(store_url)
+    serving = read_alias(store, "serving")
+    if serving is None:
+        raise LookupError(f"no serving alias in {store.url}: run `imgest nightly` first")
+    card = read_card(store, serving["slug"], serving["version"])
+    spec = encoders.resolve(card["model_name"])
+    encoder = encoders.load(spec, device)
+    tuning = tune_batch_size(encoder, min_seconds=min_seconds)
+    best = tuning.measured[tuning.batch_size]
+    hours = corpus_size / best / 3600
+    on_gpu = encoder.device.startswith("cuda")
+    image_ms = _latency_ms(lambda: encoder.encode_images(np.zeros((1, *encoder.input_shape), np.float32)))
+    text_ms = _latency_ms(lambda: encoder.encode_texts(["a red leather handbag"])) if "text" in spec.modalities \
+        else None
+    d = spec.dim
+    per_vector = storage_per_vector(d)
+    choice = choose_index(corpus_size, d, node_memory)
+    models = list_models(store)
+    dual = sum(4 * int(m["dim"]) for m in models) * corpus_size if len(models) > 1 else None
+    return {
+        "model_id": spec.model_id,
+        "device": encoder.device,
+        "corpus_size": corpus_size,
+        "encode_images_per_second": {str(b): r for b, r in sorted(tuning.measured.items())},
+        "best_batch": tuning.batch_size,
+        "projected_encode_hours": round(hours, 3),
+        "reencode_cost": {"hours": round(hours, 3), "device": "GPU" if on_gpu else "CPU",
+                          "price": round(hours * gpu_hour_price, 2) if gpu_hour_price and on_gpu else None,
+                          "gpu_hour_price": gpu_hour_price},
+        "query_encode_ms": {"image": image_ms, "text": text_ms},
+        "storage_bytes_per_vector": per_vector,
+        "storage_bytes": {k: int(v * corpus_size) for k, v in per_vector.items()},
+        "index": {"factory": choice.factory, "estimated_bytes": choice.estimated_bytes, "node_memory": node_memory,
+                  "fits": choice.estimated_bytes <= parse_memory(node_memory), "reason": choice.reason},
+        "dual_window_fp32_bytes": dual,
+        "models_in_store": [m["slug"] for m in models],
+        "measured_on": tuning.device_key,
+    }
+
+
+def render_cost(report: dict) -> str:
+    gib = 2 ** 30
+    lines = [f"## Cost of `{report['model_id']}` at {report['corpus_size']:,} items ({report['device']})", "",
+             "| batch | img/s |", "|---:|---:|"]
+    lines += [f"| {b} | {r} |" for b, r in report["encode_images_per_second"].items()]
+    rc = report["reencode_cost"]
+    price = f", {rc['price']} at {rc['gpu_hour_price']}/GPU-hour" if rc["price"] is not None else ""
+    lines += ["",
+              f"- full encode / re-encode per model change: **{report['projected_encode_hours']} "
+              f"{rc['device']}-hours** at batch {report['best_batch']}{price}",
+              f"- query encode: image {report['query_encode_ms']['image']} ms, text "
+              f"{report['query_encode_ms']['text'] if report['query_encode_ms']['text'] is not None else 'n/a'} ms",
+              "- storage: " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in report["storage_bytes"].items()),
+              f"- index: `{report['index']['factory']}` about {report['index']['estimated_bytes'] / gib:.2f} GiB; "
+              f"fits {report['index']['node_memory']}: {report['index']['fits']}"]
+    if report["dual_window_fp32_bytes"]:
+        lines.append(f"- migration window (both models at fp32): {report['dual_window_fp32_bytes'] / gib:.2f} GiB")
+    return "\n".join(lines) + "\n"

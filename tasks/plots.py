@@ -1,0 +1,50 @@
+"""PNG plots for reports: recall against the search parameter, and a bootstrap distribution."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on servers and workers
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _png(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def recall_sweep_png(card: dict) -> bytes:
+    """recall@k and latency against efSearch/nprobe, with the target and the served value marked."""
+    sweep = card["recall"]["sweep"]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    xs = [p["param"] if p["param"] is not None else 0 for p in sweep]
+    ax.plot(xs, [p["recall"] for p in sweep], "o-", label=f"recall@{card['recall']['k']}")
+    ax.axhline(card["recall"]["target"], color="grey", linestyle="--", label="target")
+    if card["search"]["value"] is not None:
+        ax.axvline(card["search"]["value"], color="tab:green", linestyle=":", label="served")
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(card["search"]["param"] or "exact")
+    ax.set_ylabel("recall vs exact")
+    ax.set_title(f"{card['factory']} v{card['version']:04d}, N={card['n']}")
+    ax.legend(loc="lower right")
+    return _png(fig)
+
+
+def bootstrap_png(boot: dict, metric: str, a: str, b: str) -> bytes:
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.hist(boot["samples"], bins=40, color="tab:blue", alpha=0.8)
+    for x, style in ((boot["low"], ":"), (boot["high"], ":"), (0.0, "-")):
+        ax.axvline(x, color="black", linestyle=style)
+    ax.set_xlabel(f"{metric}: {b} - {a}")
+    ax.set_ylabel("bootstrap resamples")
+    ax.set_title(f"{boot['confidence']:.0%} interval [{boot['low']:+.3f}, {boot['high']:+.3f}]")
+    return _png(fig)
+
+
+def markdown_image(png: bytes, alt: str) -> str:
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
