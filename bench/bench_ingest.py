@@ -26,10 +26,16 @@ sys.path.insert(0, ROOT)
 CHILD = """
 import json, resource, sys, time
 from flows.ingest import ingest
+from imgest import encoders
+from tasks.tuning import measure
 t0 = time.perf_counter()
 summary = ingest(catalogue=sys.argv[1], store=sys.argv[2], batch_size=sys.argv[3], device=sys.argv[4])
 summary["wall_seconds"] = round(time.perf_counter() - t0, 2)
 summary["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+if summary["encoded"]:
+    # the bare model in the same process, right after, at the same batch size: the fair comparison
+    encoder = encoders.load(encoders.resolve("efficientnet-lite0"), sys.argv[4])
+    summary["bare_images_per_second"] = round(measure(encoder, int(sys.argv[3]), min_seconds=20.0), 2)
 print("RESULT " + json.dumps(summary))
 """
 
@@ -67,7 +73,7 @@ def main() -> None:
     from threadpoolctl import threadpool_info
 
     from imgest import encoders
-    from tasks.tuning import measure, tune_batch_size
+    from tasks.tuning import tune_batch_size
 
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-bench-")
     print(f"# imgest ingest benchmark ({time.strftime('%Y-%m-%d')})")
@@ -86,17 +92,17 @@ def main() -> None:
     print(f"auto picks batch {tuning.batch_size} ({tuning.stopped}); "
           f"{tuning.measured[tuning.batch_size] / base:.2f}x batch 1")
 
-    small_cat, big_cat = os.path.join(work, "cat-small"), os.path.join(work, "cat-big")
-    if not os.path.exists(big_cat):
-        write_catalogue(small_cat, args.small)
-        write_catalogue(big_cat, args.images)
+    small_cat, big_cat = os.path.join(work, f"cat-{args.small}"), os.path.join(work, f"cat-{args.images}")
+    for folder, n in ((small_cat, args.small), (big_cat, args.images)):
+        if not os.path.exists(folder):
+            write_catalogue(folder, n)
     batch = str(tuning.batch_size)
     with prefect_test_harness(server_startup_timeout=90):
         env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": ROOT}
-        small = child_ingest(small_cat, os.path.join(work, "store-small"), batch, args.device, env)
-        full = child_ingest(big_cat, os.path.join(work, "store-big"), batch, args.device, env)
-        noop = child_ingest(big_cat, os.path.join(work, "store-big"), batch, args.device, env)
-    bare = measure(encoder, tuning.batch_size, min_seconds=3.0)
+        small = child_ingest(small_cat, os.path.join(work, f"store-{args.small}"), batch, args.device, env)
+        full = child_ingest(big_cat, os.path.join(work, f"store-{args.images}"), batch, args.device, env)
+        noop = child_ingest(big_cat, os.path.join(work, f"store-{args.images}"), batch, args.device, env)
+    bare = full["bare_images_per_second"]
 
     print(f"\n## Pipeline (Fashion-MNIST PNGs from the Debian package, batch {batch})")
     print("| run | images | encoded | flow wall s | images/s | peak RSS MiB |\n|---|---:|---:|---:|---:|---:|")
@@ -104,8 +110,8 @@ def main() -> None:
                          ("no-op nightly, large", noop, args.images)):
         print(f"| {name} | {n} | {run['encoded']} | {run['wall_seconds']} | {run['images_per_second']} | "
               f"{run['peak_rss_mib']} |")
-    print(f"\npipeline / bare model at batch {batch}: {full['images_per_second']:.1f} / {bare:.1f} = "
-          f"{full['images_per_second'] / bare:.2f} (goal >= 0.9)")
+    print(f"\npipeline / bare model at batch {batch} (bare measured for 20 s in the same process right after): "
+          f"{full['images_per_second']:.1f} / {bare:.1f} = {full['images_per_second'] / bare:.2f} (goal >= 0.9)")
     print(f"no-op nightly / full run (flow wall time): {noop['wall_seconds']} / {full['wall_seconds']} = "
           f"{noop['wall_seconds'] / full['wall_seconds']:.4f} (goal < 0.02); decoded {noop['encoded']} images, "
           f"read {noop['shards']} shards")

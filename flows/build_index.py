@@ -7,6 +7,7 @@ import socket
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
+from prefect.utilities.annotations import quote
 
 from flows.config import IndexConfig
 from imgest.encoders import DEFAULT_MODEL
@@ -39,7 +40,7 @@ def build_index(store: str, model: str = DEFAULT_MODEL, kind: str = "auto", memo
         choice = choose_index(len(live), live.vectors.shape[1], cfg.memory, cfg.kind)
         index, times = build_task(live.vectors, choice)
         tuned = tune_task(index, live.vectors, cfg.target_recall, cfg.k, cfg.queries)
-        card = write_version_task(store_loc.url, index, live,
+        card = write_version_task(store_loc.url, index, quote(live),
                                   make_card(card_model, live, choice, cfg.memory, times, tuned))
         moved = verify_and_alias_task(store_loc.url, card, cfg.alias)
     create_markdown_artifact(render_card(card), key="index-card",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from prefect import flow, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from imgest.storage import Location, open_location
@@ -32,6 +32,7 @@ def evaluate(store: str, queries: str, alias: str = "serving", compare: str | No
     markdown = render_eval(report) + "\n" + "\n\n".join(markdown_image(png, name) for name, png in plots.items())
     create_markdown_artifact(markdown, key="evaluation", description=f"eval {alias}"
                              + (f" vs {compare}" if compare else ""))
+    create_table_artifact(metrics_table(report), key="evaluation-metrics", description="served and exact metrics")
     if out:
         target = Location(out)
         target.write_json("eval.json", report)
@@ -58,3 +59,14 @@ def plot_report(store: Location, report: dict) -> dict[str, bytes]:
 
 def dumps(report: dict) -> str:
     return json.dumps(report, indent=2, default=str)
+
+
+def metrics_table(report: dict) -> list[dict]:
+    rows = []
+    for side in ("a", "b"):
+        if side in report:
+            r = report[side]
+            for how in ("metrics", "exact"):
+                rows.append({"retriever": r["alias"], "model": r["slug"], "search": r["served"] if how == "metrics"
+                             else "exact", **{k: round(v, 4) for k, v in r[how].items()}})
+    return rows

@@ -8,6 +8,7 @@ import socket
 from prefect import flow, unmapped
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import quote
 
 from flows.config import IngestConfig
 from imgest import encoders
@@ -40,7 +41,8 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
         run_id = new_run_id(state.seq + 1)
         summary = new_summary(spec, run_id, catalogue_url, store_loc.url)
         listing = list_catalogue_task(catalogue_url)
-        plan = plan_ingest_task(listing, state, run_id, cfg.shard_size)
+        # quote(): hand large values to tasks as they are; Prefect would otherwise walk every item in them
+        plan = plan_ingest_task(quote(listing), quote(state), run_id, cfg.shard_size)
         batch, source = (0, "nothing to encode")
         if plan.shards:
             batch, source = choose_batch_size_task(store_loc.url, spec, device, cfg.fixed_batch_size)
@@ -58,7 +60,7 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
                                      description=progress_line(results, plan))
         summary.batch_size, summary.batch_size_source, summary.device = batch, source, device
         summary.removed_orphans = orphans
-        summary = commit_run_task(store_loc.url, state, plan, results, summary)
+        summary = commit_run_task(store_loc.url, quote(state), quote(plan), quote(results), summary)
     create_markdown_artifact(render_summary(summary), key="ingest-summary",
                              description=f"imgest ingest {summary.run_id} ({spec.model_id})")
     return summary.to_dict()

@@ -9,7 +9,7 @@ from flows.ingest import ingest
 from imgest.encoders import DEFAULT_MODEL
 from imgest.storage import open_location
 from tasks.decode import DEFAULT_MAX_PIXELS
-from tasks.migration import check_window_model, nightly_models
+from tasks.migration import check_window_model, collect_retired, nightly_models
 
 
 @flow(name="nightly", validate_parameters=True)
@@ -24,4 +24,5 @@ def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: 
         # alias "auto": each rebuilt index moves the aliases already on its model (serving, shadow, previous)
         index = build_index(store, summary["slug"], kind, memory, target_recall, k, alias="auto")
         runs.append({"ingest": summary, "index": index})
-    return {**runs[0], "models": runs}
+    # models retired by a finished migration window go once their retention has passed and no alias needs them
+    return {**runs[0], "models": runs, "retired": collect_retired(store_loc)}

@@ -9,7 +9,7 @@ import numpy as np
 from imgest import encoders
 from imgest.storage import Location
 from tasks.index_choice import HNSW_M, choose_index, parse_memory
-from tasks.index_store import read_alias, read_card
+from tasks.index_store import IndexNotFoundError, read_alias, read_card
 from tasks.state import list_models
 from tasks.tuning import tune_batch_size
 
@@ -31,7 +31,7 @@ def cost_report(store_url: str, corpus_size: int, gpu_hour_price: float | None =
     store = Location(store_url)
     serving = read_alias(store, "serving")
     if serving is None:
-        raise LookupError(f"no serving alias in {store.url}: run `imgest nightly` first")
+        raise IndexNotFoundError(f"no serving alias in {store.url}: run `imgest nightly` first")
     card = read_card(store, serving["slug"], serving["version"])
     spec = encoders.resolve(card["model_name"])
     encoder = encoders.load(spec, device)

@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 import imgest
 from imgest.storage import Location
 from tasks.index_build import BuildTimes, Tuned, build, tune_search
-from tasks.index_choice import HNSW_M, IndexChoice, parse_memory
+from tasks.index_choice import HNSW_M, RULE, IndexChoice, parse_memory
 from tasks.index_store import list_aliases, open_index, read_alias, set_alias, write_version
 from tasks.live import LiveVectors, load_live_vectors
 
@@ -40,7 +40,8 @@ def make_card(model: dict, live: LiveVectors, choice: IndexChoice, memory: str, 
         "d": d,
         "factory": choice.factory,
         "kind": choice.kind,
-        "choice": {**choice.to_dict(), "memory_budget": memory, "memory_budget_bytes": parse_memory(memory)},
+        "choice": {**choice.to_dict(), "memory_budget": memory, "memory_budget_bytes": parse_memory(memory),
+                   "rule": RULE},
         "metric": "inner product on L2-normalised vectors (cosine)",
         "search": {"param": tuned.param_name, "value": tuned.param},
         "recall": {

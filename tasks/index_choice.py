@@ -18,6 +18,10 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
+RULE = ("first that fits the memory budget: Flat if N <= 50000; HNSW32,Flat if N*(4d+281.6) bytes fit; "
+        "IVF{nlist},SQ8 if N*(d+8)+nlist*4d fit; else [OPQm,]IVF{nlist},PQm with the largest m in (64,48,32,16,8) "
+        "giving >= 4 dims per sub-vector that fits (OPQ when >= 8 dims); nlist = power of two nearest 8*sqrt(N), "
+        "lowered to keep >= 39 training points per centroid; <= 128 training points per centroid")
 FLAT_MAX_N = 50_000
 TRAIN_PER_CENTROID = 128
 HNSW_M = 32

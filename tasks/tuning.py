@@ -36,8 +36,12 @@ def _is_oom(exc: BaseException) -> bool:
 
 def measure(encoder: Encoder, batch_size: int, min_seconds: float = 1.0, min_batches: int = 2) -> float:
     """Images/s at one batch size: one warm-up batch, then at least ``min_batches`` timed ones."""
-    rng = np.random.default_rng(0)
-    batch = rng.standard_normal((batch_size, *encoder.input_shape), dtype=np.float32)
+    from PIL import Image
+
+    # A real preprocessed image (noise), so dtype and layout are exactly what the pipeline feeds.
+    noise = np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8)
+    sample = encoder.preprocess(Image.fromarray(noise))
+    batch = np.ascontiguousarray(np.broadcast_to(sample, (batch_size, *sample.shape)))
     encoder.encode_images(batch)  # warm-up: allocator, kernels, autotuning
     done, start = 0, time.perf_counter()
     while done < min_batches or time.perf_counter() - start < min_seconds:

@@ -96,3 +96,21 @@ def test_gate_reads_an_eval_report():
               "b": {"alias": "shadow", "metrics": {"recall@10": 0.76}}}
     assert check_gate(report, margin=0.05) is None
     assert "worse than serving" in check_gate(report, margin=0.01)
+
+
+def test_cost_report_of_the_serving_model(tmp_path, tiny_models):
+    from tasks.cost import cost_report, render_cost
+    from tests.helpers import gradient, png_bytes, write_files
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    write_files(str(cat), {f"{i:02d}.png": png_bytes(gradient(i)) for i in range(8)})
+    nightly(catalogue=str(cat), store=str(store), model=f"hf:{tiny_models['clip']}", batch_size="4")
+    n = 2_000_000
+    report = cost_report(str(store), n, gpu_hour_price=2.5, node_memory="1G", min_seconds=0.05)
+    best = report["encode_images_per_second"][str(report["best_batch"])]
+    assert report["projected_encode_hours"] == pytest.approx(n / best / 3600, rel=1e-2)
+    assert report["storage_bytes"]["fp32"] == 4 * 24 * n and report["storage_bytes"]["fp16"] == 2 * 24 * n
+    assert report["query_encode_ms"]["text"] is not None and report["query_encode_ms"]["image"] > 0
+    assert report["reencode_cost"]["price"] is None  # measured on a CPU: no GPU-hours to price
+    assert report["index"]["factory"] == "HNSW32,Flat" and report["index"]["fits"]
+    assert "GiB" in render_cost(report)

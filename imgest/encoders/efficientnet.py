@@ -18,6 +18,7 @@ PREPROCESSING = {
     "mean": [127.0, 127.0, 127.0],
     "std": [128.0, 128.0, 128.0],
     "input_range": "0-255 RGB",
+    "crop_resample": "one bicubic resample of the centre window",
 }
 
 
@@ -53,27 +54,30 @@ class EfficientNetLite0:
         model = EfficientNet.from_name(NAME)
         model.load_state_dict(torch.load(spec.source, map_location="cpu", weights_only=True))
         self.model = model.eval().to(device)
-        self._mean = np.array(PREPROCESSING["mean"], np.float32)[:, None, None]
-        self._std = np.array(PREPROCESSING["std"], np.float32)[:, None, None]
+        self._mean = torch.tensor(PREPROCESSING["mean"], device=device).view(1, 3, 1, 1)
+        self._std = torch.tensor(PREPROCESSING["std"], device=device).view(1, 3, 1, 1)
 
     def preprocess(self, image) -> np.ndarray:
+        """Resize the shorter side to 256 and centre-crop 224 in one resampling; uint8 CHW.
+
+        Normalisation happens on the batch in encode_images (on the GPU when there is one), so decode
+        threads do less work and ship 4x fewer bytes.
+        """
         from PIL import Image
 
         short, crop = PREPROCESSING["resize_shorter"], PREPROCESSING["center_crop"]
         w, h = image.size
-        scale = short / min(w, h)
-        image = image.resize((max(crop, round(w * scale)), max(crop, round(h * scale))), Image.Resampling.BICUBIC)
-        w, h = image.size
-        left, top = (w - crop) // 2, (h - crop) // 2
-        image = image.crop((left, top, left + crop, top + crop))
-        array = np.asarray(image, dtype=np.float32).transpose(2, 0, 1)
-        return (array - self._mean) / self._std
+        side = crop * min(w, h) / short  # the crop window in source pixels
+        left, top = (w - side) / 2, (h - side) / 2
+        image = image.resize((crop, crop), Image.Resampling.BICUBIC, box=(left, top, left + side, top + side))
+        return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
 
     def encode_images(self, batch: np.ndarray) -> np.ndarray:
         import torch
 
         with torch.inference_mode(), autocast(self.device):
-            pixels = to_device(batch, self.device)
+            pixels = to_device(batch, self.device).float()
+            pixels = (pixels - self._mean) / self._std
             features = self.model.extract_features(pixels)
             pooled = self.model._avg_pooling(features).flatten(1)
         return l2_normalise(pooled)

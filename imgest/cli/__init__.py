@@ -1,0 +1,52 @@
+"""The `imgest` command line; commands live in the modules of this package, by concern."""
+
+from __future__ import annotations
+
+import os
+
+# Prefect's ephemeral server must work offline and may take a while to start on a small machine.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import sys  # noqa: E402
+
+import typer  # noqa: E402
+
+from imgest.storage import redact  # noqa: E402
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Batch ingestion of image catalogues into model-tagged Parquet embedding shards.")
+
+
+def _fail(exc: BaseException) -> None:
+    typer.echo(f"imgest: error: {redact(exc)}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from flows.config import ConfigError
+    from imgest.encoders import EncoderError
+    from imgest.lock import StoreLockedError
+    from imgest.storage import StorageError
+    from tasks.export import ModelNotFoundError
+    from tasks.index_choice import IndexChoiceError
+    from tasks.index_store import IndexIntegrityError, IndexNotFoundError
+    from tasks.migration import MigrationError
+    from tasks.querysets import QuerySetError
+    from tasks.search import SearchError
+
+    return (ConfigError, EncoderError, StoreLockedError, StorageError, ModelNotFoundError, FileNotFoundError,
+            IndexChoiceError, IndexIntegrityError, IndexNotFoundError, SearchError, MigrationError, QuerySetError)
+
+
+# Registers the commands on `app` (each module imports it from here).
+from imgest.cli import eval_cmds, index_cmds, ingest_cmds, migrate_cmds  # noqa: E402, F401
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

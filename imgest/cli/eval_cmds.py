@@ -1,0 +1,108 @@
+"""Commands: eval, queries class/instance, report cost."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from imgest.cli import _fail, _user_errors, app
+
+
+@app.command("eval")
+def eval_cmd(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    queries: str = typer.Option(..., help="Query set (JSONL or Parquet): query_id, image|text, relevant, class"),
+    alias: str = typer.Option("serving", help="Retriever A"),
+    compare: Optional[str] = typer.Option(None, help="Retriever B (an alias), for win/loss, bootstrap, fusion"),
+    k: str = typer.Option("1,5,10", help="Cut-offs, comma-separated"),
+    resamples: int = typer.Option(1000, help="Paired bootstrap resamples (>= 1000 recommended)"),
+    seed: int = typer.Option(0, help="Bootstrap seed"),
+    out: Optional[str] = typer.Option(None, help="Folder for eval.json, eval.md and PNG plots"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """recall@K, precision@K, MRR, mAP at the served parameters and exact, per class; A vs B when compared."""
+    try:
+        ks = [int(x) for x in k.split(",") if x.strip()]
+        if not ks or min(ks) < 1:
+            raise ValueError
+    except ValueError:
+        _fail(ValueError(f"--k must be positive integers separated by commas, got {k!r}"))
+    try:
+        from tasks.querysets import read_query_set
+
+        read_query_set(queries)  # a malformed set fails before Prefect starts
+        from flows.evaluate import dumps, evaluate
+
+        report = evaluate(store=store, queries=queries, alias=alias, compare=compare, ks=ks, resamples=resamples,
+                          seed=seed, out=out)
+    except _user_errors() as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(dumps(report))
+    else:
+        from tasks.eval_report import render_eval
+
+        typer.echo(render_eval(report))
+
+
+queries_app = typer.Typer(help="Build labelled query sets for evaluation.", no_args_is_help=True)
+app.add_typer(queries_app, name="queries")
+
+
+@queries_app.command("class")
+def queries_class(
+    catalogue: str = typer.Option(..., help="Catalogue whose parent folders are the labels"),
+    out: str = typer.Option(..., help="Output JSONL (a .meta.json sidecar records the seed)"),
+    per_class: int = typer.Option(10, help="Queries drawn per class"),
+    seed: int = typer.Option(0, help="Seed of the draw"),
+) -> None:
+    """A blind class-level set: held-out catalogue items as queries, their class as relevant, self excluded."""
+    from tasks.querysets import build_class_queries
+
+    try:
+        meta = build_class_queries(catalogue, out, per_class, seed)
+    except _user_errors() as exc:
+        _fail(exc)
+    typer.echo(f"{meta['queries']} class queries over {len(meta['classes'])} classes written to {out} (seed {seed})")
+
+
+@queries_app.command("instance")
+def queries_instance(
+    catalogue: str = typer.Option(..., help="Catalogue"),
+    out: str = typer.Option(..., help="Output folder: images/ and queries.jsonl"),
+    prefix: str = typer.Option("", help="Only catalogue keys under this prefix become queries"),
+    seed: int = typer.Option(0, help="Seed of the transforms"),
+) -> None:
+    """An instance-level set: crops, flips and colour changes of catalogue images, each finding its original."""
+    from tasks.querysets import build_instance_queries
+
+    try:
+        meta = build_instance_queries(catalogue, out, prefix, seed)
+    except _user_errors() as exc:
+        _fail(exc)
+    typer.echo(f"{meta['queries']} instance queries written to {meta['file']} (seed {seed})")
+
+
+report_app = typer.Typer(help="Decision reports.", no_args_is_help=True)
+app.add_typer(report_app, name="report")
+
+
+@report_app.command("cost")
+def report_cost(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    corpus_size: int = typer.Option(..., help="N items to cost"),
+    gpu_hour_price: Optional[float] = typer.Option(None, help="Price of one GPU-hour"),
+    node_memory: str = typer.Option("64G", help="Memory of a serving node"),
+    device: str = typer.Option("auto", help="Where to measure encode throughput"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Encode throughput and hours, re-encode cost, query encode time, storage, index fit, dual-window storage."""
+    from tasks.cost import cost_report, render_cost
+
+    try:
+        report = cost_report(store, corpus_size, gpu_hour_price, node_memory, device)
+    except _user_errors() as exc:
+        _fail(exc)
+    typer.echo(json.dumps(report, indent=2) if as_json else render_cost(report))

@@ -1,0 +1,102 @@
+"""Commands: build-index, search."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from imgest.cli import _fail, _user_errors, app
+
+
+@app.command("build-index")
+def build_index_cmd(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    model: str = typer.Option("efficientnet-lite0", help="Model name, model id or slug in the store"),
+    kind: str = typer.Option("auto", help="auto, flat, hnsw, ivfsq8, ivfpq or a faiss factory string"),
+    memory: str = typer.Option("4G", help="Memory budget for the index, e.g. 512M, 4G"),
+    target_recall: float = typer.Option(0.95, help="recall@k against exact search the served parameters must meet"),
+    k: int = typer.Option(10, help="k of the recall target"),
+    queries: int = typer.Option(1000, help="Held-out corpus queries used to measure recall"),
+    alias: str = typer.Option("auto", help="Alias to move once verified: 'auto' moves the aliases already on "
+                              "this model (creating `serving` if the store has none); a name; '' for none"),
+    as_json: bool = typer.Option(False, "--json", help="Print the index card as JSON"),
+) -> None:
+    """Build a new immutable index version from the live embeddings and move an alias to it."""
+    try:
+        from flows.config import IndexConfig
+        from imgest.storage import open_location
+        from tasks.export import find_model
+
+        cfg = IndexConfig(store, model, kind, memory, target_recall, k, queries, alias or None)
+        find_model(open_location(cfg.store, must_exist=True, what="store"), cfg.model)
+
+        from flows.build_index import build_index
+        from tasks.index_card import render_card
+
+        result = build_index(**cfg.__dict__)
+    except _user_errors() as exc:
+        _fail(exc)
+    if not result["built"]:
+        typer.echo(f"no index built: {result['reason']}")
+    elif as_json:
+        typer.echo(json.dumps(result["card"], indent=2))
+    else:
+        typer.echo(render_card(result["card"]))
+
+
+@app.command("search")
+def search_cmd(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    image: Optional[str] = typer.Option(None, help="Query image: a path or URL"),
+    text: Optional[str] = typer.Option(None, help="Query text (models with a text tower)"),
+    queries: Optional[str] = typer.Option(None, help="JSONL file: query_id and image or text per line"),
+    k: int = typer.Option(10, help="Results per query"),
+    alias: str = typer.Option("serving", help="Alias to search (ignored with --model)"),
+    model: Optional[str] = typer.Option(None, help="Search this model's index instead of an alias"),
+    version: Optional[int] = typer.Option(None, help="With --model: this version (default: latest)"),
+    device: str = typer.Option("auto", help="Where to embed the queries"),
+    fuse: Optional[str] = typer.Option(None, help="'rrf': reciprocal rank fusion of serving and shadow"),
+    rrf_k: int = typer.Option(60, help="k of reciprocal rank fusion"),
+    as_json: bool = typer.Option(False, "--json", help="JSON output"),
+) -> None:
+    """Search by image, by text, or a batch of queries, with the model that built the index."""
+    from dataclasses import asdict
+
+    try:
+        from tasks.search import Query, Searcher, SearchError, read_queries
+
+        given = [x for x in (image, text, queries) if x is not None]
+        if len(given) != 1:
+            raise SearchError("give exactly one of --image, --text or --queries")
+        batch = read_queries(queries) if queries else [Query("query", image, text)]
+        if fuse is not None:
+            if fuse != "rrf":
+                raise SearchError(f"unknown fusion {fuse!r}; allowed: rrf")
+            from tasks.search import fused_search
+
+            results = fused_search(store, batch, k, ("serving", "shadow"), rrf_k, device)
+            card = {"model_id": "rrf(serving, shadow)", "version": None}
+        else:
+            searcher = Searcher(store, alias, model, version, device)
+            results = searcher.search(batch, k)
+            card = searcher.card
+    except _user_errors() as exc:
+        _fail(exc)
+    if as_json:
+        payload = [{"query_id": q.query_id, "hits": [asdict(h) for h in hits]} for q, hits in zip(batch, results)]
+        typer.echo(json.dumps({"model_id": card["model_id"], "version": card["version"], "results": payload},
+                              indent=2))
+        return
+    from tasks.index_card import served_parameters
+
+    if fuse is None:
+        typer.echo(f"index model={card['slug']} v{card['version']:04d} ({card['factory']}, "
+                   f"{served_parameters(card)})")
+    else:
+        typer.echo(f"reciprocal rank fusion (k={rrf_k}) of serving and shadow")
+    for query, hits in zip(batch, results):
+        typer.echo(f"\n{query.query_id}: {query.image or query.text}")
+        for hit in hits:
+            typer.echo(f"  {hit.rank:>3}  {hit.score:.4f}  {hit.item_id}")

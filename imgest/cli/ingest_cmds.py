@@ -1,0 +1,182 @@
+"""Commands: ingest, status, export, reencode, nightly, demo."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import typer
+
+from imgest.cli import _fail, _user_errors, app
+
+
+@app.command()
+def ingest(
+    catalogue: str = typer.Option(..., help="Folder or URL of the catalogue: /path, file://, s3://bucket/prefix"),
+    store: str = typer.Option(..., help="Folder or URL where shards and state are kept"),
+    model: str = typer.Option("efficientnet-lite0", help="efficientnet-lite0 or hf:<hub id or local folder>"),
+    batch_size: str = typer.Option("auto", help="'auto' (measured, cached per model and device) or N"),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
+    shard_size: int = typer.Option(2000, help="Images per shard (one Prefect task per shard)"),
+    decode_workers: int = typer.Option(2, help="Threads reading and decoding ahead of the encoder"),
+    max_pixels: int = typer.Option(100_000_000, help="Larger images are rejected as decompression bombs"),
+    as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON"),
+) -> None:
+    """Encode what is new or changed in the catalogue; tombstone what was deleted."""
+    try:
+        from flows.config import IngestConfig
+        from imgest import encoders
+        from imgest.storage import open_location
+
+        # Fail on bad input before Prefect starts its server: a one-line reason, exit 2.
+        cfg = IngestConfig(catalogue, store, model, batch_size, device, shard_size, decode_workers, max_pixels)
+        encoders.resolve(cfg.model)
+        encoders.resolve_device(cfg.device)
+        open_location(cfg.catalogue, must_exist=True, what="catalogue")
+        open_location(cfg.store)
+
+        from flows.ingest import ingest as ingest_flow
+        from tasks.commit import RunSummary
+        from tasks.report import render_summary
+
+        summary = ingest_flow(**cfg.to_dict())
+    except _user_errors() as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2, default=str))
+    else:
+        typer.echo(render_summary(RunSummary(**summary)))
+
+
+@app.command()
+def status(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output (keys in the README)"),
+) -> None:
+    """Per model: live items, shards, rejected items with reasons, tombstones, last run."""
+    from tasks.export import store_status
+
+    try:
+        report = store_status(store)
+    except _user_errors() as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2, default=str))
+        return
+    typer.echo(f"store: {report['store']}")
+    if report["running"]:
+        typer.echo(f"running: {report['running']['owner']} since {report['running']['started']}")
+    if not report["models"]:
+        typer.echo("no models ingested yet")
+    for m in report["models"]:
+        last = m["last_run"] or {}
+        typer.echo(f"\nmodel {m['name']} ({m['slug']}), dim {m['dim']}\n  model id: {m['model_id']}")
+        typer.echo(f"  live {m['live']} in {m['shards']} shard(s), rejected {len(m['rejected'])}, "
+                   f"tombstones {m['tombstones']}, snapshot {m['snapshot']}, pending shards {m['pending_shards']}")
+        if last:
+            typer.echo(f"  last run {last.get('run_id')} finished {last.get('finished')}: encoded "
+                       f"{last.get('encoded')}, {last.get('images_per_second')} img/s")
+        for rej in m["rejected"]:
+            typer.echo(f"  rejected {rej['item_id']}: {rej['reason']}")
+
+
+@app.command()
+def export(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    model: str = typer.Option(..., help="Model name, model id or slug as shown by `imgest status`"),
+    out: str = typer.Option(..., help="Output Parquet file (local path or URL)"),
+) -> None:
+    """Write the live embeddings of one model, one row per live item, as a Parquet file."""
+    from tasks.export import export_live
+
+    try:
+        result = export_live(store, model, out)
+    except _user_errors() as exc:
+        _fail(exc)
+    typer.echo(f"exported {result['rows']} live embeddings of {result['model_id']} to {result['out']}")
+
+
+@app.command()
+def reencode(
+    catalogue: str = typer.Option(..., help="Folder or URL of the catalogue"),
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    model: str = typer.Option(..., help="The new model: efficientnet-lite0 or hf:<hub id or local folder>"),
+    batch_size: str = typer.Option("auto", help="'auto' or N"),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
+) -> None:
+    """Encode the whole catalogue with a new model into its own namespace (resumable; old data untouched)."""
+    try:
+        from flows.config import IngestConfig
+        from imgest import encoders
+        from imgest.storage import open_location
+
+        IngestConfig(catalogue, store, model, batch_size, device)
+        encoders.resolve(model)
+        open_location(catalogue, must_exist=True, what="catalogue")
+        from flows.reencode import reencode as reencode_flow
+        from tasks.report import render_reencode
+
+        summary = reencode_flow(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device)
+    except _user_errors() as exc:
+        _fail(exc)
+    typer.echo(render_reencode(summary))
+
+
+@app.command()
+def nightly(
+    catalogue: str = typer.Option(..., help="Folder or URL of the catalogue"),
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    model: str = typer.Option("efficientnet-lite0", help="efficientnet-lite0 or hf:<hub id or local folder>"),
+    batch_size: str = typer.Option("auto", help="'auto' or N"),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
+    kind: str = typer.Option("auto", help="Index kind or faiss factory string"),
+    memory: str = typer.Option("4G", help="Memory budget for the index"),
+    target_recall: float = typer.Option(0.95, help="recall@10 target for the served parameters"),
+) -> None:
+    """Ingest, then build and verify a fresh index and move `serving` to it."""
+    try:
+        from flows.config import IndexConfig, IngestConfig
+        from imgest import encoders
+        from imgest.storage import open_location
+
+        IngestConfig(catalogue, store, model, batch_size, device)
+        IndexConfig(store, model, kind, memory, target_recall)
+        encoders.resolve(model)
+        open_location(catalogue, must_exist=True, what="catalogue")
+
+        from flows.nightly import nightly as nightly_flow
+        from tasks.commit import RunSummary
+        from tasks.index_card import render_card
+        from tasks.report import render_summary
+
+        result = nightly_flow(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
+                              kind=kind, memory=memory, target_recall=target_recall)
+    except _user_errors() as exc:
+        _fail(exc)
+    typer.echo(render_summary(RunSummary(**result["ingest"])))
+    index = result["index"]
+    typer.echo(render_card(index["card"]) if index["built"] else f"no index built: {index['reason']}")
+
+
+@app.command()
+def demo(
+    workdir: str = typer.Option("demo", help="Where to put the demo catalogue and store"),
+    per_class: int = typer.Option(60, help="Fashion-MNIST images per class (10 classes)"),
+) -> None:
+    """Build a demo catalogue of real offline images, run the nightly job on it, search it once."""
+    from imgest.demo import build_demo_catalogue
+
+    catalogue = os.path.join(workdir, "catalogue")
+    store_dir = os.path.join(workdir, "store")
+    if not os.path.exists(catalogue):
+        counts = build_demo_catalogue(catalogue, fashion_per_class=per_class)
+        typer.echo(f"demo catalogue written to {catalogue}: {counts}")
+    nightly(catalogue=catalogue, store=store_dir, model="efficientnet-lite0", batch_size="auto", device="auto",
+            kind="auto", memory="4G", target_recall=0.95)
+    status(store=store_dir, as_json=False)
+    query = os.path.join(catalogue, "photos", "chelsea.jpg")
+    typer.echo(f"\n$ imgest search --store {store_dir} --image {query} --k 5")
+    from imgest.cli.index_cmds import search_cmd
+
+    search_cmd(store=store_dir, image=query, text=None, queries=None, k=5, alias="serving", model=None,
+               version=None, device="auto", fuse=None, rrf_k=60, as_json=False)

@@ -1,0 +1,97 @@
+"""Commands: migrate start, status, promote, rollback, finish."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from imgest.cli import _fail, _user_errors, app
+
+migrate_app = typer.Typer(help="Change the embedding model through a dual-index migration window.",
+                          no_args_is_help=True)
+app.add_typer(migrate_app, name="migrate")
+
+
+def _migrate(store: str, action: str, as_json: bool = False, **params) -> None:
+    try:
+        from imgest.storage import open_location
+
+        open_location(store, must_exist=True, what="store")
+        if action == "status":  # read-only: no Prefect run needed
+            from tasks.migration import window_status
+
+            result = window_status(open_location(store))
+        else:
+            from flows.migrate import migrate
+
+            result = migrate(store=store, action=action, **params)
+    except _user_errors() as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2, default=str))
+    elif "finished" in result:
+        typer.echo(f"window {result['finished']['window']['id']} finished; deleted now: "
+                   f"{result['finished']['deleted'] or 'nothing yet (retention, or an alias still points at it)'}")
+    else:
+        from tasks.report import render_window
+
+        typer.echo(render_window(result))
+
+
+@migrate_app.command("start")
+def migrate_start(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    to: str = typer.Option(..., help="The new model"),
+    catalogue: Optional[str] = typer.Option(None, help="Default: the serving model's last catalogue"),
+    batch_size: str = typer.Option("auto", help="'auto' or N"),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
+    kind: str = typer.Option("auto", help="Index kind for the new model"),
+    memory: str = typer.Option("4G", help="Memory budget for the new index"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Open (or resume) a window: re-encode with the new model, build its index, point `shadow` at it."""
+    _migrate(store, "start", as_json, to=to, catalogue=catalogue, batch_size=batch_size, device=device, kind=kind,
+             memory=memory)
+
+
+@migrate_app.command("status")
+def migrate_status(store: str = typer.Option(..., help="Folder or URL of the store"),
+                   as_json: bool = typer.Option(False, "--json")) -> None:
+    """Coverage, index currency, aliases, evaluation and storage of the open window."""
+    _migrate(store, "status", as_json)
+
+
+@migrate_app.command("promote")
+def migrate_promote(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    gate: Optional[str] = typer.Option(None, help="Evaluation JSON; refuse when shadow is worse than serving"),
+    margin: float = typer.Option(0.0, help="Allowed drop of the gated metric"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Swap `serving` to the new model (full coverage and a current, checksummed index required)."""
+    gate_obj = None
+    if gate:
+        from imgest.storage import read_url
+
+        try:
+            gate_obj = json.loads(read_url(gate))
+        except _user_errors() as exc:
+            _fail(exc)
+    _migrate(store, "promote", as_json, gate=gate_obj, margin=margin)
+
+
+@migrate_app.command("rollback")
+def migrate_rollback(store: str = typer.Option(..., help="Folder or URL of the store"),
+                     as_json: bool = typer.Option(False, "--json")) -> None:
+    """Swap `serving` back to the old model, any time before finish."""
+    _migrate(store, "rollback", as_json)
+
+
+@migrate_app.command("finish")
+def migrate_finish(store: str = typer.Option(..., help="Folder or URL of the store"),
+                   retain_days: float = typer.Option(7.0, help="Keep the retired model's data this long"),
+                   as_json: bool = typer.Option(False, "--json")) -> None:
+    """Close the window; the model no longer serving is deleted after the retention, never while aliased."""
+    _migrate(store, "finish", as_json, retain_days=retain_days)

@@ -1,0 +1,53 @@
+"""prefect.yaml deploys against a real Prefect server: the nightly schedule and the manual flows."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def prefect_cli(*args, env):
+    prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
+    out = subprocess.run([prefect, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return out.stdout
+
+
+def test_every_entrypoint_is_a_flow_with_those_parameters():
+    from prefect.flows import load_flow_from_entrypoint
+
+    spec = yaml.safe_load(open(os.path.join(ROOT, "prefect.yaml")))
+    names = {d["name"] for d in spec["deployments"]}
+    assert names == {"nightly", "reencode", "migrate", "eval"}
+    for deployment in spec["deployments"]:
+        flow = load_flow_from_entrypoint(os.path.join(ROOT, deployment["entrypoint"]))
+        flow.validate_parameters({**_required_dummies(flow), **deployment.get("parameters", {})})
+
+
+def _required_dummies(flow) -> dict:
+    import inspect
+
+    sig = inspect.signature(flow.fn)
+    return {n: "x" for n, p in sig.parameters.items() if p.default is inspect.Parameter.empty}
+
+
+def test_prefect_deploy_all_creates_the_deployments():
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PWD": ROOT}
+    prefect_cli("work-pool", "create", "imgest-process", "--type", "process", "--overwrite", env=env)
+    prefect_cli("--no-prompt", "deploy", "--all", env=env)
+    with get_client(sync_client=True) as client:
+        deployments = {d.name: d for d in client.read_deployments()}
+    assert {"nightly", "reencode", "migrate", "eval"} <= set(deployments)
+    nightly = deployments["nightly"]
+    schedule = nightly.schedules[0].schedule
+    assert schedule.cron == "0 2 * * *" and schedule.timezone == "Europe/London"
+    assert nightly.parameters["model"] == "efficientnet-lite0" and nightly.work_pool_name == "imgest-process"
+    assert not deployments["reencode"].schedules and not deployments["migrate"].schedules
