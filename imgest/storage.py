@@ -63,15 +63,24 @@ def _etag(info: dict[str, Any]) -> str | None:
     return str(value).strip('"') if value else None
 
 
+def _url_to_fs(url: str, **storage_options: Any):
+    """fsspec's url_to_fs, with the S3 endpoint made explicit so fsspec's instance cache is keyed on it
+    (botocore also reads AWS_ENDPOINT_URL, but a cached filesystem would keep an old endpoint)."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if url.startswith(("s3://", "s3a://")) and endpoint and "endpoint_url" not in storage_options:
+        storage_options["endpoint_url"] = endpoint
+    try:
+        return fsspec.core.url_to_fs(url, **storage_options)
+    except (ImportError, ValueError) as exc:
+        raise StorageError(f"cannot open {redact(url)}: {exc}") from exc
+
+
 class Location:
     """A root URL on some filesystem; keys below it are '/'-separated relative paths."""
 
     def __init__(self, url: str, **storage_options: Any):
         self.url = _normalise(url)
-        try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options)
-        except (ImportError, ValueError) as exc:
-            raise StorageError(f"cannot open {redact(self.url)}: {exc}") from exc
+        self.fs, self.root = _url_to_fs(self.url, **storage_options)
         self.root = self.root.rstrip("/") or "/"
         self.is_local = "file" in _protocols(self.fs)
 
@@ -195,6 +204,12 @@ class Location:
         except FileNotFoundError:
             pass
 
+    def delete_tree(self, key: str) -> None:
+        try:
+            self.fs.rm(self.path(key), recursive=True)
+        except FileNotFoundError:
+            pass
+
     def open_output(self, key: str):
         path = self.path(key)
         if self.is_local:
@@ -228,13 +243,11 @@ def open_location(url: str, *, must_exist: bool = False, what: str = "location")
 def read_url(url: str) -> bytes:
     """Bytes of one object named by a full URL or path (a query image, a queries file)."""
     url = _normalise(url)
+    fs, path = _url_to_fs(url)
     try:
-        fs, path = fsspec.core.url_to_fs(url)
         return fs.cat_file(path)
     except FileNotFoundError as exc:
         raise StorageError(f"{redact(url)} does not exist") from exc
-    except (ImportError, ValueError) as exc:
-        raise StorageError(f"cannot open {redact(url)}: {exc}") from exc
 
 
 def local_copy(loc: Location, key: str, cache_dir: str, name: str) -> str:

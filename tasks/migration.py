@@ -235,9 +235,9 @@ def collect_retired(store: Location) -> list[str]:
         due = datetime.fromisoformat(entry["retire_after"]) <= datetime.now(UTC)
         if not due or entry["slug"] in pointed:
             continue
-        for prefix in (embeddings_prefix(entry["slug"]), index_prefix(entry["slug"]), state_prefix(entry["slug"])):
-            for obj in list(store.walk(prefix)):
-                store.delete(f"{prefix}/{obj.key}")
+        for prefix in (embeddings_prefix(entry["slug"]), index_prefix(entry["slug"]), state_prefix(entry["slug"]),
+                       f"tuning/model={entry['slug']}"):
+            store.delete_tree(prefix)
         store.delete(f"migration/retire/{name}")
         deleted.append(entry["slug"])
     return deleted

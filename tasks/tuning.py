@@ -41,7 +41,7 @@ def measure(encoder: Encoder, batch_size: int, min_seconds: float = 1.0, min_bat
     # A real preprocessed image (noise), so dtype and layout are exactly what the pipeline feeds.
     noise = np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8)
     sample = encoder.preprocess(Image.fromarray(noise))
-    batch = np.ascontiguousarray(np.broadcast_to(sample, (batch_size, *sample.shape)))
+    batch = np.repeat(sample[None], batch_size, axis=0)
     encoder.encode_images(batch)  # warm-up: allocator, kernels, autotuning
     done, start = 0, time.perf_counter()
     while done < min_batches or time.perf_counter() - start < min_seconds:
