@@ -8,7 +8,7 @@ The rule, first that fits the budget wins (autofaiss-style):
      of >= 4 dimensions and fits; OPQ when each sub-quantiser covers >= 8 dimensions, where rotating
      first helps most.
 nlist is the power of two nearest 8 x sqrt(N) (inside the 4-16 x sqrt(N) band), lowered until there
-are >= 39 training points per centroid; training uses at most 128 points per centroid (k-means
+are >= 39 training points per centroid; training uses at most 64 points per centroid (k-means
 quality flattens well before faiss's 256 cap, and training time is linear in the sample).
 """
 
@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 RULE = ("first that fits the memory budget: Flat if N <= 50000; HNSW32,Flat if N*(4d+281.6) bytes fit; "
         "IVF{nlist},SQ8 if N*(d+8)+nlist*4d fit; else [OPQm,]IVF{nlist},PQm with the largest m in (64,48,32,16,8) "
         "giving >= 4 dims per sub-vector that fits (OPQ when >= 8 dims); nlist = power of two nearest 8*sqrt(N), "
-        "lowered to keep >= 39 training points per centroid; <= 128 training points per centroid")
+        "lowered to keep >= 39 training points per centroid; <= 64 training points per centroid")
 FLAT_MAX_N = 50_000
-TRAIN_PER_CENTROID = 128
+TRAIN_PER_CENTROID = 64
 HNSW_M = 32
 KINDS = ("auto", "flat", "hnsw", "ivfsq8", "ivfpq")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
