@@ -47,7 +47,7 @@ def main() -> None:
         ingest(catalogue=cat, store=store, model="raw-pixels", batch_size="64")
         build_index(store=store, model="raw-pixels", alias="pixels")
         class_file = os.path.join(work, "class.jsonl")
-        build_class_queries(os.path.join(cat, "fashion"), class_file, args.queries_per_class, seed=0)
+        build_class_queries(cat, class_file, args.queries_per_class, seed=0, prefix="fashion/")
         instance = build_instance_queries(cat, os.path.join(work, "instance"), prefix="photos/", seed=0)
         for title, queries in (("Class level: Fashion-MNIST, 10 classes", class_file),
                                ("Instance level: scikit-image photos under crop / flip / colour", instance["file"])):

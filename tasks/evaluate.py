@@ -11,7 +11,7 @@ from tasks.fusion import max_score, rrf
 from tasks.index_card import served_parameters
 from tasks.live import load_live_vectors
 from tasks.metrics import evaluate, paired_bootstrap, per_query, win_loss
-from tasks.querysets import LabelledQuery
+from tasks.querysets import LabelledQuery, QuerySetError
 from tasks.search import Query, Searcher
 
 EMBED_CHUNK = 64
@@ -70,9 +70,24 @@ def by_class(run, qrels, classes, names) -> dict:
     return {cls: {"queries": len(rel), **evaluate(run, rel, names)} for cls, rel in sorted(groups.items())}
 
 
+def check_coverage(searcher: Searcher, queries: list[LabelledQuery]) -> float:
+    """Share of the queries' relevant ids that the index holds; none at all means the set was built
+    for another catalogue root or store, and every metric would silently be 0."""
+    indexed = set(searcher.opened.item_ids)
+    relevant = {item for q in queries for item in q.relevant}
+    share = len(relevant & indexed) / len(relevant) if relevant else 0.0
+    if share == 0:
+        example = next(iter(relevant), "?")
+        raise QuerySetError(f"none of the {len(relevant)} relevant item ids (e.g. {example!r}) is in the index "
+                            f"{searcher.card['slug']} v{searcher.card['version']}: was the query set built from "
+                            "another catalogue root? Item ids are keys relative to the ingested catalogue")
+    return share
+
+
 def evaluate_retriever(store: Location, alias: str, queries: list[LabelledQuery], ks: list[int],
                        device: str = "auto") -> dict:
     searcher = Searcher(store.url, alias=alias, device=device)
+    coverage = check_coverage(searcher, queries)
     depth = max(max(ks), 100)
     runs = served_and_exact(store, searcher, queries, depth)
     qrels = {q.query_id: set(q.relevant) for q in queries}
@@ -82,6 +97,7 @@ def evaluate_retriever(store: Location, alias: str, queries: list[LabelledQuery]
     classes = {q.query_id: q.cls for q in queries}
     return {
         **describe(searcher, alias),
+        "relevant_indexed_share": round(coverage, 6),
         "metrics": served,
         "exact": exact,
         "served_over_exact": {m: (served[m] / exact[m] if exact[m] else None) for m in names},

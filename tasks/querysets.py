@@ -77,13 +77,18 @@ def write_query_set(url: str, queries: list[LabelledQuery], meta: dict) -> None:
     loc.write_json(f"{name}.meta.json", {**meta, "queries": len(queries), "created": now_iso()})
 
 
-def build_class_queries(catalogue_url: str, out: str, per_class: int = 10, seed: int = 0) -> dict:
+def build_class_queries(catalogue_url: str, out: str, per_class: int = 10, seed: int = 0, prefix: str = "") -> dict:
     """Class-level blind set: the label is the item's parent folder; ``per_class`` items per class are
-    drawn (seeded) as queries; every other item of the class is relevant; the query item is excluded."""
+    drawn (seeded) as queries; every other item of the class is relevant; the query item is excluded.
+
+    ``catalogue_url`` must be the root the store was ingested from (item ids are keys below it);
+    ``prefix`` keeps only the keys under it (e.g. ``fashion/``)."""
     listing = list_catalogue(catalogue_url)
     catalogue = Location(listing.catalogue)
     by_class: dict[str, list[str]] = {}
     for obj in listing.objects:
+        if not obj.key.startswith(prefix):
+            continue
         label = posixpath.basename(posixpath.dirname(obj.key)) or "_root"
         by_class.setdefault(label, []).append(obj.key)
     rng = np.random.default_rng(seed)
@@ -96,7 +101,7 @@ def build_class_queries(catalogue_url: str, out: str, per_class: int = 10, seed:
             item = items[i]
             queries.append(LabelledQuery(f"{label}/{posixpath.basename(item)}", [x for x in items if x != item],
                                          image=catalogue.uri(item), cls=label, exclude=[item]))
-    meta = {"kind": "class", "catalogue": listing.catalogue, "seed": seed, "per_class": per_class,
+    meta = {"kind": "class", "catalogue": listing.catalogue, "prefix": prefix, "seed": seed, "per_class": per_class,
             "classes": sorted(by_class), "label": "parent folder", "self_match": "excluded"}
     write_query_set(out, queries, meta)
     return meta | {"queries": len(queries)}

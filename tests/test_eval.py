@@ -36,7 +36,7 @@ def evaluated(tmp_path_factory):
     ingest(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="16")
     build_index(store=str(store), model="raw-pixels", alias="pixels")
     class_file = root / "class.jsonl"
-    meta = build_class_queries(str(cat / "fashion"), str(class_file), per_class=2, seed=1)
+    meta = build_class_queries(str(cat), str(class_file), per_class=2, seed=1, prefix="fashion/")
     report = evaluate(store=str(store), queries=str(class_file), alias="serving", compare="pixels",
                       ks=[1, 5, 10], out=str(root / "out"))
     return {"root": root, "cat": cat, "store": store, "report": report, "meta": meta, "class_file": class_file}
@@ -47,7 +47,8 @@ def test_class_query_set_is_blind_and_seeded(evaluated):
     assert len(queries) == 12 and evaluated["meta"]["seed"] == 1
     for q in queries:
         item = q.exclude[0]
-        assert item not in q.relevant and len(q.relevant) == 7 and item.split("/")[0] == q.cls
+        assert item not in q.relevant and len(q.relevant) == 7 and item.split("/")[1] == q.cls
+        assert item.startswith("fashion/")
     sidecar = json.loads((evaluated["root"] / "class.jsonl.meta.json").read_text())
     assert sidecar["kind"] == "class" and sidecar["self_match"] == "excluded"
 
@@ -63,6 +64,9 @@ def test_served_and_exact_per_class_and_comparison(evaluated):
         assert set(side["exact"]) == set(m)
         ratio = side["served_over_exact"]["recall@10"]
         assert ratio is None or ratio == pytest.approx(m["recall@10"] / side["exact"]["recall@10"])
+    assert a["relevant_indexed_share"] == 1.0
+    # the learned model retrieves same-class items; measured on 12 queries over 6 classes of 8 images
+    assert a["metrics"]["recall@10"] >= 0.5 and a["metrics"]["precision@10"] > 0
     assert set(a["per_class"]) == set(FASHION_CLASSES[:6])
     assert all(v["queries"] == 2 for v in a["per_class"].values())
     compare = report["compare"]
@@ -114,3 +118,12 @@ def test_cost_report_of_the_serving_model(tmp_path, tiny_models):
     assert report["reencode_cost"]["price"] is None  # measured on a CPU: no GPU-hours to price
     assert report["index"]["factory"] == "HNSW32,Flat" and report["index"]["fits"]
     assert "GiB" in render_cost(report)
+
+
+def test_query_set_for_another_root_is_refused(evaluated, tmp_path):
+    from tasks.querysets import QuerySetError
+
+    wrong = tmp_path / "wrong.jsonl"
+    build_class_queries(str(evaluated["cat"] / "fashion"), str(wrong), per_class=1)  # ids relative to fashion/
+    with pytest.raises(QuerySetError, match="none of the .* relevant item ids .* another catalogue root"):
+        evaluate(store=str(evaluated["store"]), queries=str(wrong))

@@ -53,8 +53,9 @@ app.add_typer(queries_app, name="queries")
 
 @queries_app.command("class")
 def queries_class(
-    catalogue: str = typer.Option(..., help="Catalogue whose parent folders are the labels"),
+    catalogue: str = typer.Option(..., help="The catalogue root the store ingested (item ids are keys below it)"),
     out: str = typer.Option(..., help="Output JSONL (a .meta.json sidecar records the seed)"),
+    prefix: str = typer.Option("", help="Only keys under this prefix; the label is each key's parent folder"),
     per_class: int = typer.Option(10, help="Queries drawn per class"),
     seed: int = typer.Option(0, help="Seed of the draw"),
 ) -> None:
@@ -62,7 +63,7 @@ def queries_class(
     from tasks.querysets import build_class_queries
 
     try:
-        meta = build_class_queries(catalogue, out, per_class, seed)
+        meta = build_class_queries(catalogue, out, per_class, seed, prefix)
     except _user_errors() as exc:
         _fail(exc)
     typer.echo(f"{meta['queries']} class queries over {len(meta['classes'])} classes written to {out} (seed {seed})")
