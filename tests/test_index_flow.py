@@ -168,3 +168,15 @@ def test_text_search_through_tiny_clip_and_model_mismatch(tmp_path, tiny_models)
     encoders.resolve.cache_clear()
     with pytest.raises(SearchError, match="was built by .* queries would be embedded by a different model"):
         Searcher(str(store))
+
+
+def test_ivf_index_opens_memory_mapped_and_serves(lite0_store, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(lite0_store["store"], store)
+    built = build_index(store=str(store), kind="ivfsq8", alias=None, target_recall=0.9)
+    card = built["card"]
+    assert card["kind"] == "ivfsq8" and card["search"]["param"] == "nprobe" and built["aliases"] == []
+    assert read_alias(Location(str(store)), "serving")["version"] == 1  # alias=None moves nothing
+    searcher = Searcher(str(store), model=card["slug"], version=card["version"])
+    hits = searcher.search([Query("q", image=str(lite0_store["catalogue"] / "photos" / "rocket.jpg"))], k=1)[0]
+    assert hits[0].item_id == "photos/rocket.jpg"
