@@ -16,7 +16,6 @@ from datetime import UTC, datetime, timedelta
 from imgest.storage import Location
 from tasks.export import find_model
 from tasks.index_store import (
-    IndexNotFoundError,
     index_prefix,
     list_aliases,
     list_versions,
@@ -242,14 +241,6 @@ def collect_retired(store: Location) -> list[str]:
         deleted.append(entry["slug"])
     return deleted
 
-
-def aliases_for(store: Location, slug: str) -> list[str]:
-    """Aliases that follow a model's rebuilds: those pointing at it now."""
-    return sorted(name for name, a in list_aliases(store).items() if a["slug"] == slug)
-
-
-__all__ = ["IndexNotFoundError", "MigrationError", "aliases_for", "collect_retired", "coverage", "finish",
-           "open_window", "promote", "read_window", "record", "require_window", "rollback", "window_status"]
 
 
 def nightly_models(store: Location, model: str) -> list[tuple[str, str | None]]:

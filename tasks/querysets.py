@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow.parquet as pq
-from PIL import Image, ImageEnhance, ImageOps
+from PIL import ImageEnhance, ImageOps
 
 from imgest.storage import Location, read_url
 from tasks.decode import decode_image
@@ -149,7 +149,3 @@ def build_instance_queries(catalogue_url: str, out_dir: str, prefix: str = "", s
             "transforms": sorted(TRANSFORMS), "self_match": "not in gallery (new images)"}
     write_query_set(f"{target.url}/queries.jsonl", queries, meta)
     return meta | {"queries": len(queries), "file": f"{target.url}/queries.jsonl"}
-
-
-def open_image(url: str) -> Image.Image:
-    return decode_image(read_url(url))

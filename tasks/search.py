@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -115,10 +115,6 @@ def search(store_url: str, *, image: str | None = None, text: str | None = None,
         raise SearchError("give exactly one of image or text")
     searcher = Searcher(store_url, alias, model, version, device)
     return searcher.search([Query("q", image, text)], k)[0]
-
-
-def hits_as_dicts(hits: list[Hit]) -> list[dict]:
-    return [asdict(h) for h in hits]
 
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
-import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -198,14 +196,6 @@ def list_models(store: Location) -> list[dict]:
             if store.exists(key):
                 models.append(store.read_json(key))
     return models
-
-
-def state_rows(items: Iterable[ItemState]) -> list[dict]:
-    return [dataclasses.asdict(i) for i in items]
-
-
-def elapsed(start: float) -> float:
-    return round(time.perf_counter() - start, 3)
 
 
 def prepare_state(store: Location, spec_description: dict) -> tuple[CatalogueState, list[str]]:
