@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import socket
 
-from prefect import flow
+from prefect import flow, tags
 from prefect.artifacts import create_markdown_artifact
 from prefect.utilities.annotations import quote
 
 from flows.config import IndexConfig
+from flows.naming import run_name
 from imgest.encoders import DEFAULT_MODEL
 from imgest.lock import StoreLock
 from imgest.storage import open_location
@@ -26,14 +27,15 @@ from tasks.index_card import (
 from tasks.index_choice import choose_index
 
 
-@flow(name="build-index", validate_parameters=True)
+@flow(name="build-index", flow_run_name=run_name("build-index"), validate_parameters=True)
 def build_index(store: str, model: str = DEFAULT_MODEL, kind: str = "auto", memory: str = "4G",
                 target_recall: float = 0.95, k: int = 10, queries: int = 1000,
                 alias: str | None = "auto") -> dict:
     cfg = IndexConfig(store, model, kind, memory, target_recall, k, queries, alias)
     store_loc = open_location(cfg.store, must_exist=True, what="store")
-    with StoreLock(store_loc, owner=f"build-index@{socket.gethostname()}:{os.getpid()}"):
-        card_model = find_model(store_loc, cfg.model)
+    card_model = find_model(store_loc, cfg.model)
+    with tags(f"model:{card_model['slug']}"), \
+            StoreLock(store_loc, owner=f"build-index@{socket.gethostname()}:{os.getpid()}"):
         live = load_live_task(store_loc.url, card_model)
         if len(live) < 2:
             return {"built": False, "reason": f"{len(live)} live vectors: nothing to index", "slug": card_model["slug"]}

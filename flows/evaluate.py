@@ -8,6 +8,7 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows.naming import run_name
 from imgest.storage import Location, open_location
 from tasks.eval_report import render_eval
 from tasks.evaluate import run_evaluation
@@ -19,7 +20,7 @@ from tasks.querysets import read_query_set
 evaluate_task = task(run_evaluation, name="evaluate", cache_policy=NO_CACHE)
 
 
-@flow(name="eval", validate_parameters=True)
+@flow(name="eval", flow_run_name=run_name("eval", "compare"), validate_parameters=True)
 def evaluate(store: str, queries: str, alias: str = "serving", compare: str | None = None,
              ks: list[int] | None = None, resamples: int = 1000, seed: int = 0, out: str | None = None,
              device: str = "auto") -> dict:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import socket
 
-from prefect import flow, unmapped
+from prefect import flow, tags, unmapped
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
 from flows.config import IngestConfig
+from flows.naming import run_name
 from imgest import encoders
 from imgest.encoders import DEFAULT_MODEL
 from imgest.lock import StoreLock
@@ -27,7 +28,8 @@ from tasks.tuning import choose_batch_size_task
 
 # One shard task at a time: each shard already decodes in parallel ahead of its encoder, and two
 # shards sharing one model would only fight over the same cores or GPU.
-@flow(name="ingest", task_runner=ThreadPoolTaskRunner(max_workers=1), validate_parameters=True)
+@flow(name="ingest", flow_run_name=run_name("ingest"), task_runner=ThreadPoolTaskRunner(max_workers=1),
+      validate_parameters=True)
 def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: str = "auto",
            device: str = "auto", shard_size: int = 2000, decode_workers: int = 2,
            max_pixels: int = DEFAULT_MAX_PIXELS) -> dict:
@@ -36,7 +38,7 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
     device = encoders.resolve_device(cfg.device)
     store_loc = open_location(cfg.store)
     catalogue_url = open_location(cfg.catalogue, must_exist=True, what="catalogue").url
-    with StoreLock(store_loc, owner=f"ingest@{socket.gethostname()}:{os.getpid()}"):
+    with tags(f"model:{spec.slug}"), StoreLock(store_loc, owner=f"ingest@{socket.gethostname()}:{os.getpid()}"):
         state, orphans = prepare_state_task(store_loc.url, spec.describe())
         run_id = new_run_id(state.seq + 1)
         summary = new_summary(spec, run_id, catalogue_url, store_loc.url)

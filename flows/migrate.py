@@ -6,6 +6,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from flows.build_index import build_index
+from flows.naming import run_name
 from flows.reencode import reencode
 from imgest import encoders
 from imgest.storage import open_location
@@ -17,7 +18,7 @@ from tasks.report import render_window
 ACTIONS = ("start", "status", "promote", "rollback", "finish")
 
 
-@flow(name="migrate", validate_parameters=True)
+@flow(name="migrate", flow_run_name=run_name("migrate", "to"), validate_parameters=True)
 def migrate(store: str, action: str, to: str | None = None, catalogue: str | None = None,
             gate: dict | None = None, margin: float = 0.0, retain_days: float = 7.0, batch_size: str = "auto",
             device: str = "auto", kind: str = "auto", memory: str = "4G", target_recall: float = 0.95,

@@ -6,13 +6,14 @@ from prefect import flow
 
 from flows.build_index import build_index
 from flows.ingest import ingest
+from flows.naming import run_name
 from imgest.encoders import DEFAULT_MODEL
 from imgest.storage import open_location
 from tasks.decode import DEFAULT_MAX_PIXELS
 from tasks.migration import check_window_model, collect_retired, nightly_models
 
 
-@flow(name="nightly", validate_parameters=True)
+@flow(name="nightly", flow_run_name=run_name("nightly", None), validate_parameters=True)
 def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: str = "auto", device: str = "auto",
             shard_size: int = 2000, decode_workers: int = 2, max_pixels: int = DEFAULT_MAX_PIXELS,
             kind: str = "auto", memory: str = "4G", target_recall: float = 0.95, k: int = 10) -> dict:

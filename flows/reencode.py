@@ -6,11 +6,12 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from flows.ingest import ingest
+from flows.naming import run_name
 from tasks.decode import DEFAULT_MAX_PIXELS
 from tasks.report import render_reencode
 
 
-@flow(name="reencode", validate_parameters=True)
+@flow(name="reencode", flow_run_name=run_name("reencode"), validate_parameters=True)
 def reencode(catalogue: str, store: str, model: str, batch_size: str = "auto", device: str = "auto",
              shard_size: int = 2000, decode_workers: int = 2, max_pixels: int = DEFAULT_MAX_PIXELS) -> dict:
     # An ingest into a namespace with no state encodes everything; killed, it resumes from committed shards.

@@ -51,3 +51,26 @@ def test_prefect_deploy_all_creates_the_deployments():
     assert schedule.cron == "0 2 * * *" and schedule.timezone == "Europe/London"
     assert nightly.parameters["model"] == "efficientnet-lite0" and nightly.work_pool_name == "imgest-process"
     assert not deployments["reencode"].schedules and not deployments["migrate"].schedules
+
+
+def test_runs_are_named_for_people_and_tagged_by_model(tmp_path):
+    from datetime import datetime, timezone
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from flows.nightly import nightly
+    from tests.helpers import gradient, png_bytes, write_files
+
+    write_files(str(tmp_path / "cat"), {f"{i}.png": png_bytes(gradient(i)) for i in range(3)})
+    result = nightly(catalogue=str(tmp_path / "cat"), store=str(tmp_path / "store"), model="raw-pixels",
+                     batch_size="4")
+    today = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=today)))
+        names = {r.name for r in runs}
+        ingest_run = next(r for r in runs if r.name == f"ingest-{today}-raw-pixels")
+        task_runs = client.read_task_runs()
+    assert f"nightly-{today}" in names and f"build-index-{today}-{result['ingest']['slug']}" in names
+    encode_tags = {t for tr in task_runs if tr.flow_run_id == ingest_run.id for t in tr.tags}
+    assert f"model:{result['ingest']['slug']}" in encode_tags
