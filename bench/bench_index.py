@@ -116,6 +116,24 @@ def suite(name: str, x: np.ndarray, memory: str, kinds: list[str], args, work: s
               f"{theirs['build_s']} = {ours_auto['build_s'] / theirs['build_s']:.2f} (goal <= 1)")
 
 
+def faiss_gflops() -> float:
+    import faiss
+
+    x, q = np.random.rand(50_000, 512).astype(np.float32), np.random.rand(1000, 512).astype(np.float32)
+    index = faiss.IndexFlatIP(512)
+    index.add(x)
+    t0 = time.perf_counter()
+    index.search(q, 10)
+    return 2 * 1000 * 50_000 * 512 / (time.perf_counter() - t0) / 1e9
+
+
+def numpy_gflops() -> float:
+    x, q = np.random.rand(50_000, 512).astype(np.float32), np.random.rand(1000, 512).astype(np.float32)
+    t0 = time.perf_counter()
+    q @ x.T
+    return 2 * 1000 * 50_000 * 512 / (time.perf_counter() - t0) / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=1_000_000)
@@ -133,6 +151,8 @@ def main() -> None:
     from threadpoolctl import threadpool_info
 
     work = tempfile.mkdtemp(prefix="imgest-index-bench-")
+    print(f"sgemm GFLOP/s: faiss {faiss_gflops():.1f}, numpy {numpy_gflops():.1f} "
+          f"(OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'unset')})")
     print(f"# imgest index benchmark ({time.strftime('%Y-%m-%d')}), faiss {faiss.__version__}, "
           f"{os.cpu_count()} cores, blas: " + ", ".join(f"{i['internal_api']} {i.get('architecture')}"
                                                        for i in threadpool_info()))

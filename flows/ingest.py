@@ -41,7 +41,7 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
     with tags(f"model:{spec.slug}"), StoreLock(store_loc, owner=f"ingest@{socket.gethostname()}:{os.getpid()}"):
         state, orphans = prepare_state_task(store_loc.url, spec.describe())
         run_id = new_run_id(state.seq + 1)
-        summary = new_summary(spec, run_id, catalogue_url, store_loc.url)
+        summary = new_summary(spec, run_id, catalogue_url, store_loc.url, cfg.to_dict())
         listing = list_catalogue_task(catalogue_url)
         # quote(): hand large values to tasks as they are; Prefect would otherwise walk every item in them
         plan = plan_ingest_task(quote(listing), quote(state), run_id, cfg.shard_size)

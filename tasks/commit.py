@@ -44,6 +44,8 @@ class RunSummary:
     snapshot_seq: int = 0
     projected_full_encode_hours: float = 0.0  # the whole listed catalogue at this run's images/s
     gpu_hours: float = 0.0
+    parameters: dict = field(default_factory=dict)  # the flow's validated configuration
+    imgest_version: str = ""
     rejected_items: list[tuple[str, str]] = field(default_factory=list)
     removed_orphans: list[str] = field(default_factory=list)
 
@@ -100,6 +102,11 @@ def commit_run_task(store_url: str, state: CatalogueState, plan: Plan, results: 
     return commit_run(Location(store_url), state, plan, results, summary)
 
 
-def new_summary(spec: EncoderSpec, run_id: str, catalogue: str, store: str) -> RunSummary:
-    return RunSummary(run_id=run_id, model_id=spec.model_id, slug=spec.slug, catalogue=catalogue, store=store,
-                      started=now_iso())
+def new_summary(spec: EncoderSpec, run_id: str, catalogue: str, store: str, parameters: dict) -> RunSummary:
+    import imgest
+    from imgest.storage import redact
+
+    parameters = {k: redact(v) if isinstance(v, str) else v for k, v in parameters.items()}
+    return RunSummary(run_id=run_id, model_id=spec.model_id, slug=spec.slug, catalogue=redact(catalogue),
+                      store=redact(store), started=now_iso(), parameters=parameters,
+                      imgest_version=imgest.__version__)

@@ -35,7 +35,7 @@ def last_run(store: Location, slug: str) -> dict | None:
     for name in sorted(runs, reverse=True):
         summary = store.read_json(f"runs/{name}")
         if summary.get("slug") == slug:
-            return {k: v for k, v in summary.items() if k not in ("rejected_items", "removed_orphans")}
+            return {k: v for k, v in summary.items() if k not in ("rejected_items", "removed_orphans", "parameters")}
     return None
 
 

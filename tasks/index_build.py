@@ -42,6 +42,35 @@ class Tuned:
         return asdict(self)
 
 
+GENERIC_KERNELS = ("prescott", "core2", "generic", "katmai", "atom", "nehalem")
+
+
+def faiss_blas() -> dict:
+    """The BLAS kernel faiss's bundled OpenBLAS picked; an old build may not know a new CPU and fall back
+    to a generic kernel several times slower (OPENBLAS_CORETYPE=Haswell or SkylakeX overrides it)."""
+    import faiss  # noqa: F401  (its OpenBLAS must be loaded to be listed)
+    from threadpoolctl import threadpool_info
+
+    for info in threadpool_info():
+        if info.get("internal_api") == "openblas" and "faiss" in info.get("filepath", ""):
+            arch = str(info.get("architecture"))
+            return {"library": "openblas", "version": info.get("version"), "kernel": arch,
+                    "generic": arch.lower() in GENERIC_KERNELS}
+    return {"library": "unknown", "version": None, "kernel": None, "generic": False}
+
+
+def warn_if_generic_blas() -> dict:
+    blas = faiss_blas()
+    if blas["generic"]:
+        import logging
+
+        logging.getLogger("imgest").warning(
+            "faiss's bundled OpenBLAS %s runs the generic %s kernel on this CPU: training and exact search "
+            "run several times slower; set OPENBLAS_CORETYPE=Haswell (or SkylakeX) for the build if the CPU has "
+            "AVX2 (see BENCHMARKS.md)", blas["version"], blas["kernel"])
+    return blas
+
+
 def build(vectors: np.ndarray, choice: IndexChoice, seed: int = 0):
     """Train (on a seeded sample of at most 256 points per centroid) and add; returns (index, times)."""
     import faiss

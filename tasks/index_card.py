@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 import imgest
 from imgest.storage import Location
-from tasks.index_build import BuildTimes, Tuned, build, tune_search
+from tasks.index_build import BuildTimes, Tuned, build, faiss_blas, tune_search, warn_if_generic_blas
 from tasks.index_choice import HNSW_M, RULE, IndexChoice, parse_memory
 from tasks.index_store import list_aliases, open_index, read_alias, set_alias, write_version
 from tasks.live import LiveVectors, load_live_vectors
@@ -33,6 +33,7 @@ def make_card(model: dict, live: LiveVectors, choice: IndexChoice, memory: str, 
     return {
         "imgest_version": imgest.__version__,
         "faiss_version": faiss.__version__,
+        "faiss_blas": faiss_blas(),
         "model_id": model["model_id"],
         "model_name": model["name"],
         "slug": model["slug"],
@@ -95,6 +96,7 @@ def load_live_task(store_url: str, model: dict) -> LiveVectors:
 
 @task(name="build-index", cache_policy=NO_CACHE)
 def build_task(vectors: np.ndarray, choice: IndexChoice):
+    warn_if_generic_blas()
     return build(vectors, choice)
 
 

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from datetime import UTC
 
 import pytest
 import yaml
@@ -54,7 +55,7 @@ def test_prefect_deploy_all_creates_the_deployments():
 
 
 def test_runs_are_named_for_people_and_tagged_by_model(tmp_path):
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
@@ -65,7 +66,7 @@ def test_runs_are_named_for_people_and_tagged_by_model(tmp_path):
     write_files(str(tmp_path / "cat"), {f"{i}.png": png_bytes(gradient(i)) for i in range(3)})
     result = nightly(catalogue=str(tmp_path / "cat"), store=str(tmp_path / "store"), model="raw-pixels",
                      batch_size="4")
-    today = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    today = datetime.now(UTC).strftime("%Y-%m-%d")
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=today)))
         names = {r.name for r in runs}

@@ -49,7 +49,7 @@ def test_nightly_builds_a_verified_version_and_moves_serving(lite0_store):
     assert result["ingest"]["encoded"] == n and card["n"] == n and card["d"] == 1280
     assert card["version"] == 1 and card["factory"] == "Flat" and card["recall"]["met"]
     for key in ("model_id", "factory", "search", "n", "d", "bytes_on_disk", "bytes_per_vector_by_encoding", "times",
-                "recall", "latency_ms_per_query", "snapshot", "sha256", "created", "imgest_version"):
+                "recall", "latency_ms_per_query", "snapshot", "sha256", "created", "imgest_version", "faiss_blas"):
         assert key in card, key
     assert card["bytes_per_vector_by_encoding"]["fp32"] == 4 * 1280
     index_file = store / card["index_file"]
