@@ -27,10 +27,10 @@ def test_parse_memory_rejects_nonsense():
     (1_000_000, 512, "4G", "HNSW32,Flat"),
     # 2.33 GB does not fit 1G; SQ8: 1M x 520 + 8192 x 2048 = 537 MB does
     (1_000_000, 512, "1G", "IVF8192,SQ8"),
-    # SQ8 does not fit 200M; PQ64: 1M x 72 + 16.8 MB + 1 MB = 90 MB does; 512 / 64 = 8 dims per code: OPQ
-    (1_000_000, 512, "200M", "OPQ64,IVF8192,PQ64"),
+    # SQ8 does not fit 200M; PQ64: 1M x 72 + 16.8 MB + 1 MB = 90 MB does (OPQ only by factory string)
+    (1_000_000, 512, "200M", "IVF8192,PQ64"),
     # d=1280 (Lite0): PQ64 gives 20 dims per sub-vector
-    (10_000_000, 1280, "2G", "OPQ64,IVF32768,PQ64"),
+    (10_000_000, 1280, "2G", "IVF32768,PQ64"),
 ])
 def test_choice_by_size_and_budget(n, d, memory, factory):
     assert choose_index(n, d, memory).factory == factory
@@ -38,7 +38,8 @@ def test_choice_by_size_and_budget(n, d, memory, factory):
 
 def test_explicit_kind_and_factory_override_the_rule():
     assert choose_index(1_000, 64, "4G", "hnsw").factory == "HNSW32,Flat"
-    assert choose_index(1_000_000, 512, "64G", "ivfpq").factory == "OPQ64,IVF8192,PQ64"
+    assert choose_index(1_000_000, 512, "64G", "ivfpq").factory == "IVF8192,PQ64"
+    assert choose_index(1_000_000, 512, "4G", "OPQ64_512,IVF8192,PQ64").kind == "factory"
     assert choose_index(5_000, 64, "4G", "IVF64,Flat").factory == "IVF64,Flat"
     with pytest.raises(IndexChoiceError, match="unknown index kind 'annoy'; allowed: auto, flat, hnsw"):
         choose_index(10, 8, "4G", "annoy")
