@@ -127,3 +127,22 @@ def test_query_set_for_another_root_is_refused(evaluated, tmp_path):
     build_class_queries(str(evaluated["cat"] / "fashion"), str(wrong), per_class=1)  # ids relative to fashion/
     with pytest.raises(QuerySetError, match="none of the .* relevant item ids .* another catalogue root"):
         evaluate(store=str(evaluated["store"]), queries=str(wrong))
+
+
+def test_serving_vs_shadow_evaluation_is_recorded_in_the_open_window(tmp_path):
+    from imgest.storage import Location
+    from tasks.migration import read_window, record_evaluation
+
+    store = Location(str(tmp_path))
+    store.write_json("migration/window.json", {"id": "w-1", "status": "open", "events": []})
+    report = {"metric": "recall@10", "queries": 40,
+              "a": {"alias": "serving", "metrics": {"recall@10": 0.8}},
+              "b": {"alias": "shadow", "metrics": {"recall@10": 0.85}},
+              "compare": {"bootstrap": {"recall@10": {"low": 0.01, "high": 0.09}}}}
+    record_evaluation(store, report)
+    evaluation = read_window(store)["evaluation"]
+    assert (evaluation["serving"], evaluation["shadow"], evaluation["queries"]) == (0.8, 0.85, 40)
+    assert evaluation["interval"] == {"low": 0.01, "high": 0.09}
+    other = {**report, "b": {"alias": "pixels", "metrics": {"recall@10": 0.1}}}
+    record_evaluation(store, other)  # not serving vs shadow: the window keeps the last relevant result
+    assert read_window(store)["evaluation"]["shadow"] == 0.85
