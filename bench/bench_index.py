@@ -4,8 +4,9 @@ on clustered synthetic vectors and on real Lite0 embeddings, beside autofaiss at
     .venv/bin/python bench/bench_index.py --n 1000000 --d 512 --memory 1G \
         --real-store /tmp/imgest-bench/store-big --real-memory 40M
 
-autofaiss runs in its own virtualenv (it pins numpy < 2, so pyarrow < 20 there):
-    python3 -m venv .venv-bench && .venv-bench/bin/pip install autofaiss "pyarrow<20"
+autofaiss runs in its own virtualenv (it pins numpy < 2, so pyarrow < 20 there; autofaiss 2.18 calls
+faiss.OPQMatrix(M=...), which faiss 1.15 no longer accepts, so that environment keeps faiss 1.7.4):
+    python3 -m venv .venv-bench && .venv-bench/bin/pip install autofaiss "pyarrow<20" "faiss-cpu==1.7.4"
 Its index is then loaded here, with the search parameters it chose, and measured by the same code.
 """
 
@@ -69,7 +70,12 @@ def autofaiss_run(x, memory, qids, truth, python, work) -> dict:
     os.makedirs(emb, exist_ok=True)
     np.save(os.path.join(emb, "part-0.npy"), x)
     out = subprocess.run([python, os.path.join(ROOT, "bench", "autofaiss_child.py"), emb, work, memory],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        reason = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"autofaiss failed: {reason}", flush=True)
+        return {"who": "autofaiss (failed)", "factory": reason[:60], "build_s": float("nan"), "tune_s": 0.0,
+                "param": "", "recall@10": float("nan"), "qps": float("nan"), "bytes": 0}
     result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
     index = faiss.read_index(os.path.join(work, "autofaiss.index"))
     params = result["infos"].get("index_param", "")
@@ -79,6 +85,13 @@ def autofaiss_run(x, memory, qids, truth, python, work) -> dict:
     return {"who": "autofaiss", "factory": result["infos"].get("index_key"), "build_s": result["seconds"],
             "tune_s": 0.0, "param": params, "recall@10": round(recall, 4), "qps": round(qps, 1),
             "bytes": os.path.getsize(os.path.join(work, "autofaiss.index"))}
+
+
+def autofaiss_versions(python: str) -> str:
+    out = subprocess.run([python, "-c", "import autofaiss, faiss; from importlib.metadata import version; "
+                          "print('autofaiss', version('autofaiss'), 'faiss', faiss.__version__)"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or out.stderr.strip()[-200:]
 
 
 def table(title: str, rows: list[dict]) -> None:
@@ -110,6 +123,7 @@ def suite(name: str, x: np.ndarray, memory: str, kinds: list[str], args, work: s
     table(f"{name} (budget {memory})", rows)
     ours_auto = next(r for r in rows if r["who"].startswith("imgest (auto"))
     theirs = next((r for r in rows if r["who"] == "autofaiss"), None)
+    print(f"autofaiss environment: {autofaiss_versions(args.autofaiss_python)}")
     if theirs:
         print(f"\nimgest auto / autofaiss at {memory}: recall {ours_auto['recall@10']} / {theirs['recall@10']} = "
               f"{ours_auto['recall@10'] / theirs['recall@10']:.3f} (goal >= 1); build time {ours_auto['build_s']} / "
