@@ -99,13 +99,6 @@ class Location:
         path = self.path(key)
         return path if self.is_local else self.fs.unstrip_protocol(path)
 
-    def child(self, key: str) -> Location:
-        clone = object.__new__(Location)
-        clone.fs, clone.is_local = self.fs, self.is_local
-        clone.root = self.path(key)
-        clone.url = self.uri(key)
-        return clone
-
     # -- listing -----------------------------------------------------------------------------
     def exists(self, key: str = "") -> bool:
         return self.fs.exists(self.path(key))
@@ -150,10 +143,6 @@ class Location:
         with self.fs.open(self.path(key), "rb") as fh:
             return pq.read_table(fh, columns=columns)
 
-    def read_parquet_metadata(self, key: str) -> dict[str, str]:
-        with self.fs.open(self.path(key), "rb") as fh:
-            meta = pq.read_schema(fh).metadata or {}
-        return {k.decode(): v.decode() for k, v in meta.items()}
 
     # -- writing -----------------------------------------------------------------------------
     def write_bytes(self, key: str, data: bytes) -> None:

@@ -86,15 +86,16 @@ def tuning_key(slug: str, key: str) -> str:
     return f"tuning/model={slug}/{key}.json"
 
 
-def cached_or_tuned(store: Location, encoder: Encoder) -> Tuning:
+def cached_or_tuned(store: Location, encoder: Encoder) -> tuple[Tuning, bool]:
+    """The (model, device) tuning from the store, or a fresh measurement saved there; and whether cached."""
     key = tuning_key(encoder.spec.slug, device_key(encoder.device))
     if store.exists(key):
         cached = store.read_json(key)
         cached["measured"] = {int(k): v for k, v in cached["measured"].items()}
-        return Tuning(**cached)
+        return Tuning(**cached), True
     tuning = tune_batch_size(encoder)
     store.write_json(key, asdict(tuning))
-    return tuning
+    return tuning, False
 
 
 def choose_batch_size(store_url: str, spec, device: str, fixed: int | None) -> tuple[int, str]:
@@ -105,8 +106,7 @@ def choose_batch_size(store_url: str, spec, device: str, fixed: int | None) -> t
 
     store = Location(store_url)
     encoder = encoders.load(spec, device)
-    cached = store.exists(tuning_key(spec.slug, device_key(encoder.device)))
-    tuning = cached_or_tuned(store, encoder)
+    tuning, cached = cached_or_tuned(store, encoder)
     rates = ", ".join(f"{b}: {r}" for b, r in sorted(tuning.measured.items()))
     return tuning.batch_size, f"auto, {'cached' if cached else 'measured'} img/s by batch {{{rates}}}"
 

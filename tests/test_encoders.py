@@ -97,7 +97,7 @@ def test_tuning_picks_the_measured_best_and_caches_it(tiny_models, tmp_path):
     assert tuning.batch_size == max(tuning.measured, key=tuning.measured.get)
     assert all(rate > 0 for rate in tuning.measured.values())
     store = Location(str(tmp_path))
-    first = cached_or_tuned(store, encoder)
+    first, cached = cached_or_tuned(store, encoder)
     key = f"tuning/model={encoder.spec.slug}/{tuning.device_key}.json"
-    assert store.exists(key)
-    assert cached_or_tuned(store, encoder) == first  # read back, not measured again
+    assert store.exists(key) and not cached
+    assert cached_or_tuned(store, encoder) == (first, True)  # read back, not measured again
