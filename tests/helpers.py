@@ -128,3 +128,18 @@ def make_tiny_hf_model(kind: str, folder: str) -> str:
         PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
                                 model_max_length=16).save_pretrained(folder)
     return folder
+
+
+# Prepended to a subprocess script: its run hangs after the first shard commits (as a stuck GPU or a slow store
+# would), so a test can act mid-run and kill it however fast the machine is.
+HANG_AFTER_FIRST_SHARD = """
+import time
+import tasks.shards
+
+_flush = tasks.shards.ShardWriter.flush
+def _flush_then_hang(self):
+    result = _flush(self)
+    time.sleep(3600)
+    return result
+tasks.shards.ShardWriter.flush = _flush_then_hang
+"""

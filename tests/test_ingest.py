@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from flows.ingest import ingest
 from imgest.cli import app
 from tasks.export import export_live, store_status
-from tests.helpers import gradient, hostile_files, jpeg_bytes, small_catalogue, write_files
+from tests.helpers import HANG_AFTER_FIRST_SHARD, gradient, hostile_files, jpeg_bytes, small_catalogue, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 SECRET = os.environ["AWS_SECRET_ACCESS_KEY"]
@@ -141,7 +141,7 @@ def test_empty_catalogue_ingests_nothing(tmp_path):
     assert run["listed"] == 0 and run["encoded"] == 0
 
 
-KILLABLE = """
+KILLABLE = HANG_AFTER_FIRST_SHARD + """
 import sys
 from flows.ingest import ingest
 ingest(catalogue=sys.argv[1], store=sys.argv[2], batch_size="1", shard_size=4)

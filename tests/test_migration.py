@@ -19,7 +19,7 @@ from imgest.storage import Location
 from tasks.index_store import read_alias
 from tasks.migration import MigrationError, read_window, window_status
 from tasks.search import Query, Searcher, fused_search
-from tests.helpers import gradient, jpeg_bytes, write_files
+from tests.helpers import HANG_AFTER_FIRST_SHARD, gradient, jpeg_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -56,7 +56,7 @@ def catalogue(root, n, size=(96, 96)):
     write_files(str(root), {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, size)) for i in range(n)})
 
 
-KILL_START = """
+KILL_START = HANG_AFTER_FIRST_SHARD + """
 import sys
 from flows.migrate import migrate
 migrate(store=sys.argv[1], action="start", to=sys.argv[2], batch_size="1", shard_size=3)
