@@ -114,12 +114,14 @@ def suite(name: str, x: np.ndarray, memory: str, kinds: list[str], args, work: s
         rows.append(ours(x, kind, "1T", qids, truth, args.queries))
         if choose_index(len(x), x.shape[1], "1T", kind).factory == auto.factory:
             rows[-1]["who"] = f"imgest (auto at {memory})"
-        print(rows[-1], flush=True)
+        print(time.strftime("%H:%M:%S"), rows[-1], flush=True)
     if not any(r["factory"] == auto.factory for r in rows):
         rows.append(ours(x, "auto", memory, qids, truth, args.queries) | {"who": f"imgest (auto at {memory})"})
     if args.autofaiss_python and os.path.exists(args.autofaiss_python):
+        print(time.strftime("%H:%M:%S"), "autofaiss starts", flush=True)
         rows.append(autofaiss_run(x, memory, qids, truth, args.autofaiss_python,
                                   os.path.join(work, name.replace(" ", "-"))))
+        print(time.strftime("%H:%M:%S"), rows[-1], flush=True)
     table(f"{name} (budget {memory})", rows)
     ours_auto = next(r for r in rows if r["who"].startswith("imgest (auto"))
     theirs = next((r for r in rows if r["who"] == "autofaiss"), None)
@@ -179,7 +181,8 @@ def main() -> None:
         store = Location(args.real_store)
         card = find_model(store, "efficientnet-lite0")
         live = load_live_vectors(store, card["slug"], card["dim"])
-        suite("real Lite0 embeddings", live.vectors, args.real_memory, ["flat", *kinds], args, work)
+        real_kinds = list(dict.fromkeys(["flat", *kinds]))
+        suite("real Lite0 embeddings", live.vectors, args.real_memory, real_kinds, args, work)
     if not args.skip_synthetic:
         suite("clustered synthetic", clustered(args.n, args.d), args.memory, kinds, args, work)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 from tasks.decode import DEFAULT_MAX_PIXELS
@@ -26,6 +27,18 @@ def parse_batch_size(value: str | int) -> int | None:
     return size
 
 
+RUNNERS = "local, dask, or a Dask scheduler address (tcp://host:8786, tls://...)"
+
+
+def check_runner(runner: str, workers: int) -> None:
+    if runner not in ("local", "dask") and not runner.startswith(("tcp://", "tls://", "ucx://")):
+        raise ConfigError(f"runner must be {RUNNERS}; got {runner!r}")
+    if not isinstance(workers, int) or workers < 0:
+        raise ConfigError(f"workers must be an integer >= 0 (0: one per CPU core); got {workers!r}")
+    if runner != "dask" and workers:
+        raise ConfigError("workers sets the size of a local Dask cluster: use it with runner 'dask'")
+
+
 @dataclass(frozen=True)
 class IngestConfig:
     catalogue: str
@@ -36,8 +49,15 @@ class IngestConfig:
     shard_size: int = DEFAULT_SHARD_SIZE
     decode_workers: int = 2
     max_pixels: int = DEFAULT_MAX_PIXELS
+    runner: str = "local"
+    workers: int = 0
+    encode_limit: str = "auto"
 
     def __post_init__(self) -> None:
+        check_runner(self.runner, self.workers)
+        if not re.fullmatch(r"[A-Za-z0-9._:-]+", str(self.encode_limit)):
+            raise ConfigError("encode_limit must be 'auto' (one encode per GPU), 'none' or the name of a Prefect "
+                              f"global concurrency limit (letters, digits, . _ : -); got {self.encode_limit!r}")
         for name in ("catalogue", "store", "model"):
             if not str(getattr(self, name)).strip():
                 raise ConfigError(f"{name} must not be empty")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 from prefect import flow, tags, unmapped
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
@@ -12,6 +13,7 @@ from prefect.utilities.annotations import quote
 
 from flows.config import IngestConfig
 from flows.naming import run_name
+from flows.runners import shard_runner
 from imgest import encoders
 from imgest.encoders import DEFAULT_MODEL
 from imgest.lock import StoreLock
@@ -26,14 +28,16 @@ from tasks.state import new_run_id, prepare_state_task
 from tasks.tuning import choose_batch_size_task
 
 
-# One shard task at a time: each shard already decodes in parallel ahead of its encoder, and two
-# shards sharing one model would only fight over the same cores or GPU.
+# Listing, planning and commit run in the flow's process; encode-shard tasks run on `runner`
+# (flows/runners.py): one at a time locally, or spread over a Dask cluster.
 @flow(name="ingest", flow_run_name=run_name("ingest"), task_runner=ThreadPoolTaskRunner(max_workers=1),
       validate_parameters=True)
 def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: str = "auto",
            device: str = "auto", shard_size: int = 2000, decode_workers: int = 2,
-           max_pixels: int = DEFAULT_MAX_PIXELS) -> dict:
-    cfg = IngestConfig(catalogue, store, model, str(batch_size), device, shard_size, decode_workers, max_pixels)
+           max_pixels: int = DEFAULT_MAX_PIXELS, runner: str = "local", workers: int = 0,
+           encode_limit: str = "auto") -> dict:
+    cfg = IngestConfig(catalogue, store, model, str(batch_size), device, shard_size, decode_workers, max_pixels,
+                       runner, workers, encode_limit)
     spec = encoders.resolve(cfg.model)
     device = encoders.resolve_device(cfg.device)
     store_loc = open_location(cfg.store)
@@ -48,18 +52,22 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
         batch, source = (0, "nothing to encode")
         if plan.shards:
             batch, source = choose_batch_size_task(store_loc.url, spec, device, cfg.fixed_batch_size)
-        futures = encode_shard_task.map(plan.shards, unmapped(spec), unmapped(device), unmapped(catalogue_url),
-                                        unmapped(store_loc.url), unmapped(batch), unmapped(cfg.decode_workers),
-                                        unmapped(cfg.max_pixels))
-        progress = None
+        results = []
         if plan.shards:
             progress = create_progress_artifact(0.0, key="ingest-progress",
                                                 description=f"{len(plan.shards)} shard(s) to encode")
-        results = []
-        for future in futures:  # in shard order, so progress moves as shards commit
-            results.append(future.result())
-            update_progress_artifact(progress, 100.0 * len(results) / len(plan.shards),
-                                     description=progress_line(results, plan))
+            with shard_runner(cfg.runner, cfg.workers) as shard_tasks:
+                started = time.perf_counter()  # after a local cluster has started
+                futures = shard_tasks.map(encode_shard_task, {
+                    "plan": plan.shards, "spec": unmapped(spec), "device": unmapped(device),
+                    "catalogue_url": unmapped(catalogue_url), "store_url": unmapped(store_loc.url),
+                    "batch_size": unmapped(batch), "decode_workers": unmapped(cfg.decode_workers),
+                    "max_pixels": unmapped(cfg.max_pixels), "encode_limit": unmapped(cfg.encode_limit)})
+                for future in futures:  # in shard order, so progress moves as shards commit
+                    results.append(future.result())
+                    update_progress_artifact(progress, 100.0 * len(results) / len(plan.shards),
+                                             description=progress_line(results, plan))
+                summary.encode_wall_seconds = round(time.perf_counter() - started, 3)
         summary.batch_size, summary.batch_size_source, summary.device = batch, source, device
         summary.removed_orphans = orphans
         summary = commit_run_task(store_loc.url, quote(state), quote(plan), quote(results), summary)

@@ -16,11 +16,13 @@ from tasks.migration import check_window_model, collect_retired, nightly_models
 @flow(name="nightly", flow_run_name=run_name("nightly", None), validate_parameters=True)
 def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: str = "auto", device: str = "auto",
             shard_size: int = 2000, decode_workers: int = 2, max_pixels: int = DEFAULT_MAX_PIXELS,
-            kind: str = "auto", memory: str = "4G", target_recall: float = 0.95, k: int = 10) -> dict:
+            kind: str = "auto", memory: str = "4G", target_recall: float = 0.95, k: int = 10, runner: str = "local",
+            workers: int = 0) -> dict:
     store_loc = open_location(store)
     runs = []
     for name, expected_slug in nightly_models(store_loc, model):
-        summary = ingest(catalogue, store, name, batch_size, device, shard_size, decode_workers, max_pixels)
+        summary = ingest(catalogue, store, name, batch_size, device, shard_size, decode_workers, max_pixels,
+                         runner=runner, workers=workers)
         check_window_model(expected_slug, summary)
         # alias "auto": each rebuilt index moves the aliases already on its model (serving, shadow, previous)
         index = build_index(store, summary["slug"], kind, memory, target_recall, k, alias="auto")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
+import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -39,7 +40,9 @@ class RunSummary:
     batch_size_source: str = ""
     device: str = ""
     images_per_second: float = 0.0
-    encode_seconds: float = 0.0
+    encode_seconds: float = 0.0  # summed over shards (busy time of all workers)
+    encode_wall_seconds: float = 0.0  # first shard started to last shard done, as the flow saw it
+    workers: list[str] = field(default_factory=list)  # host:pid of each process that encoded a shard
     seconds: float = 0.0
     snapshot_seq: int = 0
     projected_full_encode_hours: float = 0.0  # the whole listed catalogue at this run's images/s
@@ -55,6 +58,27 @@ class RunSummary:
 
 def summary_key(run_id: str) -> str:
     return f"runs/{run_id}.json"
+
+
+def timeline_key(run_id: str) -> str:
+    return f"runs/{run_id}.shards.parquet"
+
+
+def shard_timeline(results: list[ShardResult]) -> pa.Table:
+    """One row per shard this run encoded: which worker, when, how long, what came out."""
+    return pa.table({
+        "shard": [r.shard for r in results],
+        "worker": [r.worker for r in results],
+        "started": pa.array([r.started or None for r in results], pa.string()).cast(pa.timestamp("us", tz="UTC")),
+        "finished": pa.array([r.finished or None for r in results], pa.string()).cast(pa.timestamp("us", tz="UTC")),
+        "seconds": pa.array([r.seconds for r in results], pa.float64()),
+        "encode_seconds": pa.array([r.encode_seconds for r in results], pa.float64()),
+        "wait_seconds": pa.array([r.wait_seconds for r in results], pa.float64()),
+        "encoded": pa.array([r.encoded for r in results], pa.int64()),
+        "rejected": pa.array([len(r.rejected) for r in results], pa.int64()),
+        "bytes": pa.array([r.bytes for r in results], pa.int64()),
+        "sha256": pa.array([r.sha256 for r in results], pa.string()),
+    })
 
 
 def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list[ShardResult],
@@ -79,8 +103,11 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
     summary.shards = len(results)
     summary.resumed_shards = resumed
     summary.encode_seconds = round(sum(r.seconds for r in results), 3)
-    if summary.encode_seconds:
-        summary.images_per_second = round(summary.encoded / summary.encode_seconds, 2)
+    summary.workers = sorted({r.worker for r in results if r.worker})
+    # throughput of the whole encode phase: with N workers in parallel, wall time, not summed busy time
+    elapsed = summary.encode_wall_seconds or summary.encode_seconds
+    if elapsed:
+        summary.images_per_second = round(summary.encoded / elapsed, 2)
     if summary.images_per_second:
         summary.projected_full_encode_hours = round(summary.listed / summary.images_per_second / 3600, 3)
     if summary.device.startswith("cuda"):
@@ -92,6 +119,8 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
         summary.snapshot_seq = state.seq
     summary.finished = now_iso()
     summary.seconds = (datetime.fromisoformat(summary.finished) - datetime.fromisoformat(summary.started)).seconds
+    if results:
+        store.write_table(timeline_key(plan.run_id), shard_timeline(results))
     store.write_json(summary_key(plan.run_id), summary.to_dict())
     return summary
 

@@ -6,7 +6,7 @@ import io
 import warnings
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 DEFAULT_MAX_PIXELS = 100_000_000  # 10k x 10k; larger is treated as a decompression bomb
 # Pillow's own guard fires at 2x MAX_IMAGE_PIXELS during open(); ours is checked before load().
@@ -18,6 +18,9 @@ class DecodeError(ValueError):
 
 
 def _reason(exc: BaseException) -> str:
+    if isinstance(exc, UnidentifiedImageError):  # Pillow's message names a BytesIO's memory address
+        return (f"{type(exc).__name__}: not in an image format Pillow reads (JPEG, PNG, WebP, GIF, TIFF, BMP, "
+                "and the others listed by `python -m PIL`)")
     return f"{type(exc).__name__}: {exc}"
 
 

@@ -59,6 +59,9 @@ class ShardResult:
     seconds: float = 0.0
     encode_seconds: float = 0.0
     wait_seconds: float = 0.0  # encoder idle, waiting on decode
+    worker: str = ""  # host:pid of the process that encoded it
+    started: str = ""  # UTC ISO times of the encode, for a timeline of the workers
+    finished: str = ""
 
 
 def _object_fields(item: WorkItem, content_hash: str) -> dict:
@@ -118,6 +121,7 @@ class ShardWriter:
     def flush(self) -> ShardResult:
         """Write the Parquet file (atomically), then the commit marker that makes it count."""
         self.result.encoded = len(self._rows)
+        self.result.finished = datetime.now(UTC).isoformat(timespec="microseconds")
         if self._rows:
             data = self.store.write_table(shard_key(self.spec.slug, self.plan.name), self._table())
             self.result.bytes, self.result.sha256 = len(data), hashlib.sha256(data).hexdigest()
@@ -130,6 +134,9 @@ class ShardWriter:
             "bytes": self.result.bytes,
             "sha256": self.result.sha256,
             "created": now_iso(),
+            "worker": self.result.worker,
+            "started": self.result.started,
+            "finished": self.result.finished,
             "encoded": self._rows,
             "rejected": self._rejected,
             "unchanged": self._unchanged,

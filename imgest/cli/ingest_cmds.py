@@ -9,6 +9,10 @@ import typer
 
 from imgest.cli import _fail, _user_errors, app
 
+RUNNER = typer.Option("local", help="Where shards encode: local (this process), dask (a local Dask cluster of "
+                                    "worker processes) or a Dask scheduler address tcp://host:8786")
+WORKERS = typer.Option(0, help="Worker processes of a local Dask cluster (--runner dask); 0: one per CPU core")
+
 
 @app.command()
 def ingest(
@@ -20,6 +24,10 @@ def ingest(
     shard_size: int = typer.Option(2000, help="Images per shard (one Prefect task per shard)"),
     decode_workers: int = typer.Option(2, help="Threads reading and decoding ahead of the encoder"),
     max_pixels: int = typer.Option(100_000_000, help="Larger images are rejected as decompression bombs"),
+    runner: str = RUNNER,
+    workers: int = WORKERS,
+    encode_limit: str = typer.Option("auto", help="Prefect global concurrency limit each encode holds a slot of: "
+                                                  "auto (one encode per GPU at a time; none on CPU), none, or a name"),
     as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON"),
 ) -> None:
     """Encode what is new or changed in the catalogue; tombstone what was deleted."""
@@ -29,7 +37,8 @@ def ingest(
         from imgest.storage import open_location
 
         # Fail on bad input before Prefect starts its server: a one-line reason, exit 2.
-        cfg = IngestConfig(catalogue, store, model, batch_size, device, shard_size, decode_workers, max_pixels)
+        cfg = IngestConfig(catalogue, store, model, batch_size, device, shard_size, decode_workers, max_pixels,
+                           runner, workers, encode_limit)
         encoders.resolve(cfg.model)
         encoders.resolve_device(cfg.device)
         open_location(cfg.catalogue, must_exist=True, what="catalogue")
@@ -103,6 +112,8 @@ def reencode(
     model: str = typer.Option(..., help="The new model: efficientnet-lite0 or hf:<hub id or local folder>"),
     batch_size: str = typer.Option("auto", help="'auto' or N"),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
+    runner: str = RUNNER,
+    workers: int = WORKERS,
 ) -> None:
     """Encode the whole catalogue with a new model into its own namespace (resumable; old data untouched)."""
     try:
@@ -110,13 +121,14 @@ def reencode(
         from imgest import encoders
         from imgest.storage import open_location
 
-        IngestConfig(catalogue, store, model, batch_size, device)
+        IngestConfig(catalogue, store, model, batch_size, device, runner=runner, workers=workers)
         encoders.resolve(model)
         open_location(catalogue, must_exist=True, what="catalogue")
         from flows.reencode import reencode as reencode_flow
         from tasks.report import render_reencode
 
-        summary = reencode_flow(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device)
+        summary = reencode_flow(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
+                                runner=runner, workers=workers)
     except _user_errors() as exc:
         _fail(exc)
     typer.echo(render_reencode(summary))
@@ -132,6 +144,8 @@ def nightly(
     kind: str = typer.Option("auto", help="Index kind or faiss factory string"),
     memory: str = typer.Option("4G", help="Memory budget for the index"),
     target_recall: float = typer.Option(0.95, help="recall@10 target for the served parameters"),
+    runner: str = RUNNER,
+    workers: int = WORKERS,
 ) -> None:
     """Ingest, then build and verify a fresh index and move `serving` to it."""
     try:
@@ -139,7 +153,7 @@ def nightly(
         from imgest import encoders
         from imgest.storage import open_location
 
-        IngestConfig(catalogue, store, model, batch_size, device)
+        IngestConfig(catalogue, store, model, batch_size, device, runner=runner, workers=workers)
         IndexConfig(store, model, kind, memory, target_recall)
         encoders.resolve(model)
         open_location(catalogue, must_exist=True, what="catalogue")
@@ -150,7 +164,7 @@ def nightly(
         from tasks.report import render_summary
 
         result = nightly_flow(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
-                              kind=kind, memory=memory, target_recall=target_recall)
+                              kind=kind, memory=memory, target_recall=target_recall, runner=runner, workers=workers)
     except _user_errors() as exc:
         _fail(exc)
     typer.echo(render_summary(RunSummary(**result["ingest"])))
@@ -172,7 +186,7 @@ def demo(
         counts = build_demo_catalogue(catalogue, fashion_per_class=per_class)
         typer.echo(f"demo catalogue written to {catalogue}: {counts}")
     nightly(catalogue=catalogue, store=store_dir, model="efficientnet-lite0", batch_size="auto", device="auto",
-            kind="auto", memory="4G", target_recall=0.95)
+            kind="auto", memory="4G", target_recall=0.95, runner="local", workers=0)
     status(store=store_dir, as_json=False)
     query = os.path.join(catalogue, "photos", "chelsea.jpg")
     typer.echo(f"\n$ imgest search --store {store_dir} --image {query} --k 5")

@@ -1,0 +1,59 @@
+"""Scale-out: shard encoding on a real Dask cluster (worker processes) through prefect-dask."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from flows.ingest import ingest
+from tests.helpers import gradient, jpeg_bytes, write_files
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+def _shards(store) -> dict[str, tuple[str, np.ndarray]]:
+    """item_id -> (shard number within its run, embedding), from the Parquet shards as written."""
+    out = {}
+    for path in sorted(store.glob("embeddings/model=*/part-*.parquet")):
+        table = pq.read_table(path)
+        for item_id, emb in zip(table.column("item_id").to_pylist(), table.column("embedding").to_pylist()):
+            out[item_id] = (path.stem.rsplit("-", 1)[-1], np.asarray(emb, np.float32))
+    return out
+
+
+def test_dask_cluster_writes_the_same_shards_as_local_one_encode_per_limit_slot(tmp_path):
+    from prefect.client.orchestration import get_client
+
+    cat = tmp_path / "catalogue"
+    files = {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, (96, 96))) for i in range(14)}
+    files["p/broken.jpg"] = b"\xff\xd8\xff not a jpeg"
+    write_files(str(cat), files)
+    common = {"catalogue": str(cat), "model": "efficientnet-lite0", "batch_size": "2", "shard_size": 3}
+
+    local = ingest(store=str(tmp_path / "local"), **common)
+    dask = ingest(store=str(tmp_path / "dask"), runner="dask", workers=2, encode_limit="imgest-test-one-encode",
+                  **common)
+
+    assert local["workers"] and len(local["workers"]) == 1
+    assert len(dask["workers"]) == 2, "both worker processes encoded shards"
+    assert dask["parameters"]["runner"] == "dask"
+    for key in ("listed", "new", "encoded", "rejected", "shards"):
+        assert dask[key] == local[key], key
+    assert dask["rejected_items"] == local["rejected_items"]
+    a, b = _shards(tmp_path / "local"), _shards(tmp_path / "dask")
+    assert a.keys() == b.keys() and len(a) == 14
+    for item_id in a:
+        assert a[item_id][0] == b[item_id][0], f"{item_id} in the same shard"
+        np.testing.assert_allclose(a[item_id][1], b[item_id][1], atol=2e-5)
+
+    # The global concurrency limit exists with one slot, and no two encodes held it at once.
+    timeline = pq.read_table(tmp_path / "dask" / "runs" / f"{dask['run_id']}.shards.parquet").to_pylist()
+    spans = sorted((row["started"], row["finished"]) for row in timeline)
+    assert len(spans) == dask["shards"] == 5
+    assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:])), spans
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name("imgest-test-one-encode")
+        assert limit.limit == 1 and limit.active_slots == 0
+        runs = [r for r in client.read_task_runs() if r.name.startswith("encode-part-" + dask["run_id"])]
+    assert len(runs) == 5 and all(r.state.is_completed() for r in runs), "task runs reported to this server"
