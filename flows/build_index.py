@@ -25,6 +25,7 @@ from tasks.index_card import (
     write_version_task,
 )
 from tasks.index_choice import choose_index
+from tasks.plots import markdown_image, recall_sweep_png
 
 
 @flow(name="build-index", flow_run_name=run_name("build-index"), validate_parameters=True)
@@ -45,6 +46,9 @@ def build_index(store: str, model: str = DEFAULT_MODEL, kind: str = "auto", memo
         card = write_version_task(store_loc.url, index, quote(live),
                                   make_card(card_model, live, choice, cfg.memory, times, tuned))
         moved = verify_and_alias_task(store_loc.url, card, cfg.alias)
-    create_markdown_artifact(render_card(card), key="index-card",
+    markdown = render_card(card)
+    if card["search"]["param"]:  # an ANN index: its recall sweep, the target and the served value
+        markdown += "\n\n" + markdown_image(recall_sweep_png(card), "recall sweep")
+    create_markdown_artifact(markdown, key="index-card",
                              description=f"index model={card['slug']} v{card['version']:04d}")
     return {"built": True, "card": card, "aliases": [a["alias"] for a in moved]}

@@ -20,7 +20,7 @@ from imgest.lock import StoreLock
 from imgest.storage import open_location
 from tasks.commit import commit_run_task, new_summary
 from tasks.decode import DEFAULT_MAX_PIXELS
-from tasks.encode import encode_shard_task
+from tasks.encode import ShardFailedError, encode_shard_task, one_line
 from tasks.listing import list_catalogue_task
 from tasks.plan import plan_ingest_task
 from tasks.report import progress_line, render_summary
@@ -63,8 +63,12 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
                     "catalogue_url": unmapped(catalogue_url), "store_url": unmapped(store_loc.url),
                     "batch_size": unmapped(batch), "decode_workers": unmapped(cfg.decode_workers),
                     "max_pixels": unmapped(cfg.max_pixels), "encode_limit": unmapped(cfg.encode_limit)})
-                for future in futures:  # in shard order, so progress moves as shards commit
-                    results.append(future.result())
+                for shard, future in zip(plan.shards, futures):  # in order: progress moves as shards commit
+                    try:
+                        results.append(future.result())
+                    except Exception as exc:
+                        raise ShardFailedError(f"shard {shard.name} ({len(shard.items)} objects) failed after "
+                                               f"retries: {one_line(exc)}") from exc
                     update_progress_artifact(progress, 100.0 * len(results) / len(plan.shards),
                                              description=progress_line(results, plan))
                 summary.encode_wall_seconds = round(time.perf_counter() - started, 3)

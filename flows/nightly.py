@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prefect import flow
+from prefect.artifacts import create_markdown_artifact
 
 from flows.build_index import build_index
 from flows.ingest import ingest
@@ -28,4 +29,26 @@ def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: 
         index = build_index(store, summary["slug"], kind, memory, target_recall, k, alias="auto")
         runs.append({"ingest": summary, "index": index})
     # models retired by a finished migration window go once their retention has passed and no alias needs them
-    return {**runs[0], "models": runs, "retired": collect_retired(store_loc)}
+    retired = collect_retired(store_loc)
+    create_markdown_artifact(render_nightly(runs, retired), key="nightly-summary",
+                             description=f"nightly {store_loc.url}")
+    return {**runs[0], "models": runs, "retired": retired}
+
+
+def render_nightly(runs: list[dict], retired: list) -> str:
+    lines = ["# imgest nightly", "", "| model | listed | encoded | rejected | deleted | images/s | index | recall@k "
+             "| aliases |", "|---|---:|---:|---:|---:|---:|---|---:|---|"]
+    for run in runs:
+        s, index = run["ingest"], run["index"]
+        if index.get("built"):
+            card = index["card"]
+            built = f"v{card['version']:04d} `{card['factory']}`"
+            rec = card["recall"]
+            recall = f"{rec['recall@' + str(rec['k'])]:.3f}"
+        else:
+            built, recall = index.get("reason", "not built"), "-"
+        lines.append(f"| `{s['model_id']}` | {s['listed']} | {s['encoded']} | {s['rejected']} | {s['deleted']} | "
+                     f"{s['images_per_second']} | {built} | {recall} | {', '.join(index.get('aliases', [])) or '-'} |")
+    if retired:
+        lines += ["", f"Retired: {', '.join(map(str, retired))}"]
+    return "\n".join(lines)

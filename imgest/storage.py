@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,25 @@ def _url_to_fs(url: str, **storage_options: Any):
         raise StorageError(f"cannot open {redact(url)}: {exc}") from exc
 
 
+def _io(verb: str) -> Callable:
+    """Failures of the store itself (unreachable, denied, full) become one StorageError line naming the
+    location, the key and the cause; FileNotFoundError and FileExistsError stay what they are."""
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def call(self: Location, key: str = "", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, key, *args, **kwargs)
+            except (FileNotFoundError, FileExistsError, StorageError):
+                raise
+            except Exception as exc:
+                raise self.failure(verb, key, exc) from exc
+
+        return call
+
+    return wrap
+
+
 class Location:
     """A root URL on some filesystem; keys below it are '/'-separated relative paths."""
 
@@ -86,6 +106,10 @@ class Location:
 
     def __repr__(self) -> str:
         return f"Location({redact(self.url)!r})"
+
+    def failure(self, verb: str, key: str, exc: BaseException) -> StorageError:
+        cause = " ".join(f"{type(exc).__name__}: {exc}".split())
+        return StorageError(redact(f"{self.url}: {verb} {key.strip('/') or '/'} failed: {cause}"))
 
     # -- paths -------------------------------------------------------------------------------
     def path(self, key: str = "") -> str:
@@ -100,6 +124,7 @@ class Location:
         return path if self.is_local else self.fs.unstrip_protocol(path)
 
     # -- listing -----------------------------------------------------------------------------
+    @_io("checking")
     def exists(self, key: str = "") -> bool:
         return self.fs.exists(self.path(key))
 
@@ -111,6 +136,8 @@ class Location:
             found = self.fs.find(base, detail=True)
         except FileNotFoundError:
             return
+        except Exception as exc:
+            raise self.failure("listing", key, exc) from exc
         prefix = base.rstrip("/") + "/"
         for path, info in sorted(found.items()):
             if info.get("type") == "directory" or not path.startswith(prefix):
@@ -130,21 +157,26 @@ class Location:
             entries = self.fs.ls(base, detail=False)
         except FileNotFoundError:
             return []
+        except Exception as exc:
+            raise self.failure("listing", key, exc) from exc
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in entries if p.rstrip("/") != base.rstrip("/"))
 
     # -- reading -----------------------------------------------------------------------------
+    @_io("reading")
     def read_bytes(self, key: str) -> bytes:
         return self.fs.cat_file(self.path(key))
 
     def read_json(self, key: str) -> Any:
         return json.loads(self.read_bytes(key))
 
+    @_io("reading")
     def read_table(self, key: str, columns: list[str] | None = None) -> pa.Table:
         with self.fs.open(self.path(key), "rb") as fh:
             return pq.read_table(fh, columns=columns)
 
 
     # -- writing -----------------------------------------------------------------------------
+    @_io("writing")
     def write_bytes(self, key: str, data: bytes) -> None:
         """Make ``key`` appear whole or not at all.
 
@@ -175,6 +207,7 @@ class Location:
         self.write_bytes(key, data)
         return data
 
+    @_io("creating")
     def create_exclusive(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if it does not exist (O_EXCL locally, If-None-Match on S3)."""
         path = self.path(key)
@@ -187,18 +220,21 @@ class Location:
             return False
         return True
 
+    @_io("deleting")
     def delete(self, key: str) -> None:
         try:
             self.fs.rm_file(self.path(key))
         except FileNotFoundError:
             pass
 
+    @_io("deleting")
     def delete_tree(self, key: str) -> None:
         try:
             self.fs.rm(self.path(key), recursive=True)
         except FileNotFoundError:
             pass
 
+    @_io("opening")
     def open_output(self, key: str):
         path = self.path(key)
         if self.is_local:

@@ -19,10 +19,18 @@ from prefect.cache_policies import NO_CACHE
 
 from imgest import encoders
 from imgest.encoders import Encoder, EncoderSpec
-from imgest.storage import Location
+from imgest.storage import Location, redact
 from tasks.decode import DEFAULT_MAX_PIXELS, DecodeError, decode_image
 from tasks.plan import ShardPlan, WorkItem
 from tasks.shards import ShardResult, ShardWriter
+
+
+class ShardFailedError(RuntimeError):
+    """A shard task failed after its retries; one line naming the shard and, through its cause, the object."""
+
+
+def one_line(exc: BaseException) -> str:
+    return redact(" ".join(f"{type(exc).__name__}: {exc}".split()))
 
 
 @dataclass
@@ -41,6 +49,7 @@ def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixel
         data = catalogue.read_bytes(item.item_id)
     except FileNotFoundError:
         return Prepared(item, vanished=True)
+    # any other failure is the store's (StorageError names the object): the task fails, and retries
     digest = hashlib.sha256(data).hexdigest()
     if item.prev_hash == digest:
         return Prepared(item, digest, unchanged=True)

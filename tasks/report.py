@@ -17,7 +17,8 @@ def render_summary(summary: RunSummary, max_rejects: int = 20) -> str:
         f"- catalogue: `{summary.catalogue}`",
         f"- store: `{summary.store}`",
         f"- device: `{summary.device}`, batch size **{summary.batch_size}** ({summary.batch_size_source})",
-        f"- throughput: **{summary.images_per_second} images/s** over {summary.shards} shard(s), "
+        f"- throughput: **{summary.images_per_second} images/s** over {summary.shards} shard(s) on "
+        f"{max(len(summary.workers), 1)} worker process(es), "
         f"{summary.encode_seconds} s encoding, {summary.seconds} s total",
         f"- projected: {summary.projected_full_encode_hours} h to encode all {summary.listed} listed images at this "
         f"rate; {summary.gpu_hours} GPU-hours used",

@@ -1,0 +1,110 @@
+"""`imgest serve`: a local Prefect server, the process work pool, the deployments of prefect.yaml and a
+worker, started in that order and stopped in reverse on Ctrl-C or SIGTERM.
+
+The worker and the server run in their own process groups, so one Ctrl-C in the terminal reaches this
+process only and it stops them in order: the process worker needs two signals to stop (the first asks
+it to finish polling, the second ends it), then the server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+POOL = "imgest-process"  # the work pool prefect.yaml's deployments name
+
+
+class ServeError(RuntimeError):
+    """The server, the pool, the deployments or the worker could not be started; says which and why."""
+
+
+def _prefect() -> str:
+    return str(Path(sys.executable).with_name("prefect"))
+
+
+def wait_healthy(api_url: str, timeout: float, alive: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise ServeError("the Prefect server exited while starting; run `prefect server start` to see why")
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise ServeError(f"the Prefect server at {api_url} was not healthy after {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen, name: str, signals: int = 2, grace: float = 15.0,
+         say: Callable[[str], None] = print) -> None:
+    """SIGINT up to `signals` times, `grace` seconds each, then SIGKILL: nothing is left behind."""
+    for _ in range(signals):
+        if proc.poll() is not None:
+            break
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            continue
+    if proc.poll() is None:
+        say(f"{name} did not stop after {signals} signal(s); killing it")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    say(f"{name} stopped (exit {proc.returncode})")
+
+
+def serve(host: str = "127.0.0.1", port: int = 4200, pool: str = POOL, startup_timeout: float = 120.0,
+          say: Callable[[str], None] = print) -> None:
+    if not (ROOT / "prefect.yaml").exists():
+        raise ServeError(f"prefect.yaml not found in {ROOT}: run serve from an imgest checkout (pip install -e .)")
+    api_url = f"http://{host}:{port}/api"
+    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PWD": str(ROOT)}
+    procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(name: str, *args: str) -> subprocess.Popen:
+        proc = subprocess.Popen([_prefect(), *args], cwd=ROOT, env=env, start_new_session=True)
+        procs.append((name, proc))
+        return proc
+
+    def run(*args: str) -> None:
+        out = subprocess.run([_prefect(), *args], cwd=ROOT, env=env, capture_output=True, text=True)
+        if out.returncode != 0:
+            tail = (out.stderr.strip() or out.stdout.strip()).splitlines()[-1:] or ["no output"]
+            raise ServeError(f"`prefect {' '.join(args)}` failed: {tail[0]}")
+
+    def on_term(signum, frame):  # SIGTERM (docker stop, systemd) stops like Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        server = start("Prefect server", "server", "start", "--host", host, "--port", str(port))
+        wait_healthy(api_url, startup_timeout, lambda: server.poll() is None)
+        run("work-pool", "create", pool, "--type", "process", "--overwrite")
+        run("--no-prompt", "deploy", "--all")
+        worker = start("worker", "worker", "start", "--pool", pool)
+        say(f"Prefect UI: http://{host}:{port}  (API {api_url})")
+        say(f"worker on pool {pool!r}; deployments from {ROOT / 'prefect.yaml'}; Ctrl-C stops everything")
+        say(f"run one now: PREFECT_API_URL={api_url} prefect deployment run nightly/nightly")
+        while worker.poll() is None and server.poll() is None:
+            time.sleep(0.5)
+        gone = "worker" if worker.poll() is not None else "Prefect server"
+        raise ServeError(f"the {gone} exited unexpectedly; stopping the rest")
+    except KeyboardInterrupt:
+        say("stopping")
+    finally:
+        # a second Ctrl-C or SIGTERM must not cut the shutdown short and orphan the server
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for name, proc in reversed(procs):
+            stop(proc, name, signals=2 if name == "worker" else 1, say=say)
+        signal.signal(signal.SIGINT, interrupt)
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,105 @@
+"""End to end through `imgest serve`: a real Prefect server on loopback, the process pool, the deployments of
+prefect.yaml and a process worker; runs triggered through the API, read back through the API, then stopped."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from tests.helpers import gradient, jpeg_bytes, write_files
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """`imgest serve` in a subprocess, its output collected line by line."""
+
+    def __init__(self, env: dict, port: int):
+        imgest = os.path.join(os.path.dirname(sys.executable), "imgest")
+        self.proc = subprocess.Popen([imgest, "serve", "--port", str(port)], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.api = f"http://127.0.0.1:{port}/api"
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip())
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                assert self.proc.poll() is None, "imgest serve exited:\n" + "\n".join(self.output[-30:])
+                continue
+            self.output.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"no {text!r} after {timeout} s:\n" + "\n".join(self.output[-30:]))
+
+
+def _run(name: str, parameters: dict):
+    from prefect.deployments import run_deployment
+
+    return run_deployment(name, parameters=parameters, timeout=400, poll_interval=2)
+
+
+def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    cat = tmp_path / "catalogue"
+    write_files(str(cat), {f"p/{i}.jpg": jpeg_bytes(gradient(i, (96, 96))) for i in range(6)})
+    port, dead_port = _free_port(), _free_port()  # nothing listens on dead_port: the failing object store
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{dead_port}"}
+    env.pop("PREFECT_API_URL", None)
+    served = Served(env, port)
+    try:
+        served.wait_for("Prefect UI: http://127.0.0.1:", 240)
+        served.wait_for("started!", 120)  # the worker polls its pool
+        with temporary_settings({PREFECT_API_URL: served.api}), get_client(sync_client=True) as client:
+            ok = _run("nightly/nightly", {"catalogue": str(cat), "store": str(tmp_path / "store"), "batch_size": "2"})
+            assert ok.state.is_completed(), ok.state.message
+            assert ok.name.startswith("nightly-") and ok.work_pool_name == "imgest-process"
+            children = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[ok.id])))
+            runs = [ok, *children]
+            artifacts = {a.key: a for a in client.read_artifacts() if a.flow_run_id in {r.id for r in runs}}
+            assert {"nightly-summary", "ingest-summary", "ingest-progress", "index-card"} <= set(artifacts)
+            assert artifacts["ingest-progress"].data == 100.0
+            assert "| 6 | 6 | 0 | 0 | 0 | 0 | 0 | 6 | 0 |" in artifacts["ingest-summary"].data  # listed ... encoded
+            assert "v0001" in artifacts["nightly-summary"].data
+
+            bad = _run("nightly/nightly", {"catalogue": str(cat), "store": "s3://imgest-e2e/store"})
+            assert bad.state.is_failed()
+            message = bad.state.message
+            assert "\n" not in message and "StorageError: s3://imgest-e2e/store: " in message, message
+            assert "failed: EndpointConnectionError" in message and os.environ["AWS_SECRET_ACCESS_KEY"] not in message
+    finally:
+        if served.proc.poll() is None:
+            os.killpg(served.proc.pid, signal.SIGINT)
+        try:
+            served.wait_for("Prefect server stopped", 120)
+        finally:
+            served.proc.wait(30)
+    assert any(line.startswith("worker stopped") for line in served.output), served.output[-10:]
+    assert served.proc.returncode == 0
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{served.api}/health", timeout=2)
