@@ -87,8 +87,14 @@ class IndexConfig:
     k: int = 10
     queries: int = 1000
     alias: str | None = "auto"  # follow: move the aliases already on this model; create `serving` if none
+    parts: int = 1  # >1: train once here, add that many slices in parallel on `runner`, merge
+    runner: str = "local"
+    workers: int = 0
 
     def __post_init__(self) -> None:
+        check_runner(self.runner, self.workers)
+        if not isinstance(self.parts, int) or self.parts < 1:
+            raise ConfigError(f"parts must be an integer >= 1 (1: build in one process); got {self.parts!r}")
         from tasks.index_choice import KINDS, IndexChoiceError, parse_memory
 
         if self.kind not in KINDS and not any(t in self.kind for t in ("Flat", "HNSW", "IVF", "PQ", "SQ")):

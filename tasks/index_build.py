@@ -71,27 +71,75 @@ def warn_if_generic_blas() -> dict:
     return blas
 
 
-def build(vectors: np.ndarray, choice: IndexChoice, seed: int = 0):
-    """Train (on a seeded sample of at most 256 points per centroid) and add; returns (index, times)."""
+def train(vectors: np.ndarray, choice: IndexChoice, seed: int = 0):
+    """An empty index of `choice`, trained on a seeded sample of at most `choice.train_size` points."""
     import faiss
 
     n, d = vectors.shape
-    start = time.perf_counter()
     index = faiss.index_factory(d, choice.factory, faiss.METRIC_INNER_PRODUCT)
     _disable_polysemous(index)
-    times = BuildTimes()
     if not index.is_trained:
         rng = np.random.default_rng(seed)
-        sample = vectors[np.sort(rng.choice(n, size=min(n, choice.train_size or n), replace=False))]
-        t0 = time.perf_counter()
-        index.train(sample)
-        times.train_seconds = round(time.perf_counter() - t0, 3)
+        index.train(vectors[np.sort(rng.choice(n, size=min(n, choice.train_size or n), replace=False))])
+    return index
+
+
+def add_in_blocks(index, vectors: np.ndarray, block: int = 65536):
+    for begin in range(0, len(vectors), block):
+        index.add(vectors[begin:begin + block])
+    return index
+
+
+def build(vectors: np.ndarray, choice: IndexChoice, seed: int = 0):
+    """Train and add in this process; returns (index, times)."""
+    start = time.perf_counter()
+    index = train(vectors, choice, seed)
+    times = BuildTimes(train_seconds=round(time.perf_counter() - start, 3))
     t0 = time.perf_counter()
-    for begin in range(0, n, 65536):
-        index.add(vectors[begin:begin + 65536])
+    add_in_blocks(index, vectors)
     times.add_seconds = round(time.perf_counter() - t0, 3)
     times.total_seconds = round(time.perf_counter() - start, 3)
     return index, times
+
+
+def mergeable(index) -> bool:
+    """IVF indexes merge their inverted lists and flat indexes their codes; an HNSW graph does not merge."""
+    import faiss
+
+    return _has_ivf(index) or isinstance(faiss.downcast_index(index), faiss.IndexFlatCodes)
+
+
+def part_ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous, near-equal ranges of faiss ids [start, stop)."""
+    bounds = np.linspace(0, n, min(parts, max(n, 1)) + 1).astype(int)
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def add_part(trained: bytes, vectors: np.ndarray) -> bytes:
+    """Add one contiguous slice to a copy of the trained, empty index; the filled part, serialised."""
+    import faiss
+
+    index = faiss.deserialize_index(np.frombuffer(trained, np.uint8))
+    return faiss.serialize_index(add_in_blocks(index, vectors)).tobytes()
+
+
+def merge_parts(trained: bytes, parts: list[tuple[int, bytes]]):
+    """faiss's own merge, in id order: inverted lists of IVF parts (their ids shifted by each part's
+    start), codes of flat parts; the result equals adding every vector to one index in order."""
+    import faiss
+
+    index = faiss.deserialize_index(np.frombuffer(trained, np.uint8))
+    for start, data in sorted(parts, key=lambda p: p[0]):
+        part = faiss.deserialize_index(np.frombuffer(data, np.uint8))
+        if start != index.ntotal:
+            raise ValueError(f"part starting at id {start} does not follow the {index.ntotal} ids merged so far")
+        if _has_ivf(index):
+            ivf = faiss.extract_index_ivf(index)
+            ivf.merge_from(faiss.extract_index_ivf(part), start)
+            index.ntotal = ivf.ntotal  # an IndexPreTransform (OPQ) wrapper counts on its own
+        else:
+            faiss.downcast_index(index).merge_from(faiss.downcast_index(part), 0)
+    return index
 
 
 def _disable_polysemous(index) -> None:

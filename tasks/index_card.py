@@ -10,7 +10,16 @@ from prefect.cache_policies import NO_CACHE
 
 import imgest
 from imgest.storage import Location
-from tasks.index_build import BuildTimes, Tuned, build, faiss_blas, tune_search, warn_if_generic_blas
+from tasks.index_build import (
+    BuildTimes,
+    Tuned,
+    add_part,
+    build,
+    faiss_blas,
+    train,
+    tune_search,
+    warn_if_generic_blas,
+)
 from tasks.index_choice import HNSW_M, RULE, IndexChoice, parse_memory
 from tasks.index_store import list_aliases, open_index, read_alias, set_alias, write_version
 from tasks.live import LiveVectors, load_live_vectors
@@ -80,7 +89,10 @@ def render_card(card: dict) -> str:
         f"- latency: {card['latency_ms_per_query']} ms/query (batched); {card['bytes_on_disk']} bytes on disk, "
         f"{card['bytes_on_disk'] / max(card['n'], 1):.1f} bytes/vector",
         f"- build: train {card['times']['train_seconds']} s, add {card['times']['add_seconds']} s, "
-        f"total {card['times']['total_seconds']} s; sha256 `{card['sha256'][:16]}...`",
+        f"total {card['times']['total_seconds']} s"
+        + (f" ({card['build']['parts']} parts added in parallel on {card['build']['runner']}, merged)"
+           if card.get("build", {}).get("parts", 1) > 1 else "")
+        + f"; sha256 `{card['sha256'][:16]}...`",
         "",
         f"| {card['search']['param'] or 'exact'} | recall@{rec['k']} | ms/query |",
         "|---:|---:|---:|",
@@ -98,6 +110,17 @@ def load_live_task(store_url: str, model: dict) -> LiveVectors:
 def build_task(vectors: np.ndarray, choice: IndexChoice):
     warn_if_generic_blas()
     return build(vectors, choice)
+
+
+@task(name="train-index", cache_policy=NO_CACHE)
+def train_task(vectors: np.ndarray, choice: IndexChoice) -> bytes:
+    warn_if_generic_blas()
+    return faiss.serialize_index(train(vectors, choice)).tobytes()
+
+
+@task(name="add-part", cache_policy=NO_CACHE, retries=1, task_run_name="add-part-{start}")
+def add_part_task(trained: bytes, vectors: np.ndarray, start: int) -> tuple[int, bytes]:
+    return start, add_part(trained, vectors)
 
 
 @task(name="tune-search", cache_policy=NO_CACHE)

@@ -57,3 +57,33 @@ def test_dask_cluster_writes_the_same_shards_as_local_one_encode_per_limit_slot(
         assert limit.limit == 1 and limit.active_slots == 0
         runs = [r for r in client.read_task_runs() if r.name.startswith("encode-part-" + dask["run_id"])]
     assert len(runs) == 5 and all(r.state.is_completed() for r in runs), "task runs reported to this server"
+
+
+def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(tmp_path):
+    import faiss
+
+    from flows.build_index import build_index
+    from imgest.storage import Location
+    from tasks.index_store import open_index
+    from tasks.live import load_live_vectors
+    from tests.helpers import png_bytes
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    write_files(str(cat), {f"p/{i:04d}.png": png_bytes(gradient(i, (16, 16))) for i in range(600)})
+    ingest(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64", shard_size=200)
+
+    common = {"store": str(store), "model": "raw-pixels", "kind": "IVF16,SQ8", "queries": 100, "alias": None}
+    one = build_index(**common)["card"]
+    parts = build_index(**common, parts=3, runner="dask", workers=2)["card"]
+    assert one["build"]["parts"] == 1 and parts["build"]["parts"] == 3 and parts["build"]["runner"] == "dask"
+    assert parts["n"] == one["n"] == 600 and parts["search"] == one["search"]
+
+    a, b = (open_index(Location(str(store)), c["slug"], c["version"]) for c in (one, parts))
+    assert a.item_ids == b.item_ids, "the same faiss id -> item map"
+    queries = load_live_vectors(Location(str(store)), one["slug"], one["d"]).vectors[::40]
+    for nprobe in (1, 4, 16):
+        for opened in (a, b):
+            faiss.extract_index_ivf(opened.index).nprobe = nprobe
+        (da, ia), (db, ib) = a.search(queries, 20), b.search(queries, 20)
+        np.testing.assert_array_equal(ia, ib)
+        np.testing.assert_array_equal(da, db)

@@ -21,6 +21,10 @@ def build_index_cmd(
     queries: int = typer.Option(1000, help="Held-out corpus queries used to measure recall"),
     alias: str = typer.Option("auto", help="Alias to move once verified: 'auto' moves the aliases already on "
                               "this model (creating `serving` if the store has none); a name; '' for none"),
+    parts: int = typer.Option(1, help="IVF and flat indexes: train once, add this many slices in parallel on "
+                                      "--runner, merge (faiss merge_from); 1: one process"),
+    runner: str = typer.Option("local", help="Where parts are added: local, dask (a local cluster) or tcp://..."),
+    workers: int = typer.Option(0, help="Worker processes of a local Dask cluster; 0: one per CPU core"),
     as_json: bool = typer.Option(False, "--json", help="Print the index card as JSON"),
 ) -> None:
     """Build a new immutable index version from the live embeddings and move an alias to it."""
@@ -29,7 +33,8 @@ def build_index_cmd(
         from imgest.storage import open_location
         from tasks.export import find_model
 
-        cfg = IndexConfig(store, model, kind, memory, target_recall, k, queries, alias or None)
+        cfg = IndexConfig(store, model, kind, memory, target_recall, k, queries, alias or None, parts, runner,
+                          workers)
         find_model(open_location(cfg.store, must_exist=True, what="store"), cfg.model)
 
         from flows.build_index import build_index
