@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import json
 import os
@@ -175,6 +176,13 @@ class Location:
             return pq.read_table(fh, columns=columns)
 
 
+    @_io("reading")
+    def read_parquet_metadata(self, key: str) -> dict[str, str]:
+        """The key-value metadata of a Parquet file, from its footer only."""
+        with self.fs.open(self.path(key), "rb") as fh:
+            meta = pq.read_metadata(fh).metadata or {}
+        return {k.decode(): v.decode() for k, v in meta.items()}
+
     # -- writing -----------------------------------------------------------------------------
     @_io("writing")
     def write_bytes(self, key: str, data: bytes) -> None:
@@ -286,3 +294,23 @@ def local_copy(loc: Location, key: str, cache_dir: str, name: str) -> str:
         loc.fs.get_file(loc.path(key), tmp)
         os.replace(tmp, target)
     return target
+
+
+def result_storage(loc: Location):
+    """Prefect result storage inside the store (`cache/prefect/`): task cache records live beside the data
+    they describe, so a store that is wiped or copied takes its cache with it. A local store is a path;
+    an object store is a RemoteFileSystem block saved as `imgest-cache-<hash of the URL>` (Prefect runs
+    tasks with saved storage only); its credentials stay in the environment, never in the block."""
+    from pathlib import Path
+
+    from prefect.filesystems import RemoteFileSystem
+
+    if loc.is_local:
+        return Path(loc.path("cache/prefect"))
+    settings = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if loc.url.startswith(("s3://", "s3a://")) and endpoint:
+        settings["client_kwargs"] = {"endpoint_url": endpoint}
+    name = "imgest-cache-" + hashlib.sha256(loc.url.encode()).hexdigest()[:16]
+    RemoteFileSystem(basepath=loc.uri("cache/prefect"), settings=settings).save(name, overwrite=True)
+    return f"remote-file-system/{name}"

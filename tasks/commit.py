@@ -12,6 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from imgest.encoders import EncoderSpec
 from imgest.storage import Location
 from tasks.plan import Plan
+from tasks.policy import COMMIT_TIMEOUT_S, IO_RETRIES
 from tasks.shards import ShardResult
 from tasks.state import DELETED, CatalogueState, commit_key, now_iso, write_snapshot
 
@@ -125,7 +126,7 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
     return summary
 
 
-@task(name="commit", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 10])
+@task(name="commit", cache_policy=NO_CACHE, timeout_seconds=COMMIT_TIMEOUT_S, **IO_RETRIES)
 def commit_run_task(store_url: str, state: CatalogueState, plan: Plan, results: list[ShardResult],
                     summary: RunSummary) -> RunSummary:
     return commit_run(Location(store_url), state, plan, results, summary)

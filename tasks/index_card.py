@@ -23,6 +23,7 @@ from tasks.index_build import (
 from tasks.index_choice import HNSW_M, RULE, IndexChoice, parse_memory
 from tasks.index_store import list_aliases, open_index, read_alias, set_alias, write_version
 from tasks.live import LiveVectors, load_live_vectors
+from tasks.policy import IO_RETRIES
 
 
 def bytes_per_vector(d: int, choice: IndexChoice) -> dict:
@@ -101,7 +102,7 @@ def render_card(card: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@task(name="load-live-vectors", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 10])
+@task(name="load-live-vectors", cache_policy=NO_CACHE, **IO_RETRIES)
 def load_live_task(store_url: str, model: dict) -> LiveVectors:
     return load_live_vectors(Location(store_url), model["slug"], int(model["dim"]))
 
@@ -128,7 +129,7 @@ def tune_task(index, vectors: np.ndarray, target: float, k: int, queries: int) -
     return tune_search(index, vectors, target, k, queries)
 
 
-@task(name="write-version", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 10])
+@task(name="write-version", cache_policy=NO_CACHE, **IO_RETRIES)
 def write_version_task(store_url: str, index, live: LiveVectors, card: dict) -> dict:
     data = faiss.serialize_index(index).tobytes()
     return write_version(Location(store_url), card["slug"], data, ids_table(live), card)

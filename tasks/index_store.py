@@ -71,6 +71,12 @@ def write_version(store: Location, slug: str, index_bytes: bytes, ids: pa.Table,
     return card
 
 
+def version_exists(store: Location, card: dict) -> bool:
+    """The version a card describes is still complete in the store, with the same index file."""
+    key = f"{version_prefix(card['slug'], card['version'])}/card.json"
+    return store.exists(key) and store.read_json(key).get("sha256") == card.get("sha256")
+
+
 def read_card(store: Location, slug: str, version: int) -> dict:
     key = f"{version_prefix(slug, version)}/card.json"
     if not store.exists(key):
@@ -99,6 +105,9 @@ def list_aliases(store: Location) -> dict[str, dict]:
 def set_alias(store: Location, name: str, card: dict, reason: str) -> dict:
     """Point ``name`` at a complete version in one atomic write; the previous target joins the history."""
     current = read_alias(store, name)
+    if current and (current["slug"], current["version"], current["sha256"]) == \
+            (card["slug"], card["version"], card["sha256"]):
+        return current  # already there (a reused build): no write, no history entry
     history = []
     if current:
         history = current.pop("history", [])[-49:] + [current]

@@ -9,6 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from imgest.storage import Location, ObjectInfo, open_location
+from tasks.policy import IO_RETRIES, LIST_TIMEOUT_S
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff"})
 
@@ -39,6 +40,6 @@ def list_catalogue(catalogue_url: str) -> Listing:
     return Listing(catalogue=loc.url, objects=objects, skipped=skipped, skipped_examples=examples)
 
 
-@task(name="list-catalogue", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 10])
+@task(name="list-catalogue", cache_policy=NO_CACHE, timeout_seconds=LIST_TIMEOUT_S, **IO_RETRIES)
 def list_catalogue_task(catalogue_url: str) -> Listing:
     return list_catalogue(catalogue_url)

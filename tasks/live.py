@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,7 +13,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from imgest.storage import Location
-from tasks.state import LIVE, CatalogueState, load_state, shard_key
+from tasks.state import (
+    LIVE,
+    CatalogueState,
+    latest_snapshot_seq,
+    list_commits,
+    load_state,
+    run_seq,
+    shard_key,
+    shard_run_id,
+    snapshot_key,
+)
 
 
 def live_by_shard(state: CatalogueState) -> dict[str, set[str]]:
@@ -39,6 +51,17 @@ class LiveVectors:
 
     def __len__(self) -> int:
         return len(self.item_ids)
+
+
+def live_fingerprint(store: Location, slug: str) -> str:
+    """What the live vectors of a model are made of, without reading them: the newest snapshot and the
+    shard commits folded on top of it (see load_state). Equal fingerprints, equal live vectors."""
+    seq = latest_snapshot_seq(store, slug)
+    pending = sorted(s for s in list_commits(store, slug) if run_seq(shard_run_id(s)) > seq)
+    run_id = ""
+    if seq:
+        run_id = store.read_parquet_metadata(snapshot_key(slug, seq)).get("imgest.run_id", "")
+    return hashlib.sha256(json.dumps([slug, seq, run_id, pending]).encode()).hexdigest()
 
 
 def load_live_vectors(store: Location, slug: str, dim: int) -> LiveVectors:

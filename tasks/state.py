@@ -21,6 +21,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from imgest.storage import Location
+from tasks.policy import IO_RETRIES
 
 LIVE, REJECTED, DELETED = "live", "rejected", "deleted"
 
@@ -205,6 +206,6 @@ def prepare_state(store: Location, spec_description: dict) -> tuple[CatalogueSta
     return state, remove_orphan_shards(store, state)
 
 
-@task(name="load-state", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 10])
+@task(name="load-state", cache_policy=NO_CACHE, **IO_RETRIES)
 def prepare_state_task(store_url: str, spec_description: dict) -> tuple[CatalogueState, list[str]]:
     return prepare_state(Location(store_url), spec_description)

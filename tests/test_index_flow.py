@@ -180,3 +180,38 @@ def test_ivf_index_opens_memory_mapped_and_serves(lite0_store, tmp_path):
     searcher = Searcher(str(store), model=card["slug"], version=card["version"])
     hits = searcher.search([Query("q", image=str(lite0_store["catalogue"] / "photos" / "rocket.jpg"))], k=1)[0]
     assert hits[0].item_id == "photos/rocket.jpg"
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_unchanged_catalogue_reuses_the_index_through_prefect_cache(tmp_path, where, request):
+    cat = tmp_path / "catalogue"
+    write_files(str(cat), {f"p/{i:02d}.png": png_bytes(gradient(i, (16, 16))) for i in range(30)})
+    if where == "s3":
+        import s3fs
+
+        s3fs.S3FileSystem(client_kwargs={"endpoint_url": request.getfixturevalue("s3_endpoint")}).mkdir("cache-store")
+        store = "s3://cache-store/imgest"
+    else:
+        store = str(tmp_path / "store")
+    run = {"catalogue": str(cat), "store": store, "model": "raw-pixels", "batch_size": "8", "kind": "hnsw"}
+
+    first = nightly(**run)["index"]
+    again = nightly(**run)["index"]
+    assert not first["reused"] and again["reused"], "nothing changed: the version is reused, not rebuilt"
+    assert again["card"]["version"] == first["card"]["version"] == 1
+    loc = Location(store)
+    assert loc.list_names("cache/prefect"), "cache records are kept in the store"
+    alias = read_alias(loc, "serving")
+    assert alias["version"] == 1 and alias["history"] == [], "a reused build does not rewrite the alias"
+
+    forced = build_index(store=store, model="raw-pixels", kind="hnsw", rebuild=True)
+    assert not forced["reused"] and forced["card"]["version"] == 2
+
+    write_files(str(cat), {"p/new.png": png_bytes(gradient(99, (16, 16)))})
+    changed = nightly(**run)["index"]
+    assert not changed["reused"] and changed["card"]["version"] == 3 and changed["card"]["n"] == 31
+
+    # The cached version disappears (deleted by hand): the next build notices and builds again.
+    loc.delete_tree("indexes/model=" + changed["card"]["slug"] + "/v0003")
+    rebuilt = build_index(store=store, model="raw-pixels", kind="hnsw", alias=None)
+    assert not rebuilt["reused"] and rebuilt["card"]["version"] == 3 and rebuilt["card"]["n"] == 31

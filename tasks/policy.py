@@ -1,0 +1,16 @@
+"""Retry and timeout policy of the tasks that talk to object stores (Prefect's own retry machinery)."""
+
+from __future__ import annotations
+
+from prefect.tasks import exponential_backoff
+
+# Object-store and decode I/O: three retries at about 2, 4, 8 s (+-50% jitter so workers do not retry in step).
+IO_RETRIES = {"retries": 3, "retry_delay_seconds": exponential_backoff(backoff_factor=2), "retry_jitter_factor": 0.5}
+# Encode-shard: a retry re-reads and re-encodes the whole shard, so wait longer between tries.
+SHARD_RETRIES = {"retries": 2, "retry_delay_seconds": exponential_backoff(backoff_factor=10),
+                 "retry_jitter_factor": 0.5}
+# Upper bounds that only a hung store or device reaches: a shard of 2,000 images takes about a minute
+# on 2 CPU cores (BENCHMARKS.md); listing 100M objects takes hours (infra/SCALING.md).
+SHARD_TIMEOUT_S = 2 * 3600
+LIST_TIMEOUT_S = 12 * 3600
+COMMIT_TIMEOUT_S = 3600
