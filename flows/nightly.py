@@ -18,7 +18,7 @@ from tasks.migration import check_window_model, collect_retired, nightly_models
 def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: str = "auto", device: str = "auto",
             shard_size: int = 2000, decode_workers: int = 2, max_pixels: int = DEFAULT_MAX_PIXELS,
             kind: str = "auto", memory: str = "4G", target_recall: float = 0.95, k: int = 10, runner: str = "local",
-            workers: int = 0) -> dict:
+            workers: int = 0, index_parts: int = 1) -> dict:
     store_loc = open_location(store)
     runs = []
     for name, expected_slug in nightly_models(store_loc, model):
@@ -26,7 +26,8 @@ def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: 
                          runner=runner, workers=workers)
         check_window_model(expected_slug, summary)
         # alias "auto": each rebuilt index moves the aliases already on its model (serving, shadow, previous)
-        index = build_index(store, summary["slug"], kind, memory, target_recall, k, alias="auto")
+        index = build_index(store, summary["slug"], kind, memory, target_recall, k, alias="auto", parts=index_parts,
+                            runner=runner, workers=workers)
         runs.append({"ingest": summary, "index": index})
     # models retired by a finished migration window go once their retention has passed and no alias needs them
     retired = collect_retired(store_loc)

@@ -74,7 +74,7 @@ def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(
 
     common = {"store": str(store), "model": "raw-pixels", "kind": "IVF16,SQ8", "queries": 100, "alias": None}
     one = build_index(**common)["card"]
-    parts = build_index(**common, parts=3, runner="dask", workers=2)["card"]
+    parts = build_index(**common, parts=3, runner="dask", workers=2, rebuild=True)["card"]
     assert one["build"]["parts"] == 1 and parts["build"]["parts"] == 3 and parts["build"]["runner"] == "dask"
     assert parts["n"] == one["n"] == 600 and parts["search"] == one["search"]
 

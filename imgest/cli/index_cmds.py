@@ -25,6 +25,8 @@ def build_index_cmd(
                                       "--runner, merge (faiss merge_from); 1: one process"),
     runner: str = typer.Option("local", help="Where parts are added: local, dask (a local cluster) or tcp://..."),
     workers: int = typer.Option(0, help="Worker processes of a local Dask cluster; 0: one per CPU core"),
+    rebuild: bool = typer.Option(False, "--rebuild", help="Build a new version even when nothing changed since "
+                                                          "the last one (otherwise it is reused)"),
     as_json: bool = typer.Option(False, "--json", help="Print the index card as JSON"),
 ) -> None:
     """Build a new immutable index version from the live embeddings and move an alias to it."""
@@ -40,11 +42,13 @@ def build_index_cmd(
         from flows.build_index import build_index
         from tasks.index_card import render_card
 
-        result = build_index(**cfg.__dict__)
+        result = build_index(**cfg.__dict__, rebuild=rebuild)
     except _user_errors() as exc:
         _fail(exc)
     if not result["built"]:
         typer.echo(f"no index built: {result['reason']}")
+    elif result["reused"] and not as_json:
+        typer.echo(f"nothing changed since v{result['card']['version']:04d}: reused it (--rebuild builds anew)\n")
     elif as_json:
         typer.echo(json.dumps(result["card"], indent=2))
     else:
