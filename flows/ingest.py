@@ -22,7 +22,7 @@ from tasks.commit import commit_run_task, new_summary
 from tasks.decode import DEFAULT_MAX_PIXELS
 from tasks.encode import ShardFailedError, encode_shard_task, one_line
 from tasks.listing import list_catalogue_task
-from tasks.plan import plan_ingest_task
+from tasks.plan import attach_base_task, plan_ingest_task
 from tasks.report import progress_line, render_summary
 from tasks.state import new_run_id, prepare_state_task
 from tasks.tuning import choose_batch_size_task
@@ -49,9 +49,13 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
         listing = list_catalogue_task(catalogue_url)
         # quote(): hand large values to tasks as they are; Prefect would otherwise walk every item in them
         plan = plan_ingest_task(quote(listing), quote(state), run_id, cfg.shard_size)
+        if spec.base is not None and plan.shards:  # a head: derive from current base embeddings, decode the rest
+            plan = attach_base_task(store_loc.url, spec.base.slug, quote(plan))
         batch, source = (0, "nothing to encode")
-        if plan.shards:
+        if any(not item.base_shard for shard in plan.shards for item in shard.items):
             batch, source = choose_batch_size_task(store_loc.url, spec, device, cfg.fixed_batch_size)
+        elif plan.shards:
+            batch, source = (1, "every item derived from stored base embeddings")
         results = []
         if plan.shards:
             progress = create_progress_artifact(0.0, key="ingest-progress",

@@ -34,6 +34,7 @@ class RunSummary:
     deleted: int = 0
     rejected: int = 0
     encoded: int = 0
+    derived: int = 0  # of the encoded: a head applied to stored base embeddings (nothing decoded)
     vanished: int = 0
     resumed_shards: int = 0  # committed by an earlier, interrupted run and folded in now
     shards: int = 0
@@ -98,6 +99,7 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
     summary.changed = plan.changed_candidates - touched
     summary.deleted = len(plan.deleted)
     summary.encoded = sum(r.encoded for r in results)
+    summary.derived = sum(r.derived for r in results)
     summary.rejected_items = [rej for r in results for rej in r.rejected]
     summary.rejected = len(summary.rejected_items)
     summary.vanished = sum(r.vanished for r in results)

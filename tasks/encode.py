@@ -24,6 +24,7 @@ from tasks.decode import DEFAULT_MAX_PIXELS, DecodeError, decode_image
 from tasks.plan import ShardPlan, WorkItem
 from tasks.policy import SHARD_RETRIES, SHARD_TIMEOUT_S
 from tasks.shards import ShardResult, ShardWriter
+from tasks.state import shard_key
 
 
 class ShardFailedError(RuntimeError):
@@ -81,6 +82,39 @@ def read_ahead(items: tuple[WorkItem, ...], fn: Callable[[WorkItem], Prepared], 
             yield done
 
 
+def derive_from_base(items: tuple[WorkItem, ...], encoder: Encoder, store: Location,
+                     writer: ShardWriter) -> tuple[WorkItem, ...]:
+    """A head model: items whose base embedding is current get the head applied to it, read from the
+    base model's shard (no image decoded); returns the items that still have to be read."""
+    from imgest.encoders.head import project
+
+    base_slug = encoder.spec.base.slug
+    by_shard: dict[str, list[WorkItem]] = {}
+    rest = []
+    for item in items:
+        if item.base_shard and item.base_hash and item.prev_hash == item.base_hash:
+            writer.unchanged(item, item.base_hash)  # same bytes as the head's own row: nothing to do
+        elif item.base_shard:
+            by_shard.setdefault(item.base_shard, []).append(item)
+        else:
+            rest.append(item)
+    for base_shard, group in sorted(by_shard.items()):
+        table = store.read_table(shard_key(base_slug, base_shard), columns=["item_id", "content_hash", "embedding"])
+        rows = {(i, h): n for n, (i, h) in enumerate(zip(table.column("item_id").to_pylist(),
+                                                         table.column("content_hash").to_pylist()))}
+        found = [(item, rows[(item.item_id, item.base_hash)]) for item in group
+                 if (item.item_id, item.base_hash) in rows]
+        rest.extend(item for item in group if (item.item_id, item.base_hash) not in rows)  # not there: decode
+        if not found:
+            continue
+        flat = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        base = flat.reshape(len(table), -1)[[n for _, n in found]]
+        writer.add([(item, item.base_hash) for item, _ in found], project(encoder.module, base, encoder.device))
+        writer.result.derived += len(found)
+    order = {item.item_id: n for n, item in enumerate(items)}
+    return tuple(sorted(rest, key=lambda it: order[it.item_id]))
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds")
 
@@ -101,8 +135,9 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
         writer.add([(p.item, p.content_hash) for p in batch], vectors)
         batch.clear()
 
+    to_read = derive_from_base(plan.items, encoder, store, writer) if encoder.spec.base is not None else plan.items
     depth = max(2 * batch_size, 4 * decode_workers)
-    stream = read_ahead(plan.items, lambda it: prepare(catalogue, it, encoder.preprocess, max_pixels),
+    stream = read_ahead(to_read, lambda it: prepare(catalogue, it, encoder.preprocess, max_pixels),
                         decode_workers, depth)
     while True:
         t0 = time.perf_counter()

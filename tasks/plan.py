@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from imgest.storage import Location, ObjectInfo
 from tasks.listing import Listing
-from tasks.state import DELETED, CatalogueState, ItemState
+from tasks.state import DELETED, LIVE, CatalogueState, ItemState
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,8 @@ class WorkItem:
     mtime: float | None
     etag: str | None
     prev_hash: str | None  # content hash on record; equal bytes mean "touched, not changed"
+    base_shard: str | None = None  # a head model: the base model's current embedding of these bytes is there
+    base_hash: str | None = None  # ... for content with this hash
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,30 @@ def plan_ingest(listing: Listing, state: CatalogueState, run_id: str, shard_size
     return plan
 
 
+def attach_base(plan: Plan, base: CatalogueState) -> Plan:
+    """For a head model: every planned item whose base-model embedding is current (live, same signature)
+    is marked to be derived from it (the head applied to the stored vector) instead of read and decoded."""
+    shards = []
+    for shard in plan.shards:
+        items = []
+        for item in shard.items:
+            prev = base.items.get(item.item_id)
+            obj = ObjectInfo(item.item_id, item.size, item.mtime, item.etag)
+            if prev is not None and prev.status == LIVE and prev.shard and same_signature(obj, prev):
+                item = replace(item, base_shard=prev.shard, base_hash=prev.content_hash)
+            items.append(item)
+        shards.append(replace(shard, items=tuple(items)))
+    plan.shards = shards
+    return plan
+
+
 @task(name="plan-shards", cache_policy=NO_CACHE)
 def plan_ingest_task(listing: Listing, state: CatalogueState, run_id: str, shard_size: int) -> Plan:
     return plan_ingest(listing, state, run_id, shard_size)
+
+
+@task(name="attach-base-embeddings", cache_policy=NO_CACHE)
+def attach_base_task(store_url: str, base_slug: str, plan: Plan) -> Plan:
+    from tasks.state import load_state
+
+    return attach_base(plan, load_state(Location(store_url), base_slug))

@@ -22,6 +22,8 @@ def render_summary(summary: RunSummary, max_rejects: int = 20) -> str:
         f"{summary.encode_seconds} s encoding, {summary.seconds} s total",
         f"- projected: {summary.projected_full_encode_hours} h to encode all {summary.listed} listed images at this "
         f"rate; {summary.gpu_hours} GPU-hours used",
+        *([f"- derived: {summary.derived} of the encoded came from stored base embeddings through the head "
+           "(no image decoded)"] if summary.derived else []),
         f"- snapshot: {summary.snapshot_seq}" + (f", {summary.resumed_shards} shard(s) resumed from an "
                                                  "interrupted run" if summary.resumed_shards else ""),
         "",

@@ -51,6 +51,7 @@ def spec_metadata(spec: EncoderSpec) -> dict[str, str]:
 class ShardResult:
     shard: str
     encoded: int = 0
+    derived: int = 0  # of the encoded: a head applied to stored base embeddings, nothing decoded
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (item_id, reason)
     unchanged: int = 0  # signature moved, bytes identical
     vanished: int = 0  # deleted between listing and reading; the next run tombstones it

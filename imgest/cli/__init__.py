@@ -41,7 +41,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 # Registers the commands on `app` (each module imports it from here).
-from imgest.cli import eval_cmds, index_cmds, ingest_cmds, migrate_cmds, ops_cmds  # noqa: E402, F401
+from imgest.cli import eval_cmds, head_cmds, index_cmds, ingest_cmds, migrate_cmds, ops_cmds  # noqa: E402, F401
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 
-from imgest.encoders import efficientnet, hf, pixels
+from imgest.encoders import efficientnet, head, hf, pixels
 from imgest.encoders.base import Encoder, EncoderError, EncoderSpec, device_key, resolve_device
 
 # family -> (resolve name -> spec, load spec on device -> encoder)
@@ -13,14 +13,18 @@ REGISTRY = {
     efficientnet.NAME: (efficientnet.resolve, efficientnet.load),
     "hf": (hf.resolve, hf.load),
     pixels.NAME: (pixels.resolve, pixels.load),
+    "head": (head.resolve, head.load),
 }
 DEFAULT_MODEL = efficientnet.NAME
-KNOWN_NAMES = (efficientnet.NAME, "hf:<hub id or local folder> (CLIP, SigLIP, DINOv2)", pixels.NAME)
+KNOWN_NAMES = (efficientnet.NAME, "hf:<hub id or local folder> (CLIP, SigLIP, DINOv2)", pixels.NAME,
+               "head:<folder or URL written by imgest train-head>")
 
 
 def _family(name: str) -> str:
     if name.startswith(hf.PREFIX):
         return "hf"
+    if name.startswith(head.PREFIX):
+        return "head"
     if name in REGISTRY:
         return name
     raise EncoderError(f"unknown model {name!r}; known: {', '.join(KNOWN_NAMES)}")
@@ -34,7 +38,7 @@ def resolve(name: str) -> EncoderSpec:
 
 
 _loaded: dict[tuple[str, str, str], Encoder] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a head loads its base model inside load()
 
 
 def load(spec: EncoderSpec, device: str = "auto") -> Encoder:

@@ -34,6 +34,7 @@ class EncoderSpec:
     preprocessing: dict[str, Any]
     modalities: tuple[str, ...] = ("image",)
     extra: dict[str, Any] = field(default_factory=dict)
+    base: EncoderSpec | None = None  # a head's base model: this model is the head applied to its embeddings
 
     @property
     def preprocessing_digest(self) -> str:
@@ -41,6 +42,8 @@ class EncoderSpec:
 
     @property
     def model_id(self) -> str:
+        if self.base is not None:
+            return f"{self.base.model_id}+head-{self.revision[:16]}"
         return f"{self.name}@{self.revision[:16]}+pre.{self.preprocessing_digest}"
 
     @property
@@ -52,6 +55,7 @@ class EncoderSpec:
 
     def describe(self) -> dict[str, Any]:
         out = asdict(self)
+        out["base"] = self.base.describe() if self.base is not None else None
         out.update(model_id=self.model_id, slug=self.slug, modalities=list(self.modalities),
                    normalisation="l2", dtype="float32")
         return out

@@ -1,0 +1,97 @@
+"""A trained embedding head on a base encoder: `head:<folder or URL>` holding head.json and head.safetensors.
+
+The head is a small MLP on the base model's (frozen) embeddings with an L2-normalised output. Its model
+id is `<base model id>+head-<sha256 of the weights>`, so each trained head is a model of its own, with
+its own namespace in a store; new images are encoded by the base model then the head, and stored base
+embeddings can be turned into head embeddings without decoding anything (`project`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from imgest.encoders.base import EncoderError, EncoderSpec
+
+PREFIX = "head:"
+CONFIG, WEIGHTS = "head.json", "head.safetensors"
+
+
+def mlp(dim_in: int, hidden: int, dim_out: int):
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(dim_in, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, dim_out))
+
+
+def _read(url: str, name: str) -> bytes:
+    from imgest.storage import StorageError, read_url
+
+    try:
+        return read_url(f"{url.rstrip('/')}/{name}")
+    except StorageError as exc:
+        raise EncoderError(f"head {url}: {exc}; a head folder holds {CONFIG} and {WEIGHTS} "
+                           "(written by `imgest train-head`)") from exc
+
+
+def resolve(name: str, base_resolve=None) -> EncoderSpec:
+    from imgest import encoders
+
+    url = name[len(PREFIX):].strip()
+    if not url:
+        raise EncoderError("head: needs a folder or URL, e.g. head:store/heads/<id>")
+    config = json.loads(_read(url, CONFIG))
+    weights = _read(url, WEIGHTS)
+    base = (base_resolve or encoders.resolve)(config["base_model"])
+    if base.model_id != config["base_model_id"]:
+        raise EncoderError(f"head {url} was trained on {config['base_model_id']}, but {config['base_model']} now "
+                           f"resolves to {base.model_id}: its weights or preprocessing changed; train the head again")
+    return EncoderSpec(name=f"{PREFIX}{url}", family="head", source=url, revision=hashlib.sha256(weights).hexdigest(),
+                       dim=int(config["dim_out"]), preprocessing=base.preprocessing, modalities=("image",),
+                       extra={"config": config}, base=base)
+
+
+def load_module(url: str, config: dict[str, Any], device: str = "cpu"):
+    from safetensors.torch import load as load_tensors
+
+    module = mlp(config["dim_in"], config["hidden"], config["dim_out"])
+    module.load_state_dict(load_tensors(_read(url, WEIGHTS)))
+    return module.to(device).eval()
+
+
+def project(module, vectors: np.ndarray, device: str = "cpu", batch: int = 65536) -> np.ndarray:
+    """Base embeddings -> head embeddings (L2-normalised float32); no image is decoded."""
+    import torch
+
+    out = np.empty((len(vectors), module[-1].out_features), np.float32)
+    with torch.inference_mode():
+        for begin in range(0, len(vectors), batch):
+            x = torch.from_numpy(np.ascontiguousarray(vectors[begin:begin + batch], np.float32)).to(device)
+            out[begin:begin + batch] = torch.nn.functional.normalize(module(x), dim=1).cpu().numpy()
+    return out
+
+
+class HeadEncoder:
+    def __init__(self, spec: EncoderSpec, device: str):
+        from imgest import encoders
+
+        self.spec, self.device = spec, device
+        self.base = encoders.load(spec.base, device)
+        self.input_shape = self.base.input_shape
+        self.module = load_module(spec.source, spec.extra["config"], device)
+
+    def preprocess(self, image) -> np.ndarray:
+        return self.base.preprocess(image)
+
+    def encode_images(self, batch: np.ndarray) -> np.ndarray:
+        return project(self.module, self.base.encode_images(batch), self.device)
+
+    def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
+        raise EncoderError(f"{self.spec.name} is trained on image embeddings: search it by image, not by text")
+
+
+def load(spec: EncoderSpec, device: str) -> HeadEncoder:
+    return HeadEncoder(spec, device)
