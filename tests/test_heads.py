@@ -1,0 +1,195 @@
+"""Metric-learning heads: the losses, the mining, the head as a model (id, derived shards, migration)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tasks.heads import HeadConfig, HeadError, infonce, proxynca, read_labels, train_head, triplet_semihard
+
+# -- losses, no Prefect needed --------------------------------------------------------------------------
+
+
+def _circle(*degrees: float) -> torch.Tensor:
+    return torch.tensor([[math.cos(math.radians(a)), math.sin(math.radians(a))] for a in degrees])
+
+
+def test_semihard_mining_on_a_hand_worked_batch():
+    # Unit vectors at 0 and 60 degrees (label 0), 90 and 200 degrees (label 1); d = 2 - 2 cos(angle).
+    e, labels, margin = _circle(0, 60, 90, 200), torch.tensor([0, 0, 1, 1]), 1.5
+
+    def d(a, b):
+        return 2 - 2 * math.cos(math.radians(a - b))
+
+    expected = [
+        # anchor 0: positive 60 (d=1.0); negatives 90 (2.0, semi-hard: 1.0 < 2.0 < 2.5) and 200 (3.88)
+        d(0, 60) - d(0, 90) + margin,
+        # anchor 60: positive 0 (1.0); negatives 90 (0.27) and 200 (3.53): none in (1.0, 2.5): hardest, 90
+        d(60, 0) - d(60, 90) + margin,
+        # anchor 90: positive 200 (2.68); negatives 0 (2.0), 60 (0.27): none farther than 2.68: hardest, 60
+        d(90, 200) - d(90, 60) + margin,
+        # anchor 200: positive 90 (2.68); negatives 0 (3.88) and 60 (3.53) both semi-hard: the harder, 60
+        d(200, 90) - d(200, 60) + margin,
+    ]
+    assert float(triplet_semihard(e, labels, margin)) == pytest.approx(np.mean(expected), abs=1e-5)
+    # With a margin no negative fits in, every anchor falls back to its hardest negative.
+    assert float(triplet_semihard(e, labels, 0.0)) == pytest.approx(
+        np.mean([max(0, d(0, 60) - d(0, 90)), max(0, d(60, 0) - d(60, 90)), max(0, d(90, 200) - d(90, 60)),
+                 max(0, d(200, 90) - d(200, 60))]), abs=1e-5)
+
+
+def test_infonce_and_proxynca_match_their_formulas():
+    e, labels = _circle(0, 60, 90, 200), torch.tensor([0, 0, 1, 1])
+    sims = (e @ e.T).numpy() / 0.5
+    expected = []
+    for i in range(4):
+        others = [j for j in range(4) if j != i]
+        positive = next(j for j in others if labels[j] == labels[i])
+        expected.append(-(sims[i, positive] - np.log(np.exp(sims[i, others]).sum())))
+    assert float(infonce(e, labels, temperature=0.5)) == pytest.approx(np.mean(expected), abs=1e-5)
+
+    proxies = _circle(30, 145)  # one per label, already unit length
+    d = 2 * (2 - 2 * (e @ proxies.T).numpy())  # scale 2
+    # ProxyNCA: -log(exp(-d(x, own)) / sum over the *other* proxies of exp(-d)); one other proxy here
+    expected = [d[i, labels[i]] - d[i, 1 - labels[i]] for i in range(4)]
+    assert float(proxynca(e, labels, proxies, scale=2.0)) == pytest.approx(np.mean(expected), abs=1e-5)
+
+
+def _toy(seed=0, labels=8, per_label=12, d=16):
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((labels, d))
+    x = np.repeat(centres, per_label, axis=0) + 1.2 * rng.standard_normal((labels * per_label, d))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    names = [f"l{i}" for i in range(labels) for _ in range(per_label)]
+    return x.astype(np.float32), [f"item-{i}" for i in range(len(names))], names
+
+
+@pytest.mark.parametrize("loss", ["triplet", "infonce", "proxynca"])
+def test_each_loss_decreases_on_a_toy_problem(loss):
+    x, ids, labels = _toy()
+    cfg = HeadConfig(loss=loss, dim_out=8, hidden=32, epochs=15, labels_per_batch=8, items_per_label=4,
+                     lr=3e-3, patience=15, seed=0)
+    result = train_head(x, ids, labels, cfg)
+    curve = [h["train_loss"] for h in result.history]
+    assert len(curve) == 15 and np.mean(curve[-3:]) < 0.7 * np.mean(curve[:3]), curve
+    assert result.best_epoch >= 1 and result.history[result.best_epoch - 1]["val_recall@1"] == result.val_recall_at_1
+    # seeded: the same inputs give the same weights
+    again = train_head(x, ids, labels, cfg)
+    assert all(torch.equal(result.state_dict[k], again.state_dict[k]) for k in result.state_dict)
+
+
+def test_bad_labels_and_parameters_are_refused_clearly():
+    with pytest.raises(HeadError, match="header `item_id,label`"):
+        read_labels(b"id,class\na,b\n", "labels.csv")
+    assert read_labels(b'{"item_id": "a.jpg", "label": "x"}\n', "l.jsonl") == {"a.jpg": "x"}
+    with pytest.raises(HeadError, match="loss must be one of triplet, infonce, proxynca"):
+        HeadConfig(loss="arcface").check()
+    x, ids, _ = _toy(labels=2, per_label=2)
+    with pytest.raises(HeadError, match="at least 2"):
+        train_head(x, ids, ["a", "b", "c", "d"], HeadConfig(epochs=1))
+
+
+# -- the head as a model, through Prefect -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory, prefect_harness):
+    from flows.ingest import ingest
+    from tests.helpers import gradient, png_bytes, write_files
+
+    root = tmp_path_factory.mktemp("heads")
+    cat, store = root / "catalogue", root / "store"
+    # 6 labels x 6 images: each label a colour family (same base pattern, different noise)
+    files, rows = {}, ["item_id,label"]
+    for label in range(6):
+        for n in range(6):
+            base = np.asarray(gradient(label, (48, 48)), np.float32)
+            noise = np.random.default_rng(100 * label + n).normal(0, 40, base.shape)
+            from PIL import Image
+
+            image = Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+            key = f"l{label}/{n}.png"
+            files[key] = png_bytes(image)
+            rows.append(f"{key},label-{label}")
+    write_files(str(cat), files)
+    (root / "labels.csv").write_text("\n".join(rows) + "\n")
+    ingest(catalogue=str(cat), store=str(store), batch_size="8", shard_size=10)
+    return root
+
+
+def _train(root, **kw):
+    from flows.train_head import train_head_flow
+
+    args = {"store": str(root / "store"), "base_model": "efficientnet-lite0", "labels": str(root / "labels.csv"),
+            "loss": "infonce", "dim_out": 16, "hidden": 64, "epochs": 4, "labels_per_batch": 6,
+            "items_per_label": 2, "patience": 4} | kw
+    return train_head_flow(**args)
+
+
+def test_head_model_id_follows_the_weights(labelled):
+    from imgest import encoders
+
+    first, same, other = _train(labelled), _train(labelled), _train(labelled, seed=1)
+    spec = encoders.resolve(first["head"])
+    base = encoders.resolve("efficientnet-lite0")
+    assert spec.model_id == f"{base.model_id}+head-{first['config']['weights_sha256'][:16]}"
+    assert first["head"] == same["head"], "same labels, same seed: the same head"
+    assert encoders.resolve(other["head"]).model_id != spec.model_id, "other weights, another model id"
+    assert spec.dim == 16 and spec.slug != base.slug
+    queries = [line for line in open(first["queries"].removeprefix("file://")) if line.strip()]
+    assert len(queries) == first["config"]["counts"]["val_items"] > 0
+
+
+def test_derived_shards_equal_base_then_head_on_the_same_images(labelled, tmp_path):
+    from flows.ingest import ingest
+    from imgest.storage import Location
+    from tasks.export import export_live
+
+    head = _train(labelled)["head"]
+    cat = labelled / "catalogue"
+    derived = ingest(catalogue=str(cat), store=str(labelled / "store"), model=head, batch_size="8", shard_size=10)
+    assert derived["derived"] == derived["encoded"] == 36 and derived["batch_size_source"].startswith("every item")
+    decoded = ingest(catalogue=str(cat), store=str(tmp_path / "fresh"), model=head, batch_size="8", shard_size=10)
+    assert decoded["derived"] == 0 and decoded["encoded"] == 36, "no base embeddings there: base then head"
+
+    def vectors(store, out):
+        slug = derived["slug"]
+        export_live(str(store), slug, str(out))
+        table = pq.read_table(out).sort_by("item_id")
+        return table.column("item_id").to_pylist(), np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
+
+    (ids_a, a), (ids_b, b) = vectors(labelled / "store", tmp_path / "a.parquet"), vectors(tmp_path / "fresh",
+                                                                                        tmp_path / "b.parquet")
+    assert ids_a == ids_b
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    assert Location(str(labelled / "store")).exists(f"state/model={derived['slug']}/model.json")
+
+
+def test_head_goes_through_the_migration_window(labelled):
+    from flows.migrate import migrate
+    from flows.nightly import nightly
+    from imgest.storage import Location
+    from tasks.index_store import read_alias
+
+    store = str(labelled / "store")
+    nightly(catalogue=str(labelled / "catalogue"), store=store, batch_size="8")
+    base_slug = read_alias(Location(store), "serving")["slug"]
+    trained = _train(labelled, loss="proxynca")
+    started = migrate(store=store, action="start", to=trained["head"])
+    assert started["coverage"]["share"] == 1.0
+    # base (serving) against head (shadow) on the head's held-out split: win/loss and a bootstrap interval
+    from flows.evaluate import evaluate
+
+    report = evaluate(store=store, queries=trained["queries"], alias="serving", compare="shadow", ks=[1, 5],
+                      resamples=200)
+    assert report["queries"] == trained["config"]["counts"]["val_items"]
+    assert set(report["compare"]) >= {"win_loss", "bootstrap"}, sorted(report["compare"])
+    migrate(store=store, action="promote")
+    serving = read_alias(Location(store), "serving")
+    assert serving["model_id"].startswith("efficientnet-lite0@") and "+head-" in serving["model_id"]
+    migrate(store=store, action="rollback")
+    assert read_alias(Location(store), "serving")["slug"] == base_slug
