@@ -16,7 +16,15 @@ from typer.testing import CliRunner
 from flows.ingest import ingest
 from imgest.cli import app
 from tasks.export import export_live, store_status
-from tests.helpers import HANG_AFTER_FIRST_SHARD, gradient, hostile_files, jpeg_bytes, small_catalogue, write_files
+from tests.helpers import (
+    HANG_AFTER_FIRST_SHARD,
+    gradient,
+    hostile_files,
+    jpeg_bytes,
+    png_bytes,
+    small_catalogue,
+    write_files,
+)
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 SECRET = os.environ["AWS_SECRET_ACCESS_KEY"]
@@ -183,3 +191,18 @@ def test_kill_mid_run_then_rerun_is_exactly_once_and_second_writer_refused(tmp_p
     assert all(name.startswith("part-") and name.endswith(".parquet") for name in names)
     rows = ds.dataset(str(store / "embeddings"), format="parquet").count_rows()
     assert rows == n
+
+
+def test_a_store_failure_fails_the_run_naming_the_shard_and_the_object(tmp_path):
+    from tasks.encode import ShardFailedError
+
+    cat = tmp_path / "catalogue"
+    write_files(str(cat), {f"ok/{i}.png": png_bytes(gradient(i)) for i in range(3)})
+    os.symlink("/proc/self/mem", cat / "ok" / "bad.jpg")  # listed as an object; every read fails (EINVAL)
+    with pytest.raises(ShardFailedError) as failed:
+        _run(cat, tmp_path / "store", shard_size=10)
+    message = str(failed.value)
+    assert "\n" not in message and message.startswith("shard part-r00000001-") and "(4 objects) failed after retries" \
+        in message, message
+    assert "reading ok/bad.jpg failed: OSError" in message, message
+    assert not list((tmp_path / "store").glob("state/model=*/snapshots/*")), "nothing committed"
