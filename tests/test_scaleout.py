@@ -87,3 +87,25 @@ def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(
         (da, ia), (db, ib) = a.search(queries, 20), b.search(queries, 20)
         np.testing.assert_array_equal(ia, ib)
         np.testing.assert_array_equal(da, db)
+
+
+def test_the_same_flow_runs_on_an_existing_cluster_by_address(tmp_path):
+    from distributed import LocalCluster
+    from prefect.client.orchestration import get_client
+
+    from flows.runners import _api_url
+
+    cat = tmp_path / "catalogue"
+    write_files(str(cat), {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, (64, 64))) for i in range(6)})
+    # A cluster the flow did not start, reached by its scheduler address (as dask-kubernetes would be); its
+    # workers are configured like any remote worker: with the Prefect API to report to.
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                      env={"PREFECT_API_URL": _api_url()}) as cluster:
+        run = ingest(catalogue=str(cat), store=str(tmp_path / "store"), model="efficientnet-lite0", batch_size="2",
+                     shard_size=2, runner=cluster.scheduler_address)
+        worker_pids = {w.pid for w in cluster.workers.values() if hasattr(w, "pid")}
+    assert run["encoded"] == 6 and run["shards"] == 3
+    assert {int(w.rsplit(":", 1)[1]) for w in run["workers"]} <= worker_pids, "encoded by that cluster's workers"
+    with get_client(sync_client=True) as client:
+        names = {r.name for r in client.read_task_runs() if r.name.startswith("encode-part-" + run["run_id"])}
+    assert len(names) == 3
