@@ -22,7 +22,7 @@ from imgest.encoders import Encoder, EncoderSpec
 from imgest.storage import Location, redact
 from tasks.decode import DEFAULT_MAX_PIXELS, DecodeError, decode_image
 from tasks.plan import ShardPlan, WorkItem
-from tasks.policy import SHARD_RETRIES, SHARD_TIMEOUT_S
+from tasks.policy import SHARD_RETRIES
 from tasks.shards import ShardResult, ShardWriter
 from tasks.state import shard_key
 
@@ -210,7 +210,7 @@ def encode_slot(name: str | None) -> Iterator[None]:
         yield
 
 
-@task(name="encode-shard", cache_policy=NO_CACHE, timeout_seconds=SHARD_TIMEOUT_S, **SHARD_RETRIES,
+@task(name="encode-shard", cache_policy=NO_CACHE, **SHARD_RETRIES,
       task_run_name="encode-{plan.name}")
 def encode_shard_task(plan: ShardPlan, spec: EncoderSpec, device: str, catalogue_url: str, store_url: str,
                       batch_size: int, decode_workers: int, max_pixels: int, encode_limit: str = "auto") -> ShardResult:
