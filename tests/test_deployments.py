@@ -24,7 +24,7 @@ def test_every_entrypoint_is_a_flow_with_those_parameters():
 
     spec = yaml.safe_load(open(os.path.join(ROOT, "prefect.yaml")))
     names = {d["name"] for d in spec["deployments"]}
-    assert names == {"nightly", "reencode", "migrate", "eval"}
+    assert names == {"nightly", "reencode", "migrate", "eval", "train-head"}
     for deployment in spec["deployments"]:
         flow = load_flow_from_entrypoint(os.path.join(ROOT, deployment["entrypoint"]))
         flow.validate_parameters({**_required_dummies(flow), **deployment.get("parameters", {})})
