@@ -54,6 +54,25 @@ class Served:
         raise AssertionError(f"no {text!r} after {timeout} s:\n" + "\n".join(self.output[-30:]))
 
 
+def _flow_run_page_renders(url: str, run_name: str) -> None:
+    """The Prefect UI's flow-run page, in headless Chromium (Debian's, installed by infra/setup.sh), shows
+    the run: the single-page app loaded, reached the API and rendered the run's name."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium")
+    assert chromium, "Chromium is missing: infra/setup.sh installs Debian's chromium for this check"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(url, wait_until="domcontentloaded")
+            page.get_by_text(run_name).first.wait_for(timeout=60_000)
+        finally:
+            browser.close()
+
+
 def _run(name: str, parameters: dict):
     from prefect.deployments import run_deployment
 
@@ -86,6 +105,7 @@ def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_pa
             assert artifacts["ingest-progress"].data == 100.0
             assert "| 6 | 6 | 0 | 0 | 0 | 0 | 0 | 6 | 0 |" in artifacts["ingest-summary"].data  # listed ... encoded
             assert "v0001" in artifacts["nightly-summary"].data
+            _flow_run_page_renders(f"http://127.0.0.1:{port}/runs/flow-run/{ok.id}", ok.name)
 
             bad = _run("nightly/nightly", {"catalogue": str(cat), "store": "s3://imgest-e2e/store"})
             assert bad.state.is_failed()
