@@ -103,7 +103,7 @@ def main() -> None:
         for name, hits, boot, seconds, epoch in rows_out:
             ci = f"{boot['difference']:+.3f} [{boot['low']:+.3f}, {boot['high']:+.3f}]" if boot else "-"
             print(f"| {name} | {hits[1].mean():.3f} | {hits[5].mean():.3f} | {hits[10].mean():.3f} | {ci} | "
-                  f"{seconds if seconds is None else round(seconds, 1)} | {epoch or '-'} |")
+                  f"{'-' if seconds is None else round(seconds, 1)} | {epoch or '-'} |")
 
         best = max(rows_out[1:], key=lambda r: r[1][1].mean())[0].split(", ")[1]
         head = heads[best]["head"]
