@@ -312,3 +312,60 @@ def loss_curves_png(result: TrainResult) -> bytes:
     ax.set_title(f"{result.config.loss} head: best epoch {result.best_epoch}")
     fig.legend(loc="lower right", fontsize=7)
     return _png(fig)
+
+
+# -- no labels: instance pairs from augmented catalogue images ----------------------------------------------
+def augment(image, rng):
+    """A crop, a mirror half of the time, a brightness and colour change: the same product photographed again."""
+    from tasks.querysets import TRANSFORMS
+
+    image = TRANSFORMS["crop"](image, rng)
+    if rng.random() < 0.5:
+        image = TRANSFORMS["flip"](image, rng)
+    return TRANSFORMS["colour"](image, rng)
+
+
+def view_rng(seed: int, index: int, view: int):
+    return np.random.default_rng([seed, index, view])
+
+
+def augmented_instances(live, base_name: str, views: int, seed: int, max_items: int = 0, device: str = "auto",
+                        log=lambda line: None) -> tuple[np.ndarray, list[str], list[str], list[int]]:
+    """Each live item becomes a label of its own: its stored embedding plus `views` augmented views, each
+    image read and decoded once and encoded once by the base model. Returns vectors, ids (`<item>#view<v>`
+    for views), labels (the item id) and the live rows used."""
+    from imgest import encoders
+    from imgest.storage import read_url
+    from tasks.decode import DecodeError, decode_image
+
+    if views < 1:
+        raise HeadError(f"views must be >= 1 to make instance pairs without labels; got {views}")
+    rows = list(range(len(live)))
+    if max_items and max_items < len(rows):
+        rows = sorted(np.random.default_rng(seed).choice(len(rows), size=max_items, replace=False).tolist())
+    encoder = encoders.load(encoders.resolve(base_name), device)
+    ids, labels, batch, chunks = [], [], [], []
+    used = []
+    for n, row in enumerate(rows):
+        item_id = live.item_ids[row]
+        try:
+            image = decode_image(read_url(live.uris[row]))
+        except (DecodeError, OSError) as exc:
+            log(f"skipping {item_id}: {exc}")
+            continue
+        used.append(row)
+        for v in range(views):
+            batch.append(encoder.preprocess(augment(image, view_rng(seed, row, v))))
+            ids.append(f"{item_id}#view{v}")
+            labels.append(item_id)
+        if len(batch) >= 64 or n == len(rows) - 1:
+            chunks.append(encoder.encode_images(np.stack(batch)))
+            batch = []
+    if batch:
+        chunks.append(encoder.encode_images(np.stack(batch)))
+    if len(used) < 2:
+        raise HeadError(f"{len(used)} catalogue image(s) could be read: instance pairs need at least 2")
+    originals = [live.item_ids[r] for r in used]
+    vectors = np.vstack([live.vectors[used], *chunks]).astype(np.float32)
+    log(f"{len(used)} items x {views} augmented views encoded by {base_name}")
+    return vectors, originals + ids, originals + labels, used

@@ -193,3 +193,20 @@ def test_head_goes_through_the_migration_window(labelled):
     assert serving["model_id"].startswith("efficientnet-lite0@") and "+head-" in serving["model_id"]
     migrate(store=store, action="rollback")
     assert read_alias(Location(store), "serving")["slug"] == base_slug
+
+
+def test_without_labels_each_item_is_an_instance_with_augmented_views(labelled):
+    import json
+
+    from imgest.storage import read_url
+
+    trained = _train(labelled, labels=None, views=2, loss="triplet")
+    source = trained["config"]["labels"]
+    assert source["file"] is None and source["augmented_views"] == 2 and source["items"] == 36
+    counts = trained["config"]["counts"]
+    assert counts["labels"] == 36 and counts["train_items"] + counts["val_items"] == 36 * 3
+    assert trained["config"]["training"]["split"] == "labels", "held-out items are unseen instances"
+    queries = [json.loads(line) for line in read_url(trained["queries"]).decode().splitlines()]
+    assert len(queries) == counts["val_items"] * 2 // 3, "two augmented views per held-out item"
+    for q in queries:
+        assert q["query_id"].startswith(q["relevant"][0] + "#view") and read_url(q["image"])[:4] == b"\x89PNG"

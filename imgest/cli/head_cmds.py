@@ -13,7 +13,10 @@ from imgest.cli import _fail, _user_errors, app
 def train_head_cmd(
     store: str = typer.Option(..., help="Folder or URL of the store holding the base model's embeddings"),
     base_model: str = typer.Option("efficientnet-lite0", help="Base model: name, model id or slug in the store"),
-    labels: str = typer.Option(..., help="CSV with header item_id,label (instance or class), or JSONL"),
+    labels: str = typer.Option(None, help="CSV with header item_id,label (instance or class), or JSONL; without "
+                                         "it, each item is its own label with augmented views as positives"),
+    views: int = typer.Option(3, help="Without --labels: augmented views per catalogue image (encoded once)"),
+    max_items: int = typer.Option(0, help="Without --labels: at most this many catalogue items (0: all)"),
     loss: str = typer.Option("infonce", help="triplet (semi-hard mining), infonce (NT-Xent) or proxynca"),
     dim: int = typer.Option(256, help="Output dimension of the head"),
     hidden: int = typer.Option(1024, help="Hidden width of the MLP"),
@@ -40,7 +43,8 @@ def train_head_cmd(
         summary = train_head_flow(store=store, base_model=base_model, labels=labels, loss=loss, dim_out=dim,
                                   hidden=hidden, epochs=epochs, labels_per_batch=labels_per_batch,
                                   items_per_label=items_per_label, lr=lr, val_fraction=val_fraction, split=split,
-                                  patience=patience, margin=margin, temperature=temperature, seed=seed)
+                                  patience=patience, margin=margin, temperature=temperature, seed=seed,
+                                  views=views, max_items=max_items)
     except (HeadError, *_user_errors()) as exc:
         _fail(exc)
     if as_json:
