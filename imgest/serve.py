@@ -8,6 +8,7 @@ it to finish polling, the second ends it), then the server.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -27,6 +28,12 @@ class ServeError(RuntimeError):
 
 def _prefect() -> str:
     return str(Path(sys.executable).with_name("prefect"))
+
+
+def _default_signals() -> None:
+    """In a child before exec: SIGINT and SIGTERM do what they do by default (Python: KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def wait_healthy(api_url: str, timeout: float, alive: Callable[[], bool]) -> None:
@@ -50,14 +57,16 @@ def stop(proc: subprocess.Popen, name: str, signals: int = 2, grace: float = 15.
     for _ in range(signals):
         if proc.poll() is not None:
             break
-        os.killpg(proc.pid, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):  # it may end between poll() and here
+            os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
             continue
     if proc.poll() is None:
         say(f"{name} did not stop after {signals} signal(s); killing it")
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     say(f"{name} stopped (exit {proc.returncode})")
 
@@ -71,7 +80,8 @@ def serve(host: str = "127.0.0.1", port: int = 4200, pool: str = POOL, startup_t
     procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(name: str, *args: str) -> subprocess.Popen:
-        proc = subprocess.Popen([_prefect(), *args], cwd=ROOT, env=env, start_new_session=True)
+        proc = subprocess.Popen([_prefect(), *args], cwd=ROOT, env=env, start_new_session=True,
+                                preexec_fn=_default_signals)
         procs.append((name, proc))
         return proc
 
@@ -85,6 +95,9 @@ def serve(host: str = "127.0.0.1", port: int = 4200, pool: str = POOL, startup_t
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
+    # A shell starts background jobs with SIGINT ignored, and Python then never turns Ctrl-C into
+    # KeyboardInterrupt: take SIGINT back, here and (preexec) in the children.
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         server = start("Prefect server", "server", "start", "--host", host, "--port", str(port))
         wait_healthy(api_url, startup_timeout, lambda: server.poll() is None)
@@ -102,7 +115,7 @@ def serve(host: str = "127.0.0.1", port: int = 4200, pool: str = POOL, startup_t
         say("stopping")
     finally:
         # a second Ctrl-C or SIGTERM must not cut the shutdown short and orphan the server
-        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for name, proc in reversed(procs):
             stop(proc, name, signals=2 if name == "worker" else 1, say=say)
