@@ -225,10 +225,23 @@ def finish(store: Location, retain_days: float = 7.0) -> dict:
     return {"window": window, "deleted": collect_retired(store)}
 
 
-def collect_retired(store: Location) -> list[str]:
-    """Delete retired models past their date, never while any alias points at them."""
-    deleted = []
+def needed_slugs(store: Location) -> set[str]:
+    """Models an alias points at, and the base models of those that are heads (a head's future shards
+    are derived from its base's embeddings, and retraining it needs them)."""
     pointed = {a["slug"] for a in list_aliases(store).values()}
+    needed = set(pointed)
+    for slug in pointed:
+        key = f"{state_prefix(slug)}/model.json"
+        base = store.read_json(key).get("base") if store.exists(key) else None
+        if base:
+            needed.add(base["slug"])
+    return needed
+
+
+def collect_retired(store: Location) -> list[str]:
+    """Delete retired models past their date, never while an alias needs them (directly or as a head's base)."""
+    deleted = []
+    pointed = needed_slugs(store)
     for name in store.list_names("migration/retire"):
         entry = store.read_json(f"migration/retire/{name}")
         due = datetime.fromisoformat(entry["retire_after"]) <= datetime.now(UTC)

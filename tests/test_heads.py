@@ -194,6 +194,13 @@ def test_head_goes_through_the_migration_window(labelled):
     migrate(store=store, action="rollback")
     assert read_alias(Location(store), "serving")["slug"] == base_slug
 
+    # Promoted again and finished with no retention: the base model is retired but kept, because the
+    # serving head is built on its embeddings.
+    migrate(store=store, action="promote")
+    finished = migrate(store=store, action="finish", retain_days=0)["finished"]
+    assert finished["window"]["retired"]["slug"] == base_slug and base_slug not in finished["deleted"]
+    assert Location(store).exists(f"state/model={base_slug}/model.json")
+
 
 def test_without_labels_each_item_is_an_instance_with_augmented_views(labelled):
     import json
