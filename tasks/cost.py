@@ -53,8 +53,8 @@ def cost_report(store_url: str, corpus_size: int, gpu_hour_price: float | None =
         "corpus_size": corpus_size,
         "encode_images_per_second": {str(b): r for b, r in sorted(tuning.measured.items())},
         "best_batch": tuning.batch_size,
-        "projected_encode_hours": round(hours, 3),
-        "reencode_cost": {"hours": round(hours, 3), "device": "GPU" if on_gpu else "CPU",
+        "projected_encode_hours": float(f"{hours:.4g}"),  # 4 significant digits: small projections too
+        "reencode_cost": {"hours": float(f"{hours:.4g}"), "device": "GPU" if on_gpu else "CPU",
                           "price": round(hours * gpu_hour_price, 2) if gpu_hour_price and on_gpu else None,
                           "gpu_hour_price": gpu_hour_price},
         "query_encode_ms": {"image": image_ms, "text": text_ms},
