@@ -17,10 +17,10 @@ from flows.runners import shard_runner
 from imgest import encoders
 from imgest.encoders import DEFAULT_MODEL
 from imgest.lock import StoreLock
-from imgest.storage import open_location
+from imgest.storage import one_line, open_location
 from tasks.commit import commit_run_task, new_summary
 from tasks.decode import DEFAULT_MAX_PIXELS
-from tasks.encode import ShardFailedError, encode_shard_task, one_line
+from tasks.encode import ShardFailedError, encode_shard_task
 from tasks.listing import list_catalogue_task
 from tasks.plan import attach_base_task, plan_ingest_task
 from tasks.report import progress_line, render_summary

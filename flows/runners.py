@@ -12,8 +12,6 @@ import os
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from flows.config import check_runner
-
 
 def shard_runner(runner: str, workers: int = 0) -> TaskRunner:
     """The task runner for encode-shard tasks.
@@ -24,8 +22,7 @@ def shard_runner(runner: str, workers: int = 0) -> TaskRunner:
     workers, so N workers use N cores), each loading the model once.
     tcp://...: an existing Dask cluster; its workers need imgest installed and the store reachable.
     """
-    check_runner(runner, workers)
-    if runner == "local":
+    if runner == "local":  # runner and workers were validated with the flow's configuration
         return ThreadPoolTaskRunner(max_workers=1)
     from prefect_dask import DaskTaskRunner
 

@@ -56,10 +56,10 @@ def save_head(store: Location, result, base: dict, source: dict, queries: list[d
     queries = [q | {"image": store.uri(f"{folder}/{q['image']}")} if q["image"] in (images or {}) else q
                for q in queries]
     store.write_bytes(f"{folder}/heldout-queries.jsonl", "".join(json.dumps(q) + "\n" for q in queries).encode())
-    store.write_bytes(f"{folder}/loss-curves.png", loss_curves_png(result))
+    store.write_bytes(f"{folder}/loss-curves.png", curves := loss_curves_png(result))
     store.write_json(f"{folder}/head.json", config)  # last: a folder without it is not a head
     return {"head": f"head:{store.uri(folder)}", "head_id": head_id, "folder": store.uri(folder),
-            "queries": store.uri(f"{folder}/heldout-queries.jsonl"), "config": config}
+            "queries": store.uri(f"{folder}/heldout-queries.jsonl"), "config": config, "loss_curves_png": curves}
 
 
 @task(name="train-head", cache_policy=NO_CACHE)
@@ -106,8 +106,9 @@ def train_head_flow(store: str, base_model: str, labels: str | None = None, loss
         queries, images = heldout_views(result, live, used, views, seed)
         counts = {"labelled_live_items": 0, "unlabelled_live_items": len(live), "labels_not_in_store": 0}
     saved = save_head(store_loc, result, base, source, queries, images)
+    curves = saved.pop("loss_curves_png")
     summary = {**saved, **counts, "result": result.summary()}
-    create_markdown_artifact(render_head(summary) + "\n" + markdown_image(loss_curves_png(result), "loss curves"),
+    create_markdown_artifact(render_head(summary) + "\n" + markdown_image(curves, "loss curves"),
                              key="head-training", description=f"{loss} head on {base['model_id']}")
     return summary
 

@@ -30,6 +30,11 @@ def redact(text: str) -> str:
     return text
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one redacted line: its type and message, whitespace collapsed."""
+    return redact(" ".join(f"{type(exc).__name__}: {exc}".split()))
+
+
 class StorageError(RuntimeError):
     """An object store could not be reached or used; the message names the URL (redacted)."""
 
@@ -109,8 +114,7 @@ class Location:
         return f"Location({redact(self.url)!r})"
 
     def failure(self, verb: str, key: str, exc: BaseException) -> StorageError:
-        cause = " ".join(f"{type(exc).__name__}: {exc}".split())
-        return StorageError(redact(f"{self.url}: {verb} {key.strip('/') or '/'} failed: {cause}"))
+        return StorageError(redact(f"{self.url}: {verb} {key.strip('/') or '/'} failed: ") + one_line(exc))
 
     # -- paths -------------------------------------------------------------------------------
     def path(self, key: str = "") -> str:

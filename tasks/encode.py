@@ -19,7 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 from imgest import encoders
 from imgest.encoders import Encoder, EncoderSpec
-from imgest.storage import Location, redact
+from imgest.storage import Location
 from tasks.decode import DEFAULT_MAX_PIXELS, DecodeError, decode_image
 from tasks.plan import ShardPlan, WorkItem
 from tasks.policy import SHARD_RETRIES
@@ -29,10 +29,6 @@ from tasks.state import shard_key
 
 class ShardFailedError(RuntimeError):
     """A shard task failed after its retries; one line naming the shard and, through its cause, the object."""
-
-
-def one_line(exc: BaseException) -> str:
-    return redact(" ".join(f"{type(exc).__name__}: {exc}".split()))
 
 
 @dataclass

@@ -36,15 +36,13 @@ def train_head_cmd(
     from flows.train_head import render_head, train_head_flow
     from tasks.heads import HeadConfig, HeadError
 
+    training = {"loss": loss, "dim_out": dim, "hidden": hidden, "epochs": epochs, "labels_per_batch": labels_per_batch,
+                "items_per_label": items_per_label, "lr": lr, "val_fraction": val_fraction, "split": split,
+                "patience": patience, "margin": margin, "temperature": temperature, "seed": seed}
     try:
-        HeadConfig(loss=loss, dim_out=dim, hidden=hidden, epochs=epochs, labels_per_batch=labels_per_batch,
-                   items_per_label=items_per_label, val_fraction=val_fraction, split=split,
-                   patience=patience).check()
-        summary = train_head_flow(store=store, base_model=base_model, labels=labels, loss=loss, dim_out=dim,
-                                  hidden=hidden, epochs=epochs, labels_per_batch=labels_per_batch,
-                                  items_per_label=items_per_label, lr=lr, val_fraction=val_fraction, split=split,
-                                  patience=patience, margin=margin, temperature=temperature, seed=seed,
-                                  views=views, max_items=max_items)
+        HeadConfig(**training).check()  # before Prefect starts: a bad parameter is one line, exit 2
+        summary = train_head_flow(store=store, base_model=base_model, labels=labels, views=views, max_items=max_items,
+                                  **training)
     except (HeadError, *_user_errors()) as exc:
         _fail(exc)
     if as_json:
