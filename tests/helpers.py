@@ -143,3 +143,28 @@ def _flush_then_hang(self):
     return result
 tasks.shards.ShardWriter.flush = _flush_then_hang
 """
+
+
+def task_runs_named(prefix: str, expected: int, timeout: float = 60.0, flow_run_id=None) -> list:
+    """The server's task runs whose names start with `prefix` (in one flow run if given), once `expected` of
+    them are there and final.
+
+    Filtered on the server: an unfiltered read returns one page (200 runs by default), and the session's
+    shared server holds more than that. Polled: Prefect 3 records task runs from events, asynchronously, so a
+    flow can return before the server has written the runs its workers reported.
+    """
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId, TaskRunFilterName
+
+    wanted = TaskRunFilter(name=TaskRunFilterName(like_=prefix),
+                           flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id]) if flow_run_id else None)
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = [r for r in client.read_task_runs(task_run_filter=wanted) if r.name.startswith(prefix)]
+            if (len(runs) >= expected and all(r.state and r.state.is_final() for r in runs)) \
+                    or time.monotonic() > deadline:
+                return runs
+            time.sleep(0.5)

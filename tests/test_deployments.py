@@ -59,19 +59,21 @@ def test_runs_are_named_for_people_and_tagged_by_model(tmp_path):
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
 
     from flows.nightly import nightly
-    from tests.helpers import gradient, png_bytes, write_files
+    from tests.helpers import gradient, png_bytes, task_runs_named, write_files
 
     write_files(str(tmp_path / "cat"), {f"{i}.png": png_bytes(gradient(i)) for i in range(3)})
     result = nightly(catalogue=str(tmp_path / "cat"), store=str(tmp_path / "store"), model="raw-pixels",
                      batch_size="4")
     today = datetime.now(UTC).strftime("%Y-%m-%d")
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=today)))
-        names = {r.name for r in runs}
-        ingest_run = next(r for r in runs if r.name == f"ingest-{today}-raw-pixels")
-        task_runs = client.read_task_runs()
-    assert f"nightly-{today}" in names and f"build-index-{today}-{result['ingest']['slug']}" in names
-    encode_tags = {t for tr in task_runs if tr.flow_run_id == ingest_run.id for t in tr.tags}
+    expected = [f"nightly-{today}", f"ingest-{today}-raw-pixels", f"build-index-{today}-{result['ingest']['slug']}"]
+    with get_client(sync_client=True) as client:  # filtered by name: the session's server holds many runs
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=expected)),
+                                     sort=FlowRunSort.START_TIME_DESC)
+    assert {r.name for r in runs} == set(expected)
+    ingest_run = next(r for r in runs if r.name == expected[1])  # this test's: the latest of that name
+    task_runs = task_runs_named("encode-", 1, flow_run_id=ingest_run.id)
+    encode_tags = {t for tr in task_runs for t in tr.tags}
     assert f"model:{result['ingest']['slug']}" in encode_tags

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.ingest import ingest
-from tests.helpers import gradient, jpeg_bytes, write_files
+from tests.helpers import gradient, jpeg_bytes, task_runs_named, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -55,7 +55,7 @@ def test_dask_cluster_writes_the_same_shards_as_local_one_encode_per_limit_slot(
     with get_client(sync_client=True) as client:
         limit = client.read_global_concurrency_limit_by_name("imgest-test-one-encode")
         assert limit.limit == 1 and limit.active_slots == 0
-        runs = [r for r in client.read_task_runs() if r.name.startswith("encode-part-" + dask["run_id"])]
+    runs = task_runs_named("encode-part-" + dask["run_id"], 5)
     assert len(runs) == 5 and all(r.state.is_completed() for r in runs), "task runs reported to this server"
 
 
@@ -91,7 +91,6 @@ def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(
 
 def test_the_same_flow_runs_on_an_existing_cluster_by_address(tmp_path):
     from distributed import LocalCluster
-    from prefect.client.orchestration import get_client
 
     from flows.runners import _api_url
 
@@ -106,6 +105,5 @@ def test_the_same_flow_runs_on_an_existing_cluster_by_address(tmp_path):
         worker_pids = {w.pid for w in cluster.workers.values() if hasattr(w, "pid")}
     assert run["encoded"] == 6 and run["shards"] == 3
     assert {int(w.rsplit(":", 1)[1]) for w in run["workers"]} <= worker_pids, "encoded by that cluster's workers"
-    with get_client(sync_client=True) as client:
-        names = {r.name for r in client.read_task_runs() if r.name.startswith("encode-part-" + run["run_id"])}
+    names = {r.name for r in task_runs_named("encode-part-" + run["run_id"], 3)}
     assert len(names) == 3
