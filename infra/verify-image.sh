@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Build infra/Dockerfile without a Docker daemon or a base-image registry, then run the demo inside it.
+#
+#   sudo bash infra/verify-image.sh            # CPU image; about 7 minutes on 2 cores
+#
+# For machines like the development one: root, Debian, package registries only. buildah builds the image
+# (chroot isolation, no daemon); the base image is Debian bookworm with its Python 3.11, made by debootstrap
+# from the Debian mirror, standing in for python:3.11-slim-bookworm. Wheels and the CA bundle of a
+# TLS-intercepting proxy are passed the way the Dockerfile documents (PIP_FIND_LINKS, PIP_CERT).
+# Where Docker works, `docker build -f infra/Dockerfile .` is the whole story.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILDAH=(buildah --storage-driver overlay)
+BASE=localhost/imgest-base-bookworm
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"; "${BUILDAH[@]}" rm imgest-verify >/dev/null 2>&1 || true' EXIT
+
+command -v buildah >/dev/null && command -v debootstrap >/dev/null \
+  || DEBIAN_FRONTEND=noninteractive apt-get install -y -q buildah debootstrap >/dev/null
+
+if ! "${BUILDAH[@]}" inspect "$BASE" >/dev/null 2>&1; then
+  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$WORK/rootfs" \
+    http://deb.debian.org/debian >/dev/null
+  tar -C "$WORK/rootfs" -cf "$WORK/rootfs.tar" .
+  printf 'FROM scratch\nADD rootfs.tar /\nCMD ["/bin/bash"]\n' >"$WORK/Containerfile"
+  "${BUILDAH[@]}" bud --isolation chroot -t "$BASE" "$WORK" >/dev/null
+fi
+
+# The build context is the committed tree, as a clean clone would have it.
+git archive HEAD | tar -x -C "$WORK" --one-top-level=context
+args=(--build-arg "BASE=$BASE" --build-arg TORCH_INDEX=https://pypi.org/simple)
+[ -d /opt/wheels ] && args+=(--build-arg PIP_FIND_LINKS=/wheels -v /opt/wheels:/wheels:ro)
+[ -f /etc/ssl/certs/ca-certificates.crt ] \
+  && args+=(--build-arg PIP_CERT=/certs/ca-certificates.crt -v /etc/ssl/certs:/certs:ro)
+"${BUILDAH[@]}" bud --pull=never --isolation chroot -f infra/Dockerfile -t localhost/imgest:cpu "${args[@]}" \
+  "$WORK/context"
+
+# The demo, as the image's unprivileged user, with the Debian Fashion-MNIST package mounted read-only.
+mkdir -p "$WORK/run" && chown 10001 "$WORK/run"
+"${BUILDAH[@]}" from --pull=never --name imgest-verify localhost/imgest:cpu >/dev/null
+"${BUILDAH[@]}" run --isolation chroot imgest-verify -- imgest --help >/dev/null
+"${BUILDAH[@]}" run --isolation chroot -v /usr/share/datasets/fashion-mnist:/usr/share/datasets/fashion-mnist:ro \
+  -v "$WORK/run:/work" --workingdir /work imgest-verify -- imgest demo --per-class 20 | tail -8
+"${BUILDAH[@]}" images localhost/imgest:cpu
