@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
@@ -9,6 +12,7 @@ from flows.build_index import build_index
 from flows.naming import run_name
 from flows.reencode import reencode
 from imgest import encoders
+from imgest.lock import StoreLock
 from imgest.storage import open_location
 from tasks import migration
 from tasks.export import last_run
@@ -26,14 +30,19 @@ def migrate(store: str, action: str, to: str | None = None, catalogue: str | Non
     if action not in ACTIONS:
         raise migration.MigrationError(f"unknown action {action!r}; allowed: {', '.join(ACTIONS)}")
     store_loc = open_location(store, must_exist=True, what="store")
-    if action == "start":
+    if action == "start":  # its re-encode and index build take the writer lock themselves
         start(store_loc, to, catalogue, batch_size, device, kind, memory, target_recall, shard_size)
-    elif action == "promote":
-        migration.promote(store_loc, gate, margin)
-    elif action == "rollback":
-        migration.rollback(store_loc)
-    elif action == "finish":
-        finished = migration.finish(store_loc, retain_days)
+    elif action in ("promote", "rollback", "finish"):
+        # Alias moves and deletions hold the writer lock: a nightly build moving `serving` on the old model
+        # at the same moment would otherwise overwrite the promote (or finish would delete what it reads).
+        with StoreLock(store_loc, owner=f"migrate-{action}@{socket.gethostname()}:{os.getpid()}"):
+            if action == "promote":
+                migration.promote(store_loc, gate, margin)
+            elif action == "rollback":
+                migration.rollback(store_loc)
+            else:
+                finished = migration.finish(store_loc, retain_days)
+    if action == "finish":
         create_markdown_artifact(f"Window {finished['window']['id']} finished; deleted now: "
                                  f"{finished['deleted'] or 'nothing (retention or aliases hold it)'}\n",
                                  key="migration-window")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
@@ -9,6 +12,7 @@ from flows.build_index import build_index
 from flows.ingest import ingest
 from flows.naming import run_name
 from imgest.encoders import DEFAULT_MODEL
+from imgest.lock import StoreLock
 from imgest.storage import open_location
 from tasks.decode import DEFAULT_MAX_PIXELS
 from tasks.migration import check_window_model, collect_retired, nightly_models
@@ -30,7 +34,8 @@ def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: 
                             runner=runner, workers=workers)
         runs.append({"ingest": summary, "index": index})
     # models retired by a finished migration window go once their retention has passed and no alias needs them
-    retired = collect_retired(store_loc)
+    with StoreLock(store_loc, owner=f"nightly-retire@{socket.gethostname()}:{os.getpid()}"):
+        retired = collect_retired(store_loc)
     create_markdown_artifact(render_nightly(runs, retired), key="nightly-summary",
                              description=f"nightly {store_loc.url}")
     return {**runs[0], "models": runs, "retired": retired}

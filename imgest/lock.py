@@ -62,8 +62,8 @@ class StoreLock:
             if not self._is_stale(holder):
                 raise StoreLockedError(
                     f"store {self.store.url} is locked by run {holder.get('owner')} (host {holder.get('host')}, "
-                    f"pid {holder.get('pid')}, started {holder.get('started')}): another ingest or index build "
-                    "is running; wait for it to finish"
+                    f"pid {holder.get('pid')}, started {holder.get('started')}): another ingest, index build or "
+                    "migration step is running; wait for it to finish"
                 )
             self.broke = holder
             self.store.delete(LOCK_KEY)

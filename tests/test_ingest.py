@@ -173,7 +173,7 @@ def test_kill_mid_run_then_rerun_is_exactly_once_and_second_writer_refused(tmp_p
 
     # While it runs, a second ingest on the same store is refused with a clear message.
     refused = CliRunner().invoke(app, ["ingest", "--catalogue", str(cat), "--store", str(store)])
-    assert refused.exit_code == 2 and "locked by run" in refused.output and "another ingest" in refused.output
+    assert refused.exit_code == 2 and "locked by run" in refused.output and "wait for it" in refused.output
 
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -171,3 +171,23 @@ def test_promote_then_rollback_and_refusals(tmp_path, tiny_models):
     assert new_slug in finished["finished"]["deleted"]
     assert read_alias(Location(str(store)), "shadow") is None
     assert read_alias(Location(str(store)), "serving")["slug"] == base["ingest"]["slug"]
+
+
+def test_promote_rollback_finish_wait_for_the_writer_lock(tmp_path, tiny_models):
+    """A nightly build holding the store (it moves aliases too) makes a promote fail with the holder named,
+    changing nothing; once it is released the same command goes through."""
+    from imgest.lock import StoreLock, StoreLockedError
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    catalogue(cat, 6)
+    base = nightly(catalogue=str(cat), store=str(store), model=f"hf:{tiny_models['clip']}", batch_size="8")
+    migrate(store=str(store), action="start", to=f"hf:{tiny_models['dinov2']}", batch_size="8")
+    loc = Location(str(store))
+    with StoreLock(loc, owner="build-index@elsewhere:1"):
+        for action in ("promote", "rollback", "finish"):
+            with pytest.raises(StoreLockedError, match="locked by run build-index@elsewhere:1"):
+                migrate(store=str(store), action=action)
+        assert read_alias(loc, "serving")["slug"] == base["ingest"]["slug"]
+        assert read_window(loc)["status"] == "open"
+    promoted = migrate(store=str(store), action="promote")
+    assert promoted["aliases"]["serving"]["slug"] == promoted["window"]["to"]["slug"]
