@@ -11,6 +11,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.build_index import build_index
 from flows.ingest import ingest
 from flows.naming import run_name
+from imgest import encoders
 from imgest.encoders import DEFAULT_MODEL
 from imgest.lock import StoreLock
 from imgest.storage import open_location
@@ -24,21 +25,33 @@ def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: 
             kind: str = "auto", memory: str = "4G", target_recall: float = 0.95, k: int = 10, runner: str = "local",
             workers: int = 0, index_parts: int = 1) -> dict:
     store_loc = open_location(store)
-    runs = []
+    runs, ingested = [], set()
     for name, expected_slug in nightly_models(store_loc, model):
+        base = encoders.resolve(name).base
+        if base is not None and base.slug not in ingested:
+            # A head: its base model first, so new images are decoded and encoded once, into the base's
+            # namespace, and the head derives every row from there. The base stays current for retraining
+            # the head and for comparing against it; it gets no index of its own unless an alias is on it.
+            base_summary = ingest(catalogue, store, base.name, batch_size, device, shard_size, decode_workers,
+                                  max_pixels, runner=runner, workers=workers)
+            ingested.add(base_summary["slug"])
+            runs.append({"ingest": base_summary, "index": {"built": False, "reason": "base of a head"}, "base": True})
         summary = ingest(catalogue, store, name, batch_size, device, shard_size, decode_workers, max_pixels,
                          runner=runner, workers=workers)
         check_window_model(expected_slug, summary)
         # alias "auto": each rebuilt index moves the aliases already on its model (serving, shadow, previous)
         index = build_index(store, summary["slug"], kind, memory, target_recall, k, alias="auto", parts=index_parts,
                             runner=runner, workers=workers)
+        ingested.add(summary["slug"])
         runs.append({"ingest": summary, "index": index})
     # models retired by a finished migration window go once their retention has passed and no alias needs them
     with StoreLock(store_loc, owner=f"nightly-retire@{socket.gethostname()}:{os.getpid()}"):
         retired = collect_retired(store_loc)
     create_markdown_artifact(render_nightly(runs, retired), key="nightly-summary",
                              description=f"nightly {store_loc.url}")
-    return {**runs[0], "models": runs, "retired": retired}
+    served = [run for run in runs if not run.get("base")]
+    return {**served[0], "models": served, "bases": [run["ingest"] for run in runs if run.get("base")],
+            "retired": retired}
 
 
 def render_nightly(runs: list[dict], retired: list) -> str:

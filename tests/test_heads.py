@@ -202,6 +202,27 @@ def test_head_goes_through_the_migration_window(labelled):
     assert Location(store).exists(f"state/model={base_slug}/model.json")
 
 
+def test_nightly_on_a_head_keeps_its_base_current_and_decodes_new_images_once(labelled, tmp_path):
+    import shutil
+
+    from flows.nightly import nightly
+    from tests.helpers import gradient, png_bytes, write_files
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    shutil.copytree(labelled / "catalogue", cat)  # copy2: same mtimes, so the 36 images are unchanged
+    shutil.copytree(labelled / "store", store)
+    head = _train(labelled)["head"]
+    write_files(str(cat), {f"new/{n}.png": png_bytes(gradient(40 + n, (48, 48))) for n in range(4)})
+
+    run = nightly(catalogue=str(cat), store=str(store), model=head, batch_size="8", shard_size=10)
+    (base,) = run["bases"]
+    assert base["model_id"] == run["ingest"]["model_id"].split("+head-")[0]
+    assert base["new"] == base["encoded"] == 4 and base["unchanged"] >= 36, "the base model encoded the new images"
+    assert run["ingest"]["encoded"] == run["ingest"]["derived"] == run["ingest"]["listed"], \
+        "the head derived every row from base embeddings: nothing decoded twice"
+    assert run["index"]["built"] and run["index"]["card"]["model_id"] == run["ingest"]["model_id"]
+
+
 def test_without_labels_each_item_is_an_instance_with_augmented_views(labelled):
     import json
 
