@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
 # Build infra/Dockerfile without a Docker daemon or a base-image registry, then run the demo inside it.
 #
-#   sudo bash infra/verify-image.sh            # CPU image; about 7 minutes on 2 cores
+#   sudo bash infra/verify-image.sh [cpu|cuda]   # cpu: about 7 minutes on 2 cores; cuda: about 8, 6.3 GB
 #
 # For machines like the development one: root, Debian, package registries only. buildah builds the image
-# (chroot isolation, no daemon); the base image is Debian bookworm with its Python 3.11, made by debootstrap
-# from the Debian mirror, standing in for python:3.11-slim-bookworm. Wheels and the CA bundle of a
-# TLS-intercepting proxy are passed the way the Dockerfile documents (PIP_FIND_LINKS, PIP_CERT).
+# (chroot isolation, no daemon); the base image is Debian bookworm made by debootstrap from the Debian
+# mirror: with its Python 3.11 for cpu, standing in for python:3.11-slim-bookworm; without Python for cuda,
+# standing in for nvidia/cuda (Ubuntu without Python), so the image's install-Python step runs. cuda takes
+# torch from PyPI (the CUDA wheel); the demo then runs on CPU unless the machine has a GPU. Wheels and the
+# CA bundle of a TLS-intercepting proxy are passed the way the Dockerfile documents (PIP_FIND_LINKS, PIP_CERT).
 # Where Docker works, `docker build -f infra/Dockerfile .` is the whole story.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+VARIANT=${1:-cpu}
+case "$VARIANT" in
+  cpu) BASE=localhost/imgest-base-bookworm-python; INCLUDE=python3,python3-venv,ca-certificates ;;
+  cuda) BASE=localhost/imgest-base-bookworm-bare; INCLUDE=ca-certificates ;;
+  *) echo "usage: $0 [cpu|cuda]" >&2; exit 2 ;;
+esac
 BUILDAH=(buildah --storage-driver overlay)
-BASE=localhost/imgest-base-bookworm
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"; "${BUILDAH[@]}" rm imgest-verify >/dev/null 2>&1 || true' EXIT
 
@@ -20,7 +27,7 @@ command -v buildah >/dev/null && command -v debootstrap >/dev/null \
   || DEBIAN_FRONTEND=noninteractive apt-get install -y -q buildah debootstrap >/dev/null
 
 if ! "${BUILDAH[@]}" inspect "$BASE" >/dev/null 2>&1; then
-  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$WORK/rootfs" \
+  debootstrap --variant=minbase --include="$INCLUDE" bookworm "$WORK/rootfs" \
     http://deb.debian.org/debian >/dev/null
   tar -C "$WORK/rootfs" -cf "$WORK/rootfs.tar" .
   printf 'FROM scratch\nADD rootfs.tar /\nCMD ["/bin/bash"]\n' >"$WORK/Containerfile"
@@ -30,16 +37,18 @@ fi
 # The build context is the committed tree, as a clean clone would have it.
 git archive HEAD | tar -x -C "$WORK" --one-top-level=context
 args=(--build-arg "BASE=$BASE" --build-arg TORCH_INDEX=https://pypi.org/simple)
-[ -d /opt/wheels ] && args+=(--build-arg PIP_FIND_LINKS=/wheels -v /opt/wheels:/wheels:ro)
+[ "$VARIANT" = cpu ] && [ -d /opt/wheels ] && args+=(--build-arg PIP_FIND_LINKS=/wheels -v /opt/wheels:/wheels:ro)
 [ -f /etc/ssl/certs/ca-certificates.crt ] \
   && args+=(--build-arg PIP_CERT=/certs/ca-certificates.crt -v /etc/ssl/certs:/certs:ro)
-"${BUILDAH[@]}" bud --pull=never --isolation chroot -f infra/Dockerfile -t localhost/imgest:cpu "${args[@]}" \
+"${BUILDAH[@]}" bud --pull=never --isolation chroot -f infra/Dockerfile -t "localhost/imgest:$VARIANT" "${args[@]}" \
   "$WORK/context"
 
 # The demo, as the image's unprivileged user, with the Debian Fashion-MNIST package mounted read-only.
 mkdir -p "$WORK/run" && chown 10001 "$WORK/run"
-"${BUILDAH[@]}" from --pull=never --name imgest-verify localhost/imgest:cpu >/dev/null
+"${BUILDAH[@]}" from --pull=never --name imgest-verify "localhost/imgest:$VARIANT" >/dev/null
 "${BUILDAH[@]}" run --isolation chroot imgest-verify -- imgest --help >/dev/null
+"${BUILDAH[@]}" run --isolation chroot imgest-verify -- python -c \
+  "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available())"
 "${BUILDAH[@]}" run --isolation chroot -v /usr/share/datasets/fashion-mnist:/usr/share/datasets/fashion-mnist:ro \
   -v "$WORK/run:/work" --workingdir /work imgest-verify -- imgest demo --per-class 20 | tail -8
-"${BUILDAH[@]}" images localhost/imgest:cpu
+"${BUILDAH[@]}" images "localhost/imgest:$VARIANT"
