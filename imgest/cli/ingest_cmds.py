@@ -167,9 +167,12 @@ def nightly(
                               kind=kind, memory=memory, target_recall=target_recall, runner=runner, workers=workers)
     except _user_errors() as exc:
         _fail(exc)
-    typer.echo(render_summary(RunSummary(**result["ingest"])))
-    index = result["index"]
-    typer.echo(render_card(index["card"]) if index["built"] else f"no index built: {index['reason']}")
+    for base in result["bases"]:  # a head's base model, ingested first
+        typer.echo(render_summary(RunSummary(**base)))
+    for run in result["models"]:  # two while a migration window is open
+        typer.echo(render_summary(RunSummary(**run["ingest"])))
+        index = run["index"]
+        typer.echo(render_card(index["card"]) if index["built"] else f"no index built: {index['reason']}")
 
 
 @app.command()
