@@ -218,8 +218,10 @@ def test_nightly_on_a_head_keeps_its_base_current_and_decodes_new_images_once(la
     (base,) = run["bases"]
     assert base["model_id"] == run["ingest"]["model_id"].split("+head-")[0]
     assert base["new"] == base["encoded"] == 4 and base["unchanged"] >= 36, "the base model encoded the new images"
-    assert run["ingest"]["encoded"] == run["ingest"]["derived"] == run["ingest"]["listed"], \
-        "the head derived every row from base embeddings: nothing decoded twice"
+    # Every row the head encoded was derived from a base embedding: nothing decoded twice. (40 rows when the
+    # head is new to the store, 4 when an earlier test in this module already ingested the same head.)
+    head_run = run["ingest"]
+    assert head_run["encoded"] == head_run["derived"] == head_run["listed"] - head_run["unchanged"] >= 4
     assert run["index"]["built"] and run["index"]["card"]["model_id"] == run["ingest"]["model_id"]
 
 
