@@ -50,9 +50,8 @@ def served_and_exact(store: Location, searcher: Searcher, queries: list[Labelled
     live = load_live_vectors(store, card["slug"], card["d"])
     position = {item: i for i, item in enumerate(live.item_ids)}
     rows = [position[item] for item in searcher.opened.item_ids if item in position]
-    flat = faiss.IndexFlatIP(card["d"])
-    flat.add(live.vectors[rows])
-    scores, ids = flat.search(vectors, depth + extra)
+    scores, ids = faiss.knn(np.ascontiguousarray(vectors, np.float32), live.vectors[rows], depth + extra,
+                            metric=faiss.METRIC_INNER_PRODUCT)
     exact, _ = _ranked(queries, scores, ids, [live.item_ids[r] for r in rows], depth)
     return {"served": served, "served_scores": served_scores, "exact": exact}
 
