@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import tempfile
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,13 +66,41 @@ def live_fingerprint(store: Location, slug: str) -> str:
     return hashlib.sha256(json.dumps([slug, seq, run_id, pending]).encode()).hexdigest()
 
 
+# Live vectors larger than this go to an unlinked scratch file under TMPDIR (memory-mapped) instead of the
+# heap: the build then holds one shard's table at a time plus the index it fills, and the OS pages the
+# vectors in and out. faiss reads the memory map in place (add in blocks, exact search for tuning).
+SPILL_BYTES = 256 << 20
+
+
+def _vector_array(n: int, dim: int) -> np.ndarray:
+    if n * dim * 4 < SPILL_BYTES:
+        return np.empty((n, dim), np.float32)
+    with tempfile.TemporaryFile(prefix="imgest-live-") as fh:  # already unlinked; the mapping keeps it
+        fh.truncate(n * dim * 4)
+        return np.memmap(fh, np.float32, "w+", shape=(n, dim))
+
+
 def load_live_vectors(store: Location, slug: str, dim: int) -> LiveVectors:
-    """All live vectors of a model in item_id order (stable faiss ids across rebuilds of one state)."""
+    """All live vectors of a model in item_id order (stable faiss ids across rebuilds of one state), read
+    one shard at a time and written into place (see SPILL_BYTES for where)."""
     state = load_state(store, slug)
-    tables = list(iter_live_tables(store, state))
-    if not tables:
-        return LiveVectors([], [], [], np.zeros((0, dim), np.float32), state.seq)
-    table = pa.concat_tables(tables).sort_by("item_id")
-    flat = table["embedding"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
-    return LiveVectors(table["item_id"].to_pylist(), table["uri"].to_pylist(), table["content_hash"].to_pylist(),
-                       np.ascontiguousarray(flat.reshape(-1, dim), dtype=np.float32), state.seq)
+    by_shard = live_by_shard(state)
+    item_ids = sorted(item for keep in by_shard.values() for item in keep)
+    position = {item: n for n, item in enumerate(item_ids)}
+    vectors = _vector_array(len(item_ids), dim)
+    uris: list[str | None] = [None] * len(item_ids)
+    hashes: list[str | None] = [None] * len(item_ids)
+    for table in iter_live_tables(store, state):
+        rows = np.fromiter((position[i] for i in table["item_id"].to_pylist()), np.int64, len(table))
+        flat = table["embedding"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        vectors[rows] = flat.reshape(-1, dim)
+        for row, uri, content_hash in zip(rows, table["uri"].to_pylist(), table["content_hash"].to_pylist()):
+            uris[row], hashes[row] = uri, content_hash
+    found = [n for n, uri in enumerate(uris) if uri is not None]
+    if len(found) < len(item_ids):  # a live item without its row: index what is there, say what is not
+        missing = [item_ids[n] for n, uri in enumerate(uris) if uri is None]
+        logging.getLogger("imgest").warning("model=%s: %d live item(s) have no row in their shard (e.g. %s); "
+                                            "indexing the other %d", slug, len(missing), missing[:3], len(found))
+        item_ids, uris, hashes = [item_ids[n] for n in found], [uris[n] for n in found], [hashes[n] for n in found]
+        vectors = np.ascontiguousarray(vectors[found])
+    return LiveVectors(item_ids, uris, hashes, vectors, state.seq)

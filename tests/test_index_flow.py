@@ -215,3 +215,34 @@ def test_unchanged_catalogue_reuses_the_index_through_prefect_cache(tmp_path, wh
     loc.delete_tree("indexes/model=" + changed["card"]["slug"] + "/v0003")
     rebuilt = build_index(store=store, model="raw-pixels", kind="hnsw", alias=None)
     assert not rebuilt["reused"] and rebuilt["card"]["version"] == 3 and rebuilt["card"]["n"] == 31
+
+
+def test_live_vectors_spill_to_an_unlinked_scratch_map_and_build_the_same_index(lite0_store, tmp_path, monkeypatch):
+    """Past SPILL_BYTES the live vectors are memory-mapped from an already-deleted scratch file (the heap
+    holds one shard at a time); the vectors, their order and the index built from them are unchanged."""
+    import tempfile
+
+    import tasks.live
+    from tasks.live import load_live_vectors
+
+    store = tmp_path / "store"
+    shutil.copytree(lite0_store["store"], store)
+    slug, d = lite0_store["result"]["index"]["card"]["slug"], 1280
+    in_memory = load_live_vectors(Location(str(store)), slug, d)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(tasks.live, "SPILL_BYTES", 0)
+    spilled = load_live_vectors(Location(str(store)), slug, d)
+    assert isinstance(spilled.vectors, np.memmap) and not isinstance(in_memory.vectors, np.memmap)
+    assert list(scratch.iterdir()) == [], "the scratch file is unlinked as soon as it is mapped"
+    assert spilled.item_ids == in_memory.item_ids and spilled.uris == in_memory.uris
+    np.testing.assert_array_equal(np.asarray(spilled.vectors), in_memory.vectors)
+
+    rebuilt = build_index(store=str(store), model=lite0_store["result"]["ingest"]["model_id"].split("@")[0],
+                          rebuild=True)["card"]
+    assert rebuilt["version"] == 2 and rebuilt["n"] == len(in_memory)
+    query = str(lite0_store["catalogue"] / "photos" / "chelsea.jpg")
+    old, new = (Searcher(str(store), model=slug, version=v).search([Query("q", image=query)], k=10)[0]
+                for v in (1, 2))
+    assert [(h.item_id, round(h.score, 5)) for h in old] == [(h.item_id, round(h.score, 5)) for h in new]
