@@ -25,7 +25,7 @@ def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: 
             kind: str = "auto", memory: str = "4G", target_recall: float = 0.95, k: int = 10, runner: str = "local",
             workers: int = 0, index_parts: int = 1) -> dict:
     store_loc = open_location(store)
-    runs, ingested = [], set()
+    runs, bases, ingested = [], [], set()
     for name, expected_slug in nightly_models(store_loc, model):
         base = encoders.resolve(name).base
         if base is not None and base.slug not in ingested:
@@ -35,7 +35,7 @@ def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: 
             base_summary = ingest(catalogue, store, base.name, batch_size, device, shard_size, decode_workers,
                                   max_pixels, runner=runner, workers=workers)
             ingested.add(base_summary["slug"])
-            runs.append({"ingest": base_summary, "index": {"built": False, "reason": "base of a head"}, "base": True})
+            bases.append(base_summary)
         summary = ingest(catalogue, store, name, batch_size, device, shard_size, decode_workers, max_pixels,
                          runner=runner, workers=workers)
         check_window_model(expected_slug, summary)
@@ -47,11 +47,10 @@ def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: 
     # models retired by a finished migration window go once their retention has passed and no alias needs them
     with StoreLock(store_loc, owner=f"nightly-retire@{socket.gethostname()}:{os.getpid()}"):
         retired = collect_retired(store_loc)
-    create_markdown_artifact(render_nightly(runs, retired), key="nightly-summary",
+    base_rows = [{"ingest": b, "index": {"built": False, "reason": "base of a head"}} for b in bases]
+    create_markdown_artifact(render_nightly(base_rows + runs, retired), key="nightly-summary",
                              description=f"nightly {store_loc.url}")
-    served = [run for run in runs if not run.get("base")]
-    return {**served[0], "models": served, "bases": [run["ingest"] for run in runs if run.get("base")],
-            "retired": retired}
+    return {**runs[0], "models": runs, "bases": bases, "retired": retired}
 
 
 def render_nightly(runs: list[dict], retired: list) -> str:

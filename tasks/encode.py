@@ -23,7 +23,7 @@ from imgest.storage import Location
 from tasks.decode import DEFAULT_MAX_PIXELS, DecodeError, decode_image
 from tasks.plan import ShardPlan, WorkItem
 from tasks.policy import SHARD_RETRIES
-from tasks.shards import ShardResult, ShardWriter
+from tasks.shards import ShardResult, ShardWriter, embedding_matrix
 from tasks.state import shard_key
 
 
@@ -103,8 +103,7 @@ def derive_from_base(items: tuple[WorkItem, ...], encoder: Encoder, store: Locat
         rest.extend(item for item in group if (item.item_id, item.base_hash) not in rows)  # not there: decode
         if not found:
             continue
-        flat = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        base = flat.reshape(len(table), -1)[[n for _, n in found]]
+        base = embedding_matrix(table, encoder.spec.base.dim)[[n for _, n in found]]
         writer.add([(item, item.base_hash) for item, _ in found], project(encoder.module, base, encoder.device))
         writer.result.derived += len(found)
     order = {item.item_id: n for n, item in enumerate(items)}

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from imgest.storage import Location
+from tasks.shards import embedding_matrix
 from tasks.state import (
     LIVE,
     CatalogueState,
@@ -92,8 +93,7 @@ def load_live_vectors(store: Location, slug: str, dim: int) -> LiveVectors:
     hashes: list[str | None] = [None] * len(item_ids)
     for table in iter_live_tables(store, state):
         rows = np.fromiter((position[i] for i in table["item_id"].to_pylist()), np.int64, len(table))
-        flat = table["embedding"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        vectors[rows] = flat.reshape(-1, dim)
+        vectors[rows] = embedding_matrix(table, dim)
         for row, uri, content_hash in zip(rows, table["uri"].to_pylist(), table["content_hash"].to_pylist()):
             uris[row], hashes[row] = uri, content_hash
     found = [n for n, uri in enumerate(uris) if uri is not None]

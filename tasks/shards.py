@@ -16,6 +16,12 @@ from tasks.plan import ShardPlan, WorkItem
 from tasks.state import commit_key, now_iso, shard_key
 
 
+def embedding_matrix(table: pa.Table, dim: int) -> np.ndarray:
+    """A shard table's `embedding` column (fixed-size lists) as a (rows, dim) float32 array."""
+    flat = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    return flat.reshape(len(table), dim)
+
+
 def shard_schema(spec: EncoderSpec) -> pa.Schema:
     fields = [
         ("item_id", pa.string()),
