@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build infra/Dockerfile without a Docker daemon or a base-image registry, then run the demo inside it.
 #
-#   sudo bash infra/verify-image.sh [cpu|cuda]   # cpu: about 7 minutes on 2 cores; cuda: about 8, 6.3 GB
+#   sudo bash infra/verify-image.sh [cpu|cuda]   # measured here: cpu 6-7 minutes on 2 cores, cuda about 7 (6.3 GB)
 #
 # For machines like the development one: root, Debian, package registries only. buildah builds the image
 # (chroot isolation, no daemon); the base image is Debian bookworm made by debootstrap from the Debian
