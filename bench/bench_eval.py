@@ -29,13 +29,13 @@ def main() -> None:
 
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.build_index import build_index
-    from flows.evaluate import evaluate
-    from flows.ingest import ingest
-    from flows.nightly import nightly
     from imgest.demo import build_demo_catalogue
-    from tasks.eval_report import render_eval
-    from tasks.querysets import build_class_queries, build_instance_queries
+    from imgest.flows.build_index import build_index
+    from imgest.flows.evaluate import evaluate
+    from imgest.flows.ingest import ingest
+    from imgest.flows.nightly import nightly
+    from imgest.tasks.markdown import render_eval
+    from imgest.tasks.querysets import build_class_queries, build_instance_queries
 
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-eval-")
     cat, store = os.path.join(work, "catalogue"), os.path.join(work, "store")

@@ -42,15 +42,15 @@ def main() -> None:
     import numpy as np
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.ingest import ingest
-    from flows.train_head import train_head_flow
     from imgest.demo import build_demo_catalogue
     from imgest.encoders.head import load_module
     from imgest.encoders.head import project as apply_head
+    from imgest.flows.ingest import ingest
+    from imgest.flows.train_head import train_head_flow
     from imgest.storage import Location
-    from tasks.export import find_model
-    from tasks.live import load_live_vectors
-    from tasks.metrics import paired_bootstrap
+    from imgest.tasks.live import load_live_vectors
+    from imgest.tasks.metrics import paired_bootstrap
+    from imgest.tasks.models import find_model
 
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-heads-")
     cat, store = os.path.join(work, "catalogue"), os.path.join(work, "store")

@@ -25,9 +25,9 @@ sys.path.insert(0, ROOT)
 
 CHILD = """
 import json, resource, sys, time
-from flows.ingest import ingest
+from imgest.flows.ingest import ingest
 from imgest import encoders
-from tasks.tuning import measure
+from imgest.tasks.batch_size import measure
 t0 = time.perf_counter()
 summary = ingest(catalogue=sys.argv[1], store=sys.argv[2], batch_size=sys.argv[3], device=sys.argv[4])
 summary["wall_seconds"] = round(time.perf_counter() - t0, 2)
@@ -73,7 +73,7 @@ def main() -> None:
     from threadpoolctl import threadpool_info
 
     from imgest import encoders
-    from tasks.tuning import tune_batch_size
+    from imgest.tasks.batch_size import tune_batch_size
 
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-bench-")
     print(f"# imgest ingest benchmark ({time.strftime('%Y-%m-%d')})")

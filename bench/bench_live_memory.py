@@ -29,14 +29,15 @@ def _status_kb(field: str) -> int:
 
 
 def child(store_url: str, memory: str, spill: bool) -> dict:
-    import tasks.live
+    import imgest.tasks.live
     from imgest.storage import Location
-    from tasks.export import find_model
-    from tasks.index_build import build, tune_search
-    from tasks.index_choice import choose_index
+    from imgest.tasks.index_build import build
+    from imgest.tasks.index_choice import choose_index
+    from imgest.tasks.models import find_model
+    from imgest.tasks.recall_tuning import tune_search
 
     if spill:
-        tasks.live.SPILL_BYTES = 0
+        imgest.tasks.live.SPILL_BYTES = 0
     store = Location(store_url)
     model = find_model(store, "efficientnet-lite0")
     base_anon = _status_kb("RssAnon")
@@ -50,7 +51,7 @@ def child(store_url: str, memory: str, spill: bool) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
-    live = tasks.live.load_live_vectors(store, model["slug"], model["dim"])
+    live = imgest.tasks.live.load_live_vectors(store, model["slug"], model["dim"])
     loaded = time.perf_counter() - start
     choice = choose_index(len(live), live.vectors.shape[1], memory, "auto")
     index, _ = build(live.vectors, choice)

@@ -11,33 +11,44 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
-from flows.config import IngestConfig
-from flows.naming import run_name
-from flows.runners import shard_runner
 from imgest import encoders
-from imgest.encoders import DEFAULT_MODEL
+from imgest.config import IngestConfig
+from imgest.defaults import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_DECODE_WORKERS,
+    DEFAULT_DEVICE,
+    DEFAULT_ENCODE_LIMIT,
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MODEL,
+    DEFAULT_RUNNER,
+    DEFAULT_SHARD_SIZE,
+    DEFAULT_WORKERS,
+)
 from imgest.lock import StoreLock
 from imgest.storage import one_line, open_location
-from tasks.commit import commit_run_task, new_summary
-from tasks.decode import DEFAULT_MAX_PIXELS
-from tasks.encode import ShardFailedError, encode_shard_task
-from tasks.listing import list_catalogue_task
-from tasks.plan import attach_base_task, plan_ingest_task
-from tasks.report import progress_line, render_summary
-from tasks.state import new_run_id, prepare_state_task
-from tasks.tuning import choose_batch_size_task
+from imgest.tasks.batch_size import choose_batch_size_task
+from imgest.tasks.commit import commit_run_task, new_summary
+from imgest.tasks.encode import ShardFailedError, encode_shard_task
+from imgest.tasks.listing import list_catalogue_task
+from imgest.tasks.markdown import progress_line, render_summary
+from imgest.tasks.plan import attach_base_task, plan_ingest_task
+from imgest.tasks.run_names import run_name
+from imgest.tasks.runners import shard_runner
+from imgest.tasks.state import new_run_id, prepare_state_task
 
 
 # Listing, planning and commit run in the flow's process; encode-shard tasks run on `runner`
-# (flows/runners.py): one at a time locally, or spread over a Dask cluster.
+# (tasks/runners.py): one at a time locally, or spread over a Dask cluster.
 @flow(name="ingest", flow_run_name=run_name("ingest"), task_runner=ThreadPoolTaskRunner(max_workers=1),
       validate_parameters=True)
-def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: str = "auto",
-           device: str = "auto", shard_size: int = 2000, decode_workers: int = 2,
-           max_pixels: int = DEFAULT_MAX_PIXELS, runner: str = "local", workers: int = 0,
-           encode_limit: str = "auto") -> dict:
-    cfg = IngestConfig(catalogue, store, model, str(batch_size), device, shard_size, decode_workers, max_pixels,
-                       runner, workers, encode_limit)
+def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: str = DEFAULT_BATCH_SIZE,
+           device: str = DEFAULT_DEVICE, shard_size: int = DEFAULT_SHARD_SIZE,
+           decode_workers: int = DEFAULT_DECODE_WORKERS, max_pixels: int = DEFAULT_MAX_PIXELS,
+           runner: str = DEFAULT_RUNNER, workers: int = DEFAULT_WORKERS,
+           encode_limit: str = DEFAULT_ENCODE_LIMIT) -> dict:
+    cfg = IngestConfig(catalogue=catalogue, store=store, model=model, batch_size=str(batch_size), device=device,
+                       shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels, runner=runner,
+                       workers=workers, encode_limit=encode_limit)
     spec = encoders.resolve(cfg.model)
     device = encoders.resolve_device(cfg.device)
     store_loc = open_location(cfg.store)

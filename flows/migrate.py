@@ -8,68 +8,84 @@ import socket
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.build_index import build_index
-from flows.naming import run_name
-from flows.reencode import reencode
 from imgest import encoders
+from imgest.config import MigrateConfig
+from imgest.defaults import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_DEVICE,
+    DEFAULT_KIND,
+    DEFAULT_MEMORY,
+    DEFAULT_RETAIN_DAYS,
+    DEFAULT_SHARD_SIZE,
+    DEFAULT_TARGET_RECALL,
+)
+from imgest.flows.build_index import build_index
+from imgest.flows.reencode import reencode
 from imgest.lock import StoreLock
 from imgest.storage import open_location
-from tasks import migration
-from tasks.export import last_run
-from tasks.index_store import read_alias
-from tasks.report import render_window
-
-ACTIONS = ("start", "status", "promote", "rollback", "finish")
+from imgest.tasks import migration
+from imgest.tasks.aliases import read_alias
+from imgest.tasks.markdown import render_finished, render_window
+from imgest.tasks.run_names import run_name
+from imgest.tasks.status import last_run
 
 
 @flow(name="migrate", flow_run_name=run_name("migrate", "to"), validate_parameters=True)
 def migrate(store: str, action: str, to: str | None = None, catalogue: str | None = None,
-            gate: dict | None = None, margin: float = 0.0, retain_days: float = 7.0, batch_size: str = "auto",
-            device: str = "auto", kind: str = "auto", memory: str = "4G", target_recall: float = 0.95,
-            shard_size: int = 2000) -> dict:
-    if action not in ACTIONS:
-        raise migration.MigrationError(f"unknown action {action!r}; allowed: {', '.join(ACTIONS)}")
-    store_loc = open_location(store, must_exist=True, what="store")
-    if action == "start":  # its re-encode and index build take the writer lock themselves
-        start(store_loc, to, catalogue, batch_size, device, kind, memory, target_recall, shard_size)
-    elif action in ("promote", "rollback", "finish"):
+            gate: dict | None = None, margin: float = 0.0, retain_days: float = DEFAULT_RETAIN_DAYS,
+            batch_size: str = DEFAULT_BATCH_SIZE, device: str = DEFAULT_DEVICE, kind: str = DEFAULT_KIND,
+            memory: str = DEFAULT_MEMORY, target_recall: float = DEFAULT_TARGET_RECALL,
+            shard_size: int = DEFAULT_SHARD_SIZE) -> dict:
+    cfg = MigrateConfig(store=store, action=action, to=to, catalogue=catalogue, gate=gate, margin=margin,
+                        retain_days=retain_days, batch_size=batch_size, device=device, kind=kind, memory=memory,
+                        target_recall=target_recall, shard_size=shard_size)
+    store_loc = open_location(cfg.store, must_exist=True, what="store")
+    if cfg.action == "start":  # its re-encode and index build take the writer lock themselves
+        migrate_start(store=cfg.store, to=cfg.to, catalogue=cfg.catalogue, batch_size=cfg.batch_size,
+                      device=cfg.device, kind=cfg.kind, memory=cfg.memory, target_recall=cfg.target_recall,
+                      shard_size=cfg.shard_size)
+    elif cfg.action in ("promote", "rollback", "finish"):
         # Alias moves and deletions hold the writer lock: a nightly build moving `serving` on the old model
         # at the same moment would otherwise overwrite the promote (or finish would delete what it reads).
-        with StoreLock(store_loc, owner=f"migrate-{action}@{socket.gethostname()}:{os.getpid()}"):
-            if action == "promote":
-                migration.promote(store_loc, gate, margin)
-            elif action == "rollback":
+        with StoreLock(store_loc, owner=f"migrate-{cfg.action}@{socket.gethostname()}:{os.getpid()}"):
+            if cfg.action == "promote":
+                migration.promote(store_loc, cfg.gate, cfg.margin)
+            elif cfg.action == "rollback":
                 migration.rollback(store_loc)
             else:
-                finished = migration.finish(store_loc, retain_days)
-    if action == "finish":
-        create_markdown_artifact(f"Window {finished['window']['id']} finished; deleted now: "
-                                 f"{finished['deleted'] or 'nothing (retention or aliases hold it)'}\n",
-                                 key="migration-window")
+                finished = migration.finish(store_loc, cfg.retain_days)
+    if cfg.action == "finish":
+        create_markdown_artifact(render_finished(finished), key="migration-window")
         return {"open": False, "finished": finished}
     status = migration.window_status(store_loc)
-    create_markdown_artifact(render_window(status), key="migration-window", description=f"migrate {action}")
+    create_markdown_artifact(render_window(status), key="migration-window", description=f"migrate {cfg.action}")
     return status
 
 
-def start(store, to: str | None, catalogue: str | None, batch_size: str, device: str, kind: str, memory: str,
-          target_recall: float, shard_size: int) -> dict:
+@flow(name="migrate-start", flow_run_name=run_name("migrate-start", "to"), validate_parameters=True)
+def migrate_start(store: str, to: str, catalogue: str | None = None, batch_size: str = DEFAULT_BATCH_SIZE,
+                  device: str = DEFAULT_DEVICE, kind: str = DEFAULT_KIND, memory: str = DEFAULT_MEMORY,
+                  target_recall: float = DEFAULT_TARGET_RECALL, shard_size: int = DEFAULT_SHARD_SIZE) -> dict:
     """Open (or resume) the window, re-encode into the new namespace, build its index as `shadow`.
     Every step is idempotent, so rerunning the same command after a crash continues."""
-    if not to:
-        raise migration.MigrationError("migrate start needs --to MODEL")
-    serving = read_alias(store, "serving")
+    cfg = MigrateConfig(store=store, action="start", to=to, catalogue=catalogue, batch_size=batch_size,
+                        device=device, kind=kind, memory=memory, target_recall=target_recall, shard_size=shard_size)
+    store_loc = open_location(cfg.store, must_exist=True, what="store")
+    serving = read_alias(store_loc, "serving")
     if serving is None:
         raise migration.MigrationError("nothing is serving yet: run `imgest nightly` first, then migrate")
-    target = encoders.resolve(to)
-    catalogue = catalogue or (last_run(store, serving["slug"]) or {}).get("catalogue")
+    target = encoders.resolve(cfg.to)
+    catalogue = cfg.catalogue or (last_run(store_loc, serving["slug"]) or {}).get("catalogue")
     if not catalogue:
         raise migration.MigrationError("no catalogue known for the serving model; pass --catalogue")
-    window = migration.open_window(store, serving["slug"], target.describe(), catalogue)
-    migration.record(store, window, "reencode-started")
-    summary = reencode(window["catalogue"], store.url, to, batch_size, device, shard_size)
+    window = migration.open_window(store_loc, serving["slug"], target.describe(), catalogue)
+    migration.record(store_loc, window, "reencode-started")
+    summary = reencode(catalogue=window["catalogue"], store=store_loc.url, model=cfg.to,
+                       batch_size=cfg.batch_size,
+                       device=cfg.device, shard_size=cfg.shard_size)
     migration.check_window_model(window["to"]["slug"], summary)
-    migration.record(store, window, "reencode-finished", encoded=summary["encoded"], run_id=summary["run_id"])
-    built = build_index(store.url, target.slug, kind, memory, target_recall, alias="shadow")
-    migration.record(store, window, "shadow-index", version=built.get("card", {}).get("version"))
+    migration.record(store_loc, window, "reencode-finished", encoded=summary["encoded"], run_id=summary["run_id"])
+    built = build_index(store=store_loc.url, model=target.slug, kind=cfg.kind, memory=cfg.memory,
+                        target_recall=cfg.target_recall, alias="shadow")
+    migration.record(store_loc, window, "shadow-index", version=built.get("card", {}).get("version"))
     return window

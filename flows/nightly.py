@@ -8,40 +8,57 @@ import socket
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.build_index import build_index
-from flows.ingest import ingest
-from flows.naming import run_name
 from imgest import encoders
-from imgest.encoders import DEFAULT_MODEL
+from imgest.config import NightlyConfig
+from imgest.defaults import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_DECODE_WORKERS,
+    DEFAULT_DEVICE,
+    DEFAULT_INDEX_PARTS,
+    DEFAULT_K,
+    DEFAULT_KIND,
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MEMORY,
+    DEFAULT_MODEL,
+    DEFAULT_RUNNER,
+    DEFAULT_SHARD_SIZE,
+    DEFAULT_TARGET_RECALL,
+    DEFAULT_WORKERS,
+)
+from imgest.flows.build_index import build_index
+from imgest.flows.ingest import ingest
 from imgest.lock import StoreLock
 from imgest.storage import open_location
-from tasks.decode import DEFAULT_MAX_PIXELS
-from tasks.migration import check_window_model, collect_retired, nightly_models
+from imgest.tasks.markdown import render_nightly
+from imgest.tasks.migration import check_window_model, collect_retired, nightly_models
+from imgest.tasks.run_names import run_name
 
 
 @flow(name="nightly", flow_run_name=run_name("nightly", None), validate_parameters=True)
-def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: str = "auto", device: str = "auto",
-            shard_size: int = 2000, decode_workers: int = 2, max_pixels: int = DEFAULT_MAX_PIXELS,
-            kind: str = "auto", memory: str = "4G", target_recall: float = 0.95, k: int = 10, runner: str = "local",
-            workers: int = 0, index_parts: int = 1) -> dict:
-    store_loc = open_location(store)
+def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: str = DEFAULT_BATCH_SIZE,
+            device: str = DEFAULT_DEVICE, shard_size: int = DEFAULT_SHARD_SIZE,
+            decode_workers: int = DEFAULT_DECODE_WORKERS, max_pixels: int = DEFAULT_MAX_PIXELS,
+            kind: str = DEFAULT_KIND, memory: str = DEFAULT_MEMORY, target_recall: float = DEFAULT_TARGET_RECALL,
+            k: int = DEFAULT_K, runner: str = DEFAULT_RUNNER, workers: int = DEFAULT_WORKERS,
+            index_parts: int = DEFAULT_INDEX_PARTS) -> dict:
+    cfg = NightlyConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
+                        shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels, kind=kind,
+                        memory=memory, target_recall=target_recall, k=k, runner=runner, workers=workers,
+                        index_parts=index_parts)
+    store_loc = open_location(cfg.store)
     runs, bases, ingested = [], [], set()
-    for name, expected_slug in nightly_models(store_loc, model):
+    for name, expected_slug in nightly_models(store_loc, cfg.model):
         base = encoders.resolve(name).base
         if base is not None and base.slug not in ingested:
             # A head: its base model first, so new images are decoded and encoded once, into the base's
             # namespace, and the head derives every row from there. The base stays current for retraining
             # the head and for comparing against it; it gets no index of its own unless an alias is on it.
-            base_summary = ingest(catalogue, store, base.name, batch_size, device, shard_size, decode_workers,
-                                  max_pixels, runner=runner, workers=workers)
+            base_summary = ingest(**cfg.ingest(base.name).to_dict())
             ingested.add(base_summary["slug"])
             bases.append(base_summary)
-        summary = ingest(catalogue, store, name, batch_size, device, shard_size, decode_workers, max_pixels,
-                         runner=runner, workers=workers)
+        summary = ingest(**cfg.ingest(name).to_dict())
         check_window_model(expected_slug, summary)
-        # alias "auto": each rebuilt index moves the aliases already on its model (serving, shadow, previous)
-        index = build_index(store, summary["slug"], kind, memory, target_recall, k, alias="auto", parts=index_parts,
-                            runner=runner, workers=workers)
+        index = build_index(**cfg.index(summary["slug"]).to_dict())
         ingested.add(summary["slug"])
         runs.append({"ingest": summary, "index": index})
     # models retired by a finished migration window go once their retention has passed and no alias needs them
@@ -51,22 +68,3 @@ def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: 
     create_markdown_artifact(render_nightly(base_rows + runs, retired), key="nightly-summary",
                              description=f"nightly {store_loc.url}")
     return {**runs[0], "models": runs, "bases": bases, "retired": retired}
-
-
-def render_nightly(runs: list[dict], retired: list) -> str:
-    lines = ["# imgest nightly", "", "| model | listed | encoded | rejected | deleted | images/s | index | recall@k "
-             "| aliases |", "|---|---:|---:|---:|---:|---:|---|---:|---|"]
-    for run in runs:
-        s, index = run["ingest"], run["index"]
-        if index.get("built"):
-            card = index["card"]
-            built = f"v{card['version']:04d} `{card['factory']}`"
-            rec = card["recall"]
-            recall = f"{rec['recall@' + str(rec['k'])]:.3f}"
-        else:
-            built, recall = index.get("reason", "not built"), "-"
-        lines.append(f"| `{s['model_id']}` | {s['listed']} | {s['encoded']} | {s['rejected']} | {s['deleted']} | "
-                     f"{s['images_per_second']} | {built} | {recall} | {', '.join(index.get('aliases', [])) or '-'} |")
-    if retired:
-        lines += ["", f"Retired: {', '.join(map(str, retired))}"]
-    return "\n".join(lines)

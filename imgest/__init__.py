@@ -1,3 +1,19 @@
-"""imgest: object storage -> decoded images -> batched encoder -> Parquet shards -> FAISS indexes."""
+"""imgest: object storage -> decoded images -> batched encoder -> Parquet shards -> FAISS indexes.
+
+The Python API is `from imgest import search, Searcher, Query` (see the README); everything else is
+reached through `imgest.flows` (Prefect flows), `imgest.tasks` (their stages) and the `imgest` command.
+"""
+
+from __future__ import annotations
 
 __version__ = "0.1.0"
+__all__ = ["Query", "Searcher", "__version__", "search"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import imgest` (the CLI, every worker) must not pay for faiss, torch and Prefect up front.
+    if name in ("Query", "Searcher", "search"):
+        from imgest.tasks import search as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module 'imgest' has no attribute {name!r}")

@@ -49,9 +49,12 @@ mkdir -p "$WORK/run" && chown 10001 "$WORK/run"
 "${BUILDAH[@]}" run --isolation chroot imgest-verify -- imgest --help >/dev/null
 "${BUILDAH[@]}" run --isolation chroot imgest-verify -- python -c \
   "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available())"
-# What a Kubernetes flow run does first (infra/k8s/prefect.yaml): load the entrypoint from the image's /app.
-"${BUILDAH[@]}" run --isolation chroot --workingdir /app imgest-verify -- python -c \
-  "from prefect.flows import load_flow_from_entrypoint as load; print('entrypoint', load('flows/nightly.py:nightly').name)"
+# What a Kubernetes flow run does first (infra/k8s/prefect.yaml): load the module entrypoint from the
+# installed package, in the pull step's working directory; and the image holds no second copy of the code.
+"${BUILDAH[@]}" run --isolation chroot --workingdir /home/imgest imgest-verify -- python -c \
+  "from prefect.flows import load_flow_from_entrypoint as load; print('entrypoint', load('imgest.flows.nightly:nightly').name)"
+"${BUILDAH[@]}" run --isolation chroot imgest-verify -- sh -c \
+  'test ! -e /app/flows && test ! -e /src && ! python -c "import flows" 2>/dev/null && echo "one copy of the code"'
 "${BUILDAH[@]}" run --isolation chroot -v /usr/share/datasets/fashion-mnist:/usr/share/datasets/fashion-mnist:ro \
   -v "$WORK/run:/work" --workingdir /work imgest-verify -- imgest demo --per-class 20 | tail -8
 "${BUILDAH[@]}" images "localhost/imgest:$VARIANT"

@@ -11,10 +11,10 @@ from prefect.cache_policies import NO_CACHE
 
 from imgest.encoders import EncoderSpec
 from imgest.storage import Location
-from tasks.plan import Plan
-from tasks.policy import COMMIT_TIMEOUT_S, IO_RETRIES
-from tasks.shards import ShardResult
-from tasks.state import DELETED, CatalogueState, commit_key, now_iso, write_snapshot
+from imgest.tasks.plan import Plan
+from imgest.tasks.policy import COMMIT_TIMEOUT_S, IO_RETRIES
+from imgest.tasks.shards import ShardResult
+from imgest.tasks.state import DELETED, CatalogueState, commit_key, now_iso, write_snapshot
 
 
 @dataclass

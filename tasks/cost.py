@@ -8,10 +8,11 @@ import numpy as np
 
 from imgest import encoders
 from imgest.storage import Location
-from tasks.index_choice import HNSW_M, choose_index, parse_memory
-from tasks.index_store import IndexNotFoundError, read_alias, read_card
-from tasks.state import list_models
-from tasks.tuning import tune_batch_size
+from imgest.tasks.aliases import read_alias
+from imgest.tasks.batch_size import tune_batch_size
+from imgest.tasks.index_choice import HNSW_M, choose_index, parse_memory
+from imgest.tasks.index_store import IndexNotFoundError, read_card
+from imgest.tasks.models import list_models
 
 
 def _latency_ms(fn, repeats: int = 5) -> float:
@@ -66,23 +67,3 @@ def cost_report(store_url: str, corpus_size: int, gpu_hour_price: float | None =
         "models_in_store": [m["slug"] for m in models],
         "measured_on": tuning.device_key,
     }
-
-
-def render_cost(report: dict) -> str:
-    gib = 2 ** 30
-    lines = [f"## Cost of `{report['model_id']}` at {report['corpus_size']:,} items ({report['device']})", "",
-             "| batch | img/s |", "|---:|---:|"]
-    lines += [f"| {b} | {r} |" for b, r in report["encode_images_per_second"].items()]
-    rc = report["reencode_cost"]
-    price = f", {rc['price']} at {rc['gpu_hour_price']}/GPU-hour" if rc["price"] is not None else ""
-    lines += ["",
-              f"- full encode / re-encode per model change: **{report['projected_encode_hours']} "
-              f"{rc['device']}-hours** at batch {report['best_batch']}{price}",
-              f"- query encode: image {report['query_encode_ms']['image']} ms, text "
-              f"{report['query_encode_ms']['text'] if report['query_encode_ms']['text'] is not None else 'n/a'} ms",
-              "- storage: " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in report["storage_bytes"].items()),
-              f"- index: `{report['index']['factory']}` about {report['index']['estimated_bytes'] / gib:.2f} GiB; "
-              f"fits {report['index']['node_memory']}: {report['index']['fits']}"]
-    if report["dual_window_fp32_bytes"]:
-        lines.append(f"- migration window (both models at fp32): {report['dual_window_fp32_bytes'] / gib:.2f} GiB")
-    return "\n".join(lines) + "\n"

@@ -8,7 +8,8 @@ import warnings
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-DEFAULT_MAX_PIXELS = 100_000_000  # 10k x 10k; larger is treated as a decompression bomb
+from imgest.defaults import DEFAULT_MAX_PIXELS
+
 # Pillow's own guard fires at 2x MAX_IMAGE_PIXELS during open(); ours is checked before load().
 Image.MAX_IMAGE_PIXELS = None
 

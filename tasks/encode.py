@@ -18,13 +18,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from imgest import encoders
+from imgest.defaults import DEFAULT_MAX_PIXELS
 from imgest.encoders import Encoder, EncoderSpec
 from imgest.storage import Location
-from tasks.decode import DEFAULT_MAX_PIXELS, DecodeError, decode_image
-from tasks.plan import ShardPlan, WorkItem
-from tasks.policy import SHARD_RETRIES
-from tasks.shards import ShardResult, ShardWriter, embedding_matrix
-from tasks.state import shard_key
+from imgest.tasks.decode import DecodeError, decode_image
+from imgest.tasks.plan import ShardPlan, WorkItem
+from imgest.tasks.policy import SHARD_RETRIES
+from imgest.tasks.shards import ShardResult, ShardWriter, embedding_matrix
+from imgest.tasks.state import shard_key
 
 
 class ShardFailedError(RuntimeError):

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from imgest.storage import Location
-from tasks.fusion import max_score, rrf
-from tasks.index_card import served_parameters
-from tasks.live import load_live_vectors
-from tasks.metrics import evaluate, paired_bootstrap, per_query, win_loss
-from tasks.querysets import LabelledQuery, QuerySetError
-from tasks.search import Query, Searcher
+from imgest.tasks.aliases import read_alias
+from imgest.tasks.fusion import max_score, rrf
+from imgest.tasks.index_store import read_card
+from imgest.tasks.live import load_live_vectors
+from imgest.tasks.markdown import served_parameters
+from imgest.tasks.metrics import evaluate, paired_bootstrap, per_query, win_loss
+from imgest.tasks.plots import bootstrap_png, recall_sweep_png
+from imgest.tasks.querysets import LabelledQuery, QuerySetError
+from imgest.tasks.search import Query, Searcher
 
 EMBED_CHUNK = 64
 
@@ -146,3 +152,47 @@ def run_evaluation(store_url: str, queries: list[LabelledQuery], alias: str = "s
         if side in report:
             report[side].pop("_runs")
     return report
+
+
+evaluate_task = task(run_evaluation, name="evaluate", cache_policy=NO_CACHE)
+
+
+def plot_report(store: Location, report: dict) -> dict[str, bytes]:
+    """PNG plots of a report: each ANN retriever's recall sweep, and the bootstrap of A - B when compared."""
+    plots = {}
+    for side in ("a", "b"):
+        if side in report:
+            alias = read_alias(store, report[side]["alias"])
+            card = read_card(store, alias["slug"], alias["version"])
+            if card["search"]["param"]:
+                plots[f"recall-sweep-{report[side]['alias']}"] = recall_sweep_png(card)
+    if "compare" in report:
+        metric = report["metric"]
+        plots["bootstrap"] = bootstrap_png(report["compare"]["bootstrap"][metric], metric, report["a"]["alias"],
+                                           report["b"]["alias"])
+    return plots
+
+
+def dumps(report: dict) -> str:
+    return json.dumps(report, indent=2, default=str)
+
+
+def metrics_table(report: dict) -> list[dict]:
+    """One row per retriever and search (served, exact): the table artifact's rows."""
+    rows = []
+    for side in ("a", "b"):
+        if side in report:
+            r = report[side]
+            for how in ("metrics", "exact"):
+                rows.append({"retriever": r["alias"], "model": r["slug"], "search": r["served"] if how == "metrics"
+                             else "exact", **{k: round(v, 4) for k, v in r[how].items()}})
+    return rows
+
+
+def write_outputs(out: str, report: dict, markdown: str, plots: dict[str, bytes]) -> None:
+    """`--out DIR`: eval.json, eval.md and the PNG plots, for a pull request or a promotion gate."""
+    target = Location(out)
+    target.write_json("eval.json", report)
+    target.write_bytes("eval.md", markdown.encode())
+    for name, png in plots.items():
+        target.write_bytes(f"{name}.png", png)

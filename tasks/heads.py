@@ -297,7 +297,7 @@ def loss_curves_png(result: TrainResult) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tasks.plots import _png
+    from imgest.tasks.plots import _png
 
     epochs = [h["epoch"] for h in result.history]
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
@@ -317,7 +317,7 @@ def loss_curves_png(result: TrainResult) -> bytes:
 # -- no labels: instance pairs from augmented catalogue images ----------------------------------------------
 def augment(image, rng):
     """A crop, a mirror half of the time, a brightness and colour change: the same product photographed again."""
-    from tasks.querysets import TRANSFORMS
+    from imgest.tasks.querysets import TRANSFORMS
 
     image = TRANSFORMS["crop"](image, rng)
     if rng.random() < 0.5:
@@ -336,7 +336,7 @@ def augmented_instances(live, base_name: str, views: int, seed: int, max_items: 
     for views), labels (the item id) and the live rows used."""
     from imgest import encoders
     from imgest.storage import read_url
-    from tasks.decode import DecodeError, decode_image
+    from imgest.tasks.decode import DecodeError, decode_image
 
     if views < 1:
         raise HeadError(f"views must be >= 1 to make instance pairs without labels; got {views}")

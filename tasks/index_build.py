@@ -1,15 +1,13 @@
-"""Build a FAISS index from vectors, then tune its search parameter to a measured recall."""
+"""Build a FAISS index from vectors: train on a sample, add in blocks, or add parts in parallel and merge."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from tasks.index_choice import IndexChoice
-
-EF_SEARCH = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+from imgest.tasks.index_choice import IndexChoice
 
 
 @dataclass
@@ -17,29 +15,6 @@ class BuildTimes:
     train_seconds: float = 0.0
     add_seconds: float = 0.0
     total_seconds: float = 0.0
-
-
-@dataclass
-class RecallPoint:
-    param: int | None
-    recall: float
-    ms_per_query: float
-
-
-@dataclass
-class Tuned:
-    param_name: str | None  # efSearch, nprobe, or None for exact
-    param: int | None
-    recall: float
-    target: float
-    met: bool
-    k: int
-    queries: int
-    ms_per_query: float
-    sweep: list[RecallPoint] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 GENERIC_KERNELS = ("prescott", "core2", "generic", "katmai", "atom", "nehalem")
@@ -106,7 +81,7 @@ def mergeable(index) -> bool:
     """IVF indexes merge their inverted lists and flat indexes their codes; an HNSW graph does not merge."""
     import faiss
 
-    return _has_ivf(index) or isinstance(faiss.downcast_index(index), faiss.IndexFlatCodes)
+    return has_ivf(index) or isinstance(faiss.downcast_index(index), faiss.IndexFlatCodes)
 
 
 def part_ranges(n: int, parts: int) -> list[tuple[int, int]]:
@@ -133,7 +108,7 @@ def merge_parts(trained: bytes, parts: list[tuple[int, bytes]]):
         part = faiss.deserialize_index(np.frombuffer(data, np.uint8))
         if start != index.ntotal:
             raise ValueError(f"part starting at id {start} does not follow the {index.ntotal} ids merged so far")
-        if _has_ivf(index):
+        if has_ivf(index):
             ivf = faiss.extract_index_ivf(index)
             ivf.merge_from(faiss.extract_index_ivf(part), start)
             index.ntotal = ivf.ntotal  # an IndexPreTransform (OPQ) wrapper counts on its own
@@ -146,13 +121,13 @@ def _disable_polysemous(index) -> None:
     # index_factory turns on polysemous training for IVF-PQ: ~5x slower to train, and we never use it.
     import faiss
 
-    if _has_ivf(index):
+    if has_ivf(index):
         ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
         if hasattr(ivf, "do_polysemous_training"):
             ivf.do_polysemous_training = False
 
 
-def _has_ivf(index) -> bool:
+def has_ivf(index) -> bool:
     import faiss
 
     try:
@@ -160,92 +135,3 @@ def _has_ivf(index) -> bool:
         return True
     except RuntimeError:
         return False
-
-
-def param_name(index) -> str | None:
-    import faiss
-
-    if _has_ivf(index):
-        return "nprobe"
-    if isinstance(faiss.downcast_index(index), faiss.IndexHNSW):
-        return "efSearch"
-    return None
-
-
-def set_param(index, name: str | None, value: int | None) -> None:
-    import faiss
-
-    if name == "nprobe":
-        faiss.extract_index_ivf(index).nprobe = int(value)
-    elif name == "efSearch":
-        faiss.downcast_index(index).hnsw.efSearch = int(value)
-
-
-def candidates(index, name: str | None) -> list[int | None]:
-    import faiss
-
-    if name == "nprobe":
-        nlist = faiss.extract_index_ivf(index).nlist
-        return [p for p in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if p < nlist] + [nlist]
-    if name == "efSearch":
-        return list(EF_SEARCH)
-    return [None]
-
-
-def sample_queries(n: int, count: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return np.sort(rng.choice(n, size=min(count, n), replace=False))
-
-
-def exact_neighbours(vectors: np.ndarray, query_ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k by inner product for corpus members, the query itself excluded (self-match). faiss.knn
-    searches the array in place: no flat index holding a second copy of every vector."""
-    import faiss
-
-    scores, ids = faiss.knn(vectors[query_ids], vectors, k + 1, metric=faiss.METRIC_INNER_PRODUCT)
-    return _drop_self(scores, ids, query_ids, k)
-
-
-def _drop_self(scores: np.ndarray, ids: np.ndarray, query_ids: np.ndarray, k: int):
-    out_s, out_i = np.empty((len(ids), k), np.float32), np.empty((len(ids), k), np.int64)
-    for row, (s, i, q) in enumerate(zip(scores, ids, query_ids)):
-        keep = i != q
-        out_s[row], out_i[row] = s[keep][:k], i[keep][:k]
-    return out_s, out_i
-
-
-def knn_recall(vectors: np.ndarray, query_ids: np.ndarray, found: np.ndarray, truth_scores: np.ndarray,
-               k: int) -> float:
-    """recall@k against exact search, tolerating ties: a found id counts when its exact score is at
-    least the k-th exact score (minus 1e-6), so equal-distance neighbours are not penalised."""
-    hits = 0
-    for row, q in enumerate(query_ids):
-        ids = found[row][(found[row] >= 0) & (found[row] != q)][:k]
-        if len(ids) == 0:
-            continue
-        true_scores = vectors[ids] @ vectors[q]
-        hits += min(k, int(np.sum(true_scores >= truth_scores[row, k - 1] - 1e-6)))
-    return hits / (len(query_ids) * k)
-
-
-def tune_search(index, vectors: np.ndarray, target: float = 0.95, k: int = 10, queries: int = 1000,
-                seed: int = 0) -> Tuned:
-    """Sweep efSearch / nprobe upwards; serve the smallest value whose measured recall@k meets target."""
-    n = len(vectors)
-    k = max(1, min(k, n - 1))
-    query_ids = sample_queries(n, queries, seed)
-    truth_scores, _ = exact_neighbours(vectors, query_ids, k)
-    name = param_name(index)
-    sweep: list[RecallPoint] = []
-    for value in candidates(index, name):
-        set_param(index, name, value)
-        t0 = time.perf_counter()
-        _, ids = index.search(vectors[query_ids], k + 1)
-        ms = (time.perf_counter() - t0) * 1000 / len(query_ids)
-        sweep.append(RecallPoint(value, round(knn_recall(vectors, query_ids, ids, truth_scores, k), 4), round(ms, 4)))
-        if sweep[-1].recall >= target:
-            break
-    met = [p for p in sweep if p.recall >= target]
-    best = met[0] if met else max(sweep, key=lambda p: p.recall)
-    set_param(index, name, best.param)
-    return Tuned(name, best.param, best.recall, target, bool(met), k, len(query_ids), best.ms_per_query, sweep)

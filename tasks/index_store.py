@@ -1,9 +1,8 @@
-"""Index versions (immutable folders with a card written last) and aliases (atomic, with history).
+"""Index versions: immutable folders with a card written last, opened only when their checksums match.
 
   indexes/model=<slug>/v<NNNN>/index.faiss   the faiss file
   indexes/model=<slug>/v<NNNN>/ids.parquet   faiss id -> item_id, uri, content_hash
   indexes/model=<slug>/v<NNNN>/card.json     what made it, what it serves; its presence means complete
-  aliases/<name>.json                        {slug, version, model_id, ...} plus the history of moves
 """
 
 from __future__ import annotations
@@ -19,10 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from imgest.storage import Location, local_copy
-from tasks.state import now_iso
+from imgest.tasks.aliases import list_aliases, read_alias
+from imgest.tasks.state import now_iso
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "imgest", "indexes")
-ALIAS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 
 
 class IndexIntegrityError(RuntimeError):
@@ -85,38 +84,6 @@ def read_card(store: Location, slug: str, version: int) -> dict:
     return store.read_json(key)
 
 
-# -- aliases ---------------------------------------------------------------------------------------
-def alias_key(name: str) -> str:
-    if not ALIAS_NAME.match(name):
-        raise ValueError(f"alias names are lowercase letters, digits, '-' and '_' (start with a letter); got {name!r}")
-    return f"aliases/{name}.json"
-
-
-def read_alias(store: Location, name: str) -> dict | None:
-    key = alias_key(name)
-    return store.read_json(key) if store.exists(key) else None
-
-
-def list_aliases(store: Location) -> dict[str, dict]:
-    names = [n[:-5] for n in store.list_names("aliases") if n.endswith(".json")]
-    return {n: store.read_json(f"aliases/{n}.json") for n in names}
-
-
-def set_alias(store: Location, name: str, card: dict, reason: str) -> dict:
-    """Point ``name`` at a complete version in one atomic write; the previous target joins the history."""
-    current = read_alias(store, name)
-    if current and (current["slug"], current["version"], current["sha256"]) == \
-            (card["slug"], card["version"], card["sha256"]):
-        return current  # already there (a reused build): no write, no history entry
-    history = []
-    if current:
-        history = current.pop("history", [])[-49:] + [current]
-    entry = {"alias": name, "slug": card["slug"], "model_id": card["model_id"], "version": card["version"],
-             "sha256": card["sha256"], "updated": now_iso(), "reason": reason, "history": history}
-    store.write_json(alias_key(name), entry)
-    return entry
-
-
 # -- opening ---------------------------------------------------------------------------------------
 @dataclass
 class OpenIndex:
@@ -156,7 +123,7 @@ def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAUL
     """Verify the checksum, then read (IVF indexes memory-mapped) and set the served parameter."""
     import faiss
 
-    from tasks.index_build import set_param
+    from imgest.tasks.recall_tuning import set_param
 
     card = read_card(store, slug, version)
     path = local_copy(store, card["index_file"], cache_dir, f"{card['sha256']}.faiss")

@@ -9,7 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from imgest.storage import Location, ObjectInfo, open_location
-from tasks.policy import IO_RETRIES, LIST_TIMEOUT_S
+from imgest.tasks.policy import IO_RETRIES, LIST_TIMEOUT_S
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff"})
 

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from imgest.storage import Location
-from tasks.shards import embedding_matrix
-from tasks.state import (
+from imgest.tasks.shards import embedding_matrix
+from imgest.tasks.state import (
     LIVE,
     CatalogueState,
     latest_snapshot_seq,

@@ -14,19 +14,13 @@ import socket
 from datetime import UTC, datetime, timedelta
 
 from imgest.storage import Location
-from tasks.export import find_model
-from tasks.index_store import (
-    index_prefix,
-    list_aliases,
-    list_versions,
-    open_index,
-    read_alias,
-    read_card,
-    set_alias,
-)
-from tasks.state import LIVE, embeddings_prefix, latest_snapshot_seq, load_state, now_iso, state_prefix
+from imgest.tasks.aliases import list_aliases, read_alias, set_alias
+from imgest.tasks.index_store import index_prefix, list_versions, open_index, read_card
+from imgest.tasks.models import find_model
+from imgest.tasks.state import LIVE, embeddings_prefix, latest_snapshot_seq, load_state, now_iso, state_prefix
 
 WINDOW_KEY = "migration/window.json"
+ACTIONS = ("start", "status", "promote", "rollback", "finish")  # of `imgest migrate` and the migrate flow
 
 
 class MigrationError(RuntimeError):
@@ -255,7 +249,6 @@ def collect_retired(store: Location) -> list[str]:
     return deleted
 
 
-
 def nightly_models(store: Location, model: str) -> list[tuple[str, str | None]]:
     """(model name, expected slug) to ingest and index tonight: the window's two models while one is
     open (deletions and changes must reach both), else just ``model``."""
@@ -270,3 +263,4 @@ def check_window_model(expected_slug: str | None, summary: dict) -> None:
         raise MigrationError(f"the weights behind {summary['model_id'].split('@')[0]} changed during the migration "
                              f"window (now model={summary['slug']}, window has model={expected_slug}); restore them "
                              "or roll back and finish the window")
+

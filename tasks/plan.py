@@ -8,8 +8,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from imgest.storage import Location, ObjectInfo
-from tasks.listing import Listing
-from tasks.state import DELETED, LIVE, CatalogueState, ItemState
+from imgest.tasks.listing import Listing
+from imgest.tasks.state import DELETED, LIVE, CatalogueState, ItemState
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,6 @@ def plan_ingest_task(listing: Listing, state: CatalogueState, run_id: str, shard
 
 @task(name="attach-base-embeddings", cache_policy=NO_CACHE)
 def attach_base_task(store_url: str, base_slug: str, plan: Plan) -> Plan:
-    from tasks.state import load_state
+    from imgest.tasks.state import load_state
 
     return attach_base(plan, load_state(Location(store_url), base_slug))

@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 from PIL import ImageEnhance, ImageOps
 
 from imgest.storage import Location, read_url
-from tasks.decode import decode_image
-from tasks.listing import list_catalogue
-from tasks.state import now_iso
+from imgest.tasks.decode import decode_image
+from imgest.tasks.listing import list_catalogue
+from imgest.tasks.state import now_iso
 
 
 class QuerySetError(ValueError):

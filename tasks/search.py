@@ -10,9 +10,9 @@ import numpy as np
 from imgest import encoders
 from imgest.encoders import EncoderError
 from imgest.storage import open_location, read_url
-from tasks.decode import decode_image
-from tasks.export import find_model
-from tasks.index_store import OpenIndex, open_index, resolve_target
+from imgest.tasks.decode import decode_image
+from imgest.tasks.index_store import OpenIndex, open_index, resolve_target
+from imgest.tasks.models import find_model
 
 
 class SearchError(ValueError):
@@ -125,7 +125,7 @@ def fused_search(store_url: str, queries: list[Query], k: int = 10, aliases: tup
 
     Each alias embeds the query with its own model, so vectors of two models are never compared; only
     ranks are combined. Scores returned are RRF scores."""
-    from tasks.fusion import rrf
+    from imgest.tasks.fusion import rrf
 
     searchers = [Searcher(store_url, alias=a, device=device) for a in aliases]
     depth = max(k, 100)

@@ -12,8 +12,8 @@ import pyarrow as pa
 import imgest
 from imgest.encoders import EncoderSpec
 from imgest.storage import Location
-from tasks.plan import ShardPlan, WorkItem
-from tasks.state import commit_key, now_iso, shard_key
+from imgest.tasks.plan import ShardPlan, WorkItem
+from imgest.tasks.state import commit_key, now_iso, shard_key
 
 
 def embedding_matrix(table: pa.Table, dim: int) -> np.ndarray:

@@ -21,7 +21,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from imgest.storage import Location
-from tasks.policy import IO_RETRIES
+from imgest.tasks.policy import IO_RETRIES
 
 LIVE, REJECTED, DELETED = "live", "rejected", "deleted"
 
@@ -187,16 +187,6 @@ def write_model_card(store: Location, spec_description: dict) -> None:
     key = f"{state_prefix(spec_description['slug'])}/model.json"
     if not store.exists(key):
         store.write_json(key, {**spec_description, "first_seen": now_iso()})
-
-
-def list_models(store: Location) -> list[dict]:
-    models = []
-    for name in store.list_names("state"):
-        if name.startswith("model="):
-            key = f"state/{name}/model.json"
-            if store.exists(key):
-                models.append(store.read_json(key))
-    return models
 
 
 def prepare_state(store: Location, spec_description: dict) -> tuple[CatalogueState, list[str]]:

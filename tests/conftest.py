@@ -13,9 +13,26 @@ os.environ["AWS_ACCESS_KEY_ID"] = "imgest-test-key-id"
 os.environ["AWS_SECRET_ACCESS_KEY"] = "imgest-test-secret-never-logged"
 os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
 
+import pathlib  # noqa: E402
+import shutil  # noqa: E402
+import site  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 
 from tests.helpers import make_tiny_hf_model  # noqa: E402
+
+
+SLOW_FIXTURES = {"prefect_harness", "installed_imgest", "s3_endpoint"}
+
+
+def pytest_collection_modifyitems(items):
+    """`slow`: a test that starts Prefect, an S3 server or a fresh install (or is marked so by hand, for real
+    weights and subprocesses). `pytest -m "not slow"` is the fast lane of unit tests."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -50,3 +67,32 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     """Tiny random CLIP, SigLIP and DINOv2 saved as local transformers folders: the hf: path, offline."""
     root = tmp_path_factory.mktemp("hf-models")
     return {kind: make_tiny_hf_model(kind, str(root / kind)) for kind in ("clip", "siglip", "dinov2")}
+
+
+@pytest.fixture(scope="session")
+def installed_imgest(tmp_path_factory) -> dict[str, str]:
+    """imgest pip-installed (a wheel, not editable) into a fresh virtualenv outside the checkout, as a user
+    installs it. Its third-party dependencies come from this test environment's site-packages through a
+    .pth line (installing torch a second time would only cost minutes); imgest itself does not."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    work = tmp_path_factory.mktemp("installed")
+    source = work / "source"  # the committed layout only: no build/ or egg-info of earlier builds
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    for name in ("imgest", "flows", "tasks"):
+        shutil.copytree(root / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    wheels = work / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+                    str(source)], check=True, capture_output=True, timeout=300)
+    wheel = next(wheels.glob("imgest-*.whl"))
+    venv = work / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    venv_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               check=True, capture_output=True, text=True).stdout.strip()
+    (pathlib.Path(venv_site) / "imgest-test-dependencies.pth").write_text(
+        "\n".join(p for p in site.getsitepackages() if "site-packages" in p) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                    "--ignore-installed", str(wheel)], check=True, capture_output=True, timeout=300)
+    return {"python": str(python), "imgest": str(venv / "bin" / "imgest"), "site": venv_site, "wheel": str(wheel)}

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tasks.decode import DecodeError, decode_image
+from imgest.tasks.decode import DecodeError, decode_image
 from tests.helpers import hostile_files
 
 FILES = hostile_files()

@@ -61,7 +61,7 @@ def test_runs_are_named_for_people_and_tagged_by_model(tmp_path):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from prefect.client.schemas.sorting import FlowRunSort
 
-    from flows.nightly import nightly
+    from imgest.flows.nightly import nightly
     from tests.helpers import gradient, png_bytes, task_runs_named, write_files
 
     write_files(str(tmp_path / "cat"), {f"{i}.png": png_bytes(gradient(i)) for i in range(3)})

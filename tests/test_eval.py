@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flows.build_index import build_index
-from flows.evaluate import evaluate
-from flows.ingest import ingest
-from flows.nightly import nightly
 from imgest.demo import FASHION_CLASSES, photo, read_fashion_mnist
-from tasks.migration import check_gate
-from tasks.querysets import build_class_queries, build_instance_queries, read_query_set
+from imgest.flows.build_index import build_index
+from imgest.flows.evaluate import evaluate
+from imgest.flows.ingest import ingest
+from imgest.flows.nightly import nightly
+from imgest.tasks.migration import check_gate
+from imgest.tasks.querysets import build_class_queries, build_instance_queries, read_query_set
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera", "coins", "horse", "hubble_deep_field",
@@ -103,7 +103,8 @@ def test_gate_reads_an_eval_report():
 
 
 def test_cost_report_of_the_serving_model(tmp_path, tiny_models):
-    from tasks.cost import cost_report, render_cost
+    from imgest.tasks.cost import cost_report
+    from imgest.tasks.markdown import render_cost
     from tests.helpers import gradient, png_bytes, write_files
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
@@ -121,7 +122,7 @@ def test_cost_report_of_the_serving_model(tmp_path, tiny_models):
 
 
 def test_query_set_for_another_root_is_refused(evaluated, tmp_path):
-    from tasks.querysets import QuerySetError
+    from imgest.tasks.querysets import QuerySetError
 
     wrong = tmp_path / "wrong.jsonl"
     build_class_queries(str(evaluated["cat"] / "fashion"), str(wrong), per_class=1)  # ids relative to fashion/
@@ -131,7 +132,7 @@ def test_query_set_for_another_root_is_refused(evaluated, tmp_path):
 
 def test_serving_vs_shadow_evaluation_is_recorded_in_the_open_window(tmp_path):
     from imgest.storage import Location
-    from tasks.migration import read_window, record_evaluation
+    from imgest.tasks.migration import read_window, record_evaluation
 
     store = Location(str(tmp_path))
     store.write_json("migration/window.json", {"id": "w-1", "status": "open", "events": []})

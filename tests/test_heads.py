@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks.heads import HeadConfig, HeadError, infonce, proxynca, read_labels, train_head, triplet_semihard
+from imgest.tasks.heads import HeadConfig, HeadError, infonce, proxynca, read_labels, train_head, triplet_semihard
 
 # -- losses, no Prefect needed --------------------------------------------------------------------------
 
@@ -98,7 +98,7 @@ def test_bad_labels_and_parameters_are_refused_clearly():
 
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory, prefect_harness):
-    from flows.ingest import ingest
+    from imgest.flows.ingest import ingest
     from tests.helpers import gradient, png_bytes, write_files
 
     root = tmp_path_factory.mktemp("heads")
@@ -122,7 +122,7 @@ def labelled(tmp_path_factory, prefect_harness):
 
 
 def _train(root, **kw):
-    from flows.train_head import train_head_flow
+    from imgest.flows.train_head import train_head_flow
 
     args = {"store": str(root / "store"), "base_model": "efficientnet-lite0", "labels": str(root / "labels.csv"),
             "loss": "infonce", "dim_out": 16, "hidden": 64, "epochs": 4, "labels_per_batch": 6,
@@ -145,9 +145,9 @@ def test_head_model_id_follows_the_weights(labelled):
 
 
 def test_derived_shards_equal_base_then_head_on_the_same_images(labelled, tmp_path):
-    from flows.ingest import ingest
+    from imgest.flows.ingest import ingest
     from imgest.storage import Location
-    from tasks.export import export_live
+    from imgest.tasks.export import export_live
 
     head = _train(labelled)["head"]
     cat = labelled / "catalogue"
@@ -170,10 +170,10 @@ def test_derived_shards_equal_base_then_head_on_the_same_images(labelled, tmp_pa
 
 
 def test_head_goes_through_the_migration_window(labelled):
-    from flows.migrate import migrate
-    from flows.nightly import nightly
+    from imgest.flows.migrate import migrate
+    from imgest.flows.nightly import nightly
     from imgest.storage import Location
-    from tasks.index_store import read_alias
+    from imgest.tasks.aliases import read_alias
 
     store = str(labelled / "store")
     nightly(catalogue=str(labelled / "catalogue"), store=store, batch_size="8")
@@ -182,7 +182,7 @@ def test_head_goes_through_the_migration_window(labelled):
     started = migrate(store=store, action="start", to=trained["head"])
     assert started["coverage"]["share"] == 1.0
     # base (serving) against head (shadow) on the head's held-out split: win/loss and a bootstrap interval
-    from flows.evaluate import evaluate
+    from imgest.flows.evaluate import evaluate
 
     report = evaluate(store=store, queries=trained["queries"], alias="serving", compare="shadow", ks=[1, 5],
                       resamples=200)
@@ -205,7 +205,7 @@ def test_head_goes_through_the_migration_window(labelled):
 def test_nightly_on_a_head_keeps_its_base_current_and_decodes_new_images_once(labelled, tmp_path):
     import shutil
 
-    from flows.nightly import nightly
+    from imgest.flows.nightly import nightly
     from tests.helpers import gradient, png_bytes, write_files
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"

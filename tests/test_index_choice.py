@@ -5,8 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from tasks.index_build import build, knn_recall, tune_search
-from tasks.index_choice import IndexChoiceError, choose_index, nlist_for, parse_memory
+from imgest.tasks.index_build import build
+from imgest.tasks.index_choice import IndexChoiceError, choose_index, nlist_for, parse_memory
+from imgest.tasks.recall_tuning import knn_recall, tune_search
 
 
 @pytest.mark.parametrize("text,expected", [("4G", 4 << 30), ("512M", 512 << 20), ("1.5GB", int(1.5 * (1 << 30))),

@@ -10,14 +10,15 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from flows.build_index import build_index
-from flows.ingest import ingest
-from flows.nightly import nightly
 from imgest.cli import app
 from imgest.demo import PHOTOS, photo
+from imgest.flows.build_index import build_index
+from imgest.flows.ingest import ingest
+from imgest.flows.nightly import nightly
 from imgest.storage import Location
-from tasks.index_store import IndexIntegrityError, open_index, read_alias, set_alias
-from tasks.search import Query, Searcher, SearchError, search
+from imgest.tasks.aliases import read_alias, set_alias
+from imgest.tasks.index_store import IndexIntegrityError, open_index
+from imgest.tasks.search import Query, Searcher, SearchError, search
 from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -222,8 +223,8 @@ def test_live_vectors_spill_to_an_unlinked_scratch_map_and_build_the_same_index(
     holds one shard at a time); the vectors, their order and the index built from them are unchanged."""
     import tempfile
 
-    import tasks.live
-    from tasks.live import load_live_vectors
+    import imgest.tasks.live
+    from imgest.tasks.live import load_live_vectors
 
     store = tmp_path / "store"
     shutil.copytree(lite0_store["store"], store)
@@ -232,7 +233,7 @@ def test_live_vectors_spill_to_an_unlinked_scratch_map_and_build_the_same_index(
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    monkeypatch.setattr(tasks.live, "SPILL_BYTES", 0)
+    monkeypatch.setattr(imgest.tasks.live, "SPILL_BYTES", 0)
     spilled = load_live_vectors(Location(str(store)), slug, d)
     assert isinstance(spilled.vectors, np.memmap) and not isinstance(in_memory.vectors, np.memmap)
     assert list(scratch.iterdir()) == [], "the scratch file is unlinked as soon as it is mapped"

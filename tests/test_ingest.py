@@ -13,9 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from flows.ingest import ingest
 from imgest.cli import app
-from tasks.export import export_live, store_status
+from imgest.flows.ingest import ingest
+from imgest.tasks.export import export_live
+from imgest.tasks.status import store_status
 from tests.helpers import (
     HANG_AFTER_FIRST_SHARD,
     gradient,
@@ -151,7 +152,7 @@ def test_empty_catalogue_ingests_nothing(tmp_path):
 
 KILLABLE = HANG_AFTER_FIRST_SHARD + """
 import sys
-from flows.ingest import ingest
+from imgest.flows.ingest import ingest
 ingest(catalogue=sys.argv[1], store=sys.argv[2], batch_size="1", shard_size=4)
 """
 
@@ -194,7 +195,7 @@ def test_kill_mid_run_then_rerun_is_exactly_once_and_second_writer_refused(tmp_p
 
 
 def test_a_store_failure_fails_the_run_naming_the_shard_and_the_object(tmp_path):
-    from tasks.encode import ShardFailedError
+    from imgest.tasks.encode import ShardFailedError
 
     cat = tmp_path / "catalogue"
     write_files(str(cat), {f"ok/{i}.png": png_bytes(gradient(i)) for i in range(3)})

@@ -3,9 +3,9 @@
 import os
 
 from imgest.storage import Location
-from tasks.listing import is_image_key, list_catalogue
-from tasks.plan import plan_ingest
-from tasks.state import DELETED, LIVE, REJECTED, CatalogueState, ItemState
+from imgest.tasks.listing import is_image_key, list_catalogue
+from imgest.tasks.plan import plan_ingest
+from imgest.tasks.state import DELETED, LIVE, REJECTED, CatalogueState, ItemState
 from tests.helpers import jpeg_bytes, solid, write_files
 
 ODD_KEYS = ["with space.jpg", "ünïcode/ß.png", "hash#tag.JPG", "what?.jpeg", "plus+sign.Png"]

@@ -12,13 +12,13 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from flows.migrate import migrate
-from flows.nightly import nightly
 from imgest.cli import app
+from imgest.flows.migrate import migrate
+from imgest.flows.nightly import nightly
 from imgest.storage import Location
-from tasks.index_store import read_alias
-from tasks.migration import MigrationError, read_window, window_status
-from tasks.search import Query, Searcher, fused_search
+from imgest.tasks.aliases import read_alias
+from imgest.tasks.migration import MigrationError, read_window, window_status
+from imgest.tasks.search import Query, Searcher, fused_search
 from tests.helpers import HANG_AFTER_FIRST_SHARD, gradient, jpeg_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -58,7 +58,7 @@ def catalogue(root, n, size=(96, 96)):
 
 KILL_START = HANG_AFTER_FIRST_SHARD + """
 import sys
-from flows.migrate import migrate
+from imgest.flows.migrate import migrate
 migrate(store=sys.argv[1], action="start", to=sys.argv[2], batch_size="1", shard_size=3)
 """
 

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from flows.ingest import ingest
+from imgest.flows.ingest import ingest
 from tests.helpers import gradient, jpeg_bytes, task_runs_named, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -62,10 +62,10 @@ def test_dask_cluster_writes_the_same_shards_as_local_one_encode_per_limit_slot(
 def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(tmp_path):
     import faiss
 
-    from flows.build_index import build_index
+    from imgest.flows.build_index import build_index
     from imgest.storage import Location
-    from tasks.index_store import open_index
-    from tasks.live import load_live_vectors
+    from imgest.tasks.index_store import open_index
+    from imgest.tasks.live import load_live_vectors
     from tests.helpers import png_bytes
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
@@ -92,7 +92,7 @@ def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(
 def test_the_same_flow_runs_on_an_existing_cluster_by_address(tmp_path):
     from distributed import LocalCluster
 
-    from flows.runners import _api_url
+    from imgest.tasks.runners import _api_url
 
     cat = tmp_path / "catalogue"
     write_files(str(cat), {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, (64, 64))) for i in range(6)})

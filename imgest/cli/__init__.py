@@ -9,8 +9,6 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-import sys  # noqa: E402
-
 import typer  # noqa: E402
 
 from imgest.storage import redact  # noqa: E402
@@ -25,28 +23,22 @@ def _fail(exc: BaseException) -> None:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from flows.config import ConfigError
+    from imgest.config import ConfigError
     from imgest.encoders import EncoderError
     from imgest.lock import StoreLockedError
     from imgest.storage import StorageError
-    from tasks.export import ModelNotFoundError
-    from tasks.index_choice import IndexChoiceError
-    from tasks.index_store import IndexIntegrityError, IndexNotFoundError
-    from tasks.migration import MigrationError
-    from tasks.querysets import QuerySetError
-    from tasks.search import SearchError
+    from imgest.tasks.heads import HeadError
+    from imgest.tasks.index_choice import IndexChoiceError
+    from imgest.tasks.index_store import IndexIntegrityError, IndexNotFoundError
+    from imgest.tasks.migration import MigrationError
+    from imgest.tasks.models import ModelNotFoundError
+    from imgest.tasks.querysets import QuerySetError
+    from imgest.tasks.search import SearchError
 
     return (ConfigError, EncoderError, StoreLockedError, StorageError, ModelNotFoundError, FileNotFoundError,
-            IndexChoiceError, IndexIntegrityError, IndexNotFoundError, SearchError, MigrationError, QuerySetError)
+            IndexChoiceError, IndexIntegrityError, IndexNotFoundError, SearchError, MigrationError, QuerySetError,
+            HeadError)
 
 
 # Registers the commands on `app` (each module imports it from here).
-from imgest.cli import eval_cmds, head_cmds, index_cmds, ingest_cmds, migrate_cmds, ops_cmds  # noqa: E402, F401
-
-
-def main() -> None:  # pragma: no cover - console entry point
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(app())
+from imgest.cli import eval_cmds, head_cmds, index_cmds, ingest_cmds, migrate_cmds, serve_cmd  # noqa: E402, F401

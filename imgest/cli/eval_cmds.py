@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from imgest.cli import _fail, _user_errors, app
+from imgest.defaults import DEFAULT_DEVICE, DEFAULT_KS, DEFAULT_RESAMPLES
 
 
 @app.command("eval")
@@ -16,8 +17,8 @@ def eval_cmd(
     queries: str = typer.Option(..., help="Query set (JSONL or Parquet): query_id, image|text, relevant, class"),
     alias: str = typer.Option("serving", help="Retriever A"),
     compare: Optional[str] = typer.Option(None, help="Retriever B (an alias), for win/loss, bootstrap, fusion"),
-    k: str = typer.Option("1,5,10", help="Cut-offs, comma-separated"),
-    resamples: int = typer.Option(1000, help="Paired bootstrap resamples (>= 1000 recommended)"),
+    k: str = typer.Option(",".join(map(str, DEFAULT_KS)), help="Cut-offs, comma-separated"),
+    resamples: int = typer.Option(DEFAULT_RESAMPLES, help="Paired bootstrap resamples (>= 1000 recommended)"),
     seed: int = typer.Option(0, help="Bootstrap seed"),
     out: Optional[str] = typer.Option(None, help="Folder for eval.json, eval.md and PNG plots"),
     as_json: bool = typer.Option(False, "--json"),
@@ -30,10 +31,15 @@ def eval_cmd(
     except ValueError:
         _fail(ValueError(f"--k must be positive integers separated by commas, got {k!r}"))
     try:
-        from tasks.querysets import read_query_set
+        from imgest.config import EvalConfig
+        from imgest.tasks.querysets import read_query_set
 
-        read_query_set(queries)  # a malformed set fails before Prefect starts
-        from flows.evaluate import dumps, evaluate
+        # a bad parameter or a malformed set fails before Prefect starts
+        EvalConfig(store=store, queries=queries, alias=alias, compare=compare, ks=tuple(ks), resamples=resamples,
+                   seed=seed, out=out)
+        read_query_set(queries)
+        from imgest.flows.evaluate import evaluate
+        from imgest.tasks.evaluate import dumps
 
         report = evaluate(store=store, queries=queries, alias=alias, compare=compare, ks=ks, resamples=resamples,
                           seed=seed, out=out)
@@ -42,7 +48,7 @@ def eval_cmd(
     if as_json:
         typer.echo(dumps(report))
     else:
-        from tasks.eval_report import render_eval
+        from imgest.tasks.markdown import render_eval
 
         typer.echo(render_eval(report))
 
@@ -60,7 +66,7 @@ def queries_class(
     seed: int = typer.Option(0, help="Seed of the draw"),
 ) -> None:
     """A blind class-level set: held-out catalogue items as queries, their class as relevant, self excluded."""
-    from tasks.querysets import build_class_queries
+    from imgest.tasks.querysets import build_class_queries
 
     try:
         meta = build_class_queries(catalogue, out, per_class, seed, prefix)
@@ -77,7 +83,7 @@ def queries_instance(
     seed: int = typer.Option(0, help="Seed of the transforms"),
 ) -> None:
     """An instance-level set: crops, flips and colour changes of catalogue images, each finding its original."""
-    from tasks.querysets import build_instance_queries
+    from imgest.tasks.querysets import build_instance_queries
 
     try:
         meta = build_instance_queries(catalogue, out, prefix, seed)
@@ -96,11 +102,12 @@ def report_cost(
     corpus_size: int = typer.Option(..., help="N items to cost"),
     gpu_hour_price: Optional[float] = typer.Option(None, help="Price of one GPU-hour"),
     node_memory: str = typer.Option("64G", help="Memory of a serving node"),
-    device: str = typer.Option("auto", help="Where to measure encode throughput"),
+    device: str = typer.Option(DEFAULT_DEVICE, help="Where to measure encode throughput"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Encode throughput and hours, re-encode cost, query encode time, storage, index fit, dual-window storage."""
-    from tasks.cost import cost_report, render_cost
+    from imgest.tasks.cost import cost_report
+    from imgest.tasks.markdown import render_cost
 
     try:
         report = cost_report(store, corpus_size, gpu_hour_price, node_memory, device)

@@ -8,41 +8,58 @@ from typing import Optional
 import typer
 
 from imgest.cli import _fail, _user_errors, app
+from imgest.defaults import (
+    DEFAULT_ALIAS,
+    DEFAULT_DEVICE,
+    DEFAULT_INDEX_PARTS,
+    DEFAULT_K,
+    DEFAULT_KIND,
+    DEFAULT_MEMORY,
+    DEFAULT_MODEL,
+    DEFAULT_RECALL_QUERIES,
+    DEFAULT_RUNNER,
+    DEFAULT_TARGET_RECALL,
+    DEFAULT_WORKERS,
+)
+from imgest.tasks.fusion import RRF_K
 
 
 @app.command("build-index")
 def build_index_cmd(
     store: str = typer.Option(..., help="Folder or URL of the store"),
-    model: str = typer.Option("efficientnet-lite0", help="Model name, model id or slug in the store"),
-    kind: str = typer.Option("auto", help="auto, flat, hnsw, ivfsq8, ivfpq or a faiss factory string"),
-    memory: str = typer.Option("4G", help="Memory budget for the index, e.g. 512M, 4G"),
-    target_recall: float = typer.Option(0.95, help="recall@k against exact search the served parameters must meet"),
-    k: int = typer.Option(10, help="k of the recall target"),
-    queries: int = typer.Option(1000, help="Held-out corpus queries used to measure recall"),
-    alias: str = typer.Option("auto", help="Alias to move once verified: 'auto' moves the aliases already on "
+    model: str = typer.Option(DEFAULT_MODEL, help="Model name, model id or slug in the store"),
+    kind: str = typer.Option(DEFAULT_KIND, help="auto, flat, hnsw, ivfsq8, ivfpq or a faiss factory string"),
+    memory: str = typer.Option(DEFAULT_MEMORY, help="Memory budget for the index, e.g. 512M, 4G"),
+    target_recall: float = typer.Option(DEFAULT_TARGET_RECALL, help="recall@k against exact search the served "
+                                                                    "parameters must meet"),
+    k: int = typer.Option(DEFAULT_K, help="k of the recall target"),
+    queries: int = typer.Option(DEFAULT_RECALL_QUERIES, help="Held-out corpus queries used to measure recall"),
+    alias: str = typer.Option(DEFAULT_ALIAS, help="Alias to move once verified: 'auto' moves the aliases already on "
                               "this model (creating `serving` if the store has none); a name; '' for none"),
-    parts: int = typer.Option(1, help="IVF and flat indexes: train once, add this many slices in parallel on "
-                                      "--runner, merge (faiss merge_from); 1: one process"),
-    runner: str = typer.Option("local", help="Where parts are added: local, dask (a local cluster) or tcp://..."),
-    workers: int = typer.Option(0, help="Worker processes of a local Dask cluster; 0: one per CPU core"),
+    parts: int = typer.Option(DEFAULT_INDEX_PARTS, help="IVF and flat indexes: train once, add this many slices "
+                                                        "in parallel on --runner, merge (faiss merge_from); 1: one "
+                                                        "process"),
+    runner: str = typer.Option(DEFAULT_RUNNER, help="Where parts are added: local, dask (a local cluster) or tcp://..."),
+    workers: int = typer.Option(DEFAULT_WORKERS, help="Worker processes of a local Dask cluster; 0: one per CPU core"),
     rebuild: bool = typer.Option(False, "--rebuild", help="Build a new version even when nothing changed since "
                                                           "the last one (otherwise it is reused)"),
     as_json: bool = typer.Option(False, "--json", help="Print the index card as JSON"),
 ) -> None:
     """Build a new immutable index version from the live embeddings and move an alias to it."""
     try:
-        from flows.config import IndexConfig
+        from imgest.config import IndexConfig
         from imgest.storage import open_location
-        from tasks.export import find_model
+        from imgest.tasks.models import find_model
 
-        cfg = IndexConfig(store, model, kind, memory, target_recall, k, queries, alias or None, parts, runner,
-                          workers)
+        cfg = IndexConfig(store=store, model=model, kind=kind, memory=memory, target_recall=target_recall, k=k,
+                          queries=queries, alias=alias or None, parts=parts, runner=runner, workers=workers,
+                          rebuild=rebuild)
         find_model(open_location(cfg.store, must_exist=True, what="store"), cfg.model)
 
-        from flows.build_index import build_index
-        from tasks.index_card import render_card
+        from imgest.flows.build_index import build_index
+        from imgest.tasks.markdown import render_card
 
-        result = build_index(**cfg.__dict__, rebuild=rebuild)
+        result = build_index(**cfg.to_dict())
     except _user_errors() as exc:
         _fail(exc)
     if not result["built"]:
@@ -65,16 +82,16 @@ def search_cmd(
     alias: str = typer.Option("serving", help="Alias to search (ignored with --model)"),
     model: Optional[str] = typer.Option(None, help="Search this model's index instead of an alias"),
     version: Optional[int] = typer.Option(None, help="With --model: this version (default: latest)"),
-    device: str = typer.Option("auto", help="Where to embed the queries"),
+    device: str = typer.Option(DEFAULT_DEVICE, help="Where to embed the queries"),
     fuse: Optional[str] = typer.Option(None, help="'rrf': reciprocal rank fusion of serving and shadow"),
-    rrf_k: int = typer.Option(60, help="k of reciprocal rank fusion"),
+    rrf_k: int = typer.Option(RRF_K, help="k of reciprocal rank fusion"),
     as_json: bool = typer.Option(False, "--json", help="JSON output"),
 ) -> None:
     """Search by image, by text, or a batch of queries, with the model that built the index."""
     from dataclasses import asdict
 
     try:
-        from tasks.search import Query, Searcher, SearchError, read_queries
+        from imgest.tasks.search import Query, Searcher, SearchError, read_queries
 
         given = [x for x in (image, text, queries) if x is not None]
         if len(given) != 1:
@@ -83,7 +100,7 @@ def search_cmd(
         if fuse is not None:
             if fuse != "rrf":
                 raise SearchError(f"unknown fusion {fuse!r}; allowed: rrf")
-            from tasks.search import fused_search
+            from imgest.tasks.search import fused_search
 
             results = fused_search(store, batch, k, ("serving", "shadow"), rrf_k, device)
             card = {"model_id": "rrf(serving, shadow)", "version": None}
@@ -98,7 +115,7 @@ def search_cmd(
         typer.echo(json.dumps({"model_id": card["model_id"], "version": card["version"], "results": payload},
                               indent=2))
         return
-    from tasks.index_card import served_parameters
+    from imgest.tasks.markdown import served_parameters
 
     if fuse is None:
         typer.echo(f"index model={card['slug']} v{card['version']:04d} ({card['factory']}, "

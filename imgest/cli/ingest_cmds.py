@@ -4,49 +4,68 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 
 import typer
 
 from imgest.cli import _fail, _user_errors, app
+from imgest.defaults import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_DECODE_WORKERS,
+    DEFAULT_DEVICE,
+    DEFAULT_ENCODE_LIMIT,
+    DEFAULT_KIND,
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MEMORY,
+    DEFAULT_MODEL,
+    DEFAULT_RUNNER,
+    DEFAULT_SHARD_SIZE,
+    DEFAULT_TARGET_RECALL,
+    DEFAULT_WORKERS,
+)
 
-RUNNER = typer.Option("local", help="Where shards encode: local (this process), dask (a local Dask cluster of "
-                                    "worker processes) or a Dask scheduler address tcp://host:8786")
-WORKERS = typer.Option(0, help="Worker processes of a local Dask cluster (--runner dask); 0: one per CPU core")
+RUNNER = typer.Option(DEFAULT_RUNNER, help="Where shards encode: local (this process), dask (a local Dask cluster "
+                                           "of worker processes) or a Dask scheduler address tcp://host:8786")
+WORKERS = typer.Option(DEFAULT_WORKERS, help="Worker processes of a local Dask cluster (--runner dask); 0: one per "
+                                             "CPU core")
 
 
 @app.command()
 def ingest(
     catalogue: str = typer.Option(..., help="Folder or URL of the catalogue: /path, file://, s3://bucket/prefix"),
     store: str = typer.Option(..., help="Folder or URL where shards and state are kept"),
-    model: str = typer.Option("efficientnet-lite0", help="efficientnet-lite0 or hf:<hub id or local folder>"),
-    batch_size: str = typer.Option("auto", help="'auto' (measured, cached per model and device) or N"),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
-    shard_size: int = typer.Option(2000, help="Images per shard (one Prefect task per shard)"),
-    decode_workers: int = typer.Option(2, help="Threads reading and decoding ahead of the encoder"),
-    max_pixels: int = typer.Option(100_000_000, help="Larger images are rejected as decompression bombs"),
+    model: str = typer.Option(DEFAULT_MODEL, help="efficientnet-lite0 or hf:<hub id or local folder>"),
+    batch_size: str = typer.Option(DEFAULT_BATCH_SIZE, help="'auto' (measured, cached per model and device) or N"),
+    device: str = typer.Option(DEFAULT_DEVICE, help="auto, cpu, cuda or cuda:N"),
+    shard_size: int = typer.Option(DEFAULT_SHARD_SIZE, help="Images per shard (one Prefect task per shard)"),
+    decode_workers: int = typer.Option(DEFAULT_DECODE_WORKERS, help="Threads reading and decoding ahead of the "
+                                                                    "encoder"),
+    max_pixels: int = typer.Option(DEFAULT_MAX_PIXELS, help="Larger images are rejected as decompression bombs"),
     runner: str = RUNNER,
     workers: int = WORKERS,
-    encode_limit: str = typer.Option("auto", help="Prefect global concurrency limit each encode holds a slot of: "
-                                                  "auto (one encode per GPU at a time; none on CPU), none, or a name"),
+    encode_limit: str = typer.Option(DEFAULT_ENCODE_LIMIT, help="Prefect global concurrency limit each encode "
+                                                                "holds a slot of: auto (one encode per GPU at a "
+                                                                "time; none on CPU), none, or a name"),
     as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON"),
 ) -> None:
     """Encode what is new or changed in the catalogue; tombstone what was deleted."""
     try:
-        from flows.config import IngestConfig
         from imgest import encoders
+        from imgest.config import IngestConfig
         from imgest.storage import open_location
 
         # Fail on bad input before Prefect starts its server: a one-line reason, exit 2.
-        cfg = IngestConfig(catalogue, store, model, batch_size, device, shard_size, decode_workers, max_pixels,
-                           runner, workers, encode_limit)
+        cfg = IngestConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
+                           shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels,
+                           runner=runner, workers=workers, encode_limit=encode_limit)
         encoders.resolve(cfg.model)
         encoders.resolve_device(cfg.device)
         open_location(cfg.catalogue, must_exist=True, what="catalogue")
         open_location(cfg.store)
 
-        from flows.ingest import ingest as ingest_flow
-        from tasks.commit import RunSummary
-        from tasks.report import render_summary
+        from imgest.flows.ingest import ingest as ingest_flow
+        from imgest.tasks.commit import RunSummary
+        from imgest.tasks.markdown import render_summary
 
         summary = ingest_flow(**cfg.to_dict())
     except _user_errors() as exc:
@@ -63,7 +82,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (keys in the README)"),
 ) -> None:
     """Per model: live items, shards, rejected items with reasons, tombstones, last run."""
-    from tasks.export import store_status
+    from imgest.tasks.status import store_status
 
     try:
         report = store_status(store)
@@ -96,7 +115,7 @@ def export(
     out: str = typer.Option(..., help="Output Parquet file (local path or URL)"),
 ) -> None:
     """Write the live embeddings of one model, one row per live item, as a Parquet file."""
-    from tasks.export import export_live
+    from imgest.tasks.export import export_live
 
     try:
         result = export_live(store, model, out)
@@ -110,25 +129,26 @@ def reencode(
     catalogue: str = typer.Option(..., help="Folder or URL of the catalogue"),
     store: str = typer.Option(..., help="Folder or URL of the store"),
     model: str = typer.Option(..., help="The new model: efficientnet-lite0 or hf:<hub id or local folder>"),
-    batch_size: str = typer.Option("auto", help="'auto' or N"),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
+    batch_size: str = typer.Option(DEFAULT_BATCH_SIZE, help="'auto' or N"),
+    device: str = typer.Option(DEFAULT_DEVICE, help="auto, cpu, cuda or cuda:N"),
     runner: str = RUNNER,
     workers: int = WORKERS,
 ) -> None:
     """Encode the whole catalogue with a new model into its own namespace (resumable; old data untouched)."""
     try:
-        from flows.config import IngestConfig
         from imgest import encoders
+        from imgest.config import IngestConfig
         from imgest.storage import open_location
 
-        IngestConfig(catalogue, store, model, batch_size, device, runner=runner, workers=workers)
-        encoders.resolve(model)
-        open_location(catalogue, must_exist=True, what="catalogue")
-        from flows.reencode import reencode as reencode_flow
-        from tasks.report import render_reencode
+        cfg = IngestConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
+                           runner=runner, workers=workers)
+        encoders.resolve(cfg.model)
+        open_location(cfg.catalogue, must_exist=True, what="catalogue")
+        from imgest.flows.reencode import reencode as reencode_flow
+        from imgest.tasks.markdown import render_reencode
 
-        summary = reencode_flow(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
-                                runner=runner, workers=workers)
+        summary = reencode_flow(catalogue=cfg.catalogue, store=cfg.store, model=cfg.model, batch_size=cfg.batch_size,
+                                device=cfg.device, runner=cfg.runner, workers=cfg.workers)
     except _user_errors() as exc:
         _fail(exc)
     typer.echo(render_reencode(summary))
@@ -138,33 +158,31 @@ def reencode(
 def nightly(
     catalogue: str = typer.Option(..., help="Folder or URL of the catalogue"),
     store: str = typer.Option(..., help="Folder or URL of the store"),
-    model: str = typer.Option("efficientnet-lite0", help="efficientnet-lite0 or hf:<hub id or local folder>"),
-    batch_size: str = typer.Option("auto", help="'auto' or N"),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
-    kind: str = typer.Option("auto", help="Index kind or faiss factory string"),
-    memory: str = typer.Option("4G", help="Memory budget for the index"),
-    target_recall: float = typer.Option(0.95, help="recall@10 target for the served parameters"),
+    model: str = typer.Option(DEFAULT_MODEL, help="efficientnet-lite0 or hf:<hub id or local folder>"),
+    batch_size: str = typer.Option(DEFAULT_BATCH_SIZE, help="'auto' or N"),
+    device: str = typer.Option(DEFAULT_DEVICE, help="auto, cpu, cuda or cuda:N"),
+    kind: str = typer.Option(DEFAULT_KIND, help="Index kind or faiss factory string"),
+    memory: str = typer.Option(DEFAULT_MEMORY, help="Memory budget for the index"),
+    target_recall: float = typer.Option(DEFAULT_TARGET_RECALL, help="recall@10 target for the served parameters"),
     runner: str = RUNNER,
     workers: int = WORKERS,
 ) -> None:
     """Ingest, then build and verify a fresh index and move `serving` to it."""
     try:
-        from flows.config import IndexConfig, IngestConfig
         from imgest import encoders
+        from imgest.config import NightlyConfig
         from imgest.storage import open_location
 
-        IngestConfig(catalogue, store, model, batch_size, device, runner=runner, workers=workers)
-        IndexConfig(store, model, kind, memory, target_recall)
-        encoders.resolve(model)
-        open_location(catalogue, must_exist=True, what="catalogue")
+        cfg = NightlyConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
+                            kind=kind, memory=memory, target_recall=target_recall, runner=runner, workers=workers)
+        encoders.resolve(cfg.model)
+        open_location(cfg.catalogue, must_exist=True, what="catalogue")
 
-        from flows.nightly import nightly as nightly_flow
-        from tasks.commit import RunSummary
-        from tasks.index_card import render_card
-        from tasks.report import render_summary
+        from imgest.flows.nightly import nightly as nightly_flow
+        from imgest.tasks.commit import RunSummary
+        from imgest.tasks.markdown import render_card, render_summary
 
-        result = nightly_flow(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
-                              kind=kind, memory=memory, target_recall=target_recall, runner=runner, workers=workers)
+        result = nightly_flow(**asdict(cfg))
     except _user_errors() as exc:
         _fail(exc)
     for base in result["bases"]:  # a head's base model, ingested first
@@ -188,12 +206,14 @@ def demo(
     if not os.path.exists(catalogue):
         counts = build_demo_catalogue(catalogue, fashion_per_class=per_class)
         typer.echo(f"demo catalogue written to {catalogue}: {counts}")
-    nightly(catalogue=catalogue, store=store_dir, model="efficientnet-lite0", batch_size="auto", device="auto",
-            kind="auto", memory="4G", target_recall=0.95, runner="local", workers=0)
+    nightly(catalogue=catalogue, store=store_dir, model=DEFAULT_MODEL, batch_size=DEFAULT_BATCH_SIZE,
+            device=DEFAULT_DEVICE, kind=DEFAULT_KIND, memory=DEFAULT_MEMORY, target_recall=DEFAULT_TARGET_RECALL,
+            runner=DEFAULT_RUNNER, workers=DEFAULT_WORKERS)
     status(store=store_dir, as_json=False)
     query = os.path.join(catalogue, "photos", "chelsea.jpg")
     typer.echo(f"\n$ imgest search --store {store_dir} --image {query} --k 5")
     from imgest.cli.index_cmds import search_cmd
+    from imgest.tasks.fusion import RRF_K
 
     search_cmd(store=store_dir, image=query, text=None, queries=None, k=5, alias="serving", model=None,
-               version=None, device="auto", fuse=None, rrf_k=60, as_json=False)
+               version=None, device=DEFAULT_DEVICE, fuse=None, rrf_k=RRF_K, as_json=False)

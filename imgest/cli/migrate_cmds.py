@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from imgest.cli import _fail, _user_errors, app
+from imgest.defaults import DEFAULT_BATCH_SIZE, DEFAULT_DEVICE, DEFAULT_KIND, DEFAULT_MEMORY, DEFAULT_RETAIN_DAYS
 
 migrate_app = typer.Typer(help="Change the embedding model through a dual-index migration window.",
                           no_args_is_help=True)
@@ -16,15 +17,17 @@ app.add_typer(migrate_app, name="migrate")
 
 def _migrate(store: str, action: str, as_json: bool = False, **params) -> None:
     try:
+        from imgest.config import MigrateConfig
         from imgest.storage import open_location
 
+        MigrateConfig(store=store, action=action, **params)  # before Prefect starts: one line, exit 2
         open_location(store, must_exist=True, what="store")
         if action == "status":  # read-only: no Prefect run needed
-            from tasks.migration import window_status
+            from imgest.tasks.migration import window_status
 
             result = window_status(open_location(store))
         else:
-            from flows.migrate import migrate
+            from imgest.flows.migrate import migrate
 
             result = migrate(store=store, action=action, **params)
     except _user_errors() as exc:
@@ -35,7 +38,7 @@ def _migrate(store: str, action: str, as_json: bool = False, **params) -> None:
         typer.echo(f"window {result['finished']['window']['id']} finished; deleted now: "
                    f"{result['finished']['deleted'] or 'nothing yet (retention, or an alias still points at it)'}")
     else:
-        from tasks.report import render_window
+        from imgest.tasks.markdown import render_window
 
         typer.echo(render_window(result))
 
@@ -45,10 +48,10 @@ def migrate_start(
     store: str = typer.Option(..., help="Folder or URL of the store"),
     to: str = typer.Option(..., help="The new model"),
     catalogue: Optional[str] = typer.Option(None, help="Default: the serving model's last catalogue"),
-    batch_size: str = typer.Option("auto", help="'auto' or N"),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
-    kind: str = typer.Option("auto", help="Index kind for the new model"),
-    memory: str = typer.Option("4G", help="Memory budget for the new index"),
+    batch_size: str = typer.Option(DEFAULT_BATCH_SIZE, help="'auto' or N"),
+    device: str = typer.Option(DEFAULT_DEVICE, help="auto, cpu, cuda or cuda:N"),
+    kind: str = typer.Option(DEFAULT_KIND, help="Index kind for the new model"),
+    memory: str = typer.Option(DEFAULT_MEMORY, help="Memory budget for the new index"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Open (or resume) a window: re-encode with the new model, build its index, point `shadow` at it."""
@@ -91,7 +94,8 @@ def migrate_rollback(store: str = typer.Option(..., help="Folder or URL of the s
 
 @migrate_app.command("finish")
 def migrate_finish(store: str = typer.Option(..., help="Folder or URL of the store"),
-                   retain_days: float = typer.Option(7.0, help="Keep the retired model's data this long"),
+                   retain_days: float = typer.Option(DEFAULT_RETAIN_DAYS, help="Keep the retired model's data this "
+                                                                               "long"),
                    as_json: bool = typer.Option(False, "--json")) -> None:
     """Close the window; the model no longer serving is deleted after the retention, never while aliased."""
     _migrate(store, "finish", as_json, retain_days=retain_days)

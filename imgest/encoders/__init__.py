@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 
+from imgest.defaults import DEFAULT_MODEL
 from imgest.encoders import efficientnet, head, hf, pixels
 from imgest.encoders.base import Encoder, EncoderError, EncoderSpec, device_key, resolve_device
 
@@ -15,7 +16,6 @@ REGISTRY = {
     pixels.NAME: (pixels.resolve, pixels.load),
     "head": (head.resolve, head.load),
 }
-DEFAULT_MODEL = efficientnet.NAME
 KNOWN_NAMES = (efficientnet.NAME, "hf:<hub id or local folder> (CLIP, SigLIP, DINOv2)", pixels.NAME,
                "head:<folder or URL written by imgest train-head>")
 

@@ -18,7 +18,10 @@ import numpy as np
 from imgest.encoders.base import EncoderError, EncoderSpec
 
 PREFIX = "head:"
+# A head's folder: head.json (written last: a folder without it is not a head), the weights, and what
+# `imgest train-head` keeps beside them: the held-out query set, its augmented query images, loss curves.
 CONFIG, WEIGHTS = "head.json", "head.safetensors"
+HELDOUT_QUERIES, HELDOUT_VIEWS, LOSS_CURVES = "heldout-queries.jsonl", "heldout", "loss-curves.png"
 
 
 def mlp(dim_in: int, hidden: int, dim_out: int):
@@ -91,6 +94,30 @@ class HeadEncoder:
 
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         raise EncoderError(f"{self.spec.name} is trained on image embeddings: search it by image, not by text")
+
+
+def serialise_weights(state_dict) -> bytes:
+    """A head's weights as safetensors bytes (read back by `load_module`; never a pickle)."""
+    from safetensors.torch import save as save_tensors
+
+    return save_tensors({k: v.contiguous() for k, v in state_dict.items()})
+
+
+def write_head(store, weights: bytes, config: dict, queries: list[dict], views: dict[str, bytes],
+               loss_curves: bytes) -> dict:
+    """Write `heads/head-<sha256[:12]>/` in `store` (a Location): weights, held-out views (keys under
+    HELDOUT_VIEWS), the query set pointing at them, loss curves, then head.json. Returns the head's name."""
+    head_id = "head-" + hashlib.sha256(weights).hexdigest()[:12]
+    folder = f"heads/{head_id}"
+    store.write_bytes(f"{folder}/{WEIGHTS}", weights)
+    for key, data in views.items():
+        store.write_bytes(f"{folder}/{key}", data)
+    queries = [q | {"image": store.uri(f"{folder}/{q['image']}")} if q["image"] in views else q for q in queries]
+    store.write_bytes(f"{folder}/{HELDOUT_QUERIES}", "".join(json.dumps(q) + "\n" for q in queries).encode())
+    store.write_bytes(f"{folder}/{LOSS_CURVES}", loss_curves)
+    store.write_json(f"{folder}/{CONFIG}", config)
+    return {"head": f"{PREFIX}{store.uri(folder)}", "head_id": head_id, "folder": store.uri(folder),
+            "queries": store.uri(f"{folder}/{HELDOUT_QUERIES}")}
 
 
 def load(spec: EncoderSpec, device: str) -> HeadEncoder:

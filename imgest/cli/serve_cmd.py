@@ -13,8 +13,8 @@ def serve(
     port: int = typer.Option(4200, help="Port of the Prefect server and its UI"),
 ) -> None:
     """Start a Prefect server, the process pool, the deployments of prefect.yaml and a worker; Ctrl-C stops them."""
-    from imgest.serve import ServeError
-    from imgest.serve import serve as serve_all
+    from imgest.prefect_stack import ServeError
+    from imgest.prefect_stack import serve as serve_all
 
     try:
         serve_all(host=host, port=port, say=lambda line: print(line, flush=True))

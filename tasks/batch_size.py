@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from imgest.encoders import Encoder, device_key
 from imgest.storage import Location
-from tasks.state import now_iso
+from imgest.tasks.state import now_iso
 
 CPU_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 CUDA_CANDIDATES = (1, 8, 16, 32, 64, 128, 256, 512, 1024)

@@ -1,5 +1,9 @@
-"""`imgest serve`: a local Prefect server, the process work pool, the deployments of prefect.yaml and a
-worker, started in that order and stopped in reverse on Ctrl-C or SIGTERM.
+"""`imgest serve`: a local Prefect stack (server, process work pool, the package's deployments, a worker),
+started in that order and stopped in reverse on Ctrl-C or SIGTERM. It serves Prefect, not search.
+
+The deployments are the package's own `imgest/flows/prefect.yaml` (module-path entrypoints), so this
+works from an installed package as from a checkout; flow runs start in the directory serve was started
+from, where relative catalogue and store paths resolve.
 
 The worker and the server run in their own process groups, so one Ctrl-C in the terminal reaches this
 process only and it stops them in order: the process worker needs two signals to stop (the first asks
@@ -16,9 +20,9 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 POOL = "imgest-process"  # the work pool prefect.yaml's deployments name
 
 
@@ -26,8 +30,14 @@ class ServeError(RuntimeError):
     """The server, the pool, the deployments or the worker could not be started; says which and why."""
 
 
-def _prefect() -> str:
-    return str(Path(sys.executable).with_name("prefect"))
+def _prefect() -> list[str]:
+    # the interpreter running imgest, not a `prefect` script on PATH: the same environment wherever it is
+    return [sys.executable, "-m", "prefect"]
+
+
+def deployments_file() -> Path:
+    """The package's prefect.yaml (a real file in a wheel or an editable checkout)."""
+    return Path(str(resources.files("imgest.flows").joinpath("prefect.yaml")))
 
 
 def _default_signals() -> None:
@@ -73,20 +83,22 @@ def stop(proc: subprocess.Popen, name: str, signals: int = 2, grace: float = 15.
 
 def serve(host: str = "127.0.0.1", port: int = 4200, pool: str = POOL, startup_timeout: float = 120.0,
           say: Callable[[str], None] = print) -> None:
-    if not (ROOT / "prefect.yaml").exists():
-        raise ServeError(f"prefect.yaml not found in {ROOT}: run serve from an imgest checkout (pip install -e .)")
+    spec = deployments_file()
+    if not spec.is_file():
+        raise ServeError(f"{spec} is missing from the installed package: reinstall imgest")
+    workdir = os.getcwd()  # flow runs start here (prefect.yaml's pull step reads $PWD when deploying)
     api_url = f"http://{host}:{port}/api"
-    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PWD": str(ROOT)}
+    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PWD": workdir}
     procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(name: str, *args: str) -> subprocess.Popen:
-        proc = subprocess.Popen([_prefect(), *args], cwd=ROOT, env=env, start_new_session=True,
+        proc = subprocess.Popen([*_prefect(), *args], cwd=workdir, env=env, start_new_session=True,
                                 preexec_fn=_default_signals)
         procs.append((name, proc))
         return proc
 
     def run(*args: str) -> None:
-        out = subprocess.run([_prefect(), *args], cwd=ROOT, env=env, capture_output=True, text=True)
+        out = subprocess.run([*_prefect(), *args], cwd=workdir, env=env, capture_output=True, text=True)
         if out.returncode != 0:
             tail = (out.stderr.strip() or out.stdout.strip()).splitlines()[-1:] or ["no output"]
             raise ServeError(f"`prefect {' '.join(args)}` failed: {tail[0]}")
@@ -102,10 +114,11 @@ def serve(host: str = "127.0.0.1", port: int = 4200, pool: str = POOL, startup_t
         server = start("Prefect server", "server", "start", "--host", host, "--port", str(port))
         wait_healthy(api_url, startup_timeout, lambda: server.poll() is None)
         run("work-pool", "create", pool, "--type", "process", "--overwrite")
-        run("--no-prompt", "deploy", "--all")
+        run("--no-prompt", "deploy", "--all", "--prefect-file", str(spec))
         worker = start("worker", "worker", "start", "--pool", pool)
         say(f"Prefect UI: http://{host}:{port}  (API {api_url})")
-        say(f"worker on pool {pool!r}; deployments from {ROOT / 'prefect.yaml'}; Ctrl-C stops everything")
+        say(f"worker on pool {pool!r}; deployments from {spec}; flow runs start in {workdir}; Ctrl-C stops "
+            "everything")
         say(f"run one now: PREFECT_API_URL={api_url} prefect deployment run nightly/nightly")
         while worker.poll() is None and server.poll() is None:
             time.sleep(0.5)

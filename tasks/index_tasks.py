@@ -1,0 +1,122 @@
+"""The index-build tasks: load live vectors, train and fill (in one process or in parallel parts), tune,
+write a version, verify it and move its aliases; and the cached task that does one whole version."""
+
+from __future__ import annotations
+
+import time
+
+import faiss
+import numpy as np
+from prefect import get_run_logger, task, unmapped
+from prefect.cache_policies import INPUTS, NO_CACHE
+from prefect.utilities.annotations import quote
+
+from imgest.storage import Location
+from imgest.tasks.aliases import aliases_to_move, set_alias
+from imgest.tasks.index_build import (
+    BuildTimes,
+    add_part,
+    build,
+    merge_parts,
+    mergeable,
+    part_ranges,
+    train,
+    warn_if_generic_blas,
+)
+from imgest.tasks.index_card import ids_table, make_card
+from imgest.tasks.index_choice import IndexChoice, choose_index
+from imgest.tasks.index_store import open_index, write_version
+from imgest.tasks.live import LiveVectors, load_live_vectors
+from imgest.tasks.policy import IO_RETRIES
+from imgest.tasks.recall_tuning import Tuned, tune_search
+from imgest.tasks.runners import shard_runner
+
+
+@task(name="load-live-vectors", cache_policy=NO_CACHE, **IO_RETRIES)
+def load_live_task(store_url: str, model: dict) -> LiveVectors:
+    return load_live_vectors(Location(store_url), model["slug"], int(model["dim"]))
+
+
+@task(name="build-index", cache_policy=NO_CACHE)
+def build_task(vectors: np.ndarray, choice: IndexChoice):
+    warn_if_generic_blas()
+    return build(vectors, choice)
+
+
+@task(name="train-index", cache_policy=NO_CACHE)
+def train_task(vectors: np.ndarray, choice: IndexChoice) -> bytes:
+    warn_if_generic_blas()
+    return faiss.serialize_index(train(vectors, choice)).tobytes()
+
+
+@task(name="add-part", cache_policy=NO_CACHE, retries=1, task_run_name="add-part-{start}")
+def add_part_task(trained: bytes, vectors: np.ndarray, start: int) -> tuple[int, bytes]:
+    return start, add_part(trained, vectors)
+
+
+@task(name="tune-search", cache_policy=NO_CACHE)
+def tune_task(index, vectors: np.ndarray, target: float, k: int, queries: int) -> Tuned:
+    return tune_search(index, vectors, target, k, queries)
+
+
+@task(name="write-version", cache_policy=NO_CACHE, **IO_RETRIES)
+def write_version_task(store_url: str, index, live: LiveVectors, card: dict) -> dict:
+    data = faiss.serialize_index(index).tobytes()
+    return write_version(Location(store_url), card["slug"], data, ids_table(live), card)
+
+
+@task(name="verify-and-alias", cache_policy=NO_CACHE)
+def verify_and_alias_task(store_url: str, card: dict, alias: str | None) -> list[dict]:
+    """Re-open the written version (checksums, vector count) before any alias points at it."""
+    store = Location(store_url)
+    opened = open_index(store, card["slug"], card["version"])
+    if opened.index.ntotal != card["n"] or len(opened.item_ids) != card["n"]:
+        raise RuntimeError(f"index v{card['version']} holds {opened.index.ntotal} vectors, card says {card['n']}")
+    return [set_alias(store, name, card, reason=f"build v{card['version']:04d}")
+            for name in aliases_to_move(store, card["slug"], alias)]
+
+
+def build_in_parts(vectors: np.ndarray, choice: IndexChoice, parts: int, runner: str, workers: int):
+    """Train once here; add `parts` contiguous slices in parallel on the runner (local threads or a Dask
+    cluster); merge them in id order with faiss's own merge. Same index as one build (tested)."""
+    logger = get_run_logger()
+    start = time.perf_counter()
+    trained = train_task(vectors, choice)
+    train_seconds = round(time.perf_counter() - start, 3)
+    ranges = part_ranges(len(vectors), parts)
+    if not mergeable(faiss.deserialize_index(np.frombuffer(trained, np.uint8))):
+        logger.info("%s does not merge (an HNSW graph is one structure): adding in this process, where faiss "
+                    "already uses every core", choice.factory)
+        ranges = [(0, len(vectors))]
+    t0 = time.perf_counter()
+    with shard_runner(runner, workers) as part_runner:
+        futures = part_runner.map(add_part_task, {"trained": unmapped(trained),
+                                                  "vectors": [vectors[a:b] for a, b in ranges],
+                                                  "start": [a for a, _ in ranges]})
+        index = merge_parts(trained, [f.result() for f in futures])
+    add_seconds = round(time.perf_counter() - t0, 3)
+    times = BuildTimes(train_seconds, add_seconds, round(time.perf_counter() - start, 3))
+    return index, times, len(ranges)
+
+
+@task(name="build-version", cache_policy=INPUTS - "store_url" - "parts" - "runner" - "workers",
+      result_serializer="json", persist_result=True)
+def build_version(store_url: str, model: dict, live_state: str, kind: str, memory: str, target_recall: float,
+                  k: int, queries: int, code: str, parts: int, runner: str, workers: int) -> dict:
+    """Load, build, tune and write one version. Cached by what determines the index (the live state,
+    the model, the choice and tuning parameters, the code): a nightly with nothing new reuses the last
+    version instead of rebuilding it. The cache records live in the store (`cache/prefect/`)."""
+    live = load_live_task(store_url, model)
+    if len(live) < 2:
+        return {"built": False, "reason": f"{len(live)} live vectors: nothing to index", "slug": model["slug"]}
+    choice = choose_index(len(live), live.vectors.shape[1], memory, kind)
+    if parts > 1:
+        index, times, used = build_in_parts(live.vectors, choice, parts, runner, workers)
+    else:
+        (index, times), used = build_task(live.vectors, choice), 1
+    tuned = tune_task(index, live.vectors, target_recall, k, queries)
+    card = make_card(model, live, choice, memory, times, tuned)
+    card["build"] = {"parts": used, "runner": runner if runner in ("local", "dask") else "dask (remote)",
+                     "method": "one process" if used == 1 else "trained once, parts added in parallel, "
+                                                               "merged in id order (faiss merge_from)"}
+    return {"built": True, "card": write_version_task(store_url, index, quote(live), card)}
