@@ -121,7 +121,8 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
     else:
         summary.snapshot_seq = state.seq
     summary.finished = now_iso()
-    summary.seconds = (datetime.fromisoformat(summary.finished) - datetime.fromisoformat(summary.started)).seconds
+    duration = datetime.fromisoformat(summary.finished) - datetime.fromisoformat(summary.started)
+    summary.seconds = round(duration.total_seconds(), 3)  # not .seconds, which drops whole days
     if results:
         store.write_table(timeline_key(plan.run_id), shard_timeline(results))
     store.write_json(summary_key(plan.run_id), summary.to_dict())

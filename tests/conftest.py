@@ -23,7 +23,6 @@ import pytest  # noqa: E402
 
 from tests.helpers import make_tiny_hf_model  # noqa: E402
 
-
 SLOW_FIXTURES = {"prefect_harness", "installed_imgest", "s3_endpoint"}
 
 

@@ -26,7 +26,7 @@ def test_every_entrypoint_is_a_flow_with_those_parameters():
     names = {d["name"] for d in spec["deployments"]}
     assert names == {"nightly", "reencode", "migrate", "eval", "train-head"}
     for deployment in spec["deployments"]:
-        flow = load_flow_from_entrypoint(os.path.join(ROOT, deployment["entrypoint"]))
+        flow = load_flow_from_entrypoint(deployment["entrypoint"])  # a module path: the installed package
         flow.validate_parameters({**_required_dummies(flow), **deployment.get("parameters", {})})
 
 

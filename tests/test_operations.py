@@ -1,5 +1,6 @@
-"""End to end through `imgest serve`: a real Prefect server on loopback, the process pool, the deployments of
-prefect.yaml and a process worker; runs triggered through the API, read back through the API, then stopped."""
+"""End to end through `imgest serve` from an installed package (a fresh virtualenv outside the checkout): a real
+Prefect server on loopback, the process pool, the package's deployments and a process worker; runs triggered
+through the API, read back through the API, then stopped."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import queue
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -27,9 +27,8 @@ def _free_port() -> int:
 class Served:
     """`imgest serve` in a subprocess, its output collected line by line."""
 
-    def __init__(self, env: dict, port: int):
-        imgest = os.path.join(os.path.dirname(sys.executable), "imgest")
-        self.proc = subprocess.Popen([imgest, "serve", "--port", str(port)], env=env, stdout=subprocess.PIPE,
+    def __init__(self, imgest: str, env: dict, port: int, cwd: str):
+        self.proc = subprocess.Popen([imgest, "serve", "--port", str(port)], env=env, cwd=cwd, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
@@ -79,23 +78,27 @@ def _run(name: str, parameters: dict):
     return run_deployment(name, parameters=parameters, timeout=400, poll_interval=2)
 
 
-def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_path):
+def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_path, installed_imgest):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    cat = tmp_path / "catalogue"
-    write_files(str(cat), {f"p/{i}.jpg": jpeg_bytes(gradient(i, (96, 96))) for i in range(6)})
+    work = tmp_path / "work"  # where serve starts: flow runs start here too, so relative paths resolve here
+    write_files(str(work / "catalogue"), {f"p/{i}.jpg": jpeg_bytes(gradient(i, (96, 96))) for i in range(6)})
     port, dead_port = _free_port(), _free_port()  # nothing listens on dead_port: the failing object store
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{dead_port}"}
     env.pop("PREFECT_API_URL", None)
-    served = Served(env, port)
+    env.pop("PYTHONPATH", None)
+    served = Served(installed_imgest["imgest"], env, port, str(work))
     try:
         served.wait_for("Prefect UI: http://127.0.0.1:", 240)
+        line = served.wait_for("deployments from", 30)
+        assert f"{installed_imgest['site']}/imgest/flows/prefect.yaml" in line and f"start in {work}" in line, line
         served.wait_for("started!", 120)  # the worker polls its pool
         with temporary_settings({PREFECT_API_URL: served.api}), get_client(sync_client=True) as client:
-            ok = _run("nightly/nightly", {"catalogue": str(cat), "store": str(tmp_path / "store"), "batch_size": "2"})
+            ok = _run("nightly/nightly", {"catalogue": "catalogue", "store": "store", "batch_size": "2"})
             assert ok.state.is_completed(), ok.state.message
+            assert (work / "store" / "aliases" / "serving.json").exists()
             assert ok.name.startswith("nightly-") and ok.work_pool_name == "imgest-process"
             children = client.read_flow_runs(
                 flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[ok.id])))
@@ -107,7 +110,7 @@ def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_pa
             assert "v0001" in artifacts["nightly-summary"].data
             _flow_run_page_renders(f"http://127.0.0.1:{port}/runs/flow-run/{ok.id}", ok.name)
 
-            bad = _run("nightly/nightly", {"catalogue": str(cat), "store": "s3://imgest-e2e/store"})
+            bad = _run("nightly/nightly", {"catalogue": "catalogue", "store": "s3://imgest-e2e/store"})
             assert bad.state.is_failed()
             message = bad.state.message
             assert "\n" not in message and "StorageError: s3://imgest-e2e/store: " in message, message

@@ -72,7 +72,11 @@ def test_demo_runs_from_the_installed_package(installed_imgest, tmp_path):
     assert (tmp_path / "demo" / "store" / "aliases" / "serving.json").exists()
 
 
-def test_the_checkout_is_not_what_the_installed_package_runs(installed_imgest):
-    """Guard for the tests above: the fresh environment is not the development one."""
-    assert pathlib.Path(installed_imgest["python"]).resolve() != pathlib.Path(sys.executable).resolve()
+def test_the_checkout_is_not_what_the_installed_package_runs(installed_imgest, tmp_path):
+    """Guard for the tests above: the fresh environment is not the development one, and does not see the
+    checkout's sources (only the test environment's third-party packages)."""
+    result = _run(installed_imgest["python"], "import sys; print(sys.prefix)", tmp_path)
+    assert result.stdout.strip() != sys.prefix
     assert not installed_imgest["site"].startswith(str(ROOT))
+    result = _run(installed_imgest["python"], "import imgest.flows, sys; print(imgest.flows.__path__[0])", tmp_path)
+    assert result.stdout.strip().startswith(installed_imgest["site"]), result.stdout

@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -145,7 +145,3 @@ def l2_normalise(features) -> np.ndarray:
     features = features.float()
     features = torch.nn.functional.normalize(features, dim=-1)
     return features.detach().cpu().numpy().astype(np.float32, copy=False)
-
-
-Resolver = Callable[[str], EncoderSpec]
-Loader = Callable[[EncoderSpec, str], Encoder]

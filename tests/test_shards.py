@@ -1,0 +1,130 @@
+"""encode_shard, the shard writer and the run summary, called directly (no Prefect, no server): the raw-pixel
+encoder on small real PNG and JPEG files, so every vector can be recomputed by hand."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from imgest import encoders
+from imgest.storage import Location
+from imgest.tasks.commit import commit_run, new_summary
+from imgest.tasks.decode import decode_image
+from imgest.tasks.encode import encode_shard
+from imgest.tasks.plan import Plan, ShardPlan, WorkItem
+from imgest.tasks.shards import ShardWriter, embedding_matrix
+from imgest.tasks.state import LIVE, REJECTED, CatalogueState, ItemState, commit_key, load_state, shard_key
+from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
+
+RUN = "r00000001-20261130T000000-abcdef"
+
+
+class RecordingLocation(Location):
+    """A local Location that remembers the order in which keys were written."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.written: list[str] = []
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        super().write_bytes(key, data)
+        self.written.append(key)
+
+
+def _item(item_id: str, root, prev_hash: str | None = None) -> WorkItem:
+    return WorkItem(item_id=item_id, uri=f"{root}/{item_id}", size=1, mtime=1.0, etag=None, prev_hash=prev_hash)
+
+
+@pytest.fixture
+def pixels():
+    return encoders.load(encoders.resolve("raw-pixels"), "cpu")
+
+
+@pytest.fixture
+def catalogue(tmp_path):
+    files = {"a.png": png_bytes(gradient(1)), "b.jpg": jpeg_bytes(gradient(2, (80, 40))),
+             "c.png": png_bytes(gradient(3)), "bad.jpg": b"\xff\xd8 not really a jpeg",
+             "same.png": png_bytes(gradient(4))}
+    write_files(str(tmp_path / "cat"), files)
+    return tmp_path / "cat", files
+
+
+def test_encode_shard_encodes_rejects_skips_and_writes_the_marker_last(tmp_path, pixels, catalogue):
+    root, files = catalogue
+    same_hash = hashlib.sha256(files["same.png"]).hexdigest()
+    items = (_item("a.png", root), _item("bad.jpg", root), _item("b.jpg", root), _item("gone.png", root),
+             _item("same.png", root, prev_hash=same_hash), _item("c.png", root))
+    plan = ShardPlan(RUN, 7, items)
+    store = RecordingLocation(str(tmp_path / "store"))
+
+    result = encode_shard(plan, pixels, Location(str(root)), store, batch_size=2, decode_workers=2)
+
+    assert (result.shard, result.encoded, result.unchanged, result.vanished) == (plan.name, 3, 1, 1)
+    assert [i for i, _ in result.rejected] == ["bad.jpg"] and "UnidentifiedImageError" in result.rejected[0][1]
+    table = pq.read_table(store.path(shard_key(pixels.spec.slug, plan.name)))
+    assert table.column("item_id").to_pylist() == ["a.png", "b.jpg", "c.png"]  # plan order, across batches of 2
+    expected = pixels.encode_images(np.stack([pixels.preprocess(decode_image(files[k]))
+                                              for k in ("a.png", "b.jpg", "c.png")]))
+    np.testing.assert_allclose(embedding_matrix(table, pixels.spec.dim), expected, rtol=1e-6, atol=1e-6)
+    assert table.column("content_hash").to_pylist() == [hashlib.sha256(files[k]).hexdigest()
+                                                        for k in ("a.png", "b.jpg", "c.png")]
+    meta = {k.decode(): v.decode() for k, v in table.schema.metadata.items()}
+    assert meta["imgest.model_id"] == pixels.spec.model_id and meta["imgest.rows"] == "3"
+    data = open(store.path(shard_key(pixels.spec.slug, plan.name)), "rb").read()
+    assert result.sha256 == hashlib.sha256(data).hexdigest() and result.bytes == len(data)
+    # the shard file is durable before the marker that makes it count
+    assert store.written == [shard_key(pixels.spec.slug, plan.name), commit_key(pixels.spec.slug, plan.name)]
+    marker = store.read_json(commit_key(pixels.spec.slug, plan.name))
+    assert [r["item_id"] for r in marker["encoded"]] == ["a.png", "b.jpg", "c.png"]
+    assert [r["item_id"] for r in marker["rejected"]] == ["bad.jpg"]
+    assert [r["item_id"] for r in marker["unchanged"]] == ["same.png"]
+    assert result.worker and result.started <= result.finished
+
+
+def test_writer_refuses_a_wrong_shape_and_commits_an_empty_shard_without_a_file(tmp_path, pixels, catalogue):
+    root, _ = catalogue
+    store = RecordingLocation(str(tmp_path / "store"))
+    plan = ShardPlan(RUN, 0, (_item("a.png", root),))
+    writer = ShardWriter(store, pixels.spec, plan)
+    with pytest.raises(ValueError, match=r"encoder returned \(1, 5\), expected \(1, 768\)"):
+        writer.add([(plan.items[0], "h")], np.zeros((1, 5), np.float32))
+    writer.reject(plan.items[0], "h", "DecodeError: truncated")
+    result = writer.flush()
+    assert result.encoded == 0 and result.sha256 is None
+    assert store.written == [commit_key(pixels.spec.slug, plan.name)]  # a marker, no Parquet file
+    marker = store.read_json(commit_key(pixels.spec.slug, plan.name))
+    assert marker["file"] is None and marker["rejected"][0]["reason"] == "DecodeError: truncated"
+
+
+def test_run_summary_counts_the_commit_and_times_runs_longer_than_a_day(tmp_path, pixels, catalogue):
+    root, _ = catalogue
+    store = Location(str(tmp_path / "store"))
+    items = (_item("a.png", root), _item("bad.jpg", root), _item("b.jpg", root))
+    plan = Plan(run_id=RUN, listed=4, skipped=1, new=3, deleted=["old.png"], shards=[ShardPlan(RUN, 0, items)])
+    state = CatalogueState(slug=pixels.spec.slug, items={})
+    state.items["old.png"] = ItemState("old.png", f"{root}/old.png", LIVE, None, 1, 1.0, "h0", "part-x-00000")
+    result = encode_shard(plan.shards[0], pixels, Location(str(root)), store, batch_size=4)
+    summary = new_summary(pixels.spec, RUN, str(root), str(tmp_path / "store"), {"batch_size": "4"})
+    summary.started = (datetime.now(UTC) - timedelta(days=1, hours=1)).isoformat(timespec="seconds")
+    summary.device = "cpu"
+
+    summary = commit_run(store, state, plan, [result], summary)
+
+    # listed 4, skipped 1 (not an image), 3 new read: 2 encoded, 1 rejected; old.png deleted
+    assert (summary.listed, summary.skipped, summary.new, summary.encoded, summary.rejected, summary.deleted) == \
+        (4, 1, 3, 2, 1, 1)
+    assert summary.shards == 1 and summary.snapshot_seq == 1 and summary.gpu_hours == 0.0
+    assert 25 * 3600 <= summary.seconds < 25 * 3600 + 120  # a day and an hour, not just the hour
+    assert summary.images_per_second == round(2 / summary.encode_seconds, 2)
+    saved = json.loads(open(store.path(f"runs/{RUN}.json")).read())
+    assert saved["encoded"] == 2 and saved["rejected_items"][0][0] == "bad.jpg"
+    timeline = pq.read_table(store.path(f"runs/{RUN}.shards.parquet"))
+    assert timeline.column("shard").to_pylist() == [plan.shards[0].name]
+    state = load_state(store, pixels.spec.slug)
+    assert {k: v.status for k, v in state.items.items()} == \
+        {"a.png": LIVE, "b.jpg": LIVE, "bad.jpg": REJECTED, "old.png": "deleted"}
