@@ -14,6 +14,7 @@ from imgest.defaults import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DECODE_WORKERS,
     DEFAULT_DEVICE,
+    DEFAULT_ENCODE_LIMIT,
     DEFAULT_INDEX_PARTS,
     DEFAULT_K,
     DEFAULT_KIND,
@@ -38,13 +39,13 @@ from imgest.tasks.run_names import run_name
 def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: str = DEFAULT_BATCH_SIZE,
             device: str = DEFAULT_DEVICE, shard_size: int = DEFAULT_SHARD_SIZE,
             decode_workers: int = DEFAULT_DECODE_WORKERS, max_pixels: int = DEFAULT_MAX_PIXELS,
+            runner: str = DEFAULT_RUNNER, workers: int = DEFAULT_WORKERS, encode_limit: str = DEFAULT_ENCODE_LIMIT,
             kind: str = DEFAULT_KIND, memory: str = DEFAULT_MEMORY, target_recall: float = DEFAULT_TARGET_RECALL,
-            k: int = DEFAULT_K, runner: str = DEFAULT_RUNNER, workers: int = DEFAULT_WORKERS,
-            index_parts: int = DEFAULT_INDEX_PARTS) -> dict:
+            k: int = DEFAULT_K, index_parts: int = DEFAULT_INDEX_PARTS) -> dict:
     cfg = NightlyConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
-                        shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels, kind=kind,
-                        memory=memory, target_recall=target_recall, k=k, runner=runner, workers=workers,
-                        index_parts=index_parts)
+                        shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels, runner=runner,
+                        workers=workers, encode_limit=encode_limit, kind=kind, memory=memory,
+                        target_recall=target_recall, k=k, index_parts=index_parts)
     store_loc = open_location(cfg.store)
     runs, bases, ingested = [], [], set()
     for name, expected_slug in nightly_models(store_loc, cfg.model):

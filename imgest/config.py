@@ -7,6 +7,7 @@ with one line naming the field and what is allowed.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -168,33 +169,22 @@ class IndexConfig:
 
 
 @dataclass(frozen=True)
-class NightlyConfig:
+class NightlyConfig(IngestConfig):
     """nightly: an ingest and an index build per model, both validated before either starts."""
 
-    catalogue: str
-    store: str
-    model: str = DEFAULT_MODEL
-    batch_size: str = DEFAULT_BATCH_SIZE
-    device: str = DEFAULT_DEVICE
-    shard_size: int = DEFAULT_SHARD_SIZE
-    decode_workers: int = DEFAULT_DECODE_WORKERS
-    max_pixels: int = DEFAULT_MAX_PIXELS
     kind: str = DEFAULT_KIND
     memory: str = DEFAULT_MEMORY
     target_recall: float = DEFAULT_TARGET_RECALL
     k: int = DEFAULT_K
-    runner: str = DEFAULT_RUNNER
-    workers: int = DEFAULT_WORKERS
     index_parts: int = DEFAULT_INDEX_PARTS
 
     def __post_init__(self) -> None:
-        self.ingest(self.model)
+        super().__post_init__()
         self.index(self.model)
 
     def ingest(self, model: str) -> IngestConfig:
-        return IngestConfig(catalogue=self.catalogue, store=self.store, model=model, batch_size=self.batch_size,
-                            device=self.device, shard_size=self.shard_size, decode_workers=self.decode_workers,
-                            max_pixels=self.max_pixels, runner=self.runner, workers=self.workers)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(IngestConfig)}
+        return IngestConfig(**{**fields, "model": model})
 
     def index(self, model: str) -> IndexConfig:
         # alias "auto": each rebuilt index moves the aliases already on its model (serving, shadow, previous)
