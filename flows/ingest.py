@@ -18,6 +18,8 @@ from imgest.defaults import (
     DEFAULT_DECODE_WORKERS,
     DEFAULT_DEVICE,
     DEFAULT_ENCODE_LIMIT,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_DELETE_FRACTION,
     DEFAULT_MAX_PIXELS,
     DEFAULT_MODEL,
     DEFAULT_RUNNER,
@@ -29,7 +31,7 @@ from imgest.storage import one_line, open_location
 from imgest.tasks.batch_size import choose_batch_size_task
 from imgest.tasks.commit import commit_run_task, new_summary
 from imgest.tasks.encode import ShardFailedError, encode_shard_task
-from imgest.tasks.listing import list_catalogue_task
+from imgest.tasks.listing import check_apart, list_catalogue_task
 from imgest.tasks.markdown import progress_line, render_summary
 from imgest.tasks.plan import attach_base_task, plan_ingest_task
 from imgest.tasks.run_names import run_name
@@ -45,21 +47,26 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
            device: str = DEFAULT_DEVICE, shard_size: int = DEFAULT_SHARD_SIZE,
            decode_workers: int = DEFAULT_DECODE_WORKERS, max_pixels: int = DEFAULT_MAX_PIXELS,
            runner: str = DEFAULT_RUNNER, workers: int = DEFAULT_WORKERS,
-           encode_limit: str = DEFAULT_ENCODE_LIMIT) -> dict:
+           encode_limit: str = DEFAULT_ENCODE_LIMIT, max_bytes: int = DEFAULT_MAX_BYTES,
+           max_delete_fraction: float = DEFAULT_MAX_DELETE_FRACTION, allow_mass_delete: bool = False) -> dict:
     cfg = IngestConfig(catalogue=catalogue, store=store, model=model, batch_size=str(batch_size), device=device,
                        shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels, runner=runner,
-                       workers=workers, encode_limit=encode_limit)
+                       workers=workers, encode_limit=encode_limit, max_bytes=max_bytes,
+                       max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete)
     spec = encoders.resolve(cfg.model)
     device = encoders.resolve_device(cfg.device)
     store_loc = open_location(cfg.store)
-    catalogue_url = open_location(cfg.catalogue, must_exist=True, what="catalogue").url
+    catalogue_loc = open_location(cfg.catalogue, must_exist=True, what="catalogue")
+    check_apart(catalogue_loc, store_loc)
+    catalogue_url = catalogue_loc.url
     with tags(f"model:{spec.slug}"), StoreLock(store_loc, owner=f"ingest@{socket.gethostname()}:{os.getpid()}"):
         state, orphans = prepare_state_task(store_loc.url, spec.describe())
         run_id = new_run_id(state.seq + 1)
         summary = new_summary(spec, run_id, catalogue_url, store_loc.url, cfg.to_dict())
         listing = list_catalogue_task(catalogue_url)
         # quote(): hand large values to tasks as they are; Prefect would otherwise walk every item in them
-        plan = plan_ingest_task(quote(listing), quote(state), run_id, cfg.shard_size)
+        # stops here, before any write, when the run would tombstone more than cfg.delete_limit of the live items
+        plan = plan_ingest_task(quote(listing), quote(state), run_id, cfg.shard_size, cfg.max_bytes, cfg.delete_limit)
         if spec.base is not None and plan.shards:  # a head: derive from current base embeddings, decode the rest
             plan = attach_base_task(store_loc.url, spec.base.slug, quote(plan))
         batch, source = (0, "nothing to encode")

@@ -21,6 +21,8 @@ from imgest.defaults import (
     DEFAULT_K,
     DEFAULT_KIND,
     DEFAULT_KS,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_DELETE_FRACTION,
     DEFAULT_MAX_PIXELS,
     DEFAULT_MEMORY,
     DEFAULT_MODEL,
@@ -120,6 +122,9 @@ class IngestConfig:
     runner: str = DEFAULT_RUNNER
     workers: int = DEFAULT_WORKERS
     encode_limit: str = DEFAULT_ENCODE_LIMIT
+    max_bytes: int = DEFAULT_MAX_BYTES  # a larger object is rejected from its listing size, never read
+    max_delete_fraction: float = DEFAULT_MAX_DELETE_FRACTION  # of the live items one run may tombstone
+    allow_mass_delete: bool = False  # the deletions are real: lift max_delete_fraction for this run
 
     def __post_init__(self) -> None:
         check_not_empty(catalogue=self.catalogue, store=self.store, model=self.model)
@@ -128,12 +133,21 @@ class IngestConfig:
             raise ConfigError("encode_limit must be 'auto' (one encode per GPU), 'none' or the name of a Prefect "
                               f"global concurrency limit (letters, digits, . _ : -); got {self.encode_limit!r}")
         parse_batch_size(self.batch_size)
-        check_at_least(1, shard_size=self.shard_size, decode_workers=self.decode_workers, max_pixels=self.max_pixels)
+        check_at_least(1, shard_size=self.shard_size, decode_workers=self.decode_workers, max_pixels=self.max_pixels,
+                       max_bytes=self.max_bytes)
         check_device(self.device)
+        if isinstance(self.max_delete_fraction, bool) or not isinstance(self.max_delete_fraction, int | float) \
+                or not 0 <= self.max_delete_fraction <= 1:
+            raise ConfigError(f"max_delete_fraction must be in [0, 1]; got {self.max_delete_fraction!r}")
 
     @property
     def fixed_batch_size(self) -> int | None:
         return parse_batch_size(self.batch_size)
+
+    @property
+    def delete_limit(self) -> float | None:
+        """The fraction of live items a run may tombstone; None when --allow-mass-delete lifts it."""
+        return None if self.allow_mass_delete else self.max_delete_fraction
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -39,12 +39,37 @@ class StorageError(RuntimeError):
     """An object store could not be reached or used; the message names the URL (redacted)."""
 
 
+# Faults of the moment, worth another try later: by exception class anywhere in the cause chain (builtins,
+# botocore, aiohttp), or by the throttling and server-error codes S3 answers with.
+_TRANSIENT_TYPES = {"TimeoutError", "ConnectionError", "MemoryError", "ReadTimeoutError", "ConnectTimeoutError",
+                    "EndpointConnectionError", "ClientConnectionError", "ServerTimeoutError",
+                    "ServerDisconnectedError", "IncompleteReadError", "ResponseStreamingError"}
+_TRANSIENT_CODES = ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded",
+                    "ServiceUnavailable", "InternalError", "503", "500")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failure may go away by itself (timeout, throttling, a dropped connection, memory)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if {t.__name__ for t in type(exc).__mro__} & _TRANSIENT_TYPES:
+            return True
+        response = getattr(exc, "response", None)  # botocore's ClientError
+        if isinstance(response, dict) and str(response.get("Error", {}).get("Code", "")) in _TRANSIENT_CODES:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str  # path relative to the root, '/'-separated
     size: int
     mtime: float | None
     etag: str | None
+    regular: bool = True  # a regular file (after following a symlink); FIFOs, devices and sockets are not
+    storage_class: str | None = None  # object stores: GLACIER and DEEP_ARCHIVE cannot be read until restored
 
 
 def _normalise(url: str) -> str:
@@ -134,7 +159,9 @@ class Location:
         return self.fs.exists(self.path(key))
 
     def walk(self, key: str = "") -> Iterator[ObjectInfo]:
-        """Every object below ``key`` (recursively), with size, mtime and etag when the store has one."""
+        """Every object below ``key`` (recursively), with size, mtime and etag when the store has one.
+        Symlinks are followed: a link to a file is that file (its size and mtime); a link to a device or
+        a FIFO, like the FIFO itself, comes back with ``regular=False`` (never to be read)."""
         base = self.path(key)
         self.fs.invalidate_cache(base)
         try:
@@ -147,11 +174,18 @@ class Location:
         for path, info in sorted(found.items()):
             if info.get("type") == "directory" or not path.startswith(prefix):
                 continue
+            if info.get("islink"):  # a directory listing stats the link itself: follow it to what it names
+                try:
+                    info = self.fs.info(path)
+                except OSError:  # a dangling link: nothing to read
+                    info = {**info, "type": "other"}
             yield ObjectInfo(
                 key=path[len(prefix):],
                 size=int(info.get("size") or 0),
                 mtime=_mtime(info),
                 etag=_etag(info),
+                regular=info.get("type", "file") == "file",
+                storage_class=info.get("StorageClass") or info.get("storage_class"),
             )
 
     def list_names(self, key: str) -> list[str]:

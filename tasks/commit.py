@@ -32,7 +32,11 @@ class RunSummary:
     changed: int = 0
     unchanged: int = 0
     deleted: int = 0
-    rejected: int = 0
+    rejected: int = 0  # failed ones included
+    failed: int = 0  # of the rejected: transient reasons (timeout, throttling, memory), retried next run
+    retried: int = 0  # failed last time, read again this run
+    revived: int = 0  # came back with the bytes their tombstone had: old row live again, nothing encoded
+    not_regular: int = 0  # FIFOs, devices, sockets, dangling links in the listing: skipped, never read
     encoded: int = 0
     derived: int = 0  # of the encoded: a head applied to stored base embeddings (nothing decoded)
     vanished: int = 0
@@ -92,7 +96,8 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
     stamp = now_iso()
     for item_id in plan.deleted:
         item = state.items[item_id]
-        item.status, item.shard, item.run_id, item.updated_at, item.reason = DELETED, None, plan.run_id, stamp, None
+        # the tombstone keeps its shard: the row is revived if the same bytes come back (TOMBSTONE_DAYS)
+        item.status, item.run_id, item.updated_at, item.reason = DELETED, plan.run_id, stamp, None
     touched = sum(r.unchanged for r in results)
     summary.listed, summary.skipped, summary.new = plan.listed, plan.skipped, plan.new
     summary.unchanged = plan.unchanged + touched
@@ -102,6 +107,9 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
     summary.derived = sum(r.derived for r in results)
     summary.rejected_items = [rej for r in results for rej in r.rejected]
     summary.rejected = len(summary.rejected_items)
+    summary.failed = sum(r.failed for r in results)
+    summary.revived = sum(r.revived for r in results)
+    summary.retried, summary.not_regular = plan.retried, plan.not_regular
     summary.vanished = sum(r.vanished for r in results)
     summary.shards = len(results)
     summary.resumed_shards = resumed

@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from imgest import encoders
 from imgest.defaults import DEFAULT_MAX_PIXELS
 from imgest.encoders import Encoder, EncoderSpec
-from imgest.storage import Location
+from imgest.storage import Location, StorageError, is_transient, one_line
 from imgest.tasks.decode import DecodeError, decode_image
 from imgest.tasks.plan import ShardPlan, WorkItem
 from imgest.tasks.policy import SHARD_RETRIES
@@ -37,28 +37,46 @@ class Prepared:
     item: WorkItem
     content_hash: str | None = None
     pixels: np.ndarray | None = None
-    reason: str | None = None  # rejected
+    reason: str | None = None  # rejected (or failed, when transient)
+    transient: bool = False  # a fault of the moment (timeout, throttling, memory): retried next run
     unchanged: bool = False
+    revived: bool = False
     vanished: bool = False
 
 
 def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixels: int) -> Prepared:
-    """Read, hash, decode and preprocess one object; every failure of the object itself is a verdict."""
+    """Read, hash, decode and preprocess one object. Whatever goes wrong with the object itself is a verdict
+    recorded against it; only a catalogue that cannot be reached at all fails the shard (and so the run)."""
+    if item.verdict is not None:
+        return Prepared(item, reason=item.verdict)
     try:
         data = catalogue.read_bytes(item.item_id)
     except FileNotFoundError:
         return Prepared(item, vanished=True)
-    # any other failure is the store's (StorageError names the object): the task fails, and retries
+    except (StorageError, MemoryError) as exc:
+        transient = is_transient(exc)
+        if transient and not catalogue_reachable(catalogue):
+            raise  # the store's failure, not the object's: the task fails, retries, and the run stops
+        return Prepared(item, reason=one_line(exc.__cause__ or exc), transient=transient)
     digest = hashlib.sha256(data).hexdigest()
     if item.prev_hash == digest:
-        return Prepared(item, digest, unchanged=True)
+        return Prepared(item, digest, revived=item.revive_shard is not None, unchanged=item.revive_shard is None)
     try:
         pixels = preprocess(decode_image(data, max_pixels))
     except DecodeError as exc:
         return Prepared(item, digest, reason=str(exc))
+    except MemoryError as exc:
+        return Prepared(item, digest, reason=f"{type(exc).__name__} while decoding: {exc}", transient=True)
     except Exception as exc:  # the model's preprocessing refused this image (e.g. 1x1 pixels)
         return Prepared(item, digest, reason=f"{type(exc).__name__} in preprocessing: {exc}")
     return Prepared(item, digest, pixels)
+
+
+def catalogue_reachable(catalogue: Location) -> bool:
+    try:
+        return catalogue.exists("")
+    except StorageError:
+        return False
 
 
 def read_ahead(items: tuple[WorkItem, ...], fn: Callable[[WorkItem], Prepared], workers: int,
@@ -89,7 +107,11 @@ def derive_from_base(items: tuple[WorkItem, ...], encoder: Encoder, store: Locat
     by_shard: dict[str, list[WorkItem]] = {}
     rest = []
     for item in items:
-        if item.base_shard and item.base_hash and item.prev_hash == item.base_hash:
+        if item.verdict is not None:
+            rest.append(item)  # rejected from its listing: prepare() records it
+        elif item.base_shard and item.base_hash and item.prev_hash == item.base_hash and item.revive_shard:
+            writer.revive(item, item.base_hash)  # back with the bytes of the head's tombstone: its row serves
+        elif item.base_shard and item.base_hash and item.prev_hash == item.base_hash:
             writer.unchanged(item, item.base_hash)  # same bytes as the head's own row: nothing to do
         elif item.base_shard:
             by_shard.setdefault(item.base_shard, []).append(item)
@@ -145,8 +167,10 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
             writer.vanished(prepared.item)
         elif prepared.unchanged:
             writer.unchanged(prepared.item, prepared.content_hash)
+        elif prepared.revived:
+            writer.revive(prepared.item, prepared.content_hash)
         elif prepared.reason is not None:
-            writer.reject(prepared.item, prepared.content_hash, prepared.reason)
+            writer.reject(prepared.item, prepared.content_hash, prepared.reason, prepared.transient)
         else:
             batch.append(prepared)
             if len(batch) >= batch_size:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from imgest.storage import Location, ObjectInfo, open_location
+from imgest.storage import Location, ObjectInfo, StorageError, open_location, redact
 from imgest.tasks.policy import IO_RETRIES, LIST_TIMEOUT_S
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff"})
@@ -18,8 +18,10 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", 
 class Listing:
     catalogue: str
     objects: list[ObjectInfo]
-    skipped: int = 0
+    skipped: int = 0  # not an image by its extension
     skipped_examples: list[str] = field(default_factory=list)
+    not_regular: int = 0  # FIFOs, devices, sockets, dangling links: never read (a read could block for ever)
+    not_regular_examples: list[str] = field(default_factory=list)
 
 
 def is_image_key(key: str) -> bool:
@@ -29,15 +31,27 @@ def is_image_key(key: str) -> bool:
 def list_catalogue(catalogue_url: str) -> Listing:
     """Every image object below the catalogue root; the item id is its key relative to the root."""
     loc: Location = open_location(catalogue_url, must_exist=True, what="catalogue")
-    objects, skipped, examples = [], 0, []
+    listing = Listing(catalogue=loc.url, objects=[])
     for obj in loc.walk():
-        if is_image_key(obj.key):
-            objects.append(obj)
+        if not obj.regular:
+            listing.not_regular += 1
+            if len(listing.not_regular_examples) < 10:
+                listing.not_regular_examples.append(obj.key)
+        elif is_image_key(obj.key):
+            listing.objects.append(obj)
         else:
-            skipped += 1
-            if len(examples) < 10:
-                examples.append(obj.key)
-    return Listing(catalogue=loc.url, objects=objects, skipped=skipped, skipped_examples=examples)
+            listing.skipped += 1
+            if len(listing.skipped_examples) < 10:
+                listing.skipped_examples.append(obj.key)
+    return listing
+
+
+def check_apart(catalogue: Location, store: Location) -> None:
+    """Refuse a store inside its own catalogue (or the reverse): its files would be listed as images."""
+    a, b = catalogue.uri().rstrip("/") + "/", store.uri().rstrip("/") + "/"
+    if b.startswith(a) or a.startswith(b):
+        raise StorageError(f"store {redact(store.url)} and catalogue {redact(catalogue.url)} overlap: the store's "
+                           "own files would be listed as catalogue images; put the store outside the catalogue")
 
 
 @task(name="list-catalogue", cache_policy=NO_CACHE, timeout_seconds=LIST_TIMEOUT_S, **IO_RETRIES)

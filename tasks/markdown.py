@@ -6,7 +6,8 @@ from imgest.tasks.commit import RunSummary
 from imgest.tasks.plan import Plan
 from imgest.tasks.shards import ShardResult
 
-COUNTS = ("listed", "new", "changed", "unchanged", "deleted", "rejected", "skipped", "encoded", "vanished")
+COUNTS = ("listed", "new", "changed", "unchanged", "deleted", "rejected", "skipped", "encoded", "vanished", "failed",
+          "revived")
 
 
 def render_summary(summary: RunSummary, max_rejects: int = 20) -> str:
@@ -24,6 +25,10 @@ def render_summary(summary: RunSummary, max_rejects: int = 20) -> str:
         f"rate; {summary.gpu_hours} GPU-hours used",
         *([f"- derived: {summary.derived} of the encoded came from stored base embeddings through the head "
            "(no image decoded)"] if summary.derived else []),
+        *([f"- failed: {summary.failed} object(s) for a transient reason (timeout, throttling, memory): read "
+           "again on the next run"] if summary.failed else []),
+        *([f"- not regular files (FIFOs, devices, dangling links): {summary.not_regular} skipped, never read"]
+          if summary.not_regular else []),
         f"- snapshot: {summary.snapshot_seq}" + (f", {summary.resumed_shards} shard(s) resumed from an "
                                                  "interrupted run" if summary.resumed_shards else ""),
         "",

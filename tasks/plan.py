@@ -7,9 +7,10 @@ from dataclasses import dataclass, field, replace
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from imgest.defaults import DEFAULT_MAX_BYTES, DEFAULT_SHARD_SIZE
 from imgest.storage import Location, ObjectInfo
 from imgest.tasks.listing import Listing
-from imgest.tasks.state import DELETED, LIVE, CatalogueState, ItemState
+from imgest.tasks.state import DELETED, FAILED, LIVE, CatalogueState, ItemState, revivable
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class WorkItem:
     prev_hash: str | None  # content hash on record; equal bytes mean "touched, not changed"
     base_shard: str | None = None  # a head model: the base model's current embedding of these bytes is there
     base_hash: str | None = None  # ... for content with this hash
+    verdict: str | None = None  # rejected from its listing alone (key, size, storage class): never read
+    revive_shard: str | None = None  # a recent tombstone's row: revived if the bytes still hash to prev_hash
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,11 @@ class Plan:
     run_id: str
     listed: int
     skipped: int
+    not_regular: int = 0
     new: int = 0
     changed_candidates: int = 0  # signature differs; bytes will tell whether content did
     unchanged: int = 0
+    retried: int = 0  # failed last time for a transient reason: read again whatever their signature
     deleted: list[str] = field(default_factory=list)
     shards: list[ShardPlan] = field(default_factory=list)
 
@@ -59,31 +64,83 @@ def same_signature(obj: ObjectInfo, prev: ItemState) -> bool:
         and abs(obj.mtime - prev.mtime) < 1e-6
 
 
-def plan_ingest(listing: Listing, state: CatalogueState, run_id: str, shard_size: int = 2000) -> Plan:
+class MassDeleteError(ValueError):
+    """A run would tombstone more of the live items than allowed; nothing was changed."""
+
+
+ARCHIVED = frozenset({"GLACIER", "DEEP_ARCHIVE"})  # unreadable until restored (GLACIER_IR reads at once)
+
+
+def item_key(key: str) -> str:
+    """The item id of a key: the key itself, or for a name that is not valid UTF-8 (a local file system
+    hands those over with surrogate escapes) a printable stand-in that can be stored and shown."""
+    try:
+        key.encode("utf-8")
+        return key
+    except UnicodeEncodeError:
+        return key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def listing_verdict(obj: ObjectInfo, max_bytes: int) -> str | None:
+    """Why an object is rejected from its listing alone, without reading it; None when it is to be read."""
+    if item_key(obj.key) != obj.key:
+        return f"KeyError: the key is not valid UTF-8 ({item_key(obj.key)!r}); rename the object"
+    if obj.storage_class and obj.storage_class.upper() in ARCHIVED:
+        return f"ArchivedObject: storage class {obj.storage_class} cannot be read until it is restored"
+    if obj.size > max_bytes:
+        return f"TooLarge: {obj.size} bytes, over max_bytes {max_bytes}"
+    return None
+
+
+def check_deletions(plan: Plan, state: CatalogueState, max_fraction: float) -> None:
+    """Stop before anything is written when a run would tombstone more than `max_fraction` of the live
+    items, or see an empty listing over a non-empty state: a wrong prefix or a half-synced bucket."""
+    live = state.count(LIVE)
+    gone = sum(1 for k in plan.deleted if state.items[k].status == LIVE)
+    if live and (gone > max_fraction * live or plan.listed == 0):
+        raise MassDeleteError(
+            f"this run would tombstone {gone} of {live} live items ({gone / live:.0%}, over the allowed "
+            f"{max_fraction:.0%}){' from an empty listing' if plan.listed == 0 else ''}: a wrong prefix or a "
+            "half-synced bucket? Nothing was changed. If the deletions are real, run again with --allow-mass-delete")
+
+
+def plan_ingest(listing: Listing, state: CatalogueState, run_id: str, shard_size: int = DEFAULT_SHARD_SIZE,
+                max_bytes: int = DEFAULT_MAX_BYTES, max_delete_fraction: float | None = None) -> Plan:
     """Decide what to read. Unchanged objects (same signature) are never read.
 
-    Rejected items are retried only when they change; deleted ones come back as new.
+    Rejected items are retried only when they change, failed ones (a transient reason) on every run;
+    deleted ones come back as new, revived from their tombstone's row when the bytes are the same.
+    `max_delete_fraction` (None: no limit) stops a run that would delete too much (MassDeleteError).
     """
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
-    plan = Plan(run_id=run_id, listed=len(listing.objects), skipped=listing.skipped)
+    plan = Plan(run_id=run_id, listed=len(listing.objects), skipped=listing.skipped,
+                not_regular=listing.not_regular)
     catalogue = Location(listing.catalogue)
     work: list[WorkItem] = []
     seen = set()
     for obj in listing.objects:
-        seen.add(obj.key)
-        prev = state.items.get(obj.key)
-        if prev is not None and prev.status != DELETED and same_signature(obj, prev):
+        key = item_key(obj.key)
+        seen.add(key)
+        prev = state.items.get(key)
+        if prev is not None and prev.status not in (DELETED, FAILED) and same_signature(obj, prev):
             plan.unchanged += 1
             continue
+        prev_hash = revive = None
         if prev is None or prev.status == DELETED:
             plan.new += 1
-            prev_hash = None
+            if prev is not None and revivable(prev):
+                prev_hash, revive = prev.content_hash, prev.shard
+        elif prev.status == FAILED:
+            plan.retried += 1
         else:
             plan.changed_candidates += 1
             prev_hash = prev.content_hash
-        work.append(WorkItem(obj.key, catalogue.uri(obj.key), obj.size, obj.mtime, obj.etag, prev_hash))
+        work.append(WorkItem(key, catalogue.uri(key), obj.size, obj.mtime, obj.etag, prev_hash,
+                             verdict=listing_verdict(obj, max_bytes), revive_shard=revive))
     plan.deleted = sorted(k for k, item in state.items.items() if k not in seen and item.status != DELETED)
+    if max_delete_fraction is not None:
+        check_deletions(plan, state, max_delete_fraction)
     plan.shards = [
         ShardPlan(run_id, i, tuple(work[start:start + shard_size]))
         for i, start in enumerate(range(0, len(work), shard_size))
@@ -109,8 +166,9 @@ def attach_base(plan: Plan, base: CatalogueState) -> Plan:
 
 
 @task(name="plan-shards", cache_policy=NO_CACHE)
-def plan_ingest_task(listing: Listing, state: CatalogueState, run_id: str, shard_size: int) -> Plan:
-    return plan_ingest(listing, state, run_id, shard_size)
+def plan_ingest_task(listing: Listing, state: CatalogueState, run_id: str, shard_size: int, max_bytes: int,
+                     max_delete_fraction: float | None) -> Plan:
+    return plan_ingest(listing, state, run_id, shard_size, max_bytes, max_delete_fraction)
 
 
 @task(name="attach-base-embeddings", cache_policy=NO_CACHE)

@@ -58,8 +58,10 @@ class ShardResult:
     shard: str
     encoded: int = 0
     derived: int = 0  # of the encoded: a head applied to stored base embeddings, nothing decoded
-    rejected: list[tuple[str, str]] = field(default_factory=list)  # (item_id, reason)
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (item_id, reason), failed ones included
+    failed: int = 0  # of the rejected: transient reasons, retried on the next run
     unchanged: int = 0  # signature moved, bytes identical
+    revived: int = 0  # came back with their tombstone's bytes: the old row serves again, nothing encoded
     vanished: int = 0  # deleted between listing and reading; the next run tombstones it
     bytes: int = 0
     sha256: str | None = None
@@ -86,6 +88,7 @@ class ShardWriter:
         self._vectors: list[np.ndarray] = []
         self._rejected: list[dict] = []
         self._unchanged: list[dict] = []
+        self._revived: list[dict] = []
 
     def add(self, items: list[tuple[WorkItem, str]], embeddings: np.ndarray) -> None:
         if embeddings.shape != (len(items), self.spec.dim):
@@ -93,9 +96,14 @@ class ShardWriter:
         self._rows.extend(_object_fields(item, h) for item, h in items)
         self._vectors.append(np.asarray(embeddings, np.float32))
 
-    def reject(self, item: WorkItem, content_hash: str | None, reason: str) -> None:
-        self._rejected.append({**_object_fields(item, content_hash), "reason": reason})
+    def reject(self, item: WorkItem, content_hash: str | None, reason: str, transient: bool = False) -> None:
+        self._rejected.append({**_object_fields(item, content_hash), "reason": reason, "transient": transient})
         self.result.rejected.append((item.item_id, reason))
+        self.result.failed += transient
+
+    def revive(self, item: WorkItem, content_hash: str) -> None:
+        self._revived.append({**_object_fields(item, content_hash), "shard": item.revive_shard})
+        self.result.revived += 1
 
     def unchanged(self, item: WorkItem, content_hash: str) -> None:
         self._unchanged.append(_object_fields(item, content_hash))
@@ -147,6 +155,7 @@ class ShardWriter:
             "encoded": self._rows,
             "rejected": self._rejected,
             "unchanged": self._unchanged,
+            "revived": self._revived,
         }
         self.store.write_json(commit_key(self.spec.slug, self.plan.name), marker)
         return self.result

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import secrets
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 from prefect import task
@@ -23,7 +23,11 @@ from prefect.cache_policies import NO_CACHE
 from imgest.storage import Location
 from imgest.tasks.policy import IO_RETRIES
 
-LIVE, REJECTED, DELETED = "live", "rejected", "deleted"
+# live: a current embedding; rejected: this content cannot be used (retried when the object changes);
+# failed: a transient fault (timeout, throttling, memory): retried on the next run; deleted: a tombstone,
+# which keeps its last shard for TOMBSTONE_DAYS so that an item coming back with the same bytes is revived.
+LIVE, REJECTED, FAILED, DELETED = "live", "rejected", "failed", "deleted"
+TOMBSTONE_DAYS = 30
 
 STATE_SCHEMA = pa.schema([
     ("item_id", pa.string()),
@@ -113,9 +117,16 @@ class CatalogueState:
             self.items[row["item_id"]] = ItemState(status=LIVE, shard=marker["shard"], run_id=marker["run_id"],
                                                    updated_at=marker["created"], **row)
         for row in marker.get("rejected", []):
-            reason = row.pop("reason")
-            self.items[row["item_id"]] = ItemState(status=REJECTED, shard=None, run_id=marker["run_id"],
-                                                   reason=reason, updated_at=marker["created"], **row)
+            row = dict(row)
+            reason, transient = row.pop("reason"), row.pop("transient", False)
+            self.items[row["item_id"]] = ItemState(status=FAILED if transient else REJECTED, shard=None,
+                                                   run_id=marker["run_id"], reason=reason,
+                                                   updated_at=marker["created"], **row)
+        for row in marker.get("revived", []):  # back with the bytes its tombstone had: its old row serves again
+            row = dict(row)
+            shard = row.pop("shard")
+            self.items[row["item_id"]] = ItemState(status=LIVE, shard=shard, run_id=marker["run_id"],
+                                                   updated_at=marker["created"], **row)
         for row in marker.get("unchanged", []):  # signature moved, content hash did not
             item = self.items.get(row["item_id"])
             if item is not None:
@@ -167,12 +178,24 @@ def write_snapshot(store: Location, state: CatalogueState, run_id: str, summary:
     return seq
 
 
+def revivable(item: ItemState, now: datetime | None = None) -> bool:
+    """A tombstone that still holds its last row (deleted less than TOMBSTONE_DAYS ago)."""
+    if item.status != DELETED or not item.shard or not item.content_hash or not item.updated_at:
+        return False
+    age = (now or datetime.now(UTC)) - datetime.fromisoformat(item.updated_at)
+    return age < timedelta(days=TOMBSTONE_DAYS)
+
+
 def remove_orphan_shards(store: Location, state: CatalogueState) -> list[str]:
     """Delete shard files that no committed state refers to (left by a killed run, or superseded).
 
-    Called with the store lock held, after load_state: every shard a live item needs is referenced.
+    Called with the store lock held, after load_state: every shard a live item needs is referenced, and
+    so is every shard a recent tombstone could be revived from. Older tombstones forget their shard here.
     """
-    needed = {item.shard for item in state.items.values() if item.status == LIVE and item.shard}
+    for item in state.items.values():
+        if item.status == DELETED and item.shard and not revivable(item):
+            item.shard = None
+    needed = {item.shard for item in state.items.values() if item.status in (LIVE, DELETED) and item.shard}
     needed.update(state.pending)
     removed = []
     for name in store.list_names(embeddings_prefix(state.slug)):

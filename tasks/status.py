@@ -5,7 +5,7 @@ from __future__ import annotations
 from imgest.lock import LOCK_KEY
 from imgest.storage import Location, open_location
 from imgest.tasks.models import list_models
-from imgest.tasks.state import DELETED, LIVE, REJECTED, latest_snapshot_seq, load_state
+from imgest.tasks.state import DELETED, FAILED, LIVE, REJECTED, latest_snapshot_seq, load_state
 
 
 def last_run(store: Location, slug: str) -> dict | None:
@@ -31,6 +31,8 @@ def model_status(store: Location, card: dict) -> dict:
         "shards": len(live_shards),
         "rejected": [{"item_id": i.item_id, "reason": i.reason} for i in sorted(items, key=lambda i: i.item_id)
                      if i.status == REJECTED],
+        "failed": [{"item_id": i.item_id, "reason": i.reason} for i in sorted(items, key=lambda i: i.item_id)
+                   if i.status == FAILED],  # transient: read again on the next run
         "tombstones": sum(1 for i in items if i.status == DELETED),
         "snapshot": latest_snapshot_seq(store, slug),
         "pending_shards": len(state.pending),  # committed by a run that did not finish; folded next run

@@ -168,3 +168,78 @@ def task_runs_named(prefix: str, expected: int, timeout: float = 60.0, flow_run_
                     or time.monotonic() > deadline:
                 return runs
             time.sleep(0.5)
+
+
+class TcpProxy:
+    """A TCP proxy on loopback in front of a real server (the S3 endpoint), which a test can cut (every open
+    connection closed, new ones refused) and restore on the same port: a dropped network, for real."""
+
+    def __init__(self, upstream: tuple[str, int]):
+        import socket
+        import threading
+
+        self.upstream, self._socket, self._threading = upstream, socket, threading
+        self._lock = threading.Lock()
+        self._conns: list = []
+        self._server = None
+        self.port = 0
+        self.restore()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def restore(self) -> None:
+        server = self._socket.socket()
+        server.setsockopt(self._socket.SOL_SOCKET, self._socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", self.port))
+        server.listen(64)
+        self.port, self._server = server.getsockname()[1], server
+        self._threading.Thread(target=self._accept, args=(server,), daemon=True).start()
+
+    def cut(self) -> None:
+        with self._lock:
+            server, self._server = self._server, None
+            conns, self._conns = self._conns, []
+        if server is not None:
+            server.close()
+        for conn in conns:
+            try:
+                conn.shutdown(self._socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+    def _accept(self, server) -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+            except OSError:
+                return  # cut
+            try:
+                upstream = self._socket.create_connection(self.upstream, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._server is not server:
+                    client.close()
+                    upstream.close()
+                    return
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                self._threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.close()
+                except OSError:
+                    pass

@@ -194,16 +194,40 @@ def test_kill_mid_run_then_rerun_is_exactly_once_and_second_writer_refused(tmp_p
     assert rows == n
 
 
-def test_a_store_failure_fails_the_run_naming_the_shard_and_the_object(tmp_path):
-    from imgest.tasks.encode import ShardFailedError
+def test_a_catalogue_that_drops_mid_run_fails_the_run_naming_the_shard_and_the_object(tmp_path, s3_endpoint,
+                                                                                       monkeypatch):
+    """A store-wide fault (the catalogue's endpoint gone after listing) is the run's: one line naming the
+    shard and the object, nothing committed. One object failing alone is not (tests/test_faults.py)."""
+    import s3fs
 
-    cat = tmp_path / "catalogue"
-    write_files(str(cat), {f"ok/{i}.png": png_bytes(gradient(i)) for i in range(3)})
-    os.symlink("/proc/self/mem", cat / "ok" / "bad.jpg")  # listed as an object; every read fails (EINVAL)
-    with pytest.raises(ShardFailedError) as failed:
-        _run(cat, tmp_path / "store", shard_size=10)
+    import imgest.tasks.listing as listing_module
+    from imgest.tasks.encode import ShardFailedError
+    from tests.helpers import TcpProxy
+
+    host, port = s3_endpoint.removeprefix("http://").split(":")
+    proxy = TcpProxy((host, int(port)))
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}).mkdir("dropping-catalogue")
+    write_files_s3 = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint})
+    for i in range(3):
+        write_files_s3.pipe(f"dropping-catalogue/ok/{i}.png", png_bytes(gradient(i)))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries would only make the test slower
+    listed = listing_module.list_catalogue
+
+    def list_then_drop(url):
+        listing = listed(url)
+        proxy.cut()  # the network goes after the listing: every read now fails to connect
+        return listing
+
+    monkeypatch.setattr(listing_module, "list_catalogue", list_then_drop)
+    try:
+        with pytest.raises(ShardFailedError) as failed:
+            _run("s3://dropping-catalogue", tmp_path / "store", shard_size=10, model="raw-pixels")
+    finally:
+        proxy.cut()
     message = str(failed.value)
-    assert "\n" not in message and message.startswith("shard part-r00000001-") and "(4 objects) failed after retries" \
+    assert "\n" not in message and message.startswith("shard part-r00000001-") and "(3 objects) failed after retries" \
         in message, message
-    assert "reading ok/bad.jpg failed: OSError" in message, message
+    assert "reading ok/0.png failed: EndpointConnectionError" in message, message
+    assert SECRET not in message
     assert not list((tmp_path / "store").glob("state/model=*/snapshots/*")), "nothing committed"

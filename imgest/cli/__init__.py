@@ -32,12 +32,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from imgest.tasks.index_store import IndexIntegrityError, IndexNotFoundError
     from imgest.tasks.migration import MigrationError
     from imgest.tasks.models import ModelNotFoundError
+    from imgest.tasks.plan import MassDeleteError
     from imgest.tasks.querysets import QuerySetError
     from imgest.tasks.search import SearchError
 
     return (ConfigError, EncoderError, StoreLockedError, StorageError, ModelNotFoundError, FileNotFoundError,
             IndexChoiceError, IndexIntegrityError, IndexNotFoundError, SearchError, MigrationError, QuerySetError,
-            HeadError)
+            HeadError, MassDeleteError)
 
 
 # Registers the commands on `app` (each module imports it from here).

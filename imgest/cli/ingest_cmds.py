@@ -15,6 +15,8 @@ from imgest.defaults import (
     DEFAULT_DEVICE,
     DEFAULT_ENCODE_LIMIT,
     DEFAULT_KIND,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_DELETE_FRACTION,
     DEFAULT_MAX_PIXELS,
     DEFAULT_MEMORY,
     DEFAULT_MODEL,
@@ -24,6 +26,11 @@ from imgest.defaults import (
     DEFAULT_WORKERS,
 )
 
+MAX_BYTES = typer.Option(DEFAULT_MAX_BYTES, help="Larger objects are rejected from their listing size, never read")
+MAX_DELETE = typer.Option(DEFAULT_MAX_DELETE_FRACTION, help="A run that would tombstone more than this share of "
+                                                            "the live items stops before writing anything (exit 2)")
+ALLOW_MASS_DELETE = typer.Option(False, "--allow-mass-delete", help="The deletions are real: lift "
+                                                                      "--max-delete-fraction for this run")
 RUNNER = typer.Option(DEFAULT_RUNNER, help="Where shards encode: local (this process), dask (a local Dask cluster "
                                            "of worker processes) or a Dask scheduler address tcp://host:8786")
 WORKERS = typer.Option(DEFAULT_WORKERS, help="Worker processes of a local Dask cluster (--runner dask); 0: one per "
@@ -46,6 +53,9 @@ def ingest(
     encode_limit: str = typer.Option(DEFAULT_ENCODE_LIMIT, help="Prefect global concurrency limit each encode "
                                                                 "holds a slot of: auto (one encode per GPU at a "
                                                                 "time; none on CPU), none, or a name"),
+    max_bytes: int = MAX_BYTES,
+    max_delete_fraction: float = MAX_DELETE,
+    allow_mass_delete: bool = ALLOW_MASS_DELETE,
     as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON"),
 ) -> None:
     """Encode what is new or changed in the catalogue; tombstone what was deleted."""
@@ -57,7 +67,8 @@ def ingest(
         # Fail on bad input before Prefect starts its server: a one-line reason, exit 2.
         cfg = IngestConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
                            shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels,
-                           runner=runner, workers=workers, encode_limit=encode_limit)
+                           runner=runner, workers=workers, encode_limit=encode_limit, max_bytes=max_bytes,
+                           max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete)
         encoders.resolve(cfg.model)
         encoders.resolve_device(cfg.device)
         open_location(cfg.catalogue, must_exist=True, what="catalogue")
@@ -166,6 +177,9 @@ def nightly(
     target_recall: float = typer.Option(DEFAULT_TARGET_RECALL, help="recall@10 target for the served parameters"),
     runner: str = RUNNER,
     workers: int = WORKERS,
+    max_bytes: int = MAX_BYTES,
+    max_delete_fraction: float = MAX_DELETE,
+    allow_mass_delete: bool = ALLOW_MASS_DELETE,
 ) -> None:
     """Ingest, then build and verify a fresh index and move `serving` to it."""
     try:
@@ -174,7 +188,9 @@ def nightly(
         from imgest.storage import open_location
 
         cfg = NightlyConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
-                            kind=kind, memory=memory, target_recall=target_recall, runner=runner, workers=workers)
+                            kind=kind, memory=memory, target_recall=target_recall, runner=runner, workers=workers,
+                            max_bytes=max_bytes, max_delete_fraction=max_delete_fraction,
+                            allow_mass_delete=allow_mass_delete)
         encoders.resolve(cfg.model)
         open_location(cfg.catalogue, must_exist=True, what="catalogue")
 
@@ -208,7 +224,8 @@ def demo(
         typer.echo(f"demo catalogue written to {catalogue}: {counts}")
     nightly(catalogue=catalogue, store=store_dir, model=DEFAULT_MODEL, batch_size=DEFAULT_BATCH_SIZE,
             device=DEFAULT_DEVICE, kind=DEFAULT_KIND, memory=DEFAULT_MEMORY, target_recall=DEFAULT_TARGET_RECALL,
-            runner=DEFAULT_RUNNER, workers=DEFAULT_WORKERS)
+            runner=DEFAULT_RUNNER, workers=DEFAULT_WORKERS, max_bytes=DEFAULT_MAX_BYTES,
+            max_delete_fraction=DEFAULT_MAX_DELETE_FRACTION, allow_mass_delete=False)
     status(store=store_dir, as_json=False)
     query = os.path.join(catalogue, "photos", "chelsea.jpg")
     typer.echo(f"\n$ imgest search --store {store_dir} --image {query} --k 5")

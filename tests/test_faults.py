@@ -1,0 +1,206 @@
+"""One odd object never breaks a run; a run that would tombstone most of the catalogue stops before writing;
+items that come back are revived, not re-encoded. Real files, real Prefect runs, the raw-pixel encoder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from imgest.flows.ingest import ingest
+from imgest.storage import Location, StorageError, is_transient
+from imgest.tasks.encode import prepare
+from imgest.tasks.plan import MassDeleteError, WorkItem, item_key, plan_ingest
+from imgest.tasks.state import FAILED, LIVE, REJECTED, CatalogueState, ItemState, load_state
+from tests.helpers import gradient, png_bytes, write_files
+
+MODEL = "raw-pixels"
+
+
+def _ingest(cat, store, **kw):
+    kw.setdefault("batch_size", "4")
+    return ingest(catalogue=str(cat), store=str(store), model=MODEL, **kw)
+
+
+def _live(store) -> dict[str, tuple[str, bytes]]:
+    """item_id -> (content hash, embedding bytes) of every live row, read back from the shards."""
+    from imgest.encoders import resolve
+
+    slug = resolve(MODEL).slug
+    state = load_state(Location(str(store)), slug)
+    out = {}
+    for item in state.live():
+        table = pq.read_table(os.path.join(store, "embeddings", f"model={slug}", f"{item.shard}.parquet"))
+        row = table.column("item_id").to_pylist().index(item.item_id)
+        assert table.column("content_hash")[row].as_py() == item.content_hash
+        vector = np.asarray(table.column("embedding")[row].as_py(), np.float32)
+        out[item.item_id] = (item.content_hash, vector.tobytes())
+    return out
+
+
+def _images(n: int, offset: int = 0) -> dict[str, bytes]:
+    return {f"p/{i:03d}.png": png_bytes(gradient(offset + i)) for i in range(n)}
+
+
+# -- per-object faults ------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_key_that_is_not_utf8_is_rejected_and_the_six_good_images_go_live(tmp_path):
+    cat = tmp_path / "cat"
+    write_files(str(cat), _images(6))
+    with open(os.path.join(os.fsencode(cat / "p"), b"caf\xe9.png"), "wb") as fh:  # Latin-1 bytes in the name
+        fh.write(png_bytes(gradient(99)))
+    summary = _ingest(cat, tmp_path / "store")
+    assert (summary["listed"], summary["encoded"], summary["rejected"]) == (7, 6, 1)
+    (item_id, reason), = summary["rejected_items"]
+    assert item_id == "p/caf\\xe9.png" and "not valid UTF-8" in reason
+    again = _ingest(cat, tmp_path / "store")  # permanent: not read again until the object changes
+    assert (again["encoded"], again["rejected"], again["unchanged"]) == (0, 0, 7)
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_an_unreadable_object_is_recorded_against_it_and_the_run_goes_on(tmp_path):
+    cat = tmp_path / "cat"
+    write_files(str(cat), _images(3))
+    os.symlink("/proc/self/mem", cat / "p" / "bad.png")  # a regular file whose every read fails (EINVAL)
+    summary = _ingest(cat, tmp_path / "store")
+    assert (summary["encoded"], summary["rejected"], summary["failed"]) == (3, 1, 0)
+    assert summary["rejected_items"][0][0] == "p/bad.png" and "OSError" in summary["rejected_items"][0][1]
+    state = load_state(Location(str(tmp_path / "store")), _slug())
+    assert state.items["p/bad.png"].status == REJECTED and state.count(LIVE) == 3
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_objects_over_max_bytes_are_rejected_from_their_listing(tmp_path):
+    cat = tmp_path / "cat"
+    files = _images(3)
+    write_files(str(cat), files)
+    limit = max(len(b) for b in files.values()) - 1
+    summary = _ingest(cat, tmp_path / "store", max_bytes=limit)
+    too_big = sorted(k for k, b in files.items() if len(b) > limit)
+    assert sorted(i for i, _ in summary["rejected_items"]) == too_big
+    assert all(r.startswith("TooLarge: ") for _, r in summary["rejected_items"])
+
+
+def test_fifos_and_device_links_are_skipped_not_read(tmp_path):
+    """A FIFO blocks a reader for ever and /dev/zero never ends: listed, counted, never opened. The ingest
+    runs in its own process with a deadline, so a regression fails here instead of hanging the suite."""
+    cat, store = tmp_path / "cat", tmp_path / "store"
+    write_files(str(cat), _images(2))
+    os.mkfifo(cat / "p" / "pipe.png")
+    os.symlink("/dev/zero", cat / "p" / "zero.png")
+    os.symlink(cat / "p" / "000.png", cat / "p" / "link.png")  # a link to a regular file is followed
+    imgest = os.path.join(os.path.dirname(sys.executable), "imgest")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)
+    out = subprocess.run([imgest, "ingest", "--catalogue", str(cat), "--store", str(store), "--model", MODEL,
+                          "--json"], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout)
+    assert (summary["listed"], summary["not_regular"], summary["encoded"]) == (3, 2, 3)
+
+
+def test_store_inside_its_catalogue_is_refused(tmp_path):
+    from typer.testing import CliRunner
+
+    from imgest.cli import app
+
+    write_files(str(tmp_path / "cat"), _images(1))
+    result = CliRunner().invoke(app, ["ingest", "--catalogue", str(tmp_path / "cat"), "--store",
+                                      str(tmp_path / "cat" / "store"), "--model", MODEL])
+    assert result.exit_code == 2 and "overlap" in result.output, result.output
+
+
+def test_a_transient_failure_is_retried_next_run_a_permanent_one_only_on_change(tmp_path):
+    """MemoryError while decoding is the moment's (failed, read again next run); a decode error is the
+    object's (rejected until its bytes change)."""
+    cat = Location(str(tmp_path))
+    write_files(str(tmp_path), {"a.png": png_bytes(gradient(1)), "b.png": b"\x89PNG broken"})
+    item = lambda key: WorkItem(key, cat.uri(key), 1, 1.0, None, None)  # noqa: E731
+
+    def no_memory(image):
+        raise MemoryError("cannot allocate 4 GiB")
+
+    failed = prepare(cat, item("a.png"), no_memory, 10**8)
+    broken = prepare(cat, item("b.png"), lambda image: image, 10**8)
+    assert failed.transient and failed.reason.startswith("MemoryError")
+    assert not broken.transient and "UnidentifiedImageError" in broken.reason
+
+    from imgest.tasks.listing import list_catalogue
+
+    listing = list_catalogue(str(tmp_path))
+    state = CatalogueState("s", {})
+    for obj in listing.objects:
+        status = FAILED if obj.key == "a.png" else REJECTED
+        state.items[obj.key] = ItemState(obj.key, cat.uri(obj.key), status, None, obj.size, obj.mtime, None)
+    plan = plan_ingest(listing, state, "r00000002-x-y", 10)
+    assert [i.item_id for s in plan.shards for i in s.items] == ["a.png"] and plan.retried == 1
+
+
+def test_transient_faults_are_told_from_permanent_ones():
+    import botocore.exceptions as bx
+
+    slow = bx.ClientError({"Error": {"Code": "SlowDown", "Message": "reduce your request rate"}}, "GetObject")
+    denied = bx.ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "GetObject")
+    for exc, transient in ((slow, True), (bx.ReadTimeoutError(endpoint_url="http://x"), True),
+                           (bx.EndpointConnectionError(endpoint_url="http://x"), True), (TimeoutError(), True),
+                           (MemoryError(), True), (denied, False), (PermissionError(13, "denied"), False),
+                           (OSError(22, "Invalid argument"), False)):
+        wrapped = StorageError("s3://b: reading k failed")
+        wrapped.__cause__ = exc
+        assert is_transient(wrapped) is transient, exc
+
+
+def test_item_keys_are_the_keys_or_a_printable_stand_in():
+    assert item_key("shoes/red sneaker #1+.jpg") == "shoes/red sneaker #1+.jpg"
+    assert item_key(os.fsdecode(b"caf\xe9.jpg")) == "caf\\xe9.jpg"
+
+
+# -- mass deletion and revival ---------------------------------------------------------------------------
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_mass_deletion_stops_before_writing_and_returning_items_are_revived(tmp_path):
+    cat, store, away = tmp_path / "cat", tmp_path / "store", tmp_path / "away"
+    write_files(str(cat), _images(10))
+    _ingest(cat, store)
+    before, runs = _live(store), sorted(os.listdir(store / "runs"))
+    snapshots = sorted(os.listdir(store / "state" / f"model={_slug()}" / "snapshots"))
+    away.mkdir()
+    for i in range(2, 10):  # 8 of 10 vanish: a half-synced bucket
+        shutil.move(cat / "p" / f"{i:03d}.png", away / f"{i:03d}.png")
+
+    with pytest.raises(MassDeleteError, match=r"would tombstone 8 of 10 live items \(80%, over the allowed 20%\)"):
+        _ingest(cat, store)
+    assert _live(store) == before and sorted(os.listdir(store / "runs")) == runs  # nothing changed
+    assert sorted(os.listdir(store / "state" / f"model={_slug()}" / "snapshots")) == snapshots
+
+    deleted = _ingest(cat, store, allow_mass_delete=True)  # the operator confirms
+    assert deleted["deleted"] == 8 and set(_live(store)) == {"p/000.png", "p/001.png"}
+
+    for name in os.listdir(away):  # they come back, same bytes
+        shutil.move(away / name, cat / "p" / name)
+    back = _ingest(cat, store)
+    assert (back["new"], back["revived"], back["encoded"]) == (8, 8, 0)  # no image decoded or encoded
+    assert _live(store) == before  # same ids, hashes and embeddings as before the deletion
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_an_empty_listing_over_live_items_stops(tmp_path):
+    cat, store = tmp_path / "cat", tmp_path / "store"
+    write_files(str(cat), _images(3))
+    _ingest(cat, store)
+    for name in os.listdir(cat / "p"):
+        os.remove(cat / "p" / name)
+    with pytest.raises(MassDeleteError, match="from an empty listing"):
+        _ingest(cat, store)
+    assert len(_live(store)) == 3
+
+
+def _slug() -> str:
+    from imgest.encoders import resolve
+
+    return resolve(MODEL).slug
