@@ -87,6 +87,7 @@ def test_objects_over_max_bytes_are_rejected_from_their_listing(tmp_path):
     assert all(r.startswith("TooLarge: ") for _, r in summary["rejected_items"])
 
 
+@pytest.mark.slow
 def test_fifos_and_device_links_are_skipped_not_read(tmp_path):
     """A FIFO blocks a reader for ever and /dev/zero never ends: listed, counted, never opened. The ingest
     runs in its own process with a deadline, so a regression fails here instead of hanging the suite."""

@@ -63,6 +63,7 @@ def ingest(
         from imgest import encoders
         from imgest.config import IngestConfig
         from imgest.storage import open_location
+        from imgest.tasks.listing import check_apart
 
         # Fail on bad input before Prefect starts its server: a one-line reason, exit 2.
         cfg = IngestConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
@@ -71,8 +72,7 @@ def ingest(
                            max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete)
         encoders.resolve(cfg.model)
         encoders.resolve_device(cfg.device)
-        open_location(cfg.catalogue, must_exist=True, what="catalogue")
-        open_location(cfg.store)
+        check_apart(open_location(cfg.catalogue, must_exist=True, what="catalogue"), open_location(cfg.store))
 
         from imgest.flows.ingest import ingest as ingest_flow
         from imgest.tasks.commit import RunSummary
@@ -186,13 +186,14 @@ def nightly(
         from imgest import encoders
         from imgest.config import NightlyConfig
         from imgest.storage import open_location
+        from imgest.tasks.listing import check_apart
 
         cfg = NightlyConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
                             kind=kind, memory=memory, target_recall=target_recall, runner=runner, workers=workers,
                             max_bytes=max_bytes, max_delete_fraction=max_delete_fraction,
                             allow_mass_delete=allow_mass_delete)
         encoders.resolve(cfg.model)
-        open_location(cfg.catalogue, must_exist=True, what="catalogue")
+        check_apart(open_location(cfg.catalogue, must_exist=True, what="catalogue"), open_location(cfg.store))
 
         from imgest.flows.nightly import nightly as nightly_flow
         from imgest.tasks.commit import RunSummary
