@@ -24,9 +24,14 @@ from imgest.defaults import (
     DEFAULT_WORKERS,
 )
 from imgest.lock import StoreLock
-from imgest.storage import open_location, result_storage
-from imgest.tasks.index_store import version_exists
-from imgest.tasks.index_tasks import build_version, verify_and_alias_task
+from imgest.storage import open_location
+from imgest.tasks.index_tasks import (
+    build_key,
+    build_version,
+    record_build,
+    reusable_version,
+    verify_and_alias_task,
+)
 from imgest.tasks.live import live_fingerprint
 from imgest.tasks.markdown import render_card
 from imgest.tasks.models import find_model
@@ -46,21 +51,19 @@ def build_index(store: str, model: str = DEFAULT_MODEL, kind: str = DEFAULT_KIND
     card_model = find_model(store_loc, cfg.model)
     with tags(f"model:{card_model['slug']}"), \
             StoreLock(store_loc, owner=f"build-index@{socket.gethostname()}:{os.getpid()}"):
-        inputs = {"store_url": store_loc.url, "model": card_model,
-                  "live_state": live_fingerprint(store_loc, card_model["slug"]),
+        inputs = {"model_id": card_model["model_id"], "live_state": live_fingerprint(store_loc, card_model["slug"]),
                   "kind": cfg.kind, "memory": cfg.memory, "target_recall": cfg.target_recall, "k": cfg.k,
-                  "queries": cfg.queries, "code": f"imgest {imgest.__version__}, faiss {faiss.__version__}",
-                  "parts": cfg.parts, "runner": cfg.runner, "workers": cfg.workers}
-        cached = build_version.with_options(result_storage=result_storage(store_loc), refresh_cache=cfg.rebuild or None)
-        state = cached(**inputs, return_state=True)
-        result = state.result()
-        reused = state.is_completed() and state.name == "Cached"
-        if reused and result["built"] and not version_exists(store_loc, result["card"]):
-            # the cached version was removed since (retired model, deleted by hand): build it again
-            result = cached.with_options(refresh_cache=True)(**inputs)
-            reused = False
+                  "queries": cfg.queries, "code": f"imgest {imgest.__version__}, faiss {faiss.__version__}"}
+        key = build_key(inputs)
+        reused_card = None if cfg.rebuild else reusable_version(store_loc, card_model["slug"], key)
+        reused = reused_card is not None
+        result = {"built": True, "card": reused_card} if reused else build_version(
+            store_loc.url, card_model, cfg.kind, cfg.memory, cfg.target_recall, cfg.k, cfg.queries, cfg.parts,
+            cfg.runner, cfg.workers)
         if not result["built"]:
-            return {**result, "reused": reused}
+            return {**result, "reused": False}
+        if not reused:
+            record_build(store_loc, card_model["slug"], key, inputs, result["card"])
         card = result["card"]
         moved = verify_and_alias_task(store_loc.url, card, cfg.alias)
     markdown = ("Nothing changed since this version was built: reused, not rebuilt.\n\n" if reused else "") + \

@@ -22,7 +22,6 @@ from imgest.defaults import (
     DEFAULT_MAX_DELETE_FRACTION,
     DEFAULT_MAX_PIXELS,
     DEFAULT_MEMORY,
-    DEFAULT_MODEL,
     DEFAULT_RUNNER,
     DEFAULT_SHARD_SIZE,
     DEFAULT_TARGET_RECALL,
@@ -38,7 +37,7 @@ from imgest.tasks.run_names import run_name
 
 
 @flow(name="nightly", flow_run_name=run_name("nightly", None), validate_parameters=True)
-def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: str = DEFAULT_BATCH_SIZE,
+def nightly(catalogue: str, store: str, model: str | None = None, batch_size: str = DEFAULT_BATCH_SIZE,
             device: str = DEFAULT_DEVICE, shard_size: int = DEFAULT_SHARD_SIZE,
             decode_workers: int = DEFAULT_DECODE_WORKERS, max_pixels: int = DEFAULT_MAX_PIXELS,
             runner: str = DEFAULT_RUNNER, workers: int = DEFAULT_WORKERS, encode_limit: str = DEFAULT_ENCODE_LIMIT,
@@ -53,7 +52,8 @@ def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: 
                         memory=memory, target_recall=target_recall, k=k, index_parts=index_parts)
     store_loc = open_location(cfg.store)
     runs, bases, ingested = [], [], set()
-    for name, expected_slug in nightly_models(store_loc, cfg.model):
+    models, left_out = nightly_models(store_loc, cfg.model)
+    for name, expected_slug in models:
         base = encoders.resolve(name).base
         if base is not None and base.slug not in ingested:
             # A head: its base model first, so new images are decoded and encoded once, into the base's
@@ -71,6 +71,6 @@ def nightly(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: 
     with StoreLock(store_loc, owner=f"nightly-retire@{socket.gethostname()}:{os.getpid()}"):
         retired = collect_retired(store_loc)
     base_rows = [{"ingest": b, "index": {"built": False, "reason": "base of a head"}} for b in bases]
-    create_markdown_artifact(render_nightly(base_rows + runs, retired), key="nightly-summary",
+    create_markdown_artifact(render_nightly(base_rows + runs, retired, left_out), key="nightly-summary",
                              description=f"nightly {store_loc.url}")
-    return {**runs[0], "models": runs, "bases": bases, "retired": retired}
+    return {**(runs[0] if runs else {}), "models": runs, "bases": bases, "retired": retired, "left_out": left_out}

@@ -186,6 +186,7 @@ class IndexConfig:
 class NightlyConfig(IngestConfig):
     """nightly: an ingest and an index build per model, both validated before either starts."""
 
+    model: str | None = None  # None: the models the store's aliases point at (DEFAULT_MODEL for a new store)
     kind: str = DEFAULT_KIND
     memory: str = DEFAULT_MEMORY
     target_recall: float = DEFAULT_TARGET_RECALL
@@ -193,8 +194,8 @@ class NightlyConfig(IngestConfig):
     index_parts: int = DEFAULT_INDEX_PARTS
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        self.index(self.model)
+        self.ingest(self.model or DEFAULT_MODEL)
+        self.index(self.model or DEFAULT_MODEL)
 
     def ingest(self, model: str) -> IngestConfig:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(IngestConfig)}

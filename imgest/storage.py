@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
 import os
@@ -332,23 +331,3 @@ def local_copy(loc: Location, key: str, cache_dir: str, name: str) -> str:
         loc.fs.get_file(loc.path(key), tmp)
         os.replace(tmp, target)
     return target
-
-
-def result_storage(loc: Location):
-    """Prefect result storage inside the store (`cache/prefect/`): task cache records live beside the data
-    they describe, so a store that is wiped or copied takes its cache with it. A local store is a path;
-    an object store is a RemoteFileSystem block saved as `imgest-cache-<hash of the URL>` (Prefect runs
-    tasks with saved storage only); its credentials stay in the environment, never in the block."""
-    from pathlib import Path
-
-    from prefect.filesystems import RemoteFileSystem
-
-    if loc.is_local:
-        return Path(loc.path("cache/prefect"))
-    settings = {}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if loc.url.startswith(("s3://", "s3a://")) and endpoint:
-        settings["client_kwargs"] = {"endpoint_url": endpoint}
-    name = "imgest-cache-" + hashlib.sha256(loc.url.encode()).hexdigest()[:16]
-    RemoteFileSystem(basepath=loc.uri("cache/prefect"), settings=settings).save(name, overwrite=True)
-    return f"remote-file-system/{name}"

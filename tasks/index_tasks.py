@@ -1,14 +1,17 @@
 """The index-build tasks: load live vectors, train and fill (in one process or in parallel parts), tune,
-write a version, verify it and move its aliases; and the cached task that does one whole version."""
+write a version, verify it and move its aliases; the task that does one whole version, and the JSON build
+records that let a nightly with nothing new reuse the last version."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 
 import faiss
 import numpy as np
 from prefect import get_run_logger, task, unmapped
-from prefect.cache_policies import INPUTS, NO_CACHE
+from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
 from imgest.storage import Location
@@ -25,7 +28,7 @@ from imgest.tasks.index_build import (
 )
 from imgest.tasks.index_card import ids_table, make_card
 from imgest.tasks.index_choice import IndexChoice, choose_index
-from imgest.tasks.index_store import open_index, write_version
+from imgest.tasks.index_store import index_prefix, open_index, read_card, version_exists, write_version
 from imgest.tasks.live import LiveVectors, load_live_vectors
 from imgest.tasks.policy import IO_RETRIES
 from imgest.tasks.recall_tuning import Tuned, tune_search
@@ -99,13 +102,10 @@ def build_in_parts(vectors: np.ndarray, choice: IndexChoice, parts: int, runner:
     return index, times, len(ranges)
 
 
-@task(name="build-version", cache_policy=INPUTS - "store_url" - "parts" - "runner" - "workers",
-      result_serializer="json", persist_result=True)
-def build_version(store_url: str, model: dict, live_state: str, kind: str, memory: str, target_recall: float,
-                  k: int, queries: int, code: str, parts: int, runner: str, workers: int) -> dict:
-    """Load, build, tune and write one version. Cached by what determines the index (the live state,
-    the model, the choice and tuning parameters, the code): a nightly with nothing new reuses the last
-    version instead of rebuilding it. The cache records live in the store (`cache/prefect/`)."""
+@task(name="build-version", cache_policy=NO_CACHE)
+def build_version(store_url: str, model: dict, kind: str, memory: str, target_recall: float, k: int, queries: int,
+                  parts: int, runner: str, workers: int) -> dict:
+    """Load, build, tune and write one version (reuse is decided before, from the store's build records)."""
     live = load_live_task(store_url, model)
     if len(live) < 2:
         return {"built": False, "reason": f"{len(live)} live vectors: nothing to index", "slug": model["slug"]}
@@ -120,3 +120,31 @@ def build_version(store_url: str, model: dict, live_state: str, kind: str, memor
                      "method": "one process" if used == 1 else "trained once, parts added in parallel, "
                                                                "merged in id order (faiss merge_from)"}
     return {"built": True, "card": write_version_task(store_url, index, quote(live), card)}
+
+
+def build_key(inputs: dict) -> str:
+    """What determines an index: the model's live state, the choice and tuning parameters, the code."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def build_record_key(slug: str, key: str) -> str:
+    return f"{index_prefix(slug)}/builds/{key}.json"
+
+
+def reusable_version(store: Location, slug: str, key: str) -> dict | None:
+    """The card of the version built for `key`, when it is still complete with the checksum recorded.
+
+    The record is plain JSON that imgest reads itself (never a serialised object: nothing read from a store
+    is unpickled); an unreadable or foreign record is a cache miss, so the index is built again."""
+    try:
+        record = json.loads(store.read_bytes(build_record_key(slug, key)))
+        version, sha256 = int(record["version"]), str(record["sha256"])
+    except (FileNotFoundError, ValueError, TypeError, KeyError):
+        return None
+    card = {"slug": slug, "version": version, "sha256": sha256}
+    return read_card(store, slug, version) if version_exists(store, card) else None
+
+
+def record_build(store: Location, slug: str, key: str, inputs: dict, card: dict) -> None:
+    store.write_json(build_record_key(slug, key), {"version": card["version"], "sha256": card["sha256"],
+                                                   "inputs": inputs, "created": card["created"]})

@@ -193,7 +193,7 @@ def render_cost(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_nightly(runs: list[dict], retired: list) -> str:
+def render_nightly(runs: list[dict], retired: list, left_out: list[str] = ()) -> str:
     lines = ["# imgest nightly", "", "| model | listed | encoded | rejected | deleted | images/s | index | recall@k "
              "| aliases |", "|---|---:|---:|---:|---:|---:|---|---:|---|"]
     for run in runs:
@@ -209,6 +209,7 @@ def render_nightly(runs: list[dict], retired: list) -> str:
                      f"{s['images_per_second']} | {built} | {recall} | {', '.join(index.get('aliases', [])) or '-'} |")
     if retired:
         lines += ["", f"Retired: {', '.join(map(str, retired))}"]
+    lines += [f"\nLeft out: {line}" for line in left_out]
     return "\n".join(lines)
 
 

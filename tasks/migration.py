@@ -65,6 +65,7 @@ def open_window(store: Location, serving_slug: str, target: dict, catalogue: str
     }
     if not store.create_exclusive(WINDOW_KEY, json.dumps(window, indent=2).encode()):
         return open_window(store, serving_slug, target, catalogue)  # another start won the race
+    store.delete(f"migration/retire/{target['slug']}.json")  # migrating back to a retired model revives it
     return window
 
 
@@ -241,21 +242,51 @@ def collect_retired(store: Location) -> list[str]:
         due = datetime.fromisoformat(entry["retire_after"]) <= datetime.now(UTC)
         if not due or entry["slug"] in pointed:
             continue
+        if entry.get("deleted_at"):
+            continue
         for prefix in (embeddings_prefix(entry["slug"]), index_prefix(entry["slug"]), state_prefix(entry["slug"]),
                        f"tuning/model={entry['slug']}"):
             store.delete_tree(prefix)
-        store.delete(f"migration/retire/{name}")
+        # the record stays: a retired model is never ingested again unless a new window migrates to it
+        store.write_json(f"migration/retire/{name}", {**entry, "deleted_at": now_iso()})
         deleted.append(entry["slug"])
     return deleted
 
 
-def nightly_models(store: Location, model: str) -> list[tuple[str, str | None]]:
-    """(model name, expected slug) to ingest and index tonight: the window's two models while one is
-    open (deletions and changes must reach both), else just ``model``."""
+def retired_slugs(store: Location) -> set[str]:
+    """Models a finished window retired (their data deleted or due to be): never ingested again by a nightly."""
+    return {name.removesuffix(".json") for name in store.list_names("migration/retire") if name.endswith(".json")}
+
+
+def nightly_models(store: Location, model: str | None = None) -> tuple[list[tuple[str, str | None]], list[str]]:
+    """What tonight ingests and indexes: (model name, expected slug) pairs, and the names left out.
+
+    While a window is open, its two models (changes and deletions must reach both); otherwise every model
+    an alias points at, `serving` first, so a finished migration needs no edit of any deployment. A model
+    named explicitly is added to those; a retired one never is. A store with neither: DEFAULT_MODEL.
+    """
+    from imgest import encoders
+    from imgest.defaults import DEFAULT_MODEL
+
     window = read_window(store)
-    if window is None:
-        return [(model, None)]
-    return [(window["from"]["name"], window["from"]["slug"]), (window["to"]["name"], window["to"]["slug"])]
+    if window is not None:
+        pairs = [(window["from"]["name"], window["from"]["slug"]), (window["to"]["name"], window["to"]["slug"])]
+    else:
+        pairs = []
+        for _, alias in sorted(list_aliases(store).items(), key=lambda kv: (kv[0] != "serving", kv[0])):
+            key = f"{state_prefix(alias['slug'])}/model.json"
+            if store.exists(key) and alias["slug"] not in {slug for _, slug in pairs}:
+                pairs.append((store.read_json(key)["name"], alias["slug"]))
+    left_out = []
+    if model:
+        slug = encoders.resolve(model).slug
+        if slug in retired_slugs(store):
+            left_out.append(f"{model} (model={slug}) was retired by a finished migration window: not ingested")
+        elif slug not in {s for _, s in pairs}:
+            pairs.append((model, None))
+    if not pairs and not left_out:
+        pairs = [(DEFAULT_MODEL, None)]
+    return pairs, left_out
 
 
 def check_window_model(expected_slug: str | None, summary: dict) -> None:

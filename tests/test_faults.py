@@ -205,3 +205,33 @@ def _slug() -> str:
     from imgest.encoders import resolve
 
     return resolve(MODEL).slug
+
+
+# -- the nightly follows the serving model -----------------------------------------------------------------
+@pytest.mark.usefixtures("prefect_harness")
+def test_after_a_finished_migration_the_nightly_follows_serving_and_never_reencodes_the_retired_model(
+        tmp_path, tiny_models):
+    from imgest.encoders import resolve
+    from imgest.flows.migrate import migrate
+    from imgest.flows.nightly import nightly
+
+    cat, store = tmp_path / "cat", tmp_path / "store"
+    write_files(str(cat), _images(12))
+    first = nightly(catalogue=str(cat), store=str(store), batch_size="4")  # a new store: the default model
+    assert [r["ingest"]["model_id"].split("@")[0] for r in first["models"]] == ["efficientnet-lite0"]
+    new = f"hf:{tiny_models['dinov2']}"
+    migrate(store=str(store), action="start", to=new, batch_size="4")
+    migrate(store=str(store), action="promote")
+    migrate(store=str(store), action="finish", retain_days=0)
+    old_slug, new_slug = first["models"][0]["ingest"]["slug"], resolve(new).slug
+    assert not (store / "embeddings" / f"model={old_slug}").exists()
+
+    write_files(str(cat), _images(2, offset=500) | {})  # two new images, keys p/000-001 changed
+    night = nightly(catalogue=str(cat), store=str(store), batch_size="4")  # the deployment: no model given
+    assert [r["ingest"]["slug"] for r in night["models"]] == [new_slug]
+    assert night["models"][0]["ingest"]["encoded"] == 2 and night["models"][0]["index"]["card"]["n"] == 12
+
+    old_param = nightly(catalogue=str(cat), store=str(store), model="efficientnet-lite0", batch_size="4")
+    assert [r["ingest"]["slug"] for r in old_param["models"]] == [new_slug]
+    assert "retired by a finished migration window" in old_param["left_out"][0]
+    assert not (store / "embeddings" / f"model={old_slug}").exists(), "the retired model is not re-encoded"

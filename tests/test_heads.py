@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -142,6 +143,26 @@ def test_head_model_id_follows_the_weights(labelled):
     assert spec.dim == 16 and spec.slug != base.slug
     queries = [line for line in open(first["queries"].removeprefix("file://")) if line.strip()]
     assert len(queries) == first["config"]["counts"]["val_items"] > 0
+
+
+def test_head_weights_are_checked_against_their_hash_at_resolve_and_at_load(labelled, tmp_path):
+    import shutil
+
+    from imgest import encoders
+    from imgest.encoders.base import EncoderError
+    from imgest.encoders.head import load_module
+
+    first, other = _train(labelled), _train(labelled, seed=1)
+    folder = tmp_path / "head"
+    shutil.copytree(first["folder"].removeprefix("file://"), folder)
+    spec = encoders.resolve(f"head:{folder}")
+    load_module(str(folder), spec.extra["config"], sha256=spec.revision)  # the weights it was resolved with
+    shutil.copy(os.path.join(other["folder"].removeprefix("file://"), "head.safetensors"), folder / "head.safetensors")
+    with pytest.raises(EncoderError, match="changed since it was resolved"):
+        load_module(str(folder), spec.extra["config"], sha256=spec.revision)
+    encoders.resolve.cache_clear()
+    with pytest.raises(EncoderError, match="refusing a head whose weights were replaced"):
+        encoders.resolve(f"head:{folder}")
 
 
 def test_derived_shards_equal_base_then_head_on_the_same_images(labelled, tmp_path):

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import shutil
 import threading
 
@@ -184,7 +185,7 @@ def test_ivf_index_opens_memory_mapped_and_serves(lite0_store, tmp_path):
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_unchanged_catalogue_reuses_the_index_through_prefect_cache(tmp_path, where, request):
+def test_unchanged_catalogue_reuses_the_index_through_its_build_record(tmp_path, where, request):
     cat = tmp_path / "catalogue"
     write_files(str(cat), {f"p/{i:02d}.png": png_bytes(gradient(i, (16, 16))) for i in range(30)})
     if where == "s3":
@@ -201,7 +202,8 @@ def test_unchanged_catalogue_reuses_the_index_through_prefect_cache(tmp_path, wh
     assert not first["reused"] and again["reused"], "nothing changed: the version is reused, not rebuilt"
     assert again["card"]["version"] == first["card"]["version"] == 1
     loc = Location(store)
-    assert loc.list_names("cache/prefect"), "cache records are kept in the store"
+    builds = f"indexes/model={first['card']['slug']}/builds"
+    assert loc.list_names(builds), "build records are kept in the store, beside the versions"
     alias = read_alias(loc, "serving")
     assert alias["version"] == 1 and alias["history"] == [], "a reused build does not rewrite the alias"
 
@@ -247,3 +249,27 @@ def test_live_vectors_spill_to_an_unlinked_scratch_map_and_build_the_same_index(
     old, new = (Searcher(str(store), model=slug, version=v).search([Query("q", image=query)], k=10)[0]
                 for v in (1, 2))
     assert [(h.item_id, round(h.score, 5)) for h in old] == [(h.item_id, round(h.score, 5)) for h in new]
+
+
+def test_a_planted_build_record_is_never_unpickled(tmp_path):
+    """Anyone who can write to the store can write a build record: a pickle there (or where Prefect kept its
+    cache records) is a cache miss, never code that runs on the build host."""
+    import pickle
+
+    pwned = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {pwned}",))
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    write_files(str(cat), {f"p/{i:02d}.png": png_bytes(gradient(i, (16, 16))) for i in range(12)})
+    first = nightly(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="8")["index"]
+    loc = Location(str(store))
+    builds = f"indexes/model={first['card']['slug']}/builds"
+    for name in loc.list_names(builds):
+        loc.write_bytes(f"{builds}/{name}", pickle.dumps(Payload()))
+    loc.write_bytes("cache/prefect/planted", pickle.dumps(Payload()))
+    again = build_index(store=str(store), model="raw-pixels")
+    assert not again["reused"] and again["card"]["version"] == 2, "an unreadable record is a miss: built again"
+    assert not pwned.exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict
+from typing import Optional
 
 import typer
 
@@ -169,7 +170,9 @@ def reencode(
 def nightly(
     catalogue: str = typer.Option(..., help="Folder or URL of the catalogue"),
     store: str = typer.Option(..., help="Folder or URL of the store"),
-    model: str = typer.Option(DEFAULT_MODEL, help="efficientnet-lite0 or hf:<hub id or local folder>"),
+    model: Optional[str] = typer.Option(None, help="Default: the models the store's aliases point at (serving; "
+                                                    "both models in a migration window), efficientnet-lite0 for a "
+                                                    "new store. A model named here is ingested too, unless retired"),
     batch_size: str = typer.Option(DEFAULT_BATCH_SIZE, help="'auto' or N"),
     device: str = typer.Option(DEFAULT_DEVICE, help="auto, cpu, cuda or cuda:N"),
     kind: str = typer.Option(DEFAULT_KIND, help="Index kind or faiss factory string"),
@@ -192,7 +195,8 @@ def nightly(
                             kind=kind, memory=memory, target_recall=target_recall, runner=runner, workers=workers,
                             max_bytes=max_bytes, max_delete_fraction=max_delete_fraction,
                             allow_mass_delete=allow_mass_delete)
-        encoders.resolve(cfg.model)
+        if cfg.model:
+            encoders.resolve(cfg.model)
         check_apart(open_location(cfg.catalogue, must_exist=True, what="catalogue"), open_location(cfg.store))
 
         from imgest.flows.nightly import nightly as nightly_flow
@@ -223,7 +227,7 @@ def demo(
     if not os.path.exists(catalogue):
         counts = build_demo_catalogue(catalogue, fashion_per_class=per_class)
         typer.echo(f"demo catalogue written to {catalogue}: {counts}")
-    nightly(catalogue=catalogue, store=store_dir, model=DEFAULT_MODEL, batch_size=DEFAULT_BATCH_SIZE,
+    nightly(catalogue=catalogue, store=store_dir, model=None, batch_size=DEFAULT_BATCH_SIZE,
             device=DEFAULT_DEVICE, kind=DEFAULT_KIND, memory=DEFAULT_MEMORY, target_recall=DEFAULT_TARGET_RECALL,
             runner=DEFAULT_RUNNER, workers=DEFAULT_WORKERS, max_bytes=DEFAULT_MAX_BYTES,
             max_delete_fraction=DEFAULT_MAX_DELETE_FRACTION, allow_mass_delete=False)

@@ -48,20 +48,31 @@ def resolve(name: str, base_resolve=None) -> EncoderSpec:
         raise EncoderError("head: needs a folder or URL, e.g. head:store/heads/<id>")
     config = json.loads(_read(url, CONFIG))
     weights = _read(url, WEIGHTS)
+    digest = hashlib.sha256(weights).hexdigest()
+    if config.get("weights_sha256") not in (None, digest):
+        raise EncoderError(f"head {url}: {WEIGHTS} has sha256 {digest[:16]}..., {CONFIG} says "
+                           f"{str(config['weights_sha256'])[:16]}...: refusing a head whose weights were replaced")
     base = (base_resolve or encoders.resolve)(config["base_model"])
     if base.model_id != config["base_model_id"]:
         raise EncoderError(f"head {url} was trained on {config['base_model_id']}, but {config['base_model']} now "
                            f"resolves to {base.model_id}: its weights or preprocessing changed; train the head again")
-    return EncoderSpec(name=f"{PREFIX}{url}", family="head", source=url, revision=hashlib.sha256(weights).hexdigest(),
+    return EncoderSpec(name=f"{PREFIX}{url}", family="head", source=url, revision=digest,
                        dim=int(config["dim_out"]), preprocessing=base.preprocessing, modalities=("image",),
                        extra={"config": config}, base=base)
 
 
-def load_module(url: str, config: dict[str, Any], device: str = "cpu"):
+def load_module(url: str, config: dict[str, Any], device: str = "cpu", sha256: str | None = None):
+    """The head's MLP from safetensors (never a pickle); with `sha256`, only weights with that checksum
+    (the ones the model id was made from) are loaded."""
     from safetensors.torch import load as load_tensors
 
+    weights = _read(url, WEIGHTS)
+    digest = hashlib.sha256(weights).hexdigest()
+    if sha256 is not None and digest != sha256:
+        raise EncoderError(f"head {url}: {WEIGHTS} changed since it was resolved (sha256 {digest[:16]}..., "
+                           f"model id pins {sha256[:16]}...): refusing to load other weights under its model id")
     module = mlp(config["dim_in"], config["hidden"], config["dim_out"])
-    module.load_state_dict(load_tensors(_read(url, WEIGHTS)))
+    module.load_state_dict(load_tensors(weights))
     return module.to(device).eval()
 
 
@@ -84,7 +95,7 @@ class HeadEncoder:
         self.spec, self.device = spec, device
         self.base = encoders.load(spec.base, device)
         self.input_shape = self.base.input_shape
-        self.module = load_module(spec.source, spec.extra["config"], device)
+        self.module = load_module(spec.source, spec.extra["config"], device, sha256=spec.revision)
 
     def preprocess(self, image) -> np.ndarray:
         return self.base.preprocess(image)
