@@ -35,6 +35,7 @@ from imgest.defaults import (
     DEFAULT_VIEWS,
     DEFAULT_WORKERS,
 )
+from imgest.storage import check_no_credentials
 from imgest.tasks.aliases import ALIAS_NAME
 from imgest.tasks.heads import HeadConfig
 from imgest.tasks.index_choice import KINDS, IndexChoiceError, parse_memory
@@ -83,6 +84,13 @@ def check_not_empty(**values: str | None) -> None:
             raise ConfigError(f"{name} must not be empty")
 
 
+def check_urls(**urls: str | None) -> None:
+    """No credentials inside a URL: refused before they reach run parameters, logs or artifacts."""
+    for name, url in urls.items():
+        if url:
+            check_no_credentials(url, what=name)
+
+
 def check_at_least(low: int | float, **values) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -128,6 +136,7 @@ class IngestConfig:
 
     def __post_init__(self) -> None:
         check_not_empty(catalogue=self.catalogue, store=self.store, model=self.model)
+        check_urls(catalogue=self.catalogue, store=self.store)
         check_runner(self.runner, self.workers)
         if not re.fullmatch(r"[A-Za-z0-9._:-]+", str(self.encode_limit)):
             raise ConfigError("encode_limit must be 'auto' (one encode per GPU), 'none' or the name of a Prefect "
@@ -172,6 +181,7 @@ class IndexConfig:
 
     def __post_init__(self) -> None:
         check_not_empty(store=self.store, model=self.model)
+        check_urls(store=self.store)
         check_runner(self.runner, self.workers)
         check_at_least(1, parts=self.parts, k=self.k, queries=self.queries)
         check_index(self.kind, self.memory, self.target_recall)
@@ -228,6 +238,7 @@ class MigrateConfig:
 
     def __post_init__(self) -> None:
         check_not_empty(store=self.store)
+        check_urls(store=self.store, catalogue=self.catalogue)
         if self.action not in ACTIONS:
             raise ConfigError(f"action must be one of {', '.join(ACTIONS)}; got {self.action!r}")
         if self.action == "start":
@@ -258,6 +269,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         check_not_empty(store=self.store, queries=self.queries)
+        check_urls(store=self.store, queries=self.queries, out=self.out)
         check_alias("alias", self.alias)
         check_alias("compare", self.compare)
         if not self.ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.ks):
@@ -279,6 +291,7 @@ class TrainHeadConfig:
 
     def __post_init__(self) -> None:
         check_not_empty(store=self.store, base_model=self.base_model)
+        check_urls(store=self.store, labels=self.labels)
         check_at_least(1, views=self.views)
         check_at_least(0, max_items=self.max_items)
         self.training.check()

@@ -17,16 +17,35 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
+# The query string of an http(s) URL: presigned S3 signatures, Azure SAS tokens, GCS signed URLs.
+_HTTP_QUERY = re.compile(r"(?P<url>https?://[^\s?#'\"]*)\?[^\s#'\"]*", re.IGNORECASE)
+# Signing parameters wherever they appear (another scheme, a bare query string in a message).
+_SIGNING = re.compile(r"(?P<name>X-Amz-(?:Signature|Credential|Security-Token)|X-Goog-(?:Signature|Credential)|"
+                      r"sig|signature|se|st|sv|skoid|sktid|token|access_token)=[^&\s'\"]*", re.IGNORECASE)
+_CREDENTIAL_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AZURE_STORAGE_KEY",
+                    "AZURE_STORAGE_SAS_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS")
 
 
 def redact(text: str) -> str:
-    """Remove credentials embedded in URLs (``s3://KEY:SECRET@bucket``) and known secret values."""
+    """Remove what could be a secret from a message: credentials embedded in URLs (``s3://KEY:SECRET@b``),
+    the query strings of http(s) URLs (presigned signatures, SAS tokens), signing parameters anywhere, and
+    the values of the usual credential variables."""
     text = _USERINFO.sub(r"\g<scheme>***@", str(text))
-    for var in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID"):
+    text = _HTTP_QUERY.sub(r"\g<url>?***", text)
+    text = _SIGNING.sub(r"\g<name>=***", text)
+    for var in _CREDENTIAL_VARS:
         secret = os.environ.get(var)
         if secret and len(secret) >= 4:
             text = text.replace(secret, "***")
     return text
+
+
+def check_no_credentials(url: str, what: str = "URL") -> None:
+    """Credentials never travel in a URL (they would land in run parameters, logs and artifacts)."""
+    if _USERINFO.match(str(url).strip()):
+        raise StorageError(f"{what} {redact(url)} carries credentials in the URL; they are refused (they would be "
+                           "stored with the run's parameters): use the standard variables AWS_ACCESS_KEY_ID and "
+                           "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) instead")
 
 
 def one_line(exc: BaseException) -> str:
@@ -75,6 +94,7 @@ def _normalise(url: str) -> str:
     url = str(url).strip()
     if not url:
         raise StorageError("empty storage URL; give a local folder, file://, s3://bucket/prefix or any fsspec URL")
+    check_no_credentials(url)
     if "://" not in url and not url.startswith("/"):
         url = os.path.abspath(url)
     return url.rstrip("/") or "/"
@@ -318,6 +338,8 @@ def read_url(url: str) -> bytes:
         return fs.cat_file(path)
     except FileNotFoundError as exc:
         raise StorageError(f"{redact(url)} does not exist") from exc
+    except Exception as exc:  # denied, expired signature, unreachable: one line, nothing secret in it
+        raise StorageError(f"reading {redact(url)} failed: {one_line(exc)}") from exc
 
 
 def local_copy(loc: Location, key: str, cache_dir: str, name: str) -> str:

@@ -235,3 +235,69 @@ def test_after_a_finished_migration_the_nightly_follows_serving_and_never_reenco
     assert [r["ingest"]["slug"] for r in old_param["models"]] == [new_slug]
     assert "retired by a finished migration window" in old_param["left_out"][0]
     assert not (store / "embeddings" / f"model={old_slug}").exists(), "the retired model is not re-encoded"
+
+
+# -- nothing secret in any output ---------------------------------------------------------------------------
+def test_presigned_signatures_and_sas_tokens_are_redacted():
+    from imgest.storage import redact
+
+    presigned = ("https://bucket.s3.amazonaws.com/shoes/1.jpg?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential="
+                 "AKIAEXAMPLE%2F20261130&X-Amz-Signature=0123456789abcdef")
+    sas = "https://acct.blob.core.windows.net/c/1.jpg?sv=2024-01-01&se=2026-12-01&sig=SAS%2Bsecret%3D"
+    for url, secrets in ((presigned, ("AKIAEXAMPLE", "0123456789abcdef")), (sas, ("SAS%2Bsecret", "2024-01-01"))):
+        text = redact(f"reading {url} failed: 403")
+        assert not any(secret in text for secret in secrets), text
+        assert url.split("?")[0] in text  # the object is still named
+    assert redact("az://c/b.jpg?sig=abc&se=x") == "az://c/b.jpg?sig=***&se=***"
+
+
+def test_urls_with_credentials_are_refused_before_anything_runs(tmp_path):
+    from typer.testing import CliRunner
+
+    from imgest.cli import app
+
+    write_files(str(tmp_path / "cat"), _images(1))
+    for args in (["ingest", "--catalogue", "s3://AKIAUSER:TopSecret123@bucket/products", "--store", str(tmp_path)],
+                 ["nightly", "--catalogue", str(tmp_path / "cat"), "--store", "s3://AKIAUSER:TopSecret123@b/s"],
+                 ["build-index", "--store", "s3://AKIAUSER:TopSecret123@b/s"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert "TopSecret123" not in result.output and "AKIAUSER" not in result.output
+        assert "AWS_ACCESS_KEY_ID" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_flow_run_given_a_credential_url_fails_on_its_first_line_without_the_secret(tmp_path):
+    with pytest.raises(StorageError) as refused:
+        ingest(catalogue="s3://AKIAUSER:TopSecret123@bucket/products", store=str(tmp_path / "store"), model=MODEL)
+    assert "TopSecret123" not in str(refused.value) and not (tmp_path / "store").exists()
+
+
+def test_a_query_image_behind_a_signed_url_is_named_without_its_signature():
+    """An http query image that cannot be read: the error names the object, never the signature."""
+    import http.server
+    import threading
+
+    from imgest.storage import read_url
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_error(404)
+
+        def do_HEAD(self):  # noqa: N802
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/q.jpg?X-Amz-Signature=deadbeefcafe&X-Amz-Credential=AKIAQ"
+    try:
+        with pytest.raises(StorageError) as failed:
+            read_url(url)
+    finally:
+        server.shutdown()
+    message = str(failed.value)
+    assert f"127.0.0.1:{server.server_port}/q.jpg" in message, message
+    assert "deadbeefcafe" not in message and "AKIAQ" not in message, message
