@@ -50,7 +50,7 @@ def build_index(store: str, model: str = DEFAULT_MODEL, kind: str = DEFAULT_KIND
     store_loc = open_location(cfg.store, must_exist=True, what="store")
     card_model = find_model(store_loc, cfg.model)
     with tags(f"model:{card_model['slug']}"), \
-            StoreLock(store_loc, owner=f"build-index@{socket.gethostname()}:{os.getpid()}"):
+            StoreLock(store_loc, owner=f"build-index@{socket.gethostname()}:{os.getpid()}") as lock:
         inputs = {"model_id": card_model["model_id"], "live_state": live_fingerprint(store_loc, card_model["slug"]),
                   "kind": cfg.kind, "memory": cfg.memory, "target_recall": cfg.target_recall, "k": cfg.k,
                   "queries": cfg.queries, "code": f"imgest {imgest.__version__}, faiss {faiss.__version__}"}
@@ -59,13 +59,13 @@ def build_index(store: str, model: str = DEFAULT_MODEL, kind: str = DEFAULT_KIND
         reused = reused_card is not None
         result = {"built": True, "card": reused_card} if reused else build_version(
             store_loc.url, card_model, cfg.kind, cfg.memory, cfg.target_recall, cfg.k, cfg.queries, cfg.parts,
-            cfg.runner, cfg.workers)
+            cfg.runner, cfg.workers, lock.fence)
         if not result["built"]:
             return {**result, "reused": False}
         if not reused:
-            record_build(store_loc, card_model["slug"], key, inputs, result["card"])
+            record_build(store_loc, card_model["slug"], key, inputs, result["card"], lock.fence)
         card = result["card"]
-        moved = verify_and_alias_task(store_loc.url, card, cfg.alias)
+        moved = verify_and_alias_task(store_loc.url, card, cfg.alias, lock.fence)
     markdown = ("Nothing changed since this version was built: reused, not rebuilt.\n\n" if reused else "") + \
         render_card(card)
     if card["search"]["param"]:  # an ANN index: its recall sweep, the target and the served value

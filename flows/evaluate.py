@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from imgest.config import EvalConfig
 from imgest.defaults import DEFAULT_DEVICE, DEFAULT_KS, DEFAULT_RESAMPLES
+from imgest.lock import LOCK_WAIT_S, StoreLock
 from imgest.storage import open_location
 from imgest.tasks.evaluate import evaluate_task, metrics_table, plot_report, write_outputs
 from imgest.tasks.markdown import render_eval
-from imgest.tasks.migration import record_evaluation
+from imgest.tasks.migration import evaluates_window, record_evaluation
 from imgest.tasks.plots import markdown_image
 from imgest.tasks.querysets import read_query_set
 from imgest.tasks.run_names import run_name
@@ -28,7 +32,9 @@ def evaluate(store: str, queries: str, alias: str = "serving", compare: str | No
     report = evaluate_task(store_loc.url, query_set, cfg.alias, cfg.compare, list(cfg.ks), cfg.resamples, cfg.seed,
                            cfg.device)
     report["query_file"] = cfg.queries
-    record_evaluation(store_loc, report)
+    if evaluates_window(store_loc, report):  # serving vs shadow in an open window: kept for status and the gate
+        with StoreLock(store_loc, owner=f"eval@{socket.gethostname()}:{os.getpid()}", wait=LOCK_WAIT_S) as lock:
+            record_evaluation(store_loc, report, lock.fence)
     plots = plot_report(store_loc, report)
     markdown = render_eval(report)
     create_markdown_artifact(markdown + "\n" + "\n\n".join(markdown_image(png, name) for name, png in plots.items()),

@@ -59,7 +59,7 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
     catalogue_loc = open_location(cfg.catalogue, must_exist=True, what="catalogue")
     check_apart(catalogue_loc, store_loc)
     catalogue_url = catalogue_loc.url
-    with tags(f"model:{spec.slug}"), StoreLock(store_loc, owner=f"ingest@{socket.gethostname()}:{os.getpid()}"):
+    with tags(f"model:{spec.slug}"), StoreLock(store_loc, owner=f"ingest@{socket.gethostname()}:{os.getpid()}") as lock:
         state, orphans = prepare_state_task(store_loc.url, spec.describe())
         run_id = new_run_id(state.seq + 1)
         summary = new_summary(spec, run_id, catalogue_url, store_loc.url, cfg.to_dict())
@@ -84,7 +84,8 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
                     "plan": plan.shards, "spec": unmapped(spec), "device": unmapped(device),
                     "catalogue_url": unmapped(catalogue_url), "store_url": unmapped(store_loc.url),
                     "batch_size": unmapped(batch), "decode_workers": unmapped(cfg.decode_workers),
-                    "max_pixels": unmapped(cfg.max_pixels), "encode_limit": unmapped(cfg.encode_limit)})
+                    "max_pixels": unmapped(cfg.max_pixels), "encode_limit": unmapped(cfg.encode_limit),
+                    "fence": unmapped(lock.fence)})
                 for shard, future in zip(plan.shards, futures):  # in order: progress moves as shards commit
                     try:
                         results.append(future.result())
@@ -96,7 +97,7 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
                 summary.encode_wall_seconds = round(time.perf_counter() - started, 3)
         summary.batch_size, summary.batch_size_source, summary.device = batch, source, device
         summary.removed_orphans = orphans
-        summary = commit_run_task(store_loc.url, quote(state), quote(plan), quote(results), summary)
+        summary = commit_run_task(store_loc.url, quote(state), quote(plan), quote(results), summary, lock.fence)
     create_markdown_artifact(render_summary(summary), key="ingest-summary",
                              description=f"imgest ingest {summary.run_id} ({spec.model_id})")
     return summary.to_dict()

@@ -21,7 +21,7 @@ from imgest.defaults import (
 )
 from imgest.flows.build_index import build_index
 from imgest.flows.reencode import reencode
-from imgest.lock import StoreLock
+from imgest.lock import LOCK_WAIT_S, StoreLock
 from imgest.storage import open_location
 from imgest.tasks import migration
 from imgest.tasks.aliases import read_alias
@@ -47,13 +47,13 @@ def migrate(store: str, action: str, to: str | None = None, catalogue: str | Non
     elif cfg.action in ("promote", "rollback", "finish"):
         # Alias moves and deletions hold the writer lock: a nightly build moving `serving` on the old model
         # at the same moment would otherwise overwrite the promote (or finish would delete what it reads).
-        with StoreLock(store_loc, owner=f"migrate-{cfg.action}@{socket.gethostname()}:{os.getpid()}"):
+        with StoreLock(store_loc, owner=f"migrate-{cfg.action}@{socket.gethostname()}:{os.getpid()}") as lock:
             if cfg.action == "promote":
-                migration.promote(store_loc, cfg.gate, cfg.margin)
+                migration.promote(store_loc, cfg.gate, cfg.margin, lock.fence)
             elif cfg.action == "rollback":
-                migration.rollback(store_loc)
+                migration.rollback(store_loc, lock.fence)
             else:
-                finished = migration.finish(store_loc, cfg.retain_days)
+                finished = migration.finish(store_loc, cfg.retain_days, lock.fence)
     if cfg.action == "finish":
         create_markdown_artifact(render_finished(finished), key="migration-window")
         return {"open": False, "finished": finished}
@@ -78,14 +78,19 @@ def migrate_start(store: str, to: str, catalogue: str | None = None, batch_size:
     catalogue = cfg.catalogue or (last_run(store_loc, serving["slug"]) or {}).get("catalogue")
     if not catalogue:
         raise migration.MigrationError("no catalogue known for the serving model; pass --catalogue")
-    window = migration.open_window(store_loc, serving["slug"], target.describe(), catalogue)
-    migration.record(store_loc, window, "reencode-started")
+    owner = f"migrate-start@{socket.gethostname()}:{os.getpid()}"
+    with StoreLock(store_loc, owner=owner, wait=LOCK_WAIT_S) as lock:  # the window is written under the lock
+        window = migration.open_window(store_loc, serving["slug"], target.describe(), catalogue, lock.fence)
+        migration.record(store_loc, window, "reencode-started", lock.fence)
     summary = reencode(catalogue=window["catalogue"], store=store_loc.url, model=cfg.to,
                        batch_size=cfg.batch_size,
                        device=cfg.device, shard_size=cfg.shard_size)
     migration.check_window_model(window["to"]["slug"], summary)
-    migration.record(store_loc, window, "reencode-finished", encoded=summary["encoded"], run_id=summary["run_id"])
+    with StoreLock(store_loc, owner=owner, wait=LOCK_WAIT_S) as lock:
+        migration.record(store_loc, window, "reencode-finished", lock.fence, encoded=summary["encoded"],
+                         run_id=summary["run_id"])
     built = build_index(store=store_loc.url, model=target.slug, kind=cfg.kind, memory=cfg.memory,
                         target_recall=cfg.target_recall, alias="shadow")
-    migration.record(store_loc, window, "shadow-index", version=built.get("card", {}).get("version"))
+    with StoreLock(store_loc, owner=owner, wait=LOCK_WAIT_S) as lock:
+        migration.record(store_loc, window, "shadow-index", lock.fence, version=built.get("card", {}).get("version"))
     return window

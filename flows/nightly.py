@@ -68,8 +68,8 @@ def nightly(catalogue: str, store: str, model: str | None = None, batch_size: st
         ingested.add(summary["slug"])
         runs.append({"ingest": summary, "index": index})
     # models retired by a finished migration window go once their retention has passed and no alias needs them
-    with StoreLock(store_loc, owner=f"nightly-retire@{socket.gethostname()}:{os.getpid()}"):
-        retired = collect_retired(store_loc)
+    with StoreLock(store_loc, owner=f"nightly-retire@{socket.gethostname()}:{os.getpid()}") as lock:
+        retired = collect_retired(store_loc, lock.fence)
     base_rows = [{"ingest": b, "index": {"built": False, "reason": "base of a head"}} for b in bases]
     create_markdown_artifact(render_nightly(base_rows + runs, retired, left_out), key="nightly-summary",
                              description=f"nightly {store_loc.url}")

@@ -177,6 +177,14 @@ class Location:
     def exists(self, key: str = "") -> bool:
         return self.fs.exists(self.path(key))
 
+    @_io("checking")
+    def modified(self, key: str) -> float | None:
+        """When ``key`` was last written (epoch seconds), or None when it does not exist."""
+        try:
+            return _mtime(self.fs.info(self.path(key)))
+        except FileNotFoundError:
+            return None
+
     def walk(self, key: str = "") -> Iterator[ObjectInfo]:
         """Every object below ``key`` (recursively), with size, mtime and etag when the store has one.
         Symlinks are followed: a link to a file is that file (its size and mtime); a link to a device or

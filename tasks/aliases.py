@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from imgest.lock import Fence
 from imgest.storage import Location
 from imgest.tasks.state import now_iso
 
@@ -29,7 +30,7 @@ def list_aliases(store: Location) -> dict[str, dict]:
     return {n: store.read_json(f"aliases/{n}.json") for n in names}
 
 
-def set_alias(store: Location, name: str, card: dict, reason: str) -> dict:
+def set_alias(store: Location, name: str, card: dict, reason: str, fence: Fence | None = None) -> dict:
     """Point ``name`` at a complete version in one atomic write; the previous target joins the history."""
     current = read_alias(store, name)
     if current and (current["slug"], current["version"], current["sha256"]) == \
@@ -40,6 +41,8 @@ def set_alias(store: Location, name: str, card: dict, reason: str) -> dict:
         history = current.pop("history", [])[-49:] + [current]
     entry = {"alias": name, "slug": card["slug"], "model_id": card["model_id"], "version": card["version"],
              "sha256": card["sha256"], "updated": now_iso(), "reason": reason, "history": history}
+    if fence is not None:
+        fence.check(store)
     store.write_json(alias_key(name), entry)
     return entry
 

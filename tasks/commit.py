@@ -10,6 +10,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from imgest.encoders import EncoderSpec
+from imgest.lock import Fence
 from imgest.storage import Location
 from imgest.tasks.plan import Plan
 from imgest.tasks.policy import COMMIT_TIMEOUT_S, IO_RETRIES
@@ -88,7 +89,7 @@ def shard_timeline(results: list[ShardResult]) -> pa.Table:
 
 
 def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list[ShardResult],
-               summary: RunSummary) -> RunSummary:
+               summary: RunSummary, fence: Fence | None = None) -> RunSummary:
     """Shards are durable (their markers exist) before this runs; the snapshot is written last."""
     resumed = len(state.pending)
     for result in results:
@@ -123,6 +124,8 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
         summary.projected_full_encode_hours = round(summary.listed / summary.images_per_second / 3600, 3)
     if summary.device.startswith("cuda"):
         summary.gpu_hours = round(summary.encode_seconds / 3600, 4)
+    if fence is not None:
+        fence.check(store)  # the snapshot is the run's commit: never written by a run that lost the lock
     if results or plan.deleted or resumed:
         counts = {k: v for k, v in summary.to_dict().items() if isinstance(v, int)}
         summary.snapshot_seq = write_snapshot(store, state, plan.run_id, counts)
@@ -139,8 +142,8 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
 
 @task(name="commit", cache_policy=NO_CACHE, timeout_seconds=COMMIT_TIMEOUT_S, **IO_RETRIES)
 def commit_run_task(store_url: str, state: CatalogueState, plan: Plan, results: list[ShardResult],
-                    summary: RunSummary) -> RunSummary:
-    return commit_run(Location(store_url), state, plan, results, summary)
+                    summary: RunSummary, fence: Fence | None = None) -> RunSummary:
+    return commit_run(Location(store_url), state, plan, results, summary, fence)
 
 
 def new_summary(spec: EncoderSpec, run_id: str, catalogue: str, store: str, parameters: dict) -> RunSummary:

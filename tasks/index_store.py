@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from imgest.lock import Fence
 from imgest.storage import Location, local_copy
 from imgest.tasks.aliases import list_aliases, read_alias
 from imgest.tasks.state import now_iso
@@ -49,7 +50,8 @@ def list_versions(store: Location, slug: str) -> list[int]:
     return [v for v in _version_numbers(store, slug) if store.exists(f"{version_prefix(slug, v)}/card.json")]
 
 
-def write_version(store: Location, slug: str, index_bytes: bytes, ids: pa.Table, card: dict) -> dict:
+def write_version(store: Location, slug: str, index_bytes: bytes, ids: pa.Table, card: dict,
+                  fence: Fence | None = None) -> dict:
     """Write index and id map, then the card with their checksums; returns the card. Never overwrites."""
     version = max(_version_numbers(store, slug), default=0) + 1
     prefix = version_prefix(slug, version)
@@ -65,6 +67,8 @@ def write_version(store: Location, slug: str, index_bytes: bytes, ids: pa.Table,
         "bytes_on_disk": len(index_bytes),
         "created": now_iso(),
     }
+    if fence is not None:
+        fence.check(store)  # the card makes the version complete: not from a build that lost the lock
     if not store.create_exclusive(f"{prefix}/card.json", json.dumps(card, indent=2, sort_keys=True).encode()):
         raise RuntimeError(f"index version {prefix} already has a card; versions are immutable")
     return card

@@ -14,6 +14,7 @@ from prefect import get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
+from imgest.lock import Fence
 from imgest.storage import Location
 from imgest.tasks.aliases import aliases_to_move, set_alias
 from imgest.tasks.index_build import (
@@ -63,19 +64,19 @@ def tune_task(index, vectors: np.ndarray, target: float, k: int, queries: int) -
 
 
 @task(name="write-version", cache_policy=NO_CACHE, **IO_RETRIES)
-def write_version_task(store_url: str, index, live: LiveVectors, card: dict) -> dict:
+def write_version_task(store_url: str, index, live: LiveVectors, card: dict, fence: Fence | None = None) -> dict:
     data = faiss.serialize_index(index).tobytes()
-    return write_version(Location(store_url), card["slug"], data, ids_table(live), card)
+    return write_version(Location(store_url), card["slug"], data, ids_table(live), card, fence)
 
 
 @task(name="verify-and-alias", cache_policy=NO_CACHE)
-def verify_and_alias_task(store_url: str, card: dict, alias: str | None) -> list[dict]:
+def verify_and_alias_task(store_url: str, card: dict, alias: str | None, fence: Fence | None = None) -> list[dict]:
     """Re-open the written version (checksums, vector count) before any alias points at it."""
     store = Location(store_url)
     opened = open_index(store, card["slug"], card["version"])
     if opened.index.ntotal != card["n"] or len(opened.item_ids) != card["n"]:
         raise RuntimeError(f"index v{card['version']} holds {opened.index.ntotal} vectors, card says {card['n']}")
-    return [set_alias(store, name, card, reason=f"build v{card['version']:04d}")
+    return [set_alias(store, name, card, reason=f"build v{card['version']:04d}", fence=fence)
             for name in aliases_to_move(store, card["slug"], alias)]
 
 
@@ -104,7 +105,7 @@ def build_in_parts(vectors: np.ndarray, choice: IndexChoice, parts: int, runner:
 
 @task(name="build-version", cache_policy=NO_CACHE)
 def build_version(store_url: str, model: dict, kind: str, memory: str, target_recall: float, k: int, queries: int,
-                  parts: int, runner: str, workers: int) -> dict:
+                  parts: int, runner: str, workers: int, fence: Fence | None = None) -> dict:
     """Load, build, tune and write one version (reuse is decided before, from the store's build records)."""
     live = load_live_task(store_url, model)
     if len(live) < 2:
@@ -119,7 +120,7 @@ def build_version(store_url: str, model: dict, kind: str, memory: str, target_re
     card["build"] = {"parts": used, "runner": runner if runner in ("local", "dask") else "dask (remote)",
                      "method": "one process" if used == 1 else "trained once, parts added in parallel, "
                                                                "merged in id order (faiss merge_from)"}
-    return {"built": True, "card": write_version_task(store_url, index, quote(live), card)}
+    return {"built": True, "card": write_version_task(store_url, index, quote(live), card, fence)}
 
 
 def build_key(inputs: dict) -> str:
@@ -145,6 +146,8 @@ def reusable_version(store: Location, slug: str, key: str) -> dict | None:
     return read_card(store, slug, version) if version_exists(store, card) else None
 
 
-def record_build(store: Location, slug: str, key: str, inputs: dict, card: dict) -> None:
+def record_build(store: Location, slug: str, key: str, inputs: dict, card: dict, fence: Fence | None = None) -> None:
+    if fence is not None:
+        fence.check(store)
     store.write_json(build_record_key(slug, key), {"version": card["version"], "sha256": card["sha256"],
                                                    "inputs": inputs, "created": card["created"]})

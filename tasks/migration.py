@@ -13,6 +13,7 @@ import secrets
 import socket
 from datetime import UTC, datetime, timedelta
 
+from imgest.lock import Fence
 from imgest.storage import Location
 from imgest.tasks.aliases import list_aliases, read_alias, set_alias
 from imgest.tasks.index_store import index_prefix, list_versions, open_index, read_card
@@ -31,17 +32,24 @@ def read_window(store: Location) -> dict | None:
     return store.read_json(WINDOW_KEY) if store.exists(WINDOW_KEY) else None
 
 
-def _save(store: Location, window: dict) -> dict:
+def _check(store: Location, fence: Fence | None) -> None:
+    if fence is not None:
+        fence.check(store)
+
+
+def _save(store: Location, window: dict, fence: Fence | None = None) -> dict:
+    _check(store, fence)
     store.write_json(WINDOW_KEY, window)
     return window
 
 
-def record(store: Location, window: dict, event: str, **details) -> dict:
+def record(store: Location, window: dict, event: str, fence: Fence | None = None, **details) -> dict:
     window.setdefault("events", []).append({"at": now_iso(), "event": event, **details})
-    return _save(store, window)
+    return _save(store, window, fence)
 
 
-def open_window(store: Location, serving_slug: str, target: dict, catalogue: str | None) -> dict:
+def open_window(store: Location, serving_slug: str, target: dict, catalogue: str | None,
+                fence: Fence | None = None) -> dict:
     """Open a window from the serving model to ``target``; rerunning the same start resumes it."""
     current = read_window(store)
     if current is not None:
@@ -63,8 +71,9 @@ def open_window(store: Location, serving_slug: str, target: dict, catalogue: str
         "status": "open",
         "events": [],
     }
+    _check(store, fence)
     if not store.create_exclusive(WINDOW_KEY, json.dumps(window, indent=2).encode()):
-        return open_window(store, serving_slug, target, catalogue)  # another start won the race
+        return open_window(store, serving_slug, target, catalogue, fence)  # another start won the race
     store.delete(f"migration/retire/{target['slug']}.json")  # migrating back to a retired model revives it
     return window
 
@@ -134,12 +143,13 @@ def _latest_card(store: Location, slug: str) -> dict:
     return read_card(store, slug, versions[-1])
 
 
-def check_gate(gate: dict, margin: float) -> str | None:
+def check_gate(gate: dict, margin: float, aliases: dict[str, dict] | None = None) -> str | None:
     """Refuse promotion when the new model is worse than serving by more than ``margin``.
 
     Reads the JSON of ``imgest eval --alias serving --compare shadow`` (A is serving, B is shadow; the
-    gated metric is its ``metric``, recall at the largest K), or ``{"serving": x, "shadow": y}``.
-    Returns the refusal reason, or None.
+    gated metric is its ``metric``, recall at the largest K), or ``{"serving": x, "shadow": y}``. With
+    `aliases` (the store's), an evaluation of other index versions than the aliases point at now is refused:
+    the proof must be about what would be served. Returns the refusal reason, or None.
     """
     metric = gate.get("metric", "recall@10")
     if "serving" in gate and "shadow" in gate:
@@ -147,26 +157,42 @@ def check_gate(gate: dict, margin: float) -> str | None:
     else:
         if gate["a"].get("alias") != "serving" or gate["b"].get("alias") != "shadow":
             raise MigrationError("the gate file must compare --alias serving against --compare shadow")
+        for side in ("a", "b"):
+            measured, now = gate[side], (aliases or {}).get(gate[side]["alias"])
+            if now is not None and "version" in measured and \
+                    (measured.get("slug"), measured["version"]) != (now["slug"], now["version"]):
+                raise MigrationError(
+                    f"the gate file measured {measured['alias']} = model={measured.get('slug')} "
+                    f"v{measured['version']}, but it now points at model={now['slug']} v{now['version']}: "
+                    "evaluate the indexes that would be served again")
         old, new = float(gate["a"]["metrics"][metric]), float(gate["b"]["metrics"][metric])
     if new < old - margin:
         return f"gate: shadow {metric} {new:.4f} is worse than serving {old:.4f} by more than the margin {margin}"
     return None
 
 
-def record_evaluation(store: Location, report: dict) -> None:
+def evaluates_window(store: Location, report: dict) -> bool:
+    """A serving-vs-shadow evaluation while a window is open (the one the window keeps)."""
+    return "b" in report and {report["a"]["alias"], report["b"]["alias"]} == {"serving", "shadow"} \
+        and read_window(store) is not None
+
+
+def record_evaluation(store: Location, report: dict, fence: Fence | None = None) -> None:
     """Keep the latest serving-vs-shadow evaluation in the open window (for status and the gate)."""
     window = read_window(store)
-    if window is None or "b" not in report or {report["a"]["alias"], report["b"]["alias"]} != {"serving", "shadow"}:
+    if not evaluates_window(store, report):
         return
     metric = report["metric"]
     window["evaluation"] = {"at": now_iso(), "metric": metric, "queries": report["queries"],
                             report["a"]["alias"]: report["a"]["metrics"][metric],
                             report["b"]["alias"]: report["b"]["metrics"][metric],
-                            "interval": {k: report["compare"]["bootstrap"][metric][k] for k in ("low", "high")}}
-    _save(store, window)
+                            "interval": {k: report["compare"]["bootstrap"][metric][k] for k in ("low", "high")},
+                            "versions": {side: f"{report[side]['slug']} v{report[side]['version']}"
+                                         for side in ("a", "b")}}
+    _save(store, window, fence)
 
 
-def promote(store: Location, gate: dict | None = None, margin: float = 0.0) -> dict:
+def promote(store: Location, gate: dict | None = None, margin: float = 0.0, fence: Fence | None = None) -> dict:
     """serving -> the new model's newest verified index; the old target is kept as `previous`."""
     window = require_window(store)
     if window["status"] == "promoted":
@@ -180,31 +206,33 @@ def promote(store: Location, gate: dict | None = None, margin: float = 0.0) -> d
     if not state["current"]:
         raise MigrationError(f"refused: {window['to']['name']} has no current index ({state['reason']}); run "
                              "`imgest migrate start` or the nightly build first")
-    if gate is not None and (reason := check_gate(gate, margin)):
+    if gate is not None and (reason := check_gate(gate, margin, list_aliases(store))):
         raise MigrationError(f"refused by {reason}")
     card = _latest_card(store, window["to"]["slug"])
     open_index(store, card["slug"], card["version"])  # checksums verified before anything points at it
     serving = read_alias(store, "serving")
     if serving is not None:
-        set_alias(store, "previous", read_card(store, serving["slug"], serving["version"]), "migration promote")
-    set_alias(store, "serving", card, f"migration {window['id']} promote")
+        set_alias(store, "previous", read_card(store, serving["slug"], serving["version"]), "migration promote",
+                  fence)
+    set_alias(store, "serving", card, f"migration {window['id']} promote", fence)
     window["status"] = "promoted"
-    return record(store, window, "promoted", serving=f"{card['slug']} v{card['version']}")
+    return record(store, window, "promoted", fence, serving=f"{card['slug']} v{card['version']}")
 
 
-def rollback(store: Location) -> dict:
+def rollback(store: Location, fence: Fence | None = None) -> dict:
     """serving -> the old model's newest verified index, at any time before finish."""
     window = require_window(store)
     card = _latest_card(store, window["from"]["slug"])
     open_index(store, card["slug"], card["version"])
-    set_alias(store, "serving", card, f"migration {window['id']} rollback")
+    set_alias(store, "serving", card, f"migration {window['id']} rollback", fence)
     window["status"] = "rolled_back"
-    return record(store, window, "rolled_back", serving=f"{card['slug']} v{card['version']}")
+    return record(store, window, "rolled_back", fence, serving=f"{card['slug']} v{card['version']}")
 
 
-def finish(store: Location, retain_days: float = 7.0) -> dict:
+def finish(store: Location, retain_days: float = 7.0, fence: Fence | None = None) -> dict:
     """Close the window; the model not serving is scheduled for deletion after the retention."""
     window = require_window(store)
+    _check(store, fence)
     serving = read_alias(store, "serving")
     keep = serving["slug"] if serving else window["to"]["slug"]
     drop = window["from"] if keep == window["to"]["slug"] else window["to"]
@@ -214,10 +242,11 @@ def finish(store: Location, retain_days: float = 7.0) -> dict:
     store.write_json(f"migration/retire/{drop['slug']}.json", {**drop, "retire_after": retire_at,
                                                                "window": window["id"]})
     window["status"], window["closed_at"], window["retired"] = "finished", now_iso(), drop
-    record(store, window, "finished", keep=keep, retire=drop["slug"], retire_after=retire_at)
+    record(store, window, "finished", fence, keep=keep, retire=drop["slug"], retire_after=retire_at)
     store.write_json(f"migration/history/{window['id']}.json", window)
+    _check(store, fence)
     store.delete(WINDOW_KEY)
-    return {"window": window, "deleted": collect_retired(store)}
+    return {"window": window, "deleted": collect_retired(store, fence)}
 
 
 def needed_slugs(store: Location) -> set[str]:
@@ -233,7 +262,7 @@ def needed_slugs(store: Location) -> set[str]:
     return needed
 
 
-def collect_retired(store: Location) -> list[str]:
+def collect_retired(store: Location, fence: Fence | None = None) -> list[str]:
     """Delete retired models past their date, never while an alias needs them (directly or as a head's base)."""
     deleted = []
     pointed = needed_slugs(store)
@@ -244,6 +273,7 @@ def collect_retired(store: Location) -> list[str]:
             continue
         if entry.get("deleted_at"):
             continue
+        _check(store, fence)
         for prefix in (embeddings_prefix(entry["slug"]), index_prefix(entry["slug"]), state_prefix(entry["slug"]),
                        f"tuning/model={entry['slug']}"):
             store.delete_tree(prefix)

@@ -11,6 +11,7 @@ import pyarrow as pa
 
 import imgest
 from imgest.encoders import EncoderSpec
+from imgest.lock import Fence
 from imgest.storage import Location
 from imgest.tasks.plan import ShardPlan, WorkItem
 from imgest.tasks.state import commit_key, now_iso, shard_key
@@ -81,8 +82,8 @@ def _object_fields(item: WorkItem, content_hash: str) -> dict:
 class ShardWriter:
     """Collects one shard's outcome; ``flush`` makes it durable and then visible."""
 
-    def __init__(self, store: Location, spec: EncoderSpec, plan: ShardPlan):
-        self.store, self.spec, self.plan = store, spec, plan
+    def __init__(self, store: Location, spec: EncoderSpec, plan: ShardPlan, fence: Fence | None = None):
+        self.store, self.spec, self.plan, self.fence = store, spec, plan, fence
         self.result = ShardResult(shard=plan.name)
         self._rows: list[dict] = []
         self._vectors: list[np.ndarray] = []
@@ -137,6 +138,7 @@ class ShardWriter:
         """Write the Parquet file (atomically), then the commit marker that makes it count."""
         self.result.encoded = len(self._rows)
         self.result.finished = datetime.now(UTC).isoformat(timespec="microseconds")
+        self._check()
         if self._rows:
             data = self.store.write_table(shard_key(self.spec.slug, self.plan.name), self._table())
             self.result.bytes, self.result.sha256 = len(data), hashlib.sha256(data).hexdigest()
@@ -157,5 +159,10 @@ class ShardWriter:
             "unchanged": self._unchanged,
             "revived": self._revived,
         }
+        self._check()  # a writer that lost the lock leaves at most an unreferenced file, which the holder removes
         self.store.write_json(commit_key(self.spec.slug, self.plan.name), marker)
         return self.result
+
+    def _check(self) -> None:
+        if self.fence is not None:
+            self.fence.check(self.store)

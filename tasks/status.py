@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from imgest.lock import LOCK_KEY
+from imgest.lock import current_holder
 from imgest.storage import Location, open_location
 from imgest.tasks.models import list_models
 from imgest.tasks.state import DELETED, FAILED, LIVE, REJECTED, latest_snapshot_seq, load_state
@@ -42,7 +42,7 @@ def model_status(store: Location, card: dict) -> dict:
 
 def store_status(store_url: str) -> dict:
     store = open_location(store_url, must_exist=True, what="store")
-    lock = store.read_json(LOCK_KEY) if store.exists(LOCK_KEY) else None
+    lock = current_holder(store)
     return {
         "store": store.url,
         "running": {k: lock[k] for k in ("owner", "host", "pid", "started")} if lock else None,
