@@ -98,8 +98,13 @@ class Fence:
 class StoreLock:
     """Context manager. Stale means: holder on this host with a dead pid, or no heartbeat for ``ttl`` s."""
 
-    def __init__(self, store: Location, owner: str, ttl: float = 300.0, heartbeat: float = 30.0, wait: float = 0.0):
-        self.store, self.owner, self.ttl, self.heartbeat, self.wait = store, owner, ttl, heartbeat, wait
+    def __init__(self, store: Location, owner: str, ttl: float | None = None, heartbeat: float | None = None,
+                 wait: float = 0.0):
+        # IMGEST_LOCK_TTL (seconds, default 300): how long a silent holder keeps the store; it beats ten times
+        # per window. Shorter means faster take-over of a dead writer, and more LIST/PUT calls per hour.
+        self.ttl = float(ttl if ttl is not None else os.environ.get("IMGEST_LOCK_TTL", 300))
+        self.heartbeat = float(heartbeat if heartbeat is not None else self.ttl / 10)
+        self.store, self.owner, self.wait = store, owner, wait
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fence: Fence | None = None

@@ -187,8 +187,8 @@ def record_evaluation(store: Location, report: dict, fence: Fence | None = None)
                             report["a"]["alias"]: report["a"]["metrics"][metric],
                             report["b"]["alias"]: report["b"]["metrics"][metric],
                             "interval": {k: report["compare"]["bootstrap"][metric][k] for k in ("low", "high")},
-                            "versions": {side: f"{report[side]['slug']} v{report[side]['version']}"
-                                         for side in ("a", "b")}}
+                            "versions": {report[s]["alias"]: f"{report[s].get('slug')} v{report[s].get('version')}"
+                                         for s in ("a", "b") if "version" in report[s]}}
     _save(store, window, fence)
 
 

@@ -301,3 +301,16 @@ def test_a_query_image_behind_a_signed_url_is_named_without_its_signature():
     message = str(failed.value)
     assert f"127.0.0.1:{server.server_port}/q.jpg" in message, message
     assert "deadbeefcafe" not in message and "AKIAQ" not in message, message
+
+
+def test_the_promote_gate_refuses_evidence_about_other_index_versions():
+    from imgest.tasks.migration import MigrationError, check_gate
+
+    gate = {"metric": "recall@10",
+            "a": {"alias": "serving", "slug": "old-1", "version": 3, "metrics": {"recall@10": 0.80}},
+            "b": {"alias": "shadow", "slug": "new-2", "version": 2, "metrics": {"recall@10": 0.85}}}
+    now = {"serving": {"slug": "old-1", "version": 3}, "shadow": {"slug": "new-2", "version": 2}}
+    assert check_gate(gate, 0.0, now) is None  # shadow better, versions as measured
+    rebuilt = {**now, "shadow": {"slug": "new-2", "version": 3}}  # a nightly rebuilt shadow since
+    with pytest.raises(MigrationError, match="measured shadow = model=new-2 v2, but it now points at model=new-2 v3"):
+        check_gate(gate, 0.0, rebuilt)
