@@ -30,6 +30,13 @@ pytestmark = pytest.mark.usefixtures("prefect_harness")
 MODEL = "raw-pixels"
 SECRET = os.environ["AWS_SECRET_ACCESS_KEY"]
 FIGURES: dict[str, dict] = {}
+STARTING_GUN = """
+import os, sys, time
+import imgest.flows.ingest
+open(sys.argv[3], "w").close()
+while not os.path.exists(sys.argv[4]):
+    time.sleep(0.005)
+"""
 INGEST = """
 import sys
 from imgest.flows.ingest import ingest
@@ -215,13 +222,18 @@ def test_two_ingests_started_together(s3, tmp_path):
     catalogue, store = f"s3://{bucket}/cat", f"s3://{bucket}/store"
     _put_images(s3, bucket, range(60))
     logs = [open(tmp_path / f"two-{n}.log", "w+b") for n in range(2)]
-    procs = [_spawn(INGEST, catalogue, store, log=log) for log in logs]
+    go = tmp_path / "go"
+    # Both import everything first, say they are ready, and start on the same signal: the race is for the lock.
+    procs = [_spawn(STARTING_GUN + INGEST, catalogue, store, str(tmp_path / f"ready-{n}"), str(go), log=log)
+             for n, log in enumerate(logs)]
+    assert _wait(lambda: all((tmp_path / f"ready-{n}").exists() for n in range(2)), 120)
+    go.touch()
     codes = [p.wait(timeout=300) for p in procs]
     outputs = []
     for log in logs:
         log.seek(0)
         outputs.append(log.read().decode(errors="replace"))
-    assert sorted(codes)[0] == 0, outputs
+    assert sorted(codes) == [0, 1], outputs  # one ran, the other was refused
     refused = [o for c, o in zip(codes, outputs) if c != 0]
     assert all("locked by run" in o or "took the lock at the same moment" in o for o in refused), refused
     assert _live(store) == _reference(s3, catalogue)
