@@ -314,3 +314,37 @@ def test_the_promote_gate_refuses_evidence_about_other_index_versions():
     rebuilt = {**now, "shadow": {"slug": "new-2", "version": 3}}  # a nightly rebuilt shadow since
     with pytest.raises(MigrationError, match="measured shadow = model=new-2 v2, but it now points at model=new-2 v3"):
         check_gate(gate, 0.0, rebuilt)
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_an_archived_object_is_rejected_from_its_listing_on_s3(tmp_path, s3_endpoint):
+    import boto3
+    import s3fs
+
+    bucket = f"archive-{os.urandom(3).hex()}"
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}).mkdir(bucket)
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    for key, data in _images(3).items():
+        client.put_object(Bucket=bucket, Key=f"cat/{key}", Body=data)
+    client.put_object(Bucket=bucket, Key="cat/p/cold.png", Body=png_bytes(gradient(7)), StorageClass="GLACIER")
+    summary = _ingest(f"s3://{bucket}/cat", tmp_path / "store")
+    assert (summary["encoded"], summary["rejected"]) == (3, 1)
+    assert tuple(summary["rejected_items"][0]) == ("p/cold.png", "ArchivedObject: storage class GLACIER cannot be read "
+                                                                 "until it is restored")
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_mass_delete_refusal_is_one_line_and_exit_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from imgest.cli import app
+
+    cat, store = tmp_path / "cat", tmp_path / "store"
+    write_files(str(cat), _images(5))
+    _ingest(cat, store)
+    for i in range(1, 5):
+        os.remove(cat / "p" / f"{i:03d}.png")
+    result = CliRunner().invoke(app, ["ingest", "--catalogue", str(cat), "--store", str(store), "--model", MODEL])
+    assert result.exit_code == 2, result.output
+    line, = result.output.strip().splitlines()
+    assert "would tombstone 4 of 5 live items" in line and "--allow-mass-delete" in line
