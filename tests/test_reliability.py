@@ -233,13 +233,20 @@ def test_two_ingests_started_together(s3, tmp_path):
     for log in logs:
         log.seek(0)
         outputs.append(log.read().decode(errors="replace"))
-    assert sorted(codes) == [0, 1], outputs  # one ran, the other was refused
     refused = [o for c, o in zip(codes, outputs) if c != 0]
-    assert all("locked by run" in o or "took the lock at the same moment" in o for o in refused), refused
+    assert len(refused) <= 1 and all("locked by run" in o or "took the lock at the same moment" in o
+                                     for o in refused), outputs
+    if not refused:  # on a loaded machine the second may reach the lock only after the first let it go
+        s3.invalidate_cache()
+        runs = sorted((json.loads(s3.cat(p)) for p in s3.glob(f"{bucket}/store/runs/*.json")),
+                      key=lambda r: r["started"])
+        assert len(runs) == 2 and runs[0]["finished"] <= runs[1]["started"], "two holders at once"
+        assert runs[1]["encoded"] == 0, "the second found nothing left to do"
     assert _live(store) == _reference(s3, catalogue)
     _no_secret(*logs)
     FIGURES["two ingests started together"] = {"faults": 1, "finished": codes.count(0),
-                                               "refused (store locked)": len(refused), "items lost": 0,
+                                               "refused (store locked)": len(refused),
+                                               "serialised (one after the other)": not refused, "items lost": 0,
                                                "duplicates": 0}
 
 
