@@ -45,7 +45,8 @@ class Prepared:
     vanished: bool = False
 
 
-def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixels: int) -> Prepared:
+def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixels: int,
+            min_side: int | None = None) -> Prepared:
     """Read, hash, decode and preprocess one object. Whatever goes wrong with the object itself is a verdict
     recorded against it; only a catalogue that cannot be reached at all fails the shard (and so the run)."""
     if item.verdict is not None:
@@ -63,7 +64,7 @@ def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixel
     if item.prev_hash == digest:
         return Prepared(item, digest, revived=item.revive_shard is not None, unchanged=item.revive_shard is None)
     try:
-        pixels = preprocess(decode_image(data, max_pixels))
+        pixels = preprocess(decode_image(data, max_pixels, min_side))
     except DecodeError as exc:
         return Prepared(item, digest, reason=str(exc))
     except MemoryError as exc:
@@ -157,7 +158,8 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
 
     to_read = derive_from_base(plan.items, encoder, store, writer) if encoder.spec.base is not None else plan.items
     depth = max(2 * batch_size, 4 * decode_workers)
-    stream = read_ahead(to_read, lambda it: prepare(catalogue, it, encoder.preprocess, max_pixels),
+    decode_side = getattr(encoder, "decode_side", None)  # JPEGs decode at reduced size down to this
+    stream = read_ahead(to_read, lambda it: prepare(catalogue, it, encoder.preprocess, max_pixels, decode_side),
                         decode_workers, depth)
     while True:
         t0 = time.perf_counter()

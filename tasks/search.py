@@ -86,7 +86,8 @@ class Searcher:
         vectors = np.zeros((len(queries), self.spec.dim), np.float32)
         image_rows = [i for i, q in enumerate(queries) if q.image is not None]
         if image_rows:
-            pixels = [encoder.preprocess(decode_image(read_url(queries[i].image))) for i in image_rows]
+            side = getattr(encoder, "decode_side", None)  # the reduced JPEG decode the catalogue got
+            pixels = [encoder.preprocess(decode_image(read_url(queries[i].image), min_side=side)) for i in image_rows]
             vectors[image_rows] = encoder.encode_images(np.stack(pixels))
         text_rows = [i for i, q in enumerate(queries) if q.text is not None]
         if text_rows:

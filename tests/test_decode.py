@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from imgest.tasks.decode import DecodeError, decode_image
-from tests.helpers import hostile_files
+from tests.helpers import gradient, hostile_files, jpeg_bytes, png_bytes
 
 FILES = hostile_files()
 
@@ -51,3 +51,49 @@ def test_decompression_bomb_limit():
     with pytest.raises(DecodeError, match=r"DecompressionBombError: 400x400 = 160000 pixels exceeds the limit"):
         decode_image(FILES["huge.png"], max_pixels=100_000)
     assert decode_image(FILES["huge.png"], max_pixels=200_000).size == (400, 400)
+
+
+def test_reduced_jpeg_decode_gives_the_same_embeddings_on_real_photos():
+    """Product-sized JPEGs (real photos scaled to 1000-1700 px; baseline and progressive, one with an EXIF
+    rotation; fine textures included) decoded at reduced size in the DCT domain give the embeddings of
+    the full decode: cosine >= 0.999 with the packaged Lite0 weights. So the fast path is not part of the
+    model id."""
+    import io
+
+    from PIL import Image
+
+    from imgest import encoders
+    from imgest.demo import PHOTOS, photo
+
+    encoder = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
+    full, fast, sizes = [], [], []
+    for n, name in enumerate(PHOTOS):
+        image = photo(name).convert("RGB")
+        side = 1000 + 50 * n
+        image = image.resize((side, int(side * image.height / image.width)), Image.Resampling.BICUBIC)
+        buf = io.BytesIO()
+        exif = Image.Exif()
+        if n == 3:
+            exif[0x0112] = 6  # rotate 90: the reduced decode must be rotated the same way
+        image.save(buf, "JPEG", quality=85 + n % 11, progressive=n % 2 == 1, exif=exif.tobytes())
+        data = buf.getvalue()
+        reduced = decode_image(data, min_side=encoder.decode_side)
+        sizes.append((decode_image(data).size, reduced.size))
+        assert min(reduced.size) >= 2 * encoder.decode_side
+        full.append(encoder.preprocess(decode_image(data)))
+        fast.append(encoder.preprocess(reduced))
+    # every photo whose shorter side is at least 4 x 256 was reduced (to 1/2 here)
+    assert all(r[0] < f[0] for f, r in sizes if min(f) >= 4 * encoder.decode_side)
+    assert sum(r[0] < f[0] for f, r in sizes) >= 8
+    a, b = encoder.encode_images(np.stack(full)), encoder.encode_images(np.stack(fast))
+    cosines = np.sum(a * b, axis=1)
+    assert cosines.min() >= 0.999, (cosines, sizes)
+
+
+def test_reduced_decode_keeps_twice_the_needed_side_and_only_touches_jpegs():
+    big = jpeg_bytes(gradient(3, (1200, 800)))
+    assert decode_image(big, min_side=128).size == (600, 400)  # 1/2; 1/4 would leave less than 2 x 128
+    assert decode_image(big, min_side=64).size == (300, 200)  # 1/4: 200 >= 2 x 64; 1/8 would leave 100
+    assert decode_image(big, min_side=256).size == (1200, 800)  # 1/2 would leave less than 2 x 256
+    png = png_bytes(gradient(3, (1200, 800)))
+    assert decode_image(png, min_side=256).size == (1200, 800)

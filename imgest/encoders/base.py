@@ -65,6 +65,7 @@ class Encoder(Protocol):
     spec: EncoderSpec
     device: str
     input_shape: tuple[int, int, int]
+    decode_side: int | None  # the shorter side preprocessing needs: a JPEG may decode down to it (None: full)
 
     def preprocess(self, image) -> np.ndarray:
         """PIL RGB image -> CHW float32 array; runs in decode threads, so it must be thread-safe."""

@@ -57,6 +57,8 @@ class EfficientNetLite0:
         self._mean = torch.tensor(PREPROCESSING["mean"], device=device).view(1, 3, 1, 1)
         self._std = torch.tensor(PREPROCESSING["std"], device=device).view(1, 3, 1, 1)
 
+    decode_side = PREPROCESSING["resize_shorter"]
+
     def preprocess(self, image) -> np.ndarray:
         """Resize the shorter side to 256 and centre-crop 224 in one resampling; uint8 CHW.
 

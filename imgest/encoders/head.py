@@ -95,6 +95,7 @@ class HeadEncoder:
         self.spec, self.device = spec, device
         self.base = encoders.load(spec.base, device)
         self.input_shape = self.base.input_shape
+        self.decode_side = getattr(self.base, "decode_side", None)
         self.module = load_module(spec.source, spec.extra["config"], device, sha256=spec.revision)
 
     def preprocess(self, image) -> np.ndarray:

@@ -83,6 +83,15 @@ def resolve(name: str) -> EncoderSpec:
     )
 
 
+def _decode_side(processor) -> int | None:
+    """The largest side the processor resizes to (its shorter-edge target, or its fixed height and width):
+    a JPEG never needs decoding beyond it. None when the processor does not say."""
+    size = getattr(processor, "size", None)
+    size = dict(size) if size is not None and hasattr(size, "keys") else {}
+    sides = [v for k, v in size.items() if k in ("shortest_edge", "height", "width") and isinstance(v, int)]
+    return max(sides) if sides else None
+
+
 class HFEncoder:
     def __init__(self, spec: EncoderSpec, device: str):
         from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
@@ -93,6 +102,7 @@ class HFEncoder:
         self.processor = AutoImageProcessor.from_pretrained(spec.source)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.source) if "text" in spec.modalities else None
         self.input_shape = tuple(self.preprocess(_blank()).shape)
+        self.decode_side = _decode_side(self.processor)
 
     def preprocess(self, image) -> np.ndarray:
         return np.asarray(self.processor(images=[image], return_tensors="np")["pixel_values"][0], np.float32)

@@ -25,6 +25,7 @@ def resolve(name: str) -> EncoderSpec:
 
 class RawPixels:
     input_shape = (3, SIDE, SIDE)
+    decode_side = SIDE
 
     def __init__(self, spec: EncoderSpec, device: str):
         self.spec, self.device = spec, device
