@@ -17,6 +17,7 @@ from imgest.defaults import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DECODE_WORKERS,
     DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
     DEFAULT_ENCODE_LIMIT,
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_DELETE_FRACTION,
@@ -48,11 +49,12 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
            decode_workers: int = DEFAULT_DECODE_WORKERS, max_pixels: int = DEFAULT_MAX_PIXELS,
            runner: str = DEFAULT_RUNNER, workers: int = DEFAULT_WORKERS,
            encode_limit: str = DEFAULT_ENCODE_LIMIT, max_bytes: int = DEFAULT_MAX_BYTES,
-           max_delete_fraction: float = DEFAULT_MAX_DELETE_FRACTION, allow_mass_delete: bool = False) -> dict:
+           max_delete_fraction: float = DEFAULT_MAX_DELETE_FRACTION, allow_mass_delete: bool = False,
+           dtype: str = DEFAULT_DTYPE) -> dict:
     cfg = IngestConfig(catalogue=catalogue, store=store, model=model, batch_size=str(batch_size), device=device,
                        shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels, runner=runner,
                        workers=workers, encode_limit=encode_limit, max_bytes=max_bytes,
-                       max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete)
+                       max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete, dtype=dtype)
     spec = encoders.resolve(cfg.model)
     device = encoders.resolve_device(cfg.device)
     store_loc = open_location(cfg.store)
@@ -85,7 +87,7 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
                     "catalogue_url": unmapped(catalogue_url), "store_url": unmapped(store_loc.url),
                     "batch_size": unmapped(batch), "decode_workers": unmapped(cfg.decode_workers),
                     "max_pixels": unmapped(cfg.max_pixels), "encode_limit": unmapped(cfg.encode_limit),
-                    "fence": unmapped(lock.fence)})
+                    "fence": unmapped(lock.fence), "dtype": unmapped(cfg.dtype)})
                 for shard, future in zip(plan.shards, futures):  # in order: progress moves as shards commit
                     try:
                         results.append(future.result())

@@ -14,6 +14,7 @@ from imgest.defaults import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DECODE_WORKERS,
     DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
     DEFAULT_ENCODE_LIMIT,
     DEFAULT_INDEX_PARTS,
     DEFAULT_K,
@@ -42,13 +43,14 @@ def nightly(catalogue: str, store: str, model: str | None = None, batch_size: st
             decode_workers: int = DEFAULT_DECODE_WORKERS, max_pixels: int = DEFAULT_MAX_PIXELS,
             runner: str = DEFAULT_RUNNER, workers: int = DEFAULT_WORKERS, encode_limit: str = DEFAULT_ENCODE_LIMIT,
             max_bytes: int = DEFAULT_MAX_BYTES, max_delete_fraction: float = DEFAULT_MAX_DELETE_FRACTION,
-            allow_mass_delete: bool = False, kind: str = DEFAULT_KIND, memory: str = DEFAULT_MEMORY,
-            target_recall: float = DEFAULT_TARGET_RECALL, k: int = DEFAULT_K,
+            allow_mass_delete: bool = False, dtype: str = DEFAULT_DTYPE, kind: str = DEFAULT_KIND,
+            memory: str = DEFAULT_MEMORY, target_recall: float = DEFAULT_TARGET_RECALL, k: int = DEFAULT_K,
             index_parts: int = DEFAULT_INDEX_PARTS) -> dict:
     cfg = NightlyConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
                         shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels, runner=runner,
                         workers=workers, encode_limit=encode_limit, max_bytes=max_bytes,
-                        max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete, kind=kind,
+                        max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete, dtype=dtype,
+                        kind=kind,
                         memory=memory, target_recall=target_recall, k=k, index_parts=index_parts)
     store_loc = open_location(cfg.store)
     runs, bases, ingested = [], [], set()

@@ -16,6 +16,7 @@ from imgest.defaults import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DECODE_WORKERS,
     DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
     DEFAULT_ENCODE_LIMIT,
     DEFAULT_INDEX_PARTS,
     DEFAULT_K,
@@ -40,6 +41,7 @@ from imgest.tasks.aliases import ALIAS_NAME
 from imgest.tasks.heads import HeadConfig
 from imgest.tasks.index_choice import KINDS, IndexChoiceError, parse_memory
 from imgest.tasks.migration import ACTIONS
+from imgest.tasks.shards import DTYPES
 
 HEAD = HeadConfig()  # train-head's defaults (loss, dimensions, P x K batches, early stopping)
 
@@ -133,9 +135,12 @@ class IngestConfig:
     max_bytes: int = DEFAULT_MAX_BYTES  # a larger object is rejected from its listing size, never read
     max_delete_fraction: float = DEFAULT_MAX_DELETE_FRACTION  # of the live items one run may tombstone
     allow_mass_delete: bool = False  # the deletions are real: lift max_delete_fraction for this run
+    dtype: str = DEFAULT_DTYPE  # of the vectors in the shards this run writes: float32 or float16
 
     def __post_init__(self) -> None:
         check_not_empty(catalogue=self.catalogue, store=self.store, model=self.model)
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         check_urls(catalogue=self.catalogue, store=self.store)
         check_runner(self.runner, self.workers)
         if not re.fullmatch(r"[A-Za-z0-9._:-]+", str(self.encode_limit)):

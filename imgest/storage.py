@@ -273,9 +273,13 @@ class Location:
         self.write_bytes(key, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
 
     def write_table(self, key: str, table: pa.Table) -> bytes:
-        """Write a Parquet file atomically; returns its bytes (callers checksum them)."""
+        """Write a Parquet file atomically; returns its bytes (callers checksum them). Vector columns
+        (fixed-size lists) skip dictionary encoding: embeddings are near-unique floats, where a dictionary
+        only adds bytes (and would hide what float16 saves)."""
         sink = io.BytesIO()
-        pq.write_table(table, sink, compression="zstd")
+        plain = {f.name for f in table.schema if pa.types.is_fixed_size_list(f.type)}
+        pq.write_table(table, sink, compression="zstd",
+                       use_dictionary=[f.name for f in table.schema if f.name not in plain] if plain else True)
         data = sink.getvalue()
         self.write_bytes(key, data)
         return data

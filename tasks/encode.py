@@ -18,7 +18,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from imgest import encoders
-from imgest.defaults import DEFAULT_DECODE_WORKERS, DEFAULT_MAX_PIXELS
+from imgest.defaults import DEFAULT_DECODE_WORKERS, DEFAULT_DTYPE, DEFAULT_MAX_PIXELS
 from imgest.encoders import Encoder, EncoderSpec
 from imgest.lock import Fence
 from imgest.storage import Location, StorageError, is_transient, one_line
@@ -141,9 +141,9 @@ def _now() -> str:
 
 def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: Location, batch_size: int,
                  decode_workers: int = DEFAULT_DECODE_WORKERS, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 fence: Fence | None = None) -> ShardResult:
+                 fence: Fence | None = None, dtype: str = DEFAULT_DTYPE) -> ShardResult:
     start = time.perf_counter()
-    writer = ShardWriter(store, encoder.spec, plan, fence)
+    writer = ShardWriter(store, encoder.spec, plan, fence, dtype)
     writer.result.worker, writer.result.started = f"{socket.gethostname()}:{os.getpid()}", _now()
     batch: list[Prepared] = []
     encode_seconds = wait_seconds = 0.0
@@ -238,9 +238,9 @@ def encode_slot(name: str | None) -> Iterator[None]:
       task_run_name="encode-{plan.name}")
 def encode_shard_task(plan: ShardPlan, spec: EncoderSpec, device: str, catalogue_url: str, store_url: str,
                       batch_size: int, decode_workers: int, max_pixels: int, encode_limit: str = "auto",
-                      fence: Fence | None = None) -> ShardResult:
+                      fence: Fence | None = None, dtype: str = DEFAULT_DTYPE) -> ShardResult:
     # The spec crosses the task boundary; the weights are loaded here, once per worker process.
     encoder = encoders.load(spec, device)
     with encode_slot(encode_slot_name(encode_limit, device)):
         return encode_shard(plan, encoder, Location(catalogue_url), Location(store_url), batch_size,
-                            decode_workers, max_pixels, fence)
+                            decode_workers, max_pixels, fence, dtype)

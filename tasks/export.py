@@ -21,6 +21,7 @@ def export_live(store_url: str, model: str, out: str) -> dict:
     with target.open_output("") as fh:
         writer = None
         for table in iter_live_tables(store, state):
+            table = as_float32(table, int(card["dim"]))  # float16 shards export as float32, like the others
             if writer is None:
                 writer = pq.ParquetWriter(fh, table.schema, compression="zstd")
             writer.write_table(table.cast(writer.schema))
@@ -35,3 +36,13 @@ def _empty_schema(card: dict) -> pa.Schema:
     return pa.schema([("item_id", pa.string()), ("uri", pa.string()), ("content_hash", pa.string()),
                       ("model_id", pa.string()), ("embedding", pa.list_(pa.float32(), int(card["dim"])))],
                      metadata={"imgest.model_id": card["model_id"], "imgest.dim": str(card["dim"])})
+
+
+def as_float32(table: pa.Table, dim: int) -> pa.Table:
+    """The table with its embedding column as fixed-size lists of float32 (metadata kept, dtype said)."""
+    field = pa.field("embedding", pa.list_(pa.float32(), dim))
+    if table.schema.field("embedding").type == field.type:
+        return table
+    i = table.schema.get_field_index("embedding")
+    meta = {**(table.schema.metadata or {}), b"imgest.dtype": b"float32", b"imgest.stored_dtype": b"float16"}
+    return table.set_column(i, field, table.column(i).cast(field.type)).replace_schema_metadata(meta)

@@ -16,30 +16,33 @@ from imgest.storage import Location
 from imgest.tasks.plan import ShardPlan, WorkItem
 from imgest.tasks.state import commit_key, now_iso, shard_key
 
+DTYPES = {"float32": (np.float32, pa.float32()), "float16": (np.float16, pa.float16())}
+
 
 def embedding_matrix(table: pa.Table, dim: int) -> np.ndarray:
-    """A shard table's `embedding` column (fixed-size lists) as a (rows, dim) float32 array."""
+    """A shard table's `embedding` column (fixed-size lists of float32 or float16) as a (rows, dim) float32
+    array: every reader (index build, export, heads, eval) works in float32 whatever the shards hold."""
     flat = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-    return flat.reshape(len(table), dim)
+    return flat.reshape(len(table), dim).astype(np.float32, copy=False)
 
 
-def shard_schema(spec: EncoderSpec) -> pa.Schema:
+def shard_schema(spec: EncoderSpec, dtype: str = "float32") -> pa.Schema:
     fields = [
         ("item_id", pa.string()),
         ("uri", pa.string()),
         ("content_hash", pa.string()),
         ("model_id", pa.string()),
-        ("embedding", pa.list_(pa.float32(), spec.dim)),
+        ("embedding", pa.list_(DTYPES[dtype][1], spec.dim)),
         ("etag", pa.string()),
         ("size", pa.int64()),
         ("mtime", pa.float64()),
         ("run_id", pa.string()),
         ("encoded_at", pa.timestamp("us", tz="UTC")),
     ]
-    return pa.schema(fields, metadata=spec_metadata(spec))
+    return pa.schema(fields, metadata=spec_metadata(spec, dtype))
 
 
-def spec_metadata(spec: EncoderSpec) -> dict[str, str]:
+def spec_metadata(spec: EncoderSpec, dtype: str = "float32") -> dict[str, str]:
     import json
 
     return {
@@ -48,7 +51,7 @@ def spec_metadata(spec: EncoderSpec) -> dict[str, str]:
         "imgest.model_name": spec.name,
         "imgest.model_revision": spec.revision,
         "imgest.dim": str(spec.dim),
-        "imgest.dtype": "float32",
+        "imgest.dtype": dtype,  # of the stored vectors; the encoder's output is float32, L2-normalised
         "imgest.normalisation": "l2",
         "imgest.preprocessing": json.dumps(spec.preprocessing, sort_keys=True),
     }
@@ -82,8 +85,11 @@ def _object_fields(item: WorkItem, content_hash: str) -> dict:
 class ShardWriter:
     """Collects one shard's outcome; ``flush`` makes it durable and then visible."""
 
-    def __init__(self, store: Location, spec: EncoderSpec, plan: ShardPlan, fence: Fence | None = None):
-        self.store, self.spec, self.plan, self.fence = store, spec, plan, fence
+    def __init__(self, store: Location, spec: EncoderSpec, plan: ShardPlan, fence: Fence | None = None,
+                 dtype: str = "float32"):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+        self.store, self.spec, self.plan, self.fence, self.dtype = store, spec, plan, fence, dtype
         self.result = ShardResult(shard=plan.name)
         self._rows: list[dict] = []
         self._vectors: list[np.ndarray] = []
@@ -117,10 +123,10 @@ class ShardWriter:
         vectors = np.concatenate(self._vectors) if self._vectors else np.zeros((0, self.spec.dim), np.float32)
         now = datetime.now(UTC)
         n = len(self._rows)
-        schema = shard_schema(self.spec)
+        schema = shard_schema(self.spec, self.dtype)
         columns = {name: [r[name] for r in self._rows] for name in ("item_id", "uri", "content_hash", "etag",
                                                                     "size", "mtime")}
-        flat = pa.array(vectors.reshape(-1), pa.float32())
+        flat = pa.array(vectors.reshape(-1).astype(DTYPES[self.dtype][0]), DTYPES[self.dtype][1])
         table = pa.table({
             **{k: columns[k] for k in ("item_id", "uri", "content_hash")},
             "model_id": [self.spec.model_id] * n,
@@ -146,6 +152,7 @@ class ShardWriter:
             "run_id": self.plan.run_id,
             "shard": self.plan.name,
             "model_id": self.spec.model_id,
+            "dtype": self.dtype,
             "file": shard_key(self.spec.slug, self.plan.name) if self._rows else None,
             "rows": len(self._rows),
             "bytes": self.result.bytes,

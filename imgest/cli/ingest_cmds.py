@@ -14,6 +14,7 @@ from imgest.defaults import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DECODE_WORKERS,
     DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
     DEFAULT_ENCODE_LIMIT,
     DEFAULT_KIND,
     DEFAULT_MAX_BYTES,
@@ -32,6 +33,8 @@ MAX_DELETE = typer.Option(DEFAULT_MAX_DELETE_FRACTION, help="A run that would to
                                                             "the live items stops before writing anything (exit 2)")
 ALLOW_MASS_DELETE = typer.Option(False, "--allow-mass-delete", help="The deletions are real: lift "
                                                                       "--max-delete-fraction for this run")
+DTYPE = typer.Option(DEFAULT_DTYPE, help="Vectors in the shards this run writes: float32 or float16 (half the "
+                                         "bytes; indexes, export, eval and heads read both)")
 RUNNER = typer.Option(DEFAULT_RUNNER, help="Where shards encode: local (this process), dask (a local Dask cluster "
                                            "of worker processes) or a Dask scheduler address tcp://host:8786")
 WORKERS = typer.Option(DEFAULT_WORKERS, help="Worker processes of a local Dask cluster (--runner dask); 0: one per "
@@ -57,6 +60,7 @@ def ingest(
     max_bytes: int = MAX_BYTES,
     max_delete_fraction: float = MAX_DELETE,
     allow_mass_delete: bool = ALLOW_MASS_DELETE,
+    dtype: str = DTYPE,
     as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON"),
 ) -> None:
     """Encode what is new or changed in the catalogue; tombstone what was deleted."""
@@ -70,7 +74,8 @@ def ingest(
         cfg = IngestConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
                            shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels,
                            runner=runner, workers=workers, encode_limit=encode_limit, max_bytes=max_bytes,
-                           max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete)
+                           max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete,
+                           dtype=dtype)
         encoders.resolve(cfg.model)
         encoders.resolve_device(cfg.device)
         check_apart(open_location(cfg.catalogue, must_exist=True, what="catalogue"), open_location(cfg.store))
@@ -145,6 +150,7 @@ def reencode(
     device: str = typer.Option(DEFAULT_DEVICE, help="auto, cpu, cuda or cuda:N"),
     runner: str = RUNNER,
     workers: int = WORKERS,
+    dtype: str = DTYPE,
 ) -> None:
     """Encode the whole catalogue with a new model into its own namespace (resumable; old data untouched)."""
     try:
@@ -153,14 +159,14 @@ def reencode(
         from imgest.storage import open_location
 
         cfg = IngestConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
-                           runner=runner, workers=workers)
+                           runner=runner, workers=workers, dtype=dtype)
         encoders.resolve(cfg.model)
         open_location(cfg.catalogue, must_exist=True, what="catalogue")
         from imgest.flows.reencode import reencode as reencode_flow
         from imgest.tasks.markdown import render_reencode
 
         summary = reencode_flow(catalogue=cfg.catalogue, store=cfg.store, model=cfg.model, batch_size=cfg.batch_size,
-                                device=cfg.device, runner=cfg.runner, workers=cfg.workers)
+                                device=cfg.device, runner=cfg.runner, workers=cfg.workers, dtype=cfg.dtype)
     except _user_errors() as exc:
         _fail(exc)
     typer.echo(render_reencode(summary))
@@ -183,6 +189,7 @@ def nightly(
     max_bytes: int = MAX_BYTES,
     max_delete_fraction: float = MAX_DELETE,
     allow_mass_delete: bool = ALLOW_MASS_DELETE,
+    dtype: str = DTYPE,
 ) -> None:
     """Ingest, then build and verify a fresh index and move `serving` to it."""
     try:
@@ -194,7 +201,7 @@ def nightly(
         cfg = NightlyConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
                             kind=kind, memory=memory, target_recall=target_recall, runner=runner, workers=workers,
                             max_bytes=max_bytes, max_delete_fraction=max_delete_fraction,
-                            allow_mass_delete=allow_mass_delete)
+                            allow_mass_delete=allow_mass_delete, dtype=dtype)
         if cfg.model:
             encoders.resolve(cfg.model)
         check_apart(open_location(cfg.catalogue, must_exist=True, what="catalogue"), open_location(cfg.store))
@@ -230,7 +237,7 @@ def demo(
     nightly(catalogue=catalogue, store=store_dir, model=None, batch_size=DEFAULT_BATCH_SIZE,
             device=DEFAULT_DEVICE, kind=DEFAULT_KIND, memory=DEFAULT_MEMORY, target_recall=DEFAULT_TARGET_RECALL,
             runner=DEFAULT_RUNNER, workers=DEFAULT_WORKERS, max_bytes=DEFAULT_MAX_BYTES,
-            max_delete_fraction=DEFAULT_MAX_DELETE_FRACTION, allow_mass_delete=False)
+            max_delete_fraction=DEFAULT_MAX_DELETE_FRACTION, allow_mass_delete=False, dtype=DEFAULT_DTYPE)
     status(store=store_dir, as_json=False)
     query = os.path.join(catalogue, "photos", "chelsea.jpg")
     typer.echo(f"\n$ imgest search --store {store_dir} --image {query} --k 5")
