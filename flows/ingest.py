@@ -28,6 +28,7 @@ from imgest.defaults import (
     DEFAULT_WORKERS,
 )
 from imgest.lock import StoreLock
+from imgest.progress import report
 from imgest.storage import one_line, open_location
 from imgest.tasks.batch_size import choose_batch_size_task
 from imgest.tasks.commit import commit_run_task, new_summary
@@ -80,6 +81,7 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
         if plan.shards:
             progress = create_progress_artifact(0.0, key="ingest-progress",
                                                 description=f"{len(plan.shards)} shard(s) to encode")
+            report(spec.slug, 0, plan.to_read)  # a terminal's progress bar, when the CLI runs this flow
             with shard_runner(cfg.runner, cfg.workers) as shard_tasks:
                 started = time.perf_counter()  # after a local cluster has started
                 futures = shard_tasks.map(encode_shard_task, {
@@ -96,6 +98,7 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
                                                f"retries: {one_line(exc)}") from exc
                     update_progress_artifact(progress, 100.0 * len(results) / len(plan.shards),
                                              description=progress_line(results, plan))
+                    report(spec.slug, sum(len(s.items) for s in plan.shards[:len(results)]), plan.to_read)
                 summary.encode_wall_seconds = round(time.perf_counter() - started, 3)
         summary.batch_size, summary.batch_size_source, summary.device = batch, source, device
         summary.removed_orphans = orphans

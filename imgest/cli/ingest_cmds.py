@@ -27,6 +27,7 @@ from imgest.defaults import (
     DEFAULT_TARGET_RECALL,
     DEFAULT_WORKERS,
 )
+from imgest.progress import reporting
 
 MAX_BYTES = typer.Option(DEFAULT_MAX_BYTES, help="Larger objects are rejected from their listing size, never read")
 MAX_DELETE = typer.Option(DEFAULT_MAX_DELETE_FRACTION, help="A run that would tombstone more than this share of "
@@ -84,7 +85,8 @@ def ingest(
         from imgest.tasks.commit import RunSummary
         from imgest.tasks.markdown import render_summary
 
-        summary = ingest_flow(**cfg.to_dict())
+        with reporting():
+            summary = ingest_flow(**cfg.to_dict())
     except _user_errors() as exc:
         _fail(exc)
     if as_json:
@@ -165,8 +167,10 @@ def reencode(
         from imgest.flows.reencode import reencode as reencode_flow
         from imgest.tasks.markdown import render_reencode
 
-        summary = reencode_flow(catalogue=cfg.catalogue, store=cfg.store, model=cfg.model, batch_size=cfg.batch_size,
-                                device=cfg.device, runner=cfg.runner, workers=cfg.workers, dtype=cfg.dtype)
+        with reporting():
+            summary = reencode_flow(catalogue=cfg.catalogue, store=cfg.store, model=cfg.model,
+                                    batch_size=cfg.batch_size, device=cfg.device, runner=cfg.runner,
+                                    workers=cfg.workers, dtype=cfg.dtype)
     except _user_errors() as exc:
         _fail(exc)
     typer.echo(render_reencode(summary))
@@ -210,7 +214,8 @@ def nightly(
         from imgest.tasks.commit import RunSummary
         from imgest.tasks.markdown import render_card, render_summary
 
-        result = nightly_flow(**asdict(cfg))
+        with reporting():
+            result = nightly_flow(**asdict(cfg))
     except _user_errors() as exc:
         _fail(exc)
     for base in result["bases"]:  # a head's base model, ingested first

@@ -1,0 +1,75 @@
+"""Progress for a person: a rich progress bar on a terminal, plain lines elsewhere; flows report to it.
+
+The command line installs a reporter around a flow it runs in its own process (`reporting()`); a flow
+run by a worker or a deployment has none and reports through its Prefect progress artifact only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+Reporter = Callable[[str, int, int], None]  # (what, images done, images in total)
+_reporter: contextvars.ContextVar[Reporter | None] = contextvars.ContextVar("imgest_progress", default=None)
+
+
+def report(what: str, done: int, total: int) -> None:
+    """Tell the person watching, if any: `what` (e.g. the model), images done of total."""
+    reporter = _reporter.get()
+    if reporter is not None:
+        reporter(what, done, total)
+
+
+@contextlib.contextmanager
+def reporting(stream=None) -> Iterator[None]:
+    """Within it, report() draws a live bar (images, img/s, ETA) when `stream` is a terminal, else writes
+    one plain line per update."""
+    stream = stream or sys.stderr
+    if stream.isatty():
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TaskProgressColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("images"),
+                   TaskProgressColumn(), TextColumn("{task.fields[rate]} img/s"), TimeElapsedColumn(),
+                   TextColumn("ETA"), TimeRemainingColumn())
+        with Progress(*columns, console=Console(file=stream), transient=False) as bar:
+            tasks: dict[str, int] = {}
+
+            def draw(what: str, done: int, total: int) -> None:
+                if what not in tasks:
+                    tasks[what] = bar.add_task(what, total=total, rate="-")
+                task = bar.tasks[tasks[what]]
+                rate = f"{done / task.elapsed:.1f}" if task.elapsed else "-"
+                bar.update(tasks[what], completed=done, total=total, rate=rate)
+
+            token = _reporter.set(draw)
+            try:
+                yield
+            finally:
+                _reporter.reset(token)
+        return
+    started: dict[str, float] = {}
+
+    def line(what: str, done: int, total: int) -> None:
+        start = started.setdefault(what, time.monotonic())
+        elapsed = time.monotonic() - start
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = f", about {(total - done) / rate / 60:.1f} min left" if rate and done < total else ""
+        print(f"{what}: {done:,}/{total:,} images, {rate:.1f} img/s{eta}", file=stream, flush=True)
+
+    token = _reporter.set(line)
+    try:
+        yield
+    finally:
+        _reporter.reset(token)

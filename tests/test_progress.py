@@ -1,0 +1,56 @@
+"""A person watching a long command sees its progress: a live bar on a terminal, plain lines elsewhere."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import subprocess
+import sys
+
+import pytest
+
+from imgest.progress import report, reporting
+from tests.helpers import gradient, png_bytes, write_files
+
+
+def test_plain_lines_when_not_a_terminal():
+    out = io.StringIO()
+    with reporting(out):
+        report("model-a", 0, 6000)
+        report("model-a", 2000, 6000)
+    report("model-a", 6000, 6000)  # outside: nobody is watching, nothing is printed
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("model-a: 0/6,000 images") and lines[1].startswith("model-a: 2,000/6,000 images")
+    assert len(lines) == 2
+
+
+@pytest.mark.slow
+def test_ingest_on_a_terminal_draws_a_bar_and_plain_lines_in_a_pipe(tmp_path):
+    cat, store = tmp_path / "cat", tmp_path / "store"
+    write_files(str(cat), {f"p/{i:02d}.png": png_bytes(gradient(i, (32, 32))) for i in range(12)})
+    imgest = os.path.join(os.path.dirname(sys.executable), "imgest")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "COLUMNS": "160"}
+    env.pop("PREFECT_API_URL", None)
+    args = [imgest, "ingest", "--catalogue", str(cat), "--store", str(store), "--model", "raw-pixels",
+            "--shard-size", "4", "--batch-size", "4"]
+    piped = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env)
+    assert piped.returncode == 0, piped.stderr[-2000:]
+    assert "12/12 images" in piped.stderr and "img/s" in piped.stderr
+
+    write_files(str(cat), {f"p/{i:02d}.png": png_bytes(gradient(100 + i, (32, 32))) for i in range(12, 20)})
+    parent, child = pty.openpty()  # a real terminal for the command's stderr
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=child, env=env)
+    os.close(child)
+    captured = b""
+    while True:
+        try:
+            chunk = os.read(parent, 65536)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        captured += chunk
+    assert proc.wait(timeout=240) == 0
+    text = captured.decode(errors="replace")
+    assert "8/8" in text and "images" in text and "━" in text, text[-2000:]  # rich's bar
