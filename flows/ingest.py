@@ -30,15 +30,22 @@ from imgest.defaults import (
 from imgest.lock import StoreLock
 from imgest.progress import report
 from imgest.storage import one_line, open_location
-from imgest.tasks.batch_size import choose_batch_size_task
-from imgest.tasks.commit import commit_run_task, new_summary
-from imgest.tasks.encode import ShardFailedError, encode_shard_task
-from imgest.tasks.listing import check_apart, list_catalogue_task
+from imgest.tasks.commit import new_summary
+from imgest.tasks.encode import ShardFailedError
+from imgest.tasks.ingest_tasks import (
+    attach_base_task,
+    choose_batch_size_task,
+    commit_run_task,
+    encode_shard_task,
+    list_catalogue_task,
+    plan_ingest_task,
+    prepare_state_task,
+)
+from imgest.tasks.listing import check_apart
 from imgest.tasks.markdown import progress_line, render_summary
-from imgest.tasks.plan import attach_base_task, plan_ingest_task
 from imgest.tasks.run_names import run_name
 from imgest.tasks.runners import shard_runner
-from imgest.tasks.state import new_run_id, prepare_state_task
+from imgest.tasks.state import new_run_id
 
 
 # Listing, planning and commit run in the flow's process; encode-shard tasks run on `runner`

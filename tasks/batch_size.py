@@ -6,8 +6,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from imgest.encoders import Encoder, device_key
 from imgest.storage import Location
@@ -109,6 +107,3 @@ def choose_batch_size(store_url: str, spec, device: str, fixed: int | None) -> t
     tuning, cached = cached_or_tuned(store, encoder)
     rates = ", ".join(f"{b}: {r}" for b, r in sorted(tuning.measured.items()))
     return tuning.batch_size, f"auto, {'cached' if cached else 'measured'} img/s by batch {{{rates}}}"
-
-
-choose_batch_size_task = task(choose_batch_size, name="tune-batch-size", cache_policy=NO_CACHE)

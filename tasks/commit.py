@@ -6,14 +6,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from imgest.encoders import EncoderSpec
 from imgest.lock import Fence
 from imgest.storage import Location
 from imgest.tasks.plan import Plan
-from imgest.tasks.policy import COMMIT_TIMEOUT_S, IO_RETRIES
 from imgest.tasks.shards import ShardResult
 from imgest.tasks.state import DELETED, CatalogueState, commit_key, now_iso, write_snapshot
 
@@ -138,12 +135,6 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
         store.write_table(timeline_key(plan.run_id), shard_timeline(results))
     store.write_json(summary_key(plan.run_id), summary.to_dict())
     return summary
-
-
-@task(name="commit", cache_policy=NO_CACHE, timeout_seconds=COMMIT_TIMEOUT_S, **IO_RETRIES)
-def commit_run_task(store_url: str, state: CatalogueState, plan: Plan, results: list[ShardResult],
-                    summary: RunSummary, fence: Fence | None = None) -> RunSummary:
-    return commit_run(Location(store_url), state, plan, results, summary, fence)
 
 
 def new_summary(spec: EncoderSpec, run_id: str, catalogue: str, store: str, parameters: dict) -> RunSummary:

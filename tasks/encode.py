@@ -9,22 +9,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import numpy as np
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
-from imgest import encoders
 from imgest.defaults import DEFAULT_DECODE_WORKERS, DEFAULT_DTYPE, DEFAULT_MAX_PIXELS
-from imgest.encoders import Encoder, EncoderSpec
+from imgest.encoders import Encoder
 from imgest.lock import Fence
 from imgest.storage import Location, StorageError, is_transient, one_line
 from imgest.tasks.decode import DecodeError, decode_image
 from imgest.tasks.plan import ShardPlan, WorkItem
-from imgest.tasks.policy import SHARD_RETRIES
 from imgest.tasks.shards import ShardResult, ShardWriter, embedding_matrix
 from imgest.tasks.state import shard_key
 
@@ -185,62 +180,3 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     result.seconds = round(time.perf_counter() - start, 3)
     result.encode_seconds, result.wait_seconds = round(encode_seconds, 3), round(wait_seconds, 3)
     return result
-
-
-def encode_slot_name(limit: str, device: str) -> str | None:
-    """The Prefect global concurrency limit an encode task holds a slot of, or None.
-
-    'auto': on CUDA, one limit per physical GPU (named by its UUID, whatever CUDA_VISIBLE_DEVICES
-    says), so each GPU runs one encode task at a time however many workers share it; on CPU, none.
-    'none': no limit. Any other value: that limit's name (shared by every worker that names it).
-    """
-    if limit == "none":
-        return None
-    if limit != "auto":
-        return limit
-    if not device.startswith("cuda"):
-        return None
-    import torch
-
-    index = int(device.partition(":")[2] or torch.cuda.current_device())
-    return f"imgest-gpu-{torch.cuda.get_device_properties(index).uuid}"
-
-
-def ensure_limit(name: str, slots: int = 1) -> None:
-    """Create the global concurrency limit with `slots` slots unless it exists (an operator may have sized it)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-        except ObjectNotFound:
-            try:
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=slots))
-            except ObjectAlreadyExists:
-                pass  # another worker created it first
-
-
-@contextmanager
-def encode_slot(name: str | None) -> Iterator[None]:
-    if name is None:
-        yield
-        return
-    from prefect.concurrency.sync import concurrency
-
-    ensure_limit(name)
-    with concurrency(name, occupy=1, strict=True):
-        yield
-
-
-@task(name="encode-shard", cache_policy=NO_CACHE, **SHARD_RETRIES,
-      task_run_name="encode-{plan.name}")
-def encode_shard_task(plan: ShardPlan, spec: EncoderSpec, device: str, catalogue_url: str, store_url: str,
-                      batch_size: int, decode_workers: int, max_pixels: int, encode_limit: str = "auto",
-                      fence: Fence | None = None, dtype: str = DEFAULT_DTYPE) -> ShardResult:
-    # The spec crosses the task boundary; the weights are loaded here, once per worker process.
-    encoder = encoders.load(spec, device)
-    with encode_slot(encode_slot_name(encode_limit, device)):
-        return encode_shard(plan, encoder, Location(catalogue_url), Location(store_url), batch_size,
-                            decode_workers, max_pixels, fence, dtype)

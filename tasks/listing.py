@@ -5,11 +5,7 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass, field
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from imgest.storage import Location, ObjectInfo, StorageError, open_location, redact
-from imgest.tasks.policy import IO_RETRIES, LIST_TIMEOUT_S
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff"})
 
@@ -52,8 +48,3 @@ def check_apart(catalogue: Location, store: Location) -> None:
     if b.startswith(a) or a.startswith(b):
         raise StorageError(f"store {redact(store.url)} and catalogue {redact(catalogue.url)} overlap: the store's "
                            "own files would be listed as catalogue images; put the store outside the catalogue")
-
-
-@task(name="list-catalogue", cache_policy=NO_CACHE, timeout_seconds=LIST_TIMEOUT_S, **IO_RETRIES)
-def list_catalogue_task(catalogue_url: str) -> Listing:
-    return list_catalogue(catalogue_url)

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from imgest.defaults import DEFAULT_MAX_BYTES, DEFAULT_SHARD_SIZE
 from imgest.storage import Location, ObjectInfo
 from imgest.tasks.listing import Listing
@@ -163,16 +160,3 @@ def attach_base(plan: Plan, base: CatalogueState) -> Plan:
         shards.append(replace(shard, items=tuple(items)))
     plan.shards = shards
     return plan
-
-
-@task(name="plan-shards", cache_policy=NO_CACHE)
-def plan_ingest_task(listing: Listing, state: CatalogueState, run_id: str, shard_size: int, max_bytes: int,
-                     max_delete_fraction: float | None) -> Plan:
-    return plan_ingest(listing, state, run_id, shard_size, max_bytes, max_delete_fraction)
-
-
-@task(name="attach-base-embeddings", cache_policy=NO_CACHE)
-def attach_base_task(store_url: str, base_slug: str, plan: Plan) -> Plan:
-    from imgest.tasks.state import load_state
-
-    return attach_base(plan, load_state(Location(store_url), base_slug))

@@ -17,11 +17,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from imgest.storage import Location
-from imgest.tasks.policy import IO_RETRIES
 
 # live: a current embedding; rejected: this content cannot be used (retried when the object changes);
 # failed: a transient fault (timeout, throttling, memory): retried on the next run; deleted: a tombstone,
@@ -217,8 +214,3 @@ def prepare_state(store: Location, spec_description: dict) -> tuple[CatalogueSta
     write_model_card(store, spec_description)
     state = load_state(store, spec_description["slug"])
     return state, remove_orphan_shards(store, state)
-
-
-@task(name="load-state", cache_policy=NO_CACHE, **IO_RETRIES)
-def prepare_state_task(store_url: str, spec_description: dict) -> tuple[CatalogueState, list[str]]:
-    return prepare_state(Location(store_url), spec_description)

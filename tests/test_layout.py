@@ -132,3 +132,15 @@ def test_flows_configs_and_cli_share_their_defaults():
 
     eval_cli = cli_defaults(eval_cmds.eval_cmd)
     assert eval_cli["k"] == ",".join(map(str, DEFAULT_KS)) and eval_cli["resamples"] == DEFAULT_RESAMPLES
+
+
+def test_the_encode_path_imports_without_prefect_or_faiss():
+    """What bench/gpu_check.py relies on: a GPU machine can run decode, tuning and encode_shard with only
+    torch, Pillow, pyarrow, fsspec and the model's own wheels."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['prefect'] = None; sys.modules['faiss'] = None; "
+            "import imgest.encoders, imgest.tasks.encode, imgest.tasks.batch_size, imgest.tasks.decode")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

