@@ -17,7 +17,6 @@ decode is not in imgest yet (issue 12): the line says so rather than guessing a 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
@@ -29,28 +28,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def product_photos(n: int, seed: int = 0) -> dict[str, bytes]:
-    """Product-sized JPEGs from real photos: scaled to 800-2000 px, cropped, quality 85-95, some progressive."""
-    from PIL import Image
-
-    from imgest.demo import PHOTOS, photo
-
-    rng = np.random.default_rng(seed)
-    bases = [photo(name).convert("RGB") for name in PHOTOS]
-    out = {}
-    for i in range(n):
-        image = bases[i % len(bases)]
-        side = int(rng.integers(800, 2001))
-        scaled = image.resize((side, max(1, int(side * image.height / image.width))), Image.Resampling.BICUBIC)
-        w, h = scaled.size
-        left, top = int(rng.integers(0, max(1, w // 10))), int(rng.integers(0, max(1, h // 10)))
-        crop = scaled.crop((left, top, w - left, h - top))
-        buf = io.BytesIO()
-        crop.save(buf, "JPEG", quality=int(rng.integers(85, 96)), progressive=bool(i % 3 == 0))
-        out[f"p/{i:05d}.jpg"] = buf.getvalue()
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=2000)
@@ -60,6 +37,7 @@ def main() -> None:
     import torch
 
     from imgest import encoders
+    from imgest.demo import product_photos
     from imgest.storage import Location
     from imgest.tasks.batch_size import tune_batch_size
     from imgest.tasks.decode import decode_image

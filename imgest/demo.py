@@ -73,3 +73,21 @@ def build_demo_catalogue(root: str, fashion_per_class: int = 60, seed: int = 0) 
         fh.write(buffer.getvalue()[:2000])  # cut mid-scan: recorded as rejected, the run goes on
     counts["other"] = 2
     return counts
+
+
+def product_photos(n: int, seed: int = 0) -> dict[str, bytes]:
+    """Product-sized JPEGs from real photos: scaled to 800-2000 px, cropped, quality 85-95, some progressive."""
+    rng = np.random.default_rng(seed)
+    bases = [photo(name).convert("RGB") for name in PHOTOS]
+    out = {}
+    for i in range(n):
+        image = bases[i % len(bases)]
+        side = int(rng.integers(800, 2001))
+        scaled = image.resize((side, max(1, int(side * image.height / image.width))), Image.Resampling.BICUBIC)
+        w, h = scaled.size
+        left, top = int(rng.integers(0, max(1, w // 10))), int(rng.integers(0, max(1, h // 10)))
+        crop = scaled.crop((left, top, w - left, h - top))
+        buf = io.BytesIO()
+        crop.save(buf, "JPEG", quality=int(rng.integers(85, 96)), progressive=bool(i % 3 == 0))
+        out[f"p/{i:05d}.jpg"] = buf.getvalue()
+    return out

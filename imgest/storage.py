@@ -178,6 +178,13 @@ class Location:
         return self.fs.exists(self.path(key))
 
     @_io("checking")
+    def reachable(self) -> bool:
+        """Whether the root answers now, asked over the wire (never from fsspec's listing cache): how a
+        store-wide fault is told apart from one object's."""
+        self.fs.invalidate_cache(self.root)
+        return self.fs.exists(self.root)
+
+    @_io("checking")
     def modified(self, key: str) -> float | None:
         """When ``key`` was last written (epoch seconds), or None when it does not exist."""
         try:

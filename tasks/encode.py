@@ -71,7 +71,7 @@ def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixel
 
 def catalogue_reachable(catalogue: Location) -> bool:
     try:
-        return catalogue.exists("")
+        return catalogue.reachable()
     except StorageError:
         return False
 

@@ -200,7 +200,7 @@ def test_a_catalogue_that_drops_mid_run_fails_the_run_naming_the_shard_and_the_o
     shard and the object, nothing committed. One object failing alone is not (tests/test_faults.py)."""
     import s3fs
 
-    import imgest.tasks.listing as listing_module
+    import imgest.tasks.ingest_tasks as listing_module  # where the listing task finds list_catalogue
     from imgest.tasks.encode import ShardFailedError
     from tests.helpers import TcpProxy
 
