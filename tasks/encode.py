@@ -106,10 +106,9 @@ def derive_from_base(items: tuple[WorkItem, ...], encoder: Encoder, store: Locat
     for item in items:
         if item.verdict is not None:
             rest.append(item)  # rejected from its listing: prepare() records it
-        elif item.base_shard and item.base_hash and item.prev_hash == item.base_hash and item.revive_shard:
-            writer.revive(item, item.base_hash)  # back with the bytes of the head's tombstone: its row serves
         elif item.base_shard and item.base_hash and item.prev_hash == item.base_hash:
-            writer.unchanged(item, item.base_hash)  # same bytes as the head's own row: nothing to do
+            # same bytes as the head's own row (or its tombstone's, which is revived): nothing to encode
+            (writer.revive if item.revive_shard else writer.unchanged)(item, item.base_hash)
         elif item.base_shard:
             by_shard.setdefault(item.base_shard, []).append(item)
         else:

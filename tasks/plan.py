@@ -78,10 +78,11 @@ def item_key(key: str) -> str:
         return key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def listing_verdict(obj: ObjectInfo, max_bytes: int) -> str | None:
-    """Why an object is rejected from its listing alone, without reading it; None when it is to be read."""
-    if item_key(obj.key) != obj.key:
-        return f"KeyError: the key is not valid UTF-8 ({item_key(obj.key)!r}); rename the object"
+def listing_verdict(obj: ObjectInfo, key: str, max_bytes: int) -> str | None:
+    """Why an object (whose item id is `key`) is rejected from its listing alone, without reading it; None
+    when it is to be read."""
+    if key != obj.key:
+        return f"KeyError: the key is not valid UTF-8 ({key!r}); rename the object"
     if obj.storage_class and obj.storage_class.upper() in ARCHIVED:
         return f"ArchivedObject: storage class {obj.storage_class} cannot be read until it is restored"
     if obj.size > max_bytes:
@@ -134,7 +135,7 @@ def plan_ingest(listing: Listing, state: CatalogueState, run_id: str, shard_size
             plan.changed_candidates += 1
             prev_hash = prev.content_hash
         work.append(WorkItem(key, catalogue.uri(key), obj.size, obj.mtime, obj.etag, prev_hash,
-                             verdict=listing_verdict(obj, max_bytes), revive_shard=revive))
+                             verdict=listing_verdict(obj, key, max_bytes), revive_shard=revive))
     plan.deleted = sorted(k for k, item in state.items.items() if k not in seen and item.status != DELETED)
     if max_delete_fraction is not None:
         check_deletions(plan, state, max_delete_fraction)

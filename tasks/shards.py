@@ -144,7 +144,6 @@ class ShardWriter:
         """Write the Parquet file (atomically), then the commit marker that makes it count."""
         self.result.encoded = len(self._rows)
         self.result.finished = datetime.now(UTC).isoformat(timespec="microseconds")
-        self._check()
         if self._rows:
             data = self.store.write_table(shard_key(self.spec.slug, self.plan.name), self._table())
             self.result.bytes, self.result.sha256 = len(data), hashlib.sha256(data).hexdigest()
@@ -166,7 +165,9 @@ class ShardWriter:
             "unchanged": self._unchanged,
             "revived": self._revived,
         }
-        self._check()  # a writer that lost the lock leaves at most an unreferenced file, which the holder removes
+        # one fence check per shard, before the marker: a writer that lost the lock leaves at most an
+        # unreferenced file, which the holder's next run removes
+        self._check()
         self.store.write_json(commit_key(self.spec.slug, self.plan.name), marker)
         return self.result
 
