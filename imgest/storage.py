@@ -197,7 +197,9 @@ class Location:
         Symlinks are followed: a link to a file is that file (its size and mtime); a link to a device or
         a FIFO, like the FIFO itself, comes back with ``regular=False`` (never to be read)."""
         base = self.path(key)
-        self.fs.invalidate_cache(base)
+        # all of fsspec's listing cache, not just `base`: s3fs drops a path and its parents, and its find()
+        # would reuse a stale listing of a subfolder in a long-lived process (new objects never seen)
+        self.fs.invalidate_cache()
         try:
             found = self.fs.find(base, detail=True)
         except FileNotFoundError:
