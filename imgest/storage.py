@@ -16,6 +16,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+TEMP_PREFIX = ".tmp-"  # a local atomic write's file before its rename (see Location.write_bytes)
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
 # The query string of an http(s) URL: presigned S3 signatures, Azure SAS tokens, GCS signed URLs.
 _HTTP_QUERY = re.compile(r"(?P<url>https?://[^\s?#'\"]*)\?[^\s#'\"]*", re.IGNORECASE)
@@ -224,8 +225,12 @@ class Location:
                 storage_class=info.get("StorageClass") or info.get("storage_class"),
             )
 
-    def list_names(self, key: str) -> list[str]:
-        """Names directly below ``key`` (files and folders); empty when it does not exist."""
+    def list_names(self, key: str, *, temp: bool = False) -> list[str]:
+        """Names directly below ``key`` (files and folders); empty when it does not exist.
+
+        A local write killed before its rename leaves a hidden temp file (``TEMP_PREFIX``); those are
+        left out unless ``temp`` is set (the writer's sweep asks for them to delete them).
+        """
         base = self.path(key)
         self.fs.invalidate_cache(base)
         try:
@@ -234,7 +239,8 @@ class Location:
             return []
         except Exception as exc:
             raise self.failure("listing", key, exc) from exc
-        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in entries if p.rstrip("/") != base.rstrip("/"))
+        names = (p.rstrip("/").rsplit("/", 1)[-1] for p in entries if p.rstrip("/") != base.rstrip("/"))
+        return sorted(n for n in names if temp or not n.startswith(TEMP_PREFIX))
 
     # -- reading -----------------------------------------------------------------------------
     @_io("reading")
@@ -269,7 +275,7 @@ class Location:
         if self.is_local:
             folder = os.path.dirname(path)
             os.makedirs(folder, exist_ok=True)
-            tmp = os.path.join(folder, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
+            tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{os.path.basename(path)}")
             with open(tmp, "wb") as fh:
                 fh.write(data)
                 fh.flush()

@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 
-from imgest.storage import Location
+from imgest.storage import TEMP_PREFIX, Location
 
 # live: a current embedding; rejected: this content cannot be used (retried when the object changes);
 # failed: a transient fault (timeout, throttling, memory): retried on the next run; deleted: a tombstone,
@@ -195,11 +195,15 @@ def remove_orphan_shards(store: Location, state: CatalogueState) -> list[str]:
     needed = {item.shard for item in state.items.values() if item.status in (LIVE, DELETED) and item.shard}
     needed.update(state.pending)
     removed = []
-    for name in store.list_names(embeddings_prefix(state.slug)):
+    for name in store.list_names(embeddings_prefix(state.slug), temp=True):
         stem = name[:-len(".parquet")] if name.endswith(".parquet") else None
-        if name.startswith(".tmp-") or (stem and stem not in needed):
+        if name.startswith(TEMP_PREFIX) or (stem and stem not in needed):
             store.delete(f"{embeddings_prefix(state.slug)}/{name}")
             removed.append(name)
+    for folder in (f"{state_prefix(state.slug)}/commits", f"{state_prefix(state.slug)}/snapshots"):
+        for name in store.list_names(folder, temp=True):  # a marker or snapshot killed before its rename
+            if name.startswith(TEMP_PREFIX):
+                store.delete(f"{folder}/{name}")
     return removed
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -12,13 +13,22 @@ import pyarrow.parquet as pq
 import pytest
 
 from imgest import encoders
-from imgest.storage import Location
+from imgest.storage import TEMP_PREFIX, Location
 from imgest.tasks.commit import commit_run, new_summary
 from imgest.tasks.decode import decode_image
 from imgest.tasks.encode import encode_shard
 from imgest.tasks.plan import Plan, ShardPlan, WorkItem
 from imgest.tasks.shards import ShardWriter, embedding_matrix
-from imgest.tasks.state import LIVE, REJECTED, CatalogueState, ItemState, commit_key, load_state, shard_key
+from imgest.tasks.state import (
+    LIVE,
+    REJECTED,
+    CatalogueState,
+    ItemState,
+    commit_key,
+    load_state,
+    prepare_state,
+    shard_key,
+)
 from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
 
 RUN = "r00000001-20261130T000000-abcdef"
@@ -128,3 +138,26 @@ def test_run_summary_counts_the_commit_and_times_runs_longer_than_a_day(tmp_path
     state = load_state(store, pixels.spec.slug)
     assert {k: v.status for k, v in state.items.items()} == \
         {"a.png": LIVE, "b.jpg": LIVE, "bad.jpg": REJECTED, "old.png": "deleted"}
+
+
+def test_a_write_killed_before_its_rename_is_ignored_then_swept(tmp_path, pixels, catalogue):
+    """kill -9 between a marker's temp file and its rename (seen in CI): the hidden temp file is not a
+    commit, loading the state skips it, and the next writer's sweep deletes it."""
+    root, _ = catalogue
+    store = Location(str(tmp_path / "store"))
+    plan = ShardPlan(RUN, 0, (_item("a.png", root),))
+    encode_shard(plan, pixels, Location(str(root)), store, batch_size=4)
+    slug = pixels.spec.slug
+    marker = store.path(commit_key(slug, plan.name))
+    commits = os.path.dirname(marker)
+    killed = {os.path.join(commits, f"{TEMP_PREFIX}0123abcd-part-{RUN}-00001.json"): b'{"half',
+              store.path(shard_key(slug, f"{TEMP_PREFIX}4567-part-{RUN}-00001")): b"PAR1"}
+    for path, data in killed.items():
+        with open(path, "wb") as fh:
+            fh.write(data)
+
+    assert store.list_names(f"state/model={slug}/commits") == [f"part-{RUN}-00000.json"]
+    state, removed = prepare_state(store, pixels.spec.describe())
+    assert state.pending == [plan.name] and set(state.items) == {"a.png"}
+    assert removed == [os.path.basename(p) for p in killed if "embeddings" in p]
+    assert not [p for p in killed if os.path.exists(p)] and os.path.exists(marker)
