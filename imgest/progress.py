@@ -12,20 +12,20 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-Reporter = Callable[[str, int, int], None]  # (what, images done, images in total)
+Reporter = Callable[[str, int, int, str], None]  # (what, done, in total, unit: images or vectors)
 _reporter: contextvars.ContextVar[Reporter | None] = contextvars.ContextVar("imgest_progress", default=None)
 
 
-def report(what: str, done: int, total: int) -> None:
-    """Tell the person watching, if any: `what` (e.g. the model), images done of total."""
+def report(what: str, done: int, total: int, unit: str = "images") -> None:
+    """Tell the person watching, if any: `what` (e.g. the model), `unit` done of total."""
     reporter = _reporter.get()
     if reporter is not None:
-        reporter(what, done, total)
+        reporter(what, done, total, unit)
 
 
 @contextlib.contextmanager
 def reporting(stream=None) -> Iterator[None]:
-    """Within it, report() draws a live bar (images, img/s, ETA) when `stream` is a terminal, else writes
+    """Within it, report() draws a live bar (count, rate, ETA) when `stream` is a terminal, else writes
     one plain line per update."""
     stream = stream or sys.stderr
     if stream.isatty():
@@ -40,17 +40,18 @@ def reporting(stream=None) -> Iterator[None]:
             TimeRemainingColumn,
         )
 
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("images"),
-                   TaskProgressColumn(), TextColumn("{task.fields[rate]} img/s"), TimeElapsedColumn(),
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[unit]}"), TaskProgressColumn(), TextColumn("{task.fields[rate]}"),
+                   TimeElapsedColumn(),
                    TextColumn("ETA"), TimeRemainingColumn())
         with Progress(*columns, console=Console(file=stream), transient=False) as bar:
             tasks: dict[str, int] = {}
 
-            def draw(what: str, done: int, total: int) -> None:
+            def draw(what: str, done: int, total: int, unit: str) -> None:
                 if what not in tasks:
-                    tasks[what] = bar.add_task(what, total=total, rate="-")
+                    tasks[what] = bar.add_task(what, total=total, rate="-", unit=unit)
                 task = bar.tasks[tasks[what]]
-                rate = f"{done / task.elapsed:.1f}" if task.elapsed else "-"
+                rate = f"{done / task.elapsed:.1f} {_per_second(unit)}" if task.elapsed else "-"
                 bar.update(tasks[what], completed=done, total=total, rate=rate)
 
             token = _reporter.set(draw)
@@ -61,15 +62,19 @@ def reporting(stream=None) -> Iterator[None]:
         return
     started: dict[str, float] = {}
 
-    def line(what: str, done: int, total: int) -> None:
+    def line(what: str, done: int, total: int, unit: str) -> None:
         start = started.setdefault(what, time.monotonic())
         elapsed = time.monotonic() - start
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = f", about {(total - done) / rate / 60:.1f} min left" if rate and done < total else ""
-        print(f"{what}: {done:,}/{total:,} images, {rate:.1f} img/s{eta}", file=stream, flush=True)
+        print(f"{what}: {done:,}/{total:,} {unit}, {rate:.1f} {_per_second(unit)}{eta}", file=stream, flush=True)
 
     token = _reporter.set(line)
     try:
         yield
     finally:
         _reporter.reset(token)
+
+
+def _per_second(unit: str) -> str:
+    return "img/s" if unit == "images" else f"{unit}/s"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,19 +60,22 @@ def train(vectors: np.ndarray, choice: IndexChoice, seed: int = 0):
     return index
 
 
-def add_in_blocks(index, vectors: np.ndarray, block: int = 65536):
+def add_in_blocks(index, vectors: np.ndarray, block: int = 65536, on_added: Callable[[int], None] | None = None):
+    """Add in blocks (bounded temporaries); `on_added(n)` after each block, n vectors added so far."""
     for begin in range(0, len(vectors), block):
         index.add(vectors[begin:begin + block])
+        if on_added is not None:
+            on_added(min(begin + block, len(vectors)))
     return index
 
 
-def build(vectors: np.ndarray, choice: IndexChoice, seed: int = 0):
+def build(vectors: np.ndarray, choice: IndexChoice, seed: int = 0, on_added: Callable[[int], None] | None = None):
     """Train and add in this process; returns (index, times)."""
     start = time.perf_counter()
     index = train(vectors, choice, seed)
     times = BuildTimes(train_seconds=round(time.perf_counter() - start, 3))
     t0 = time.perf_counter()
-    add_in_blocks(index, vectors)
+    add_in_blocks(index, vectors, on_added=on_added)
     times.add_seconds = round(time.perf_counter() - t0, 3)
     times.total_seconds = round(time.perf_counter() - start, 3)
     return index, times

@@ -11,10 +11,12 @@ import time
 import faiss
 import numpy as np
 from prefect import get_run_logger, task, unmapped
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
 from imgest.lock import Fence
+from imgest.progress import report
 from imgest.storage import Location
 from imgest.tasks.aliases import aliases_to_move, set_alias
 from imgest.tasks.index_build import (
@@ -41,10 +43,24 @@ def load_live_task(store_url: str, model: dict) -> LiveVectors:
     return load_live_vectors(Location(store_url), model["slug"], int(model["dim"]))
 
 
+class AddProgress:
+    """Vectors added so far, for a person: the command's terminal bar and the run's progress artifact."""
+
+    def __init__(self, slug: str, total: int):
+        self.what, self.total = f"{slug} index", total
+        self.artifact = create_progress_artifact(0.0, key="index-progress", description=f"adding {total:,} vectors")
+        report(self.what, 0, total, "vectors")
+
+    def __call__(self, done: int) -> None:
+        update_progress_artifact(self.artifact, 100.0 * done / self.total,
+                                 description=f"{done:,}/{self.total:,} vectors added")
+        report(self.what, done, self.total, "vectors")
+
+
 @task(name="build-index", cache_policy=NO_CACHE)
-def build_task(vectors: np.ndarray, choice: IndexChoice):
+def build_task(vectors: np.ndarray, choice: IndexChoice, on_added: AddProgress | None = None):
     warn_if_generic_blas()
-    return build(vectors, choice)
+    return build(vectors, choice, on_added=on_added)
 
 
 @task(name="train-index", cache_policy=NO_CACHE)
@@ -80,7 +96,8 @@ def verify_and_alias_task(store_url: str, card: dict, alias: str | None, fence: 
             for name in aliases_to_move(store, card["slug"], alias)]
 
 
-def build_in_parts(vectors: np.ndarray, choice: IndexChoice, parts: int, runner: str, workers: int):
+def build_in_parts(vectors: np.ndarray, choice: IndexChoice, parts: int, runner: str, workers: int,
+                   on_added: AddProgress | None = None):
     """Train once here; add `parts` contiguous slices in parallel on the runner (local threads or a Dask
     cluster); merge them in id order with faiss's own merge. Same index as one build (tested)."""
     logger = get_run_logger()
@@ -97,7 +114,12 @@ def build_in_parts(vectors: np.ndarray, choice: IndexChoice, parts: int, runner:
         futures = part_runner.map(add_part_task, {"trained": unmapped(trained),
                                                   "vectors": [vectors[a:b] for a, b in ranges],
                                                   "start": [a for a, _ in ranges]})
-        index = merge_parts(trained, [f.result() for f in futures])
+        added = []
+        for (_, stop), future in zip(ranges, futures):
+            added.append(future.result())
+            if on_added is not None:
+                on_added(stop)
+        index = merge_parts(trained, added)
     add_seconds = round(time.perf_counter() - t0, 3)
     times = BuildTimes(train_seconds, add_seconds, round(time.perf_counter() - start, 3))
     return index, times, len(ranges)
@@ -111,10 +133,11 @@ def build_version(store_url: str, model: dict, kind: str, memory: str, target_re
     if len(live) < 2:
         return {"built": False, "reason": f"{len(live)} live vectors: nothing to index", "slug": model["slug"]}
     choice = choose_index(len(live), live.vectors.shape[1], memory, kind)
+    progress = AddProgress(model["slug"], len(live))
     if parts > 1:
-        index, times, used = build_in_parts(live.vectors, choice, parts, runner, workers)
+        index, times, used = build_in_parts(live.vectors, choice, parts, runner, workers, progress)
     else:
-        (index, times), used = build_task(live.vectors, choice), 1
+        (index, times), used = build_task(live.vectors, choice, progress), 1
     tuned = tune_task(index, live.vectors, target_recall, k, queries)
     card = make_card(model, live, choice, memory, times, tuned)
     card["build"] = {"parts": used, "runner": runner if runner in ("local", "dask") else "dask (remote)",

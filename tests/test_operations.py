@@ -104,8 +104,9 @@ def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_pa
                 flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[ok.id])))
             runs = [ok, *children]
             artifacts = {a.key: a for a in client.read_artifacts() if a.flow_run_id in {r.id for r in runs}}
-            assert {"nightly-summary", "ingest-summary", "ingest-progress", "index-card"} <= set(artifacts)
-            assert artifacts["ingest-progress"].data == 100.0
+            assert {"nightly-summary", "ingest-summary", "ingest-progress", "index-progress", "index-card"} <= \
+                set(artifacts)
+            assert artifacts["ingest-progress"].data == 100.0 and artifacts["index-progress"].data == 100.0
             assert "| 6 | 6 | 0 | 0 | 0 | 0 | 0 | 6 | 0 |" in artifacts["ingest-summary"].data  # listed ... encoded
             assert "v0001" in artifacts["nightly-summary"].data
             _flow_run_page_renders(f"http://127.0.0.1:{port}/runs/flow-run/{ok.id}", ok.name)

@@ -54,3 +54,15 @@ def test_ingest_on_a_terminal_draws_a_bar_and_plain_lines_in_a_pipe(tmp_path):
     assert proc.wait(timeout=240) == 0
     text = captured.decode(errors="replace")
     assert "8/8" in text and "images" in text and "━" in text, text[-2000:]  # rich's bar
+
+    built = subprocess.run([imgest, "build-index", "--store", str(store), "--model", "raw-pixels"],
+                           capture_output=True, text=True, timeout=240, env=env)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert "raw-pixels" in built.stderr and "20/20 vectors" in built.stderr and "vectors/s" in built.stderr
+
+
+def test_vectors_are_counted_as_vectors():
+    out = io.StringIO()
+    with reporting(out):
+        report("m index", 65536, 100000, "vectors")
+    assert out.getvalue().startswith("m index: 65,536/100,000 vectors, ") and "vectors/s" in out.getvalue()

@@ -57,9 +57,11 @@ def build_index_cmd(
         find_model(open_location(cfg.store, must_exist=True, what="store"), cfg.model)
 
         from imgest.flows.build_index import build_index
+        from imgest.progress import reporting
         from imgest.tasks.markdown import render_card
 
-        result = build_index(**cfg.to_dict())
+        with reporting():
+            result = build_index(**cfg.to_dict())
     except _user_errors() as exc:
         _fail(exc)
     if not result["built"]:
