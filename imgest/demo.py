@@ -7,7 +7,7 @@ import io
 import os
 
 import numpy as np
-from PIL import Image
+from PIL import ExifTags, Image, ImageDraw
 
 FASHION_DIR = "/usr/share/datasets/fashion-mnist"  # Debian package dataset-fashion-mnist
 FASHION_CLASSES = ("t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
@@ -76,7 +76,12 @@ def build_demo_catalogue(root: str, fashion_per_class: int = 60, seed: int = 0) 
 
 
 def product_photos(n: int, seed: int = 0) -> dict[str, bytes]:
-    """Product-sized JPEGs from real photos: scaled to 800-2000 px, cropped, quality 85-95, some progressive."""
+    """A product catalogue from real photos: scaled to 800-2000 px, cropped, JPEG at quality 85-95.
+
+    Like a real one it is mixed: every third JPEG is progressive, every fifth object is stored sideways with
+    an EXIF orientation tag (decoders must turn it upright), and every tenth is a PNG cut-out with an alpha
+    channel (the product on a transparent background).
+    """
     rng = np.random.default_rng(seed)
     bases = [photo(name).convert("RGB") for name in PHOTOS]
     out = {}
@@ -88,6 +93,17 @@ def product_photos(n: int, seed: int = 0) -> dict[str, bytes]:
         left, top = int(rng.integers(0, max(1, w // 10))), int(rng.integers(0, max(1, h // 10)))
         crop = scaled.crop((left, top, w - left, h - top))
         buf = io.BytesIO()
-        crop.save(buf, "JPEG", quality=int(rng.integers(85, 96)), progressive=bool(i % 3 == 0))
+        if i % 10 == 7:
+            mask = Image.new("L", crop.size, 0)
+            ImageDraw.Draw(mask).ellipse((crop.width // 10, crop.height // 10, crop.width * 9 // 10,
+                                          crop.height * 9 // 10), fill=255)
+            crop.putalpha(mask)
+            crop.save(buf, "PNG")
+            out[f"p/{i:05d}.png"] = buf.getvalue()
+            continue
+        exif = Image.Exif()
+        if i % 5 == 1:  # stored turned a quarter anticlockwise; orientation 6 says: turn 90 clockwise to show
+            crop, exif[ExifTags.Base.Orientation] = crop.transpose(Image.Transpose.ROTATE_90), 6
+        crop.save(buf, "JPEG", quality=int(rng.integers(85, 96)), progressive=bool(i % 3 == 0), exif=exif)
         out[f"p/{i:05d}.jpg"] = buf.getvalue()
     return out

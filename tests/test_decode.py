@@ -97,3 +97,26 @@ def test_reduced_decode_keeps_twice_the_needed_side_and_only_touches_jpegs():
     assert decode_image(big, min_side=256).size == (1200, 800)  # 1/2 would leave less than 2 x 256
     png = png_bytes(gradient(3, (1200, 800)))
     assert decode_image(png, min_side=256).size == (1200, 800)
+
+
+def test_the_product_catalogue_is_mixed_like_a_real_one():
+    """The benchmark catalogue has what real ones have: product-sized JPEGs, progressive ones, sideways
+    ones with an EXIF orientation, PNG cut-outs with alpha; each decodes upright onto white."""
+    import io
+
+    from PIL import Image
+
+    from imgest.demo import product_photos
+
+    files = product_photos(12)
+    assert [k for k in files if k.endswith(".png")] == ["p/00007.png"]
+    for key, data in files.items():
+        stored, decoded = Image.open(io.BytesIO(data)), decode_image(data)
+        assert 800 <= max(decoded.size) <= 2000 and decoded.mode == "RGB"
+        sideways = stored.getexif().get(0x0112) == 6
+        assert sideways == (int(key[2:7]) % 5 == 1 and key.endswith(".jpg"))
+        assert decoded.size == (stored.size[::-1] if sideways else stored.size)
+        if key.endswith(".png"):
+            assert stored.mode == "RGBA" and decoded.getpixel((0, 0)) == (255, 255, 255)
+        else:
+            assert bool(stored.info.get("progressive")) == (int(key[2:7]) % 3 == 0)
