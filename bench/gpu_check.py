@@ -10,8 +10,9 @@ from a carried wheel folder, then `PYTHONPATH=. python bench/gpu_check.py`.
 Prints, and writes as JSON: bare img/s by batch on CUDA (bf16 autocast) and the tuned batch with the
 OOM stop; end-to-end img/s of encode_shard on product-sized JPEGs (800-2000 px, made offline from
 scikit-image's photos) with CPU decode (threads, reduced JPEG decode) at several thread counts; the
-cosine between CPU-fp32 and GPU-bf16 embeddings of the same images; the GPU memory peak. GPU (nvJPEG)
-decode is not in imgest yet (issue 12): the line says so rather than guessing a number.
+cosine between CPU-fp32 and GPU-bf16 embeddings of the same images; the GPU memory peak. With
+torchvision installed (`imgest[gpu]`), also end to end with nvJPEG decode (JPEGs decoded in batches on the
+GPU, the rest by Pillow), and the cosine of those embeddings with the CPU path's.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def main() -> None:
     from imgest.tasks.batch_size import tune_batch_size
     from imgest.tasks.decode import decode_image
     from imgest.tasks.encode import encode_shard
+    from imgest.tasks.gpu_decode import BatchJpegDecoder
     from imgest.tasks.plan import ShardPlan, WorkItem
+    from imgest.tasks.shards import embedding_matrix
 
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: this check is for a GPU machine")
@@ -70,14 +73,37 @@ def main() -> None:
             store = Location(os.path.join(root, f"store-{threads}"))
             start = time.perf_counter()
             result = encode_shard(ShardPlan("r00000001-gpu-check", threads, items), gpu, cat, store,
-                                  tuning.batch_size, decode_workers=threads)
+                                  tuning.batch_size, decode_workers=threads, jpeg_decoder=None)
             rate = result.encoded / (time.perf_counter() - start)
             runs[threads] = {"images_per_second": round(rate, 1), "encoder_idle_seconds": result.wait_seconds,
                              "encode_seconds": result.encode_seconds}
             print(f"end to end, CPU decode on {threads} threads: {rate:.0f} img/s "
                   f"(encoder waited {result.wait_seconds} s for decode)")
         report["end_to_end_cpu_decode"] = runs
-        report["end_to_end_gpu_decode"] = "not implemented yet (nvJPEG decode is issue 12's open part)"
+        nvjpeg = BatchJpegDecoder.for_encoder(gpu, 2**28)
+        if nvjpeg is None:
+            report["end_to_end_gpu_decode"] = "torchvision is not installed (pip install 'imgest[gpu]')"
+            print("end to end, GPU decode: skipped, torchvision is not installed")
+        else:
+            threads = min(8, os.cpu_count() or 1)
+            store = Location(os.path.join(root, "store-nvjpeg"))
+            start = time.perf_counter()
+            result = encode_shard(ShardPlan("r00000001-gpu-check", 999, items), gpu, cat, store,
+                                  tuning.batch_size, decode_workers=threads, jpeg_decoder=nvjpeg)
+            rate = result.encoded / (time.perf_counter() - start)
+            slug = gpu.spec.slug
+            a = store.read_table(f"embeddings/model={slug}/{result.shard}.parquet")
+            b = Location(os.path.join(root, f"store-{threads}")).read_table(
+                f"embeddings/model={slug}/part-r00000001-gpu-check-{threads:05d}.parquet")
+            cos = np.sum(embedding_matrix(a, 1280) * embedding_matrix(b, 1280), axis=1) \
+                if a.column("item_id").to_pylist() == b.column("item_id").to_pylist() else np.array([np.nan])
+            report["end_to_end_gpu_decode"] = {
+                "images_per_second": round(rate, 1), "decode_threads": threads, "gpu_decoded": nvjpeg.gpu_decoded,
+                "pillow_fallbacks": nvjpeg.fallbacks, "encoder_idle_seconds": result.wait_seconds,
+                "cosine_vs_cpu_decode": {"min": float(cos.min()), "mean": float(cos.mean())}}
+            print(f"end to end, GPU decode (nvJPEG, {threads} read threads): {rate:.0f} img/s, "
+                  f"{nvjpeg.gpu_decoded} on the GPU, {nvjpeg.fallbacks} fell back to Pillow; cosine with the CPU "
+                  f"decode's embeddings min {cos.min():.5f}")
 
         cpu = encoders.load(spec, "cpu")
         sample = list(files.values())[:64]

@@ -19,6 +19,7 @@ from imgest.encoders import Encoder
 from imgest.lock import Fence
 from imgest.storage import Location, StorageError, is_transient, one_line
 from imgest.tasks.decode import DecodeError, decode_image
+from imgest.tasks.gpu_decode import BatchJpegDecoder, plain_jpeg
 from imgest.tasks.plan import ShardPlan, WorkItem
 from imgest.tasks.shards import ShardResult, ShardWriter, embedding_matrix
 from imgest.tasks.state import shard_key
@@ -38,12 +39,14 @@ class Prepared:
     unchanged: bool = False
     revived: bool = False
     vanished: bool = False
+    jpeg: bytes | None = None  # bytes for the batch's GPU decode (tasks/gpu_decode.py), pixels not yet made
 
 
 def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixels: int,
-            min_side: int | None = None) -> Prepared:
+            min_side: int | None = None, gpu_jpeg: bool = False) -> Prepared:
     """Read, hash, decode and preprocess one object. Whatever goes wrong with the object itself is a verdict
-    recorded against it; only a catalogue that cannot be reached at all fails the shard (and so the run)."""
+    recorded against it; only a catalogue that cannot be reached at all fails the shard (and so the run).
+    With `gpu_jpeg`, a plain JPEG is left undecoded: its bytes go to the batch's GPU decode."""
     if item.verdict is not None:
         return Prepared(item, reason=item.verdict)
     try:
@@ -58,6 +61,8 @@ def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixel
     digest = hashlib.sha256(data).hexdigest()
     if item.prev_hash == digest:
         return Prepared(item, digest, revived=item.revive_shard is not None, unchanged=item.revive_shard is None)
+    if gpu_jpeg and plain_jpeg(data, max_pixels):
+        return Prepared(item, digest, jpeg=data)
     try:
         pixels = preprocess(decode_image(data, max_pixels, min_side))
     except DecodeError as exc:
@@ -67,6 +72,16 @@ def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixel
     except Exception as exc:  # the model's preprocessing refused this image (e.g. 1x1 pixels)
         return Prepared(item, digest, reason=f"{type(exc).__name__} in preprocessing: {exc}")
     return Prepared(item, digest, pixels)
+
+
+def stack_pixels(pixels: list):
+    """One batch: NumPy arrays stack on the host; with tensors from a GPU decode, on their device."""
+    if all(isinstance(p, np.ndarray) for p in pixels):
+        return np.stack(pixels)
+    import torch
+
+    device = next(p.device for p in pixels if not isinstance(p, np.ndarray))
+    return torch.stack([torch.tensor(p, device=device) if isinstance(p, np.ndarray) else p for p in pixels])
 
 
 def catalogue_reachable(catalogue: Location) -> bool:
@@ -135,8 +150,13 @@ def _now() -> str:
 
 def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: Location, batch_size: int,
                  decode_workers: int = DEFAULT_DECODE_WORKERS, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 fence: Fence | None = None, dtype: str = DEFAULT_DTYPE) -> ShardResult:
+                 fence: Fence | None = None, dtype: str = DEFAULT_DTYPE,
+                 jpeg_decoder: BatchJpegDecoder | None | str = "auto") -> ShardResult:
+    """Encode one shard's objects and commit it. `jpeg_decoder`: "auto" decodes JPEGs on the GPU when the
+    encoder runs on CUDA and torchvision is installed (BatchJpegDecoder.for_encoder); None: Pillow only."""
     start = time.perf_counter()
+    if jpeg_decoder == "auto":
+        jpeg_decoder = BatchJpegDecoder.for_encoder(encoder, max_pixels)
     writer = ShardWriter(store, encoder.spec, plan, fence, dtype)
     writer.result.worker, writer.result.started = f"{socket.gethostname()}:{os.getpid()}", _now()
     batch: list[Prepared] = []
@@ -145,16 +165,27 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     def flush_batch() -> None:
         nonlocal encode_seconds
         t0 = time.perf_counter()
-        vectors = encoder.encode_images(np.stack([p.pixels for p in batch]))
+        ready = batch
+        if jpegs := [p for p in batch if p.jpeg is not None]:
+            for p, pixels in zip(jpegs, jpeg_decoder.decode([p.jpeg for p in jpegs])):
+                p.jpeg = None
+                if isinstance(pixels, DecodeError):
+                    writer.reject(p.item, p.content_hash, str(pixels))
+                else:
+                    p.pixels = pixels
+            ready = [p for p in batch if p.pixels is not None]
+        if ready:
+            vectors = encoder.encode_images(stack_pixels([p.pixels for p in ready]))
+            writer.add([(p.item, p.content_hash) for p in ready], vectors)
         encode_seconds += time.perf_counter() - t0
-        writer.add([(p.item, p.content_hash) for p in batch], vectors)
         batch.clear()
 
     to_read = derive_from_base(plan.items, encoder, store, writer) if encoder.spec.base is not None else plan.items
     depth = max(2 * batch_size, 4 * decode_workers)
     decode_side = getattr(encoder, "decode_side", None)  # JPEGs decode at reduced size down to this
-    stream = read_ahead(to_read, lambda it: prepare(catalogue, it, encoder.preprocess, max_pixels, decode_side),
-                        decode_workers, depth)
+    gpu_jpeg = jpeg_decoder is not None
+    stream = read_ahead(to_read, lambda it: prepare(catalogue, it, encoder.preprocess, max_pixels, decode_side,
+                                                    gpu_jpeg), decode_workers, depth)
     while True:
         t0 = time.perf_counter()
         prepared = next(stream, None)

@@ -130,10 +130,13 @@ def autocast(device: str):
     return torch.autocast("cuda", dtype=dtype)
 
 
-def to_device(batch: np.ndarray, device: str):
-    """Host array -> tensor on ``device``; pinned memory and a non-blocking copy on CUDA."""
+def to_device(batch, device: str):
+    """Host array -> tensor on ``device``; pinned memory and a non-blocking copy on CUDA. A tensor (pixels
+    a GPU decode made) moves only if it is elsewhere."""
     import torch
 
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
     tensor = torch.from_numpy(np.ascontiguousarray(batch))
     if device.startswith("cuda"):
         return tensor.pin_memory().to(device, non_blocking=True)
@@ -146,3 +149,22 @@ def l2_normalise(features) -> np.ndarray:
     features = features.float()
     features = torch.nn.functional.normalize(features, dim=-1)
     return features.detach().cpu().numpy().astype(np.float32, copy=False)
+
+
+def pillow_bicubic_weights(size: int, start: float, stop: float, out: int) -> np.ndarray:
+    """The (out x size) matrix of Pillow's bicubic resampling of [start, stop) onto `out` pixels: its
+    filter (a = -0.5), widened by the scale when shrinking (antialiasing), its window, normalised per row.
+    A tensor's resize through it matches Image.resize(..., BICUBIC, box=...) to rounding."""
+    scale = (stop - start) / out
+    widen = max(scale, 1.0)
+    support = 2.0 * widen
+    centres = start + (np.arange(out) + 0.5) * scale
+    pixels = np.arange(size)
+    x = np.abs((pixels[None, :] - centres[:, None] + 0.5) / widen)
+    a = -0.5
+    weights = np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
+                       np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
+    low = np.maximum((centres - support + 0.5).astype(int), 0)  # C's int(): towards zero, as Pillow
+    high = np.minimum((centres + support + 0.5).astype(int), size)
+    weights *= (pixels[None, :] >= low[:, None]) & (pixels[None, :] < high[:, None])
+    return (weights / weights.sum(axis=1, keepdims=True)).astype(np.float32)

