@@ -7,6 +7,10 @@ cropped, re-encoded as JPEG at quality 85-95, a third progressive. Measured in o
 the same images: JPEG decode img/s on one core (full and reduced), the bare model's img/s at the tuned
 batch on preprocessed pixels, and encode_shard end to end (read, hash, decode in threads, encode, write
 the Parquet shard) with the full and the reduced decode. Ratios are the figures to read.
+
+Then threads against processes for the decode (read, hash, reduced decode, preprocess), feeding the same
+batched encoder, with the decode workers and torch's threads split over the cores in each way that fits
+2 cores: which wins is the answer to "threads or processes" (issue 12).
 """
 
 from __future__ import annotations
@@ -20,6 +24,35 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _prepare(path: str, side: int) -> np.ndarray:
+    """What a decode worker does for one object, as a top-level function a process pool can call."""
+    import hashlib
+
+    from imgest.encoders.efficientnet import preprocess
+    from imgest.tasks.decode import decode_image
+
+    with open(path, "rb") as fh:
+        data = fh.read()
+    hashlib.sha256(data).hexdigest()
+    return preprocess(decode_image(data, min_side=side))
+
+
+def decode_and_encode(encoder, paths, batch: int, pool) -> float:
+    """img/s: decode on `pool` (in order, a bounded window ahead), encode batches here."""
+    from functools import partial
+
+    start, done, pending = time.perf_counter(), 0, []
+    for pixels in pool.map(partial(_prepare, side=encoder.decode_side), paths):
+        pending.append(pixels)
+        if len(pending) == batch:
+            encoder.encode_images(np.stack(pending))
+            done, pending = done + len(pending), []
+    if pending:
+        encoder.encode_images(np.stack(pending))
+        done += len(pending)
+    return done / (time.perf_counter() - start)
 
 
 def rate(fn, items) -> float:
@@ -74,8 +107,29 @@ def main() -> None:
             print(f"pipeline, {name}: {results[name]:.1f} img/s = {results[name] / bare:.2f} x bare "
                   f"(encoder waited {result.wait_seconds} s for decode, encoded {result.encode_seconds} s)")
         encoder.decode_side = side
-    print(f"pipeline / bare: {results['full decode'] / bare:.2f} (full decode) -> "
-          f"{results['reduced decode'] / bare:.2f} (reduced decode)")
+        print(f"pipeline / bare: {results['full decode'] / bare:.2f} (full decode) -> "
+              f"{results['reduced decode'] / bare:.2f} (reduced decode)")
+
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+
+        import torch
+
+        paths = [cat.path(k) for k in files]
+        cores = os.cpu_count() or 1
+        print(f"decode workers vs torch threads on {cores} cores (reduced decode, batch {tuning.batch_size}):")
+        for torch_threads, workers in ((cores, cores), (max(1, cores - 1), 1)):
+            torch.set_num_threads(torch_threads)
+            line = []
+            for kind, make in (("threads", lambda n: ThreadPoolExecutor(n)),
+                               ("processes", lambda n: ProcessPoolExecutor(
+                                   n, mp_context=multiprocessing.get_context("spawn")))):
+                with make(workers) as pool:
+                    list(pool.map(_prepare, paths[:workers], [side] * workers))  # start the workers first
+                    got = decode_and_encode(encoder, paths, tuning.batch_size, pool)
+                line.append(f"{kind} {got:.1f} img/s ({got / bare:.2f} x bare)")
+            print(f"  torch {torch_threads} thread(s), {workers} decode worker(s): " + ", ".join(line))
+        torch.set_num_threads(cores)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,22 @@ def resolve(name: str) -> EncoderSpec:
     )
 
 
+def preprocess(image) -> np.ndarray:
+    """Resize the shorter side to 256 and centre-crop 224 in one resampling; uint8 CHW.
+
+    Normalisation happens on the batch in encode_images (on the GPU when there is one), so decode
+    threads do less work and ship 4x fewer bytes. A plain function: decode processes can call it.
+    """
+    from PIL import Image
+
+    short, crop = PREPROCESSING["resize_shorter"], PREPROCESSING["center_crop"]
+    w, h = image.size
+    side = crop * min(w, h) / short  # the crop window in source pixels
+    left, top = (w - side) / 2, (h - side) / 2
+    image = image.resize((crop, crop), Image.Resampling.BICUBIC, box=(left, top, left + side, top + side))
+    return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
+
+
 class EfficientNetLite0:
     input_shape = (3, 224, 224)
 
@@ -68,19 +84,7 @@ class EfficientNetLite0:
     decode_side = PREPROCESSING["resize_shorter"]
 
     def preprocess(self, image) -> np.ndarray:
-        """Resize the shorter side to 256 and centre-crop 224 in one resampling; uint8 CHW.
-
-        Normalisation happens on the batch in encode_images (on the GPU when there is one), so decode
-        threads do less work and ship 4x fewer bytes.
-        """
-        from PIL import Image
-
-        short, crop = PREPROCESSING["resize_shorter"], PREPROCESSING["center_crop"]
-        w, h = image.size
-        side = crop * min(w, h) / short  # the crop window in source pixels
-        left, top = (w - side) / 2, (h - side) / 2
-        image = image.resize((crop, crop), Image.Resampling.BICUBIC, box=(left, top, left + side, top + side))
-        return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
+        return preprocess(image)
 
     def preprocess_tensor(self, image):
         """`preprocess` for a decoded uint8 CHW tensor (a GPU JPEG decode), on its device: the same
