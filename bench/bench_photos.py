@@ -65,7 +65,8 @@ def rate(fn, items) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=300)
-    parser.add_argument("--workers", type=int, default=2, help="decode threads of the pipeline")
+    parser.add_argument("--workers", type=int, default=0, help="decode workers of the pipeline (0: imgest's "
+                                                                 "default, sized from the cores)")
     args = parser.parse_args()
 
     from imgest import encoders
@@ -78,7 +79,9 @@ def main() -> None:
 
     files = product_photos(args.images)
     sizes = [len(b) for b in files.values()]
-    print(f"catalogue: {len(files)} JPEGs, {np.mean(sizes) / 1e3:.0f} kB mean, {sum(sizes) / 1e6:.1f} MB")
+    pngs = sum(1 for k in files if k.endswith(".png"))
+    print(f"catalogue: {len(files)} objects ({len(files) - pngs} JPEGs, {pngs} PNGs), {np.mean(sizes) / 1e3:.0f} kB "
+          f"mean, {sum(sizes) / 1e6:.1f} MB")
     encoder = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
     side = encoder.decode_side
     sample = list(files.values())[:60]
@@ -105,7 +108,8 @@ def main() -> None:
                                   tuning.batch_size, decode_workers=args.workers)
             results[name] = result.encoded / (time.perf_counter() - start)
             print(f"pipeline, {name}: {results[name]:.1f} img/s = {results[name] / bare:.2f} x bare "
-                  f"(encoder waited {result.wait_seconds} s for decode, encoded {result.encode_seconds} s)")
+                  f"({result.decode}; encoder waited {result.wait_seconds} s for decode, encoded "
+                  f"{result.encode_seconds} s)")
         encoder.decode_side = side
         print(f"pipeline / bare: {results['full decode'] / bare:.2f} (full decode) -> "
               f"{results['reduced decode'] / bare:.2f} (reduced decode)")

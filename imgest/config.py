@@ -147,8 +147,8 @@ class IngestConfig:
             raise ConfigError("encode_limit must be 'auto' (one encode per GPU), 'none' or the name of a Prefect "
                               f"global concurrency limit (letters, digits, . _ : -); got {self.encode_limit!r}")
         parse_batch_size(self.batch_size)
-        check_at_least(1, shard_size=self.shard_size, decode_workers=self.decode_workers, max_pixels=self.max_pixels,
-                       max_bytes=self.max_bytes)
+        check_at_least(1, shard_size=self.shard_size, max_pixels=self.max_pixels, max_bytes=self.max_bytes)
+        check_at_least(0, decode_workers=self.decode_workers)
         check_device(self.device)
         if isinstance(self.max_delete_fraction, bool) or not isinstance(self.max_delete_fraction, int | float) \
                 or not 0 <= self.max_delete_fraction <= 1:

@@ -3,7 +3,7 @@
 DEFAULT_BATCH_SIZE = "auto"  # measured per (model, device), cached in the store
 DEFAULT_DEVICE = "auto"  # cuda when there is one
 DEFAULT_SHARD_SIZE = 2000  # objects per shard: one encode task, one Parquet file
-DEFAULT_DECODE_WORKERS = 2  # decode threads ahead of the encoder
+DEFAULT_DECODE_WORKERS = 0  # decode workers ahead of the encoder; 0: sized from the cores (tasks/encode.py)
 DEFAULT_RUNNER = "local"
 DEFAULT_WORKERS = 0  # a local Dask cluster's worker processes; 0: one per CPU core
 DEFAULT_ENCODE_LIMIT = "auto"  # one encode task per GPU at a time

@@ -34,9 +34,9 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: in
     8 bits, CMYK and palettes are converted, animations give their first frame. With `min_side` (the
     shorter side the encoder's preprocessing needs), a JPEG is decoded at 1/2, 1/4 or 1/8 scale in the
     DCT domain (libjpeg's scaled decode, Pillow's `draft`) while its shorter side stays at least twice
-    `min_side` (Pillow's own `reducing_gap=2` for thumbnails): 1.4-2.6x faster on product photos, and
-    the encoder sees the same picture (tested: cosine >= 0.999 against the full decode on real photos;
-    stopping at 1x `min_side` is faster but fell to 0.996 on fine textures such as grass and gravel).
+    `min_side` (Pillow's own `reducing_gap=2` for thumbnails): 1.3-1.5x faster decode + preprocessing on
+    product photos, and the encoder sees the same picture (cosine >= 0.999 on real photos, tested; 0.997
+    at worst on dense fine textures such as gravel; stopping at 1x `min_side` fell to 0.98: see README).
     """
     if not data:
         raise DecodeError("EmptyFile: object has 0 bytes")

@@ -1,14 +1,25 @@
-"""One shard: read and decode ahead in threads (bounded), encode in batches, write through ShardWriter."""
+"""One shard: read and decode ahead (bounded; threads or processes), encode in batches, write the shard.
+
+Where decoding runs (`plan_decode`): on 2 CPU cores the model and the JPEG decoder compete for the same
+cores, and measured (BENCHMARKS.md, "Product-sized photos") the split that wins is one core each, with the
+decode in a process (no GIL shared with the encoder's thread): 0.86 x the bare model against 0.59 for two
+decode threads beside two torch threads. So with --decode-workers 0 (the default) the decode gets half the
+cores (all but one on a GPU, where the model does not need them) and torch the rest, and a shard with
+enough images to pay for starting them decodes in processes when the encoder's preprocessing can run in one.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import multiprocessing
 import os
 import socket
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -91,10 +102,73 @@ def catalogue_reachable(catalogue: Location) -> bool:
         return False
 
 
-def read_ahead(items: tuple[WorkItem, ...], fn: Callable[[WorkItem], Prepared], workers: int,
+PROCESS_MIN_ITEMS = 64  # fewer images to decode than this: starting processes costs more than it saves
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    workers: int
+    processes: bool
+    torch_threads: int | None  # set for the shard's encode (CPU), restored after; None: leave as it is
+
+    def describe(self) -> str:
+        kind = ("process" if self.processes else "thread") + ("es" if self.processes and self.workers > 1 else
+                                                              "s" if self.workers > 1 else "")
+        return f"{self.workers} decode {kind}" + (f", torch {self.torch_threads} thread(s)"
+                                                  if self.torch_threads else "")
+
+
+def plan_decode(encoder: Encoder, decode_workers: int, to_read: int, gpu_jpeg: bool) -> DecodePlan:
+    """How many decode workers, threads or processes, and torch's threads beside them (module docstring)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    on_gpu = str(getattr(encoder, "device", "cpu")).startswith("cuda")
+    torch_threads = None
+    if decode_workers == 0:
+        decode_workers = max(1, cores - 1) if on_gpu else max(1, cores // 2)
+        torch_threads = None if on_gpu else max(1, cores - decode_workers)
+    processes = (getattr(encoder, "preprocess_fn", None) is not None and to_read >= PROCESS_MIN_ITEMS
+                 and not gpu_jpeg  # a GPU decode leaves the workers only reading and hashing
+                 and not multiprocessing.current_process().daemon)  # a Dask worker may not start processes
+    return DecodePlan(decode_workers, processes, torch_threads)
+
+
+@functools.lru_cache(maxsize=8)
+def _catalogue(url: str) -> Location:
+    return Location(url)
+
+
+def _prepare_in_process(catalogue_url: str, item: WorkItem, preprocess: Callable, max_pixels: int,
+                        min_side: int | None) -> Prepared:
+    """prepare() in a decode process: the catalogue travels as its URL (credentials come from the
+    environment the process inherited), the preprocessing as a module-level function."""
+    return prepare(_catalogue(catalogue_url), item, preprocess, max_pixels, min_side)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def decode_pool(plan: DecodePlan) -> Executor:
+    if plan.processes:  # spawn: never fork a process that holds torch's and Prefect's threads
+        return ProcessPoolExecutor(plan.workers, mp_context=multiprocessing.get_context("spawn"))
+    return ThreadPoolExecutor(max_workers=plan.workers, thread_name_prefix="imgest-decode")
+
+
+def read_ahead(items: tuple[WorkItem, ...], fn: Callable[[WorkItem], Prepared], pool: Executor,
                depth: int) -> Iterator[Prepared]:
     """Yield ``fn(item)`` in order while up to ``depth`` items are in flight: memory stays flat."""
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="imgest-decode") as pool:
+    with pool:
         pending: deque[Future] = deque()
         source = iter(items)
         for item in source:
@@ -181,31 +255,38 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
         batch.clear()
 
     to_read = derive_from_base(plan.items, encoder, store, writer) if encoder.spec.base is not None else plan.items
-    depth = max(2 * batch_size, 4 * decode_workers)
     decode_side = getattr(encoder, "decode_side", None)  # JPEGs decode at reduced size down to this
     gpu_jpeg = jpeg_decoder is not None
-    stream = read_ahead(to_read, lambda it: prepare(catalogue, it, encoder.preprocess, max_pixels, decode_side,
-                                                    gpu_jpeg), decode_workers, depth)
-    while True:
-        t0 = time.perf_counter()
-        prepared = next(stream, None)
-        wait_seconds += time.perf_counter() - t0
-        if prepared is None:
-            break
-        if prepared.vanished:
-            writer.vanished(prepared.item)
-        elif prepared.unchanged:
-            writer.unchanged(prepared.item, prepared.content_hash)
-        elif prepared.revived:
-            writer.revive(prepared.item, prepared.content_hash)
-        elif prepared.reason is not None:
-            writer.reject(prepared.item, prepared.content_hash, prepared.reason, prepared.transient)
-        else:
-            batch.append(prepared)
-            if len(batch) >= batch_size:
-                flush_batch()
-    if batch:
-        flush_batch()
+    where = plan_decode(encoder, decode_workers, len(to_read), gpu_jpeg)
+    writer.result.decode = where.describe()
+    if where.processes:
+        fn = functools.partial(_prepare_in_process, catalogue.url, preprocess=encoder.preprocess_fn,
+                               max_pixels=max_pixels, min_side=decode_side)
+    else:
+        def fn(item: WorkItem) -> Prepared:
+            return prepare(catalogue, item, encoder.preprocess, max_pixels, decode_side, gpu_jpeg)
+    stream = read_ahead(to_read, fn, decode_pool(where), max(2 * batch_size, 4 * where.workers))
+    with torch_threads(where.torch_threads):
+        while True:
+            t0 = time.perf_counter()
+            prepared = next(stream, None)
+            wait_seconds += time.perf_counter() - t0
+            if prepared is None:
+                break
+            if prepared.vanished:
+                writer.vanished(prepared.item)
+            elif prepared.unchanged:
+                writer.unchanged(prepared.item, prepared.content_hash)
+            elif prepared.revived:
+                writer.revive(prepared.item, prepared.content_hash)
+            elif prepared.reason is not None:
+                writer.reject(prepared.item, prepared.content_hash, prepared.reason, prepared.transient)
+            else:
+                batch.append(prepared)
+                if len(batch) >= batch_size:
+                    flush_batch()
+        if batch:
+            flush_batch()
     result = writer.flush()
     result.seconds = round(time.perf_counter() - start, 3)
     result.encode_seconds, result.wait_seconds = round(encode_seconds, 3), round(wait_seconds, 3)

@@ -72,6 +72,7 @@ class ShardResult:
     seconds: float = 0.0
     encode_seconds: float = 0.0
     wait_seconds: float = 0.0  # encoder idle, waiting on decode
+    decode: str = ""  # where decoding ran: "1 decode process, torch 1 thread(s)" (tasks/encode.py plan_decode)
     worker: str = ""  # host:pid of the process that encoded it
     started: str = ""  # UTC ISO times of the encode, for a timeline of the workers
     finished: str = ""

@@ -161,3 +161,33 @@ def test_a_write_killed_before_its_rename_is_ignored_then_swept(tmp_path, pixels
     assert state.pending == [plan.name] and set(state.items) == {"a.png"}
     assert removed == [os.path.basename(p) for p in killed if "embeddings" in p]
     assert not [p for p in killed if os.path.exists(p)] and os.path.exists(marker)
+
+
+def test_decode_processes_write_the_shard_threads_write(tmp_path, monkeypatch):
+    """A shard big enough decodes in processes (spawned, the catalogue passed by URL): same rows, same
+    vectors, same rejects as decode threads; a small one stays on threads."""
+    import imgest.tasks.encode as encode_module
+
+    lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
+    files = {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, (300, 200))) for i in range(70)}
+    files["p/bad.jpg"] = b"\xff\xd8 not really a jpeg"
+    write_files(str(tmp_path / "cat"), files)
+    cat = Location(str(tmp_path / "cat"))
+    items = tuple(_item(k, tmp_path / "cat") for k in sorted(files))
+    tables, results = [], []
+    for name, minimum in (("processes", encode_module.PROCESS_MIN_ITEMS), ("threads", 10**9)):
+        monkeypatch.setattr(encode_module, "PROCESS_MIN_ITEMS", minimum)
+        store = Location(str(tmp_path / name))
+        result = encode_shard(ShardPlan(RUN, 0, items), lite0, cat, store, batch_size=16, decode_workers=2)
+        tables.append(pq.read_table(store.path(shard_key(lite0.spec.slug, result.shard))))
+        results.append(result)
+    assert results[0].decode == "2 decode processes" and results[1].decode == "2 decode threads"
+    assert results[0].rejected == results[1].rejected and [i for i, _ in results[0].rejected] == ["p/bad.jpg"]
+    assert tables[0].column("item_id").to_pylist() == tables[1].column("item_id").to_pylist()
+    np.testing.assert_array_equal(embedding_matrix(tables[0], 1280), embedding_matrix(tables[1], 1280))
+
+    monkeypatch.undo()
+    auto = encode_module.plan_decode(lite0, 0, 1000, gpu_jpeg=False)
+    cores = len(os.sched_getaffinity(0))
+    assert auto.workers == max(1, cores // 2) and auto.torch_threads == max(1, cores - auto.workers)
+    assert auto.processes and not encode_module.plan_decode(lite0, 0, 10, gpu_jpeg=False).processes

@@ -50,8 +50,8 @@ def ingest(
     batch_size: str = typer.Option(DEFAULT_BATCH_SIZE, help="'auto' (measured, cached per model and device) or N"),
     device: str = typer.Option(DEFAULT_DEVICE, help="auto, cpu, cuda or cuda:N"),
     shard_size: int = typer.Option(DEFAULT_SHARD_SIZE, help="Images per shard (one Prefect task per shard)"),
-    decode_workers: int = typer.Option(DEFAULT_DECODE_WORKERS, help="Threads reading and decoding ahead of the "
-                                                                    "encoder"),
+    decode_workers: int = typer.Option(DEFAULT_DECODE_WORKERS, help="Workers reading and decoding ahead of the "
+                                                                    "encoder; 0: sized from the cores left to it"),
     max_pixels: int = typer.Option(DEFAULT_MAX_PIXELS, help="Larger images are rejected as decompression bombs"),
     runner: str = RUNNER,
     workers: int = WORKERS,

@@ -1,0 +1,77 @@
+"""The caption retriever: the packaged MiniLM-L6 text model over catalogue metadata, a tiny random
+sentence-transformers folder through hf:, and text listings that re-encode only changed text."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from imgest import encoders
+from imgest.encoders import EncoderError
+from imgest.encoders.text import compose
+from imgest.storage import Location, ObjectInfo
+from imgest.tasks.encode_text import encode_text_shard, text_listing, text_of
+from imgest.tasks.listing import Listing
+from imgest.tasks.plan import ShardPlan, WorkItem
+
+RUN = "r00000001-20261130T000000-abcdef"
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return encoders.load(encoders.resolve("minilm-l6"), "cpu")
+
+
+def test_minilm_is_a_384_d_text_model_with_its_text_fields_in_the_model_id(minilm):
+    spec = minilm.spec
+    assert (spec.name, spec.dim, spec.modalities) == ("minilm-l6", 384, ("text",))
+    assert spec.preprocessing["text_fields"] == ["title", "caption", "description"]
+    assert spec.model_id.startswith("minilm-l6@") and spec.slug.startswith("minilm-l6-")
+    with pytest.raises(EncoderError, match="text model"):
+        minilm.encode_images(np.zeros((1, 3, 8, 8), np.float32))
+
+
+def test_minilm_ranks_the_matching_title_first(minilm):
+    titles = ["red canvas sneaker with white laces", "blue wool winter coat", "black leather ankle boot",
+              "striped cotton summer dress", "silver analog wrist watch"]
+    docs = minilm.encode_texts(titles)
+    assert docs.shape == (5, 384) and np.allclose(np.linalg.norm(docs, axis=1), 1.0, atol=1e-5)
+    queries = minilm.encode_texts(["trainers for running", "warm jacket", "a dress for the beach", "a timepiece"])
+    assert list(np.argmax(queries @ docs.T, axis=1)) == [0, 1, 3, 4]
+
+
+def test_compose_joins_the_non_empty_fields_in_order():
+    assert compose({"title": " Red sneaker ", "caption": None, "description": "canvas"}) == "Red sneaker. canvas"
+    assert compose({"title": "", "caption": "  "}) == ""
+
+
+def test_text_listing_keeps_listed_items_with_text_and_counts_the_rest(minilm, tmp_path):
+    table = pa.Table.from_pylist([
+        {"item_id": "p/1.jpg", "title": "red sneaker", "caption": "side view"},
+        {"item_id": "p/2.jpg", "title": None, "caption": None},
+        {"item_id": "p/3.jpg", "title": "blue coat", "caption": None},
+        {"item_id": "p/gone.jpg", "title": "green scarf", "caption": None},
+    ])
+    images = Listing(catalogue=str(tmp_path), objects=[ObjectInfo(k, 10, 1.0, None) for k in
+                                                        ("p/1.jpg", "p/2.jpg", "p/3.jpg", "p/4.jpg")])
+    listing, left_out = text_listing(images, table, minilm.spec)
+    assert [o.key for o in listing.objects] == ["p/1.jpg", "p/3.jpg"]
+    assert left_out == {"rows_without_text": 1, "rows_for_unlisted_items": 1, "images_without_text": 2}
+    assert text_of(table, minilm.spec)["p/1.jpg"] == "red sneaker. side view"
+
+
+def test_a_text_shard_encodes_changed_text_only(minilm, tmp_path):
+    store = Location(str(tmp_path / "store"))
+    texts = {"p/1.jpg": "red sneaker", "p/2.jpg": "blue coat"}
+    from imgest.tasks.encode_text import text_hash
+
+    items = (WorkItem("p/1.jpg", "file:///cat/p/1.jpg", 11, None, text_hash("red sneaker"),
+                      prev_hash=text_hash("red sneaker")),
+             WorkItem("p/2.jpg", "file:///cat/p/2.jpg", 9, None, "x", prev_hash=text_hash("old text")),
+             WorkItem("p/3.jpg", "file:///cat/p/3.jpg", 9, None, "y", prev_hash=None))
+    result = encode_text_shard(ShardPlan(RUN, 0, items), minilm, texts, store, batch_size=8)
+    assert (result.encoded, result.unchanged, result.vanished) == (1, 1, 1)
+    table = store.read_table(f"embeddings/model={minilm.spec.slug}/{result.shard}.parquet")
+    assert table.column("item_id").to_pylist() == ["p/2.jpg"]
+    assert table.column("uri").to_pylist() == ["file:///cat/p/2.jpg"]  # a hit shows the image

@@ -1,0 +1,78 @@
+"""Catalogue metadata: read from Parquet, CSV and JSONL, checked line by line, stored as snapshots only
+when a row changed, with rows for unknown items and items without a row counted."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from imgest.storage import Location
+from imgest.tasks.metadata import MetadataError, load_metadata, read_metadata, store_metadata
+
+CSV = """item_id,product_id,title,caption,category,price
+p/1.jpg,00017,Red canvas sneaker,"A red sneaker, side view",shoes,39.5
+p/2.jpg,00017,Red canvas sneaker,top view,shoes,39.5
+p/3.jpg,00042,Blue wool coat,,coats,120
+"""
+
+
+def test_csv_is_typed_and_ids_keep_their_zeros(tmp_path):
+    (tmp_path / "m.csv").write_text(CSV)
+    table = read_metadata(str(tmp_path / "m.csv"))
+    assert table.column("item_id").to_pylist() == ["p/1.jpg", "p/2.jpg", "p/3.jpg"]
+    assert table.column("product_id").to_pylist() == ["00017", "00017", "00042"]
+    assert table.column("caption").to_pylist() == ["A red sneaker, side view", "top view", None]
+    assert table.schema.field("price").type == pa.float64() and table.column("price").to_pylist()[2] == 120.0
+    assert table.schema.field("category").type == pa.string()
+    assert len(set(table.column("row_hash").to_pylist())) == 3
+
+
+def test_the_three_formats_give_the_same_table(tmp_path):
+    (tmp_path / "m.csv").write_text(CSV)
+    table = read_metadata(str(tmp_path / "m.csv"))
+    rows = table.drop(["row_hash"]).to_pylist()
+    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    pq.write_table(table.drop(["row_hash"]), tmp_path / "m.parquet")
+    for other in ("m.jsonl", "m.parquet"):
+        assert read_metadata(str(tmp_path / other)).to_pylist() == table.to_pylist(), other
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("bad.csv", "item_id,title\np/1.jpg,a\np/2.jpg,b,extra\n", r"bad.csv line 3: 3 fields, the header has 2"),
+    ("dup.csv", "item_id,title\np/1.jpg,a\np/2.jpg,b\np/1.jpg,c\n", r"dup.csv line 4: item_id 'p/1.jpg' again "
+                                                                   r"\(first at line 2\)"),
+    ("none.jsonl", '{"item_id": "a"}\n{"title": "no id"}\n', r"none.jsonl line 2: no item_id"),
+    ("bad.jsonl", '{"item_id": "a"}\n\n{"item_id": "b",}\n', r"bad.jsonl line 3: not JSON"),
+    ("m.xlsx", "x", r"unknown metadata format '.xlsx'"),
+    ("q.csv", 'item_id,title\np/1.jpg,"unclosed\n', r"q.csv line \d+: "),
+])
+def test_a_malformed_file_is_one_error_naming_the_line(tmp_path, name, content, message):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(MetadataError, match=message):
+        read_metadata(str(tmp_path / name))
+
+
+def test_snapshots_only_when_a_row_changes_and_unknown_rows_are_counted(tmp_path):
+    store = Location(str(tmp_path / "store"))
+    (tmp_path / "m.csv").write_text(CSV)
+    url = str(tmp_path / "m.csv")
+    listed = {"p/1.jpg", "p/2.jpg", "p/9.jpg"}
+    first = store_metadata(store, url, read_metadata(url), listed)
+    assert (first.written, first.snapshot_seq, first.new, first.rows) == (True, 1, 3, 3)
+    assert (first.unknown_items, first.unknown_examples, first.without_row, first.without_row_examples) == \
+        (1, ["p/3.jpg"], 1, ["p/9.jpg"])
+    again = store_metadata(store, url, read_metadata(url), listed)
+    assert (again.written, again.snapshot_seq, again.unchanged) == (False, 1, 3)
+
+    (tmp_path / "m.csv").write_text(CSV.replace("top view", "\"top view, laces\"").replace(
+        "p/3.jpg,00042,Blue wool coat,,coats,120\n", "") + "p/9.jpg,00099,Green scarf,,scarves,15\n")
+    third = store_metadata(store, url, read_metadata(url), listed)
+    assert (third.written, third.snapshot_seq, third.new, third.changed, third.removed, third.unchanged) == \
+        (True, 2, 1, 1, 1, 1)
+    stored = load_metadata(store)
+    assert stored.column("item_id").to_pylist() == ["p/1.jpg", "p/2.jpg", "p/9.jpg"]
+    meta = {k.decode(): v.decode() for k, v in stored.schema.metadata.items()}
+    assert meta["imgest.rows"] == "3" and json.loads(meta["imgest.report"])["changed"] == 1
