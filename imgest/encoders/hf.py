@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from imgest.encoders.base import EncoderError, EncoderSpec, autocast, file_digest, l2_normalise, to_device
+from imgest.encoders.text import is_sentence_transformer, text_spec
 
 PREFIX = "hf:"
 # model_type -> (modalities, how to read the embedding dimension from config.json)
@@ -57,6 +58,8 @@ def resolve(name: str) -> EncoderSpec:
         folder = _fetch(repo_id, rev or None)
         revision = os.path.basename(folder.rstrip("/"))  # the snapshot folder is the commit hash
         source = folder
+    if is_sentence_transformer(folder):  # a text model for catalogue captions (imgest/encoders/text.py)
+        return text_spec(name if not os.path.isdir(target) else f"{PREFIX}{folder}", folder, revision, "st")
     config_path = os.path.join(folder, "config.json")
     if not os.path.exists(config_path):
         raise EncoderError(f"{name}: no config.json in {folder}; expected a transformers model folder")
