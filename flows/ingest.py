@@ -40,6 +40,8 @@ from imgest.tasks.ingest_tasks import (
     list_catalogue_task,
     plan_ingest_task,
     prepare_state_task,
+    store_metadata_task,
+    text_listing_task,
 )
 from imgest.tasks.listing import check_apart
 from imgest.tasks.markdown import progress_line, render_summary
@@ -58,11 +60,12 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
            runner: str = DEFAULT_RUNNER, workers: int = DEFAULT_WORKERS,
            encode_limit: str = DEFAULT_ENCODE_LIMIT, max_bytes: int = DEFAULT_MAX_BYTES,
            max_delete_fraction: float = DEFAULT_MAX_DELETE_FRACTION, allow_mass_delete: bool = False,
-           dtype: str = DEFAULT_DTYPE) -> dict:
+           dtype: str = DEFAULT_DTYPE, metadata: str | None = None) -> dict:
     cfg = IngestConfig(catalogue=catalogue, store=store, model=model, batch_size=str(batch_size), device=device,
                        shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels, runner=runner,
                        workers=workers, encode_limit=encode_limit, max_bytes=max_bytes,
-                       max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete, dtype=dtype)
+                       max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete, dtype=dtype,
+                       metadata=metadata)
     spec = encoders.resolve(cfg.model)
     device = encoders.resolve_device(cfg.device)
     store_loc = open_location(cfg.store)
@@ -74,13 +77,20 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
         run_id = new_run_id(state.seq + 1)
         summary = new_summary(spec, run_id, catalogue_url, store_loc.url, cfg.to_dict())
         listing = list_catalogue_task(catalogue_url)
+        if cfg.metadata:
+            summary.metadata = store_metadata_task(store_loc.url, cfg.metadata, quote(listing)).to_dict()
+        metadata_seq = None
+        if "image" not in spec.modalities:  # a caption model: the listed images' metadata text is what it reads
+            listing, summary.texts, metadata_seq = text_listing_task(store_loc.url, quote(listing), spec)
         # quote(): hand large values to tasks as they are; Prefect would otherwise walk every item in them
         # stops here, before any write, when the run would tombstone more than cfg.delete_limit of the live items
         plan = plan_ingest_task(quote(listing), quote(state), run_id, cfg.shard_size, cfg.max_bytes, cfg.delete_limit)
         if spec.base is not None and plan.shards:  # a head: derive from current base embeddings, decode the rest
             plan = attach_base_task(store_loc.url, spec.base.slug, quote(plan))
         batch, source = (0, "nothing to encode")
-        if any(not item.base_shard for shard in plan.shards for item in shard.items):
+        if metadata_seq is not None and plan.shards:
+            batch, source = (cfg.fixed_batch_size or 64, "fixed" if cfg.fixed_batch_size else "text model: 64")
+        elif any(not item.base_shard for shard in plan.shards for item in shard.items):
             batch, source = choose_batch_size_task(store_loc.url, spec, device, cfg.fixed_batch_size)
         elif plan.shards:
             batch, source = (1, "every item derived from stored base embeddings")
@@ -96,7 +106,8 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
                     "catalogue_url": unmapped(catalogue_url), "store_url": unmapped(store_loc.url),
                     "batch_size": unmapped(batch), "decode_workers": unmapped(cfg.decode_workers),
                     "max_pixels": unmapped(cfg.max_pixels), "encode_limit": unmapped(cfg.encode_limit),
-                    "fence": unmapped(lock.fence), "dtype": unmapped(cfg.dtype)})
+                    "fence": unmapped(lock.fence), "dtype": unmapped(cfg.dtype),
+                    "metadata_seq": unmapped(metadata_seq)})
                 for shard, future in zip(plan.shards, futures):  # in order: progress moves as shards commit
                     try:
                         results.append(future.result())

@@ -107,3 +107,46 @@ def product_photos(n: int, seed: int = 0) -> dict[str, bytes]:
         crop.save(buf, "JPEG", quality=int(rng.integers(85, 96)), progressive=bool(i % 3 == 0), exif=exif)
         out[f"p/{i:05d}.jpg"] = buf.getvalue()
     return out
+
+
+# What a product title says beside the class: composed so titles are specific (a class name alone is too
+# coarse to search by), with words a shopper would use that the class name does not contain.
+COLOURS = ("black", "white", "red", "navy", "olive", "beige", "grey", "mustard")
+MATERIALS = {"t-shirt": ("cotton", "organic cotton", "linen"), "trouser": ("denim", "chino", "wool"),
+             "pullover": ("merino", "cashmere", "cotton knit"), "dress": ("silk", "jersey", "linen"),
+             "coat": ("wool", "down-filled", "waxed cotton"), "sandal": ("leather", "cork", "rubber"),
+             "shirt": ("oxford cotton", "flannel", "poplin"), "sneaker": ("canvas", "mesh", "suede"),
+             "bag": ("leather", "nylon", "canvas"), "ankle-boot": ("suede", "leather", "waterproof leather")}
+DETAILS = {"t-shirt": ("crew neck, short sleeves", "v-neck tee", "graphic print tee"),
+           "trouser": ("slim fit pants", "wide-leg pants", "tapered trousers"),
+           "pullover": ("crew neck jumper", "cable knit sweater", "roll neck sweater"),
+           "dress": ("midi dress", "wrap dress", "summer maxi dress"),
+           "coat": ("parka with hood", "double-breasted overcoat", "winter jacket"),
+           "sandal": ("open-toe sandal", "strappy flat sandal", "slide sandal"),
+           "shirt": ("button-down shirt", "long-sleeve shirt", "work shirt"),
+           "sneaker": ("low-top trainers", "running shoes", "lace-up trainers"),
+           "bag": ("tote bag", "crossbody bag", "backpack"),
+           "ankle-boot": ("chelsea boot", "lace-up ankle boot", "heeled bootie")}
+
+
+def product_metadata(labels: dict[str, int], images_per_product: int = 2, seed: int = 0) -> list[dict]:
+    """Metadata rows for catalogue items of known Fashion-MNIST classes: product_id (consecutive items of a
+    class share one), a title composed from colour, material and a detail, a caption, category and price."""
+    rng = np.random.default_rng(seed)
+    rows, by_class = [], {}
+    for item, label in sorted(labels.items()):
+        cls = FASHION_CLASSES[label]
+        n = by_class.setdefault(cls, [0])
+        product = f"{cls}-{n[0] // images_per_product:04d}"
+        if n[0] % images_per_product == 0:
+            colour, material = COLOURS[rng.integers(len(COLOURS))], MATERIALS[cls][rng.integers(3)]
+            detail, price = DETAILS[cls][rng.integers(3)], round(float(rng.uniform(9, 240)), 2)
+            by_class[cls + "/current"] = (colour, material, detail, price)
+        colour, material, detail, price = by_class[cls + "/current"]
+        view = ("front view", "back view", "detail shot", "on a model")[n[0] % 4]
+        article = "an" if colour[0] in "aeiou" else "a"
+        rows.append({"item_id": item, "product_id": product, "title": f"{colour} {material} {detail}",
+                     "caption": f"{view} of {article} {colour} {cls.replace('-', ' ')}", "category": cls,
+                     "price": price})
+        n[0] += 1
+    return rows

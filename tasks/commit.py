@@ -55,6 +55,8 @@ class RunSummary:
     imgest_version: str = ""
     rejected_items: list[tuple[str, str]] = field(default_factory=list)
     removed_orphans: list[str] = field(default_factory=list)
+    metadata: dict | None = None  # --metadata: rows new/changed/removed, unknown items, images without a row
+    texts: dict | None = None  # a text model: rows without text, rows for unlisted items, the snapshot read
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -18,7 +18,9 @@ from imgest.storage import Location
 from imgest.tasks.batch_size import choose_batch_size
 from imgest.tasks.commit import RunSummary, commit_run
 from imgest.tasks.encode import encode_shard
+from imgest.tasks.encode_text import encode_text_shard, text_listing, text_of
 from imgest.tasks.listing import Listing, list_catalogue
+from imgest.tasks.metadata import MetadataReport, latest_seq, read_metadata, snapshot_key, store_metadata
 from imgest.tasks.plan import Plan, ShardPlan, attach_base, plan_ingest
 from imgest.tasks.policy import COMMIT_TIMEOUT_S, IO_RETRIES, LIST_TIMEOUT_S, SHARD_RETRIES
 from imgest.tasks.shards import ShardResult
@@ -35,6 +37,30 @@ def prepare_state_task(store_url: str, spec_description: dict) -> tuple[Catalogu
 @task(name="list-catalogue", cache_policy=NO_CACHE, timeout_seconds=LIST_TIMEOUT_S, **IO_RETRIES)
 def list_catalogue_task(catalogue_url: str) -> Listing:
     return list_catalogue(catalogue_url)
+
+
+@task(name="store-metadata", cache_policy=NO_CACHE, **IO_RETRIES)
+def store_metadata_task(store_url: str, metadata_url: str, listing: Listing) -> MetadataReport:
+    """Read and check the metadata file, store a snapshot if a row changed; rows and images that do not
+    meet are counted against this run's listing."""
+    table = read_metadata(metadata_url)
+    return store_metadata(Location(store_url), metadata_url, table, {obj.key for obj in listing.objects})
+
+
+class NoMetadataError(ValueError):
+    """A text model was asked to ingest a store that holds no catalogue metadata."""
+
+
+@task(name="list-texts", cache_policy=NO_CACHE, **IO_RETRIES)
+def text_listing_task(store_url: str, listing: Listing, spec: EncoderSpec) -> tuple[Listing, dict, int]:
+    """A text model's listing: the stored metadata's rows with text, for listed images; and the snapshot."""
+    store = Location(store_url)
+    seq = latest_seq(store)
+    if not seq:
+        raise NoMetadataError(f"{spec.name} embeds catalogue text, and this store holds no metadata yet: pass "
+                              "--metadata FILE_OR_URL (Parquet, CSV or JSONL with item_id, title, caption, ...)")
+    texts, left_out = text_listing(listing, store.read_table(snapshot_key(seq)), spec)
+    return texts, left_out | {"metadata_snapshot": seq}, seq
 
 
 @task(name="plan-shards", cache_policy=NO_CACHE)
@@ -105,9 +131,16 @@ def encode_slot(name: str | None) -> Iterator[None]:
       task_run_name="encode-{plan.name}")
 def encode_shard_task(plan: ShardPlan, spec: EncoderSpec, device: str, catalogue_url: str, store_url: str,
                       batch_size: int, decode_workers: int, max_pixels: int, encode_limit: str = "auto",
-                      fence: Fence | None = None, dtype: str = DEFAULT_DTYPE) -> ShardResult:
+                      fence: Fence | None = None, dtype: str = DEFAULT_DTYPE,
+                      metadata_seq: int | None = None) -> ShardResult:
     # The spec crosses the task boundary; the weights are loaded here, once per worker process.
     encoder = encoders.load(spec, device)
     with encode_slot(encode_slot_name(encode_limit, device)):
+        if "image" not in spec.modalities:  # a caption model: its objects are the metadata snapshot's texts
+            store = Location(store_url)
+            table = store.read_table(snapshot_key(metadata_seq))
+            wanted = {item.item_id for item in plan.items}
+            texts = {k: v for k, v in text_of(table, spec).items() if k in wanted}
+            return encode_text_shard(plan, encoder, texts, store, batch_size, fence, dtype)
         return encode_shard(plan, encoder, Location(catalogue_url), Location(store_url), batch_size,
                             decode_workers, max_pixels, fence, dtype)

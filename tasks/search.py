@@ -85,6 +85,9 @@ class Searcher:
             raise SearchError(f"{self.spec.name} has no text tower: text queries are refused (image queries work)")
         vectors = np.zeros((len(queries), self.spec.dim), np.float32)
         image_rows = [i for i, q in enumerate(queries) if q.image is not None]
+        if image_rows and "image" not in self.spec.modalities:
+            raise SearchError(f"{self.spec.name} is a text model over catalogue captions: search it with --text "
+                              "(image queries go to an image model's alias)")
         if image_rows:
             side = getattr(encoder, "decode_side", None)  # the reduced JPEG decode the catalogue got
             pixels = [encoder.preprocess(decode_image(read_url(queries[i].image), min_side=side)) for i in image_rows]

@@ -3,6 +3,8 @@ sentence-transformers folder through hf:, and text listings that re-encode only 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -96,3 +98,87 @@ def test_an_hf_folder_of_a_sentence_transformers_model_is_a_text_model(tmp_path)
     assert (spec.family, spec.dim, spec.modalities) == ("st", 32, ("text",))
     vectors = encoders.load(spec, "cpu").encode_texts(["a red shoe", "a blue coat"])
     assert vectors.shape == (2, 32) and np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_caption_retriever_end_to_end(tmp_path, tiny_models):
+    """Metadata stored with an image ingest; minilm-l6 ingests its text, builds a `captions` index and
+    answers text queries with the image's item_id and URI; a changed title alone is re-encoded; a removed
+    row is tombstoned; the caption and image aliases fuse by rank."""
+    import json
+
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from imgest.cli import app
+    from imgest.demo import FASHION_CLASSES, product_metadata, read_fashion_mnist
+    from imgest.flows.build_index import build_index
+    from imgest.flows.ingest import ingest
+    from imgest.tasks.search import search
+
+    images, labels = read_fashion_mnist()
+    cat, store = tmp_path / "cat", tmp_path / "store"
+    items = {}
+    for cls in range(10):
+        for n, index in enumerate(np.flatnonzero(labels == cls)[:4]):
+            key = f"{FASHION_CLASSES[cls]}/{n}.png"
+            (cat / FASHION_CLASSES[cls]).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(images[index]).save(cat / key)
+            items[key] = cls
+    rows = product_metadata(items)
+    rows.append({"item_id": "gone/0.png", "title": "a row for an image the catalogue lacks"})
+    rows = [r for r in rows if r["item_id"] != "bag/3.png"]  # an image without a row
+    metadata = tmp_path / "meta.jsonl"
+    metadata.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    image_run = ingest(catalogue=str(cat), store=str(store), model=f"hf:{tiny_models['clip']}",
+                       metadata=str(metadata), batch_size="8")
+    assert image_run["metadata"]["rows"] == 40 and image_run["metadata"]["written"]
+    assert (image_run["metadata"]["unknown_items"], image_run["metadata"]["without_row"]) == (1, 1)
+    build_index(store=str(store), model=f"hf:{tiny_models['clip']}", alias="serving")
+
+    text_run = ingest(catalogue=str(cat), store=str(store), model="minilm-l6", shard_size=16)
+    assert text_run["encoded"] == 39 and text_run["texts"]["rows_for_unlisted_items"] == 1
+    assert text_run["texts"]["images_without_text"] == 1 and text_run["metadata"] is None
+    card = build_index(store=str(store), model="minilm-l6", alias="captions")["card"]
+    assert card["n"] == 39 and card["model_name"] == "minilm-l6"
+
+    hits = search(str(store), text="running shoes", alias="captions", k=4)
+    assert {h.item_id.split("/")[0] for h in hits[:2]} == {"sneaker"}, hits
+    assert hits[0].uri.endswith(hits[0].item_id) and os.path.exists(hits[0].uri.removeprefix("file://"))
+
+    # one title edited, one row removed: only the edited text is encoded again, the removed one tombstoned
+    rows = [dict(r, title="crimson leather tote") if r["item_id"] == "bag/0.png" else r for r in rows
+            if r["item_id"] != "coat/1.png"]
+    metadata.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    again = ingest(catalogue=str(cat), store=str(store), model="minilm-l6", metadata=str(metadata))
+    assert (again["new"], again["changed"], again["deleted"], again["encoded"]) == (0, 1, 1, 1)
+    assert (again["metadata"]["changed"], again["metadata"]["removed"]) == (1, 1)
+    build_index(store=str(store), model="minilm-l6", alias="captions")
+    assert search(str(store), text="crimson leather tote", alias="captions", k=1)[0].item_id == "bag/0.png"
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["search", "--store", str(store), "--text", "winter jacket", "--alias", "captions",
+                              "--k", "3", "--json"])
+    assert out.exit_code == 0, out.output
+    payload = json.loads(out.output)
+    assert payload["model_id"] == card["model_id"] and len(payload["results"][0]["hits"]) == 3
+    fused = runner.invoke(app, ["search", "--store", str(store), "--text", "winter jacket", "--alias", "captions",
+                                "--alias", "serving", "--fuse", "rrf", "--json"])
+    assert fused.exit_code == 0, fused.output
+    assert json.loads(fused.output)["model_id"] == "rrf(captions, serving)"
+    refused = runner.invoke(app, ["search", "--store", str(store), "--image", str(cat / "bag/0.png"), "--alias",
+                                  "captions"])
+    assert refused.exit_code != 0 and "text model over catalogue captions" in refused.output
+
+    # the nightly keeps the caption retriever current beside the image model (every aliased model)
+    from imgest.flows.nightly import nightly
+
+    rows = [dict(r, title="emerald suede chelsea boot") if r["item_id"] == "ankle-boot/2.png" else r for r in rows]
+    metadata.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    night = nightly(catalogue=str(cat), store=str(store), metadata=str(metadata))
+    by_model = {run["ingest"]["model_id"]: run for run in night["models"]}
+    assert set(by_model) == {card["model_id"], image_run["model_id"]}
+    assert by_model[card["model_id"]]["ingest"]["encoded"] == 1 and by_model[image_run["model_id"]]["ingest"][
+        "encoded"] == 0
+    assert search(str(store), text="emerald chelsea boot", alias="captions", k=1)[0].item_id == "ankle-boot/2.png"

@@ -15,7 +15,7 @@ def _ingest(*args):
 def test_unknown_model(tmp_path):
     result = _ingest("--catalogue", str(tmp_path), "--store", str(tmp_path / "s"), "--model", "resnet9000")
     assert result.exit_code == 2
-    assert "unknown model 'resnet9000'; known: efficientnet-lite0, hf:" in result.output
+    assert "unknown model 'resnet9000'; known: efficientnet-lite0, minilm-l6, hf:" in result.output
 
 
 def test_missing_catalogue(tmp_path):

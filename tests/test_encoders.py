@@ -14,7 +14,7 @@ from imgest.tasks.decode import to_rgb
 
 
 def test_unknown_model_lists_the_registry():
-    with pytest.raises(EncoderError, match=r"unknown model 'clip-big'; known: efficientnet-lite0, hf:"):
+    with pytest.raises(EncoderError, match=r"unknown model 'clip-big'; known: efficientnet-lite0, minilm-l6, hf:"):
         encoders.resolve("clip-big")
 
 

@@ -81,11 +81,14 @@ def search_cmd(
     text: Optional[str] = typer.Option(None, help="Query text (models with a text tower)"),
     queries: Optional[str] = typer.Option(None, help="JSONL file: query_id and image or text per line"),
     k: int = typer.Option(10, help="Results per query"),
-    alias: str = typer.Option("serving", help="Alias to search (ignored with --model)"),
+    alias: list[str] = typer.Option(["serving"], help="Alias to search (ignored with --model); repeat it with "
+                                                     "--fuse rrf to fuse several, e.g. --alias captions --alias "
+                                                     "serving"),
     model: Optional[str] = typer.Option(None, help="Search this model's index instead of an alias"),
     version: Optional[int] = typer.Option(None, help="With --model: this version (default: latest)"),
     device: str = typer.Option(DEFAULT_DEVICE, help="Where to embed the queries"),
-    fuse: Optional[str] = typer.Option(None, help="'rrf': reciprocal rank fusion of serving and shadow"),
+    fuse: Optional[str] = typer.Option(None, help="'rrf': reciprocal rank fusion of the --alias given (two or "
+                                                  "more; default serving and shadow)"),
     rrf_k: int = typer.Option(RRF_K, help="k of reciprocal rank fusion"),
     as_json: bool = typer.Option(False, "--json", help="JSON output"),
 ) -> None:
@@ -99,15 +102,19 @@ def search_cmd(
         if len(given) != 1:
             raise SearchError("give exactly one of --image, --text or --queries")
         batch = read_queries(queries) if queries else [Query("query", image, text)]
+        aliases = tuple(dict.fromkeys(alias))
         if fuse is not None:
             if fuse != "rrf":
                 raise SearchError(f"unknown fusion {fuse!r}; allowed: rrf")
             from imgest.tasks.search import fused_search
 
-            results = fused_search(store, batch, k, ("serving", "shadow"), rrf_k, device)
-            card = {"model_id": "rrf(serving, shadow)", "version": None}
+            aliases = aliases if len(aliases) > 1 else ("serving", "shadow")
+            results = fused_search(store, batch, k, aliases, rrf_k, device)
+            card = {"model_id": f"rrf({', '.join(aliases)})", "version": None}
+        elif len(aliases) > 1:
+            raise SearchError(f"{len(aliases)} aliases given: add --fuse rrf to fuse them, or give one")
         else:
-            searcher = Searcher(store, alias, model, version, device)
+            searcher = Searcher(store, aliases[0], model, version, device)
             results = searcher.search(batch, k)
             card = searcher.card
     except _user_errors() as exc:
@@ -123,7 +130,7 @@ def search_cmd(
         typer.echo(f"index model={card['slug']} v{card['version']:04d} ({card['factory']}, "
                    f"{served_parameters(card)})")
     else:
-        typer.echo(f"reciprocal rank fusion (k={rrf_k}) of serving and shadow")
+        typer.echo(f"reciprocal rank fusion (k={rrf_k}) of {', '.join(aliases)}")
     for query, hits in zip(batch, results):
         typer.echo(f"\n{query.query_id}: {query.image or query.text}")
         for hit in hits:

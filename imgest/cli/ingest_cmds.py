@@ -38,6 +38,9 @@ DTYPE = typer.Option(DEFAULT_DTYPE, help="Vectors in the shards this run writes:
                                          "bytes; indexes, export, eval and heads read both)")
 RUNNER = typer.Option(DEFAULT_RUNNER, help="Where shards encode: local (this process), dask (a local Dask cluster "
                                            "of worker processes) or a Dask scheduler address tcp://host:8786")
+METADATA = typer.Option(None, help="Catalogue metadata, one row per item_id (Parquet, CSV or JSONL: item_id, "
+                                   "product_id, title, caption, attributes): stored with the run; text models "
+                                   "such as minilm-l6 embed its text")
 WORKERS = typer.Option(DEFAULT_WORKERS, help="Worker processes of a local Dask cluster (--runner dask); 0: one per "
                                              "CPU core")
 
@@ -62,6 +65,7 @@ def ingest(
     max_delete_fraction: float = MAX_DELETE,
     allow_mass_delete: bool = ALLOW_MASS_DELETE,
     dtype: str = DTYPE,
+    metadata: Optional[str] = METADATA,
     as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON"),
 ) -> None:
     """Encode what is new or changed in the catalogue; tombstone what was deleted."""
@@ -76,7 +80,7 @@ def ingest(
                            shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels,
                            runner=runner, workers=workers, encode_limit=encode_limit, max_bytes=max_bytes,
                            max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete,
-                           dtype=dtype)
+                           dtype=dtype, metadata=metadata)
         encoders.resolve(cfg.model)
         encoders.resolve_device(cfg.device)
         check_apart(open_location(cfg.catalogue, must_exist=True, what="catalogue"), open_location(cfg.store))
@@ -194,6 +198,7 @@ def nightly(
     max_delete_fraction: float = MAX_DELETE,
     allow_mass_delete: bool = ALLOW_MASS_DELETE,
     dtype: str = DTYPE,
+    metadata: Optional[str] = METADATA,
 ) -> None:
     """Ingest, then build and verify a fresh index and move `serving` to it."""
     try:
@@ -205,7 +210,7 @@ def nightly(
         cfg = NightlyConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
                             kind=kind, memory=memory, target_recall=target_recall, runner=runner, workers=workers,
                             max_bytes=max_bytes, max_delete_fraction=max_delete_fraction,
-                            allow_mass_delete=allow_mass_delete, dtype=dtype)
+                            allow_mass_delete=allow_mass_delete, dtype=dtype, metadata=metadata)
         if cfg.model:
             encoders.resolve(cfg.model)
         check_apart(open_location(cfg.catalogue, must_exist=True, what="catalogue"), open_location(cfg.store))
