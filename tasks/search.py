@@ -11,7 +11,9 @@ from imgest import encoders
 from imgest.encoders import EncoderError
 from imgest.storage import open_location, read_url
 from imgest.tasks.decode import decode_image
+from imgest.tasks.filters import FilterError, filtered_search, grouped, matching_items
 from imgest.tasks.index_store import OpenIndex, open_index, resolve_target
+from imgest.tasks.metadata import load_metadata
 from imgest.tasks.models import find_model
 
 
@@ -25,6 +27,7 @@ class Hit:
     item_id: str
     uri: str
     score: float
+    group: str | None = None  # with --group-by: the group (e.g. product_id) this hit stands for
 
 
 @dataclass
@@ -68,6 +71,8 @@ class Searcher:
                               "different model; rebuild the index or restore those weights")
         self.spec, self.device = spec, device
         self._encoder = None
+        self._table = None  # the store's metadata, read on the first --where or --group-by
+        self._position: dict[str, int] | None = None
 
     @property
     def card(self) -> dict:
@@ -100,43 +105,102 @@ class Searcher:
                 raise SearchError(str(exc)) from exc
         return vectors
 
-    def search_vectors(self, vectors: np.ndarray, k: int = 10) -> list[list[Hit]]:
+    def search_vectors(self, vectors: np.ndarray, k: int = 10, where: str | None = None,
+                       group_by: str | None = None, per_group: int = 1) -> list[list[Hit]]:
+        """Top k per query; with `where`, only items whose metadata satisfies it (never fewer than k when k
+        do); with `group_by`, at most `per_group` hits per value of that metadata column."""
         if vectors.ndim != 2 or vectors.shape[1] != self.spec.dim:
             raise SearchError(f"query vectors have shape {vectors.shape}; this index takes (n, {self.spec.dim})")
-        scores, ids = self.opened.search(vectors, k)
+        if k < 1 or per_group < 1:
+            raise SearchError(f"k and per_group must be >= 1; got k={k}, per_group={per_group}")
+        allowed = self._allowed(where) if where else None
+        if group_by is None:
+            return self._hits(*self._search(vectors, k, allowed))
+        group_of = self._groups(group_by)
+        limit = self.opened.index.ntotal if allowed is None else len(allowed)
+        depth, results = min(limit, 4 * k * per_group), [None] * len(vectors)
+        todo = list(range(len(vectors)))
+        while todo:
+            hits = self._hits(*self._search(vectors[todo], depth, allowed))
+            left = []
+            for row, row_hits in zip(todo, hits):
+                results[row], full = grouped(row_hits, group_of, k, per_group)
+                if not full and depth < limit:
+                    left.append(row)
+            todo, depth = left, min(limit, depth * 4)
+        return results
+
+    def search(self, queries: list[Query], k: int = 10, where: str | None = None, group_by: str | None = None,
+               per_group: int = 1) -> list[list[Hit]]:
+        return self.search_vectors(self.embed(queries), k, where, group_by, per_group)
+
+    def _hits(self, scores: np.ndarray, ids: np.ndarray) -> list[list[Hit]]:
         return [[Hit(rank + 1, self.opened.item_ids[i], self.opened.uris[i], float(s))
                  for rank, (s, i) in enumerate(zip(srow, irow)) if i >= 0] for srow, irow in zip(scores, ids)]
 
-    def search(self, queries: list[Query], k: int = 10) -> list[list[Hit]]:
-        return self.search_vectors(self.embed(queries), k)
+    def _search(self, vectors: np.ndarray, k: int, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        if allowed is None:
+            return self.opened.search(vectors, k)
+        search = self.card["search"]
+        return filtered_search(self.opened.index, vectors, k, allowed, search["param"], search["value"])
+
+    def _metadata(self):
+        if self._table is None:
+            self._table = load_metadata(self.store)
+            if self._table is None:
+                raise SearchError("this store holds no catalogue metadata to filter or group by: ingest with "
+                                  "--metadata FILE_OR_URL first")
+        return self._table
+
+    def _allowed(self, where: str) -> np.ndarray:
+        """The faiss ids of indexed items whose metadata satisfies `where`."""
+        try:
+            items = matching_items(self._metadata(), where)
+        except FilterError as exc:
+            raise SearchError(str(exc)) from exc
+        if self._position is None:
+            self._position = {item: n for n, item in enumerate(self.opened.item_ids)}
+        return np.array([self._position[i] for i in items if i in self._position], np.int64)
+
+    def _groups(self, column: str) -> dict[str, str]:
+        table = self._metadata()
+        if column not in table.column_names or column == "row_hash":
+            raise SearchError(f"--group-by {column!r}: no such metadata column; columns: "
+                              f"{', '.join(c for c in table.column_names if c != 'row_hash')}")
+        values = table.column(column).to_pylist()
+        return {item: str(v) for item, v in zip(table.column("item_id").to_pylist(), values) if v is not None}
 
 
 def search(store_url: str, *, image: str | None = None, text: str | None = None, k: int = 10,
            alias: str | None = "serving", model: str | None = None, version: int | None = None,
-           device: str = "auto") -> list[Hit]:
+           device: str = "auto", where: str | None = None, group_by: str | None = None,
+           per_group: int = 1) -> list[Hit]:
     """One query by image (path or URL) or by text; the Python mirror of ``imgest search``."""
     if (image is None) == (text is None):
         raise SearchError("give exactly one of image or text")
     searcher = Searcher(store_url, alias, model, version, device)
-    return searcher.search([Query("q", image, text)], k)[0]
-
-
+    return searcher.search([Query("q", image, text)], k, where, group_by, per_group)[0]
 
 
 def fused_search(store_url: str, queries: list[Query], k: int = 10, aliases: tuple[str, ...] = ("serving", "shadow"),
-                 rrf_k: int = 60, device: str = "auto") -> list[list[Hit]]:
-    """Reciprocal rank fusion of several aliases (e.g. serving and shadow during a migration window).
+                 rrf_k: int = 60, device: str = "auto", where: str | None = None, group_by: str | None = None,
+                 per_group: int = 1) -> list[list[Hit]]:
+    """Reciprocal rank fusion of several aliases (a caption index and an image index; serving and shadow
+    during a migration window).
 
     Each alias embeds the query with its own model, so vectors of two models are never compared; only
-    ranks are combined. Scores returned are RRF scores."""
+    ranks are combined. Scores returned are RRF scores. `where` filters every retriever; `group_by` groups
+    the fused ranking."""
     from imgest.tasks.fusion import rrf
 
     searchers = [Searcher(store_url, alias=a, device=device) for a in aliases]
-    depth = max(k, 100)
-    per_alias = [s.search(queries, depth) for s in searchers]
+    depth = max(k, 100) * (4 * per_group if group_by else 1)
+    per_alias = [s.search(queries, depth, where) for s in searchers]
     uris = {h.item_id: h.uri for results in per_alias for hits in results for h in hits}
+    group_of = searchers[0]._groups(group_by) if group_by else None
     fused = []
     for q in range(len(queries)):
-        ranking = rrf([[h.item_id for h in results[q]] for results in per_alias], k=rrf_k)[:k]
-        fused.append([Hit(rank, item, uris[item], score) for rank, (item, score) in enumerate(ranking, 1)])
+        ranking = rrf([[h.item_id for h in results[q]] for results in per_alias], k=rrf_k)
+        hits = [Hit(rank, item, uris[item], score) for rank, (item, score) in enumerate(ranking, 1)]
+        fused.append(grouped(hits, group_of, k, per_group)[0] if group_of is not None else hits[:k])
     return fused

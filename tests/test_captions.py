@@ -167,6 +167,22 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
                                 "--alias", "serving", "--fuse", "rrf", "--json"])
     assert fused.exit_code == 0, fused.output
     assert json.loads(fused.output)["model_id"] == "rrf(captions, serving)"
+    category = {r["item_id"]: r["category"] for r in rows if "category" in r}
+    product = {r["item_id"]: r["product_id"] for r in rows if "product_id" in r}
+    shoes = runner.invoke(app, ["search", "--store", str(store), "--text", "winter jacket", "--alias", "captions",
+                                "--where", "category = 'sneaker' AND price < 1000", "--k", "3", "--json"])
+    assert shoes.exit_code == 0, shoes.output
+    hits = json.loads(shoes.output)["results"][0]["hits"]
+    assert len(hits) == 3 and {category[h["item_id"]] for h in hits} == {"sneaker"}  # filtered, not under-filled
+    grouped = runner.invoke(app, ["search", "--store", str(store), "--image", str(cat / "dress/0.png"), "--k", "5",
+                                  "--group-by", "product_id", "--json"])
+    assert grouped.exit_code == 0, grouped.output
+    hits = json.loads(grouped.output)["results"][0]["hits"]
+    assert len(hits) == 5 and len({h["group"] for h in hits}) == 5
+    assert all(h["group"] == product.get(h["item_id"], h["item_id"]) for h in hits)
+    bad = runner.invoke(app, ["search", "--store", str(store), "--text", "coat", "--alias", "captions",
+                              "--where", "colour = 'red'"])
+    assert bad.exit_code == 2 and "colour" in bad.output and "columns: item_id, product_id" in bad.output
     refused = runner.invoke(app, ["search", "--store", str(store), "--image", str(cat / "bag/0.png"), "--alias",
                                   "captions"])
     assert refused.exit_code != 0 and "text model over catalogue captions" in refused.output

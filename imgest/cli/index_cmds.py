@@ -90,6 +90,11 @@ def search_cmd(
     fuse: Optional[str] = typer.Option(None, help="'rrf': reciprocal rank fusion of the --alias given (two or "
                                                   "more; default serving and shadow)"),
     rrf_k: int = typer.Option(RRF_K, help="k of reciprocal rank fusion"),
+    where: Optional[str] = typer.Option(None, help="Only items whose metadata satisfies this SQL predicate, e.g. "
+                                                   "\"category = 'shoes' AND price < 50\" (DuckDB, no file access)"),
+    group_by: Optional[str] = typer.Option(None, help="At most --per-group hits per value of this metadata column, "
+                                                      "e.g. product_id: one product's photos do not fill the page"),
+    per_group: int = typer.Option(1, help="Hits kept per group with --group-by"),
     as_json: bool = typer.Option(False, "--json", help="JSON output"),
 ) -> None:
     """Search by image, by text, or a batch of queries, with the model that built the index."""
@@ -109,13 +114,13 @@ def search_cmd(
             from imgest.tasks.search import fused_search
 
             aliases = aliases if len(aliases) > 1 else ("serving", "shadow")
-            results = fused_search(store, batch, k, aliases, rrf_k, device)
+            results = fused_search(store, batch, k, aliases, rrf_k, device, where, group_by, per_group)
             card = {"model_id": f"rrf({', '.join(aliases)})", "version": None}
         elif len(aliases) > 1:
             raise SearchError(f"{len(aliases)} aliases given: add --fuse rrf to fuse them, or give one")
         else:
             searcher = Searcher(store, aliases[0], model, version, device)
-            results = searcher.search(batch, k)
+            results = searcher.search(batch, k, where, group_by, per_group)
             card = searcher.card
     except _user_errors() as exc:
         _fail(exc)
@@ -134,4 +139,4 @@ def search_cmd(
     for query, hits in zip(batch, results):
         typer.echo(f"\n{query.query_id}: {query.image or query.text}")
         for hit in hits:
-            typer.echo(f"  {hit.rank:>3}  {hit.score:.4f}  {hit.item_id}")
+            typer.echo(f"  {hit.rank:>3}  {hit.score:.4f}  {hit.item_id}" + (f"  [{hit.group}]" if hit.group else ""))
