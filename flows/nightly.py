@@ -29,6 +29,7 @@ from imgest.defaults import (
     DEFAULT_WORKERS,
 )
 from imgest.flows.build_index import build_index
+from imgest.flows.duplicates import duplicates
 from imgest.flows.ingest import ingest
 from imgest.lock import StoreLock
 from imgest.storage import open_location
@@ -45,13 +46,14 @@ def nightly(catalogue: str, store: str, model: str | None = None, batch_size: st
             max_bytes: int = DEFAULT_MAX_BYTES, max_delete_fraction: float = DEFAULT_MAX_DELETE_FRACTION,
             allow_mass_delete: bool = False, dtype: str = DEFAULT_DTYPE, kind: str = DEFAULT_KIND,
             memory: str = DEFAULT_MEMORY, target_recall: float = DEFAULT_TARGET_RECALL, k: int = DEFAULT_K,
-            index_parts: int = DEFAULT_INDEX_PARTS, metadata: str | None = None) -> dict:
+            index_parts: int = DEFAULT_INDEX_PARTS, metadata: str | None = None,
+            report_duplicates: bool = False) -> dict:
     cfg = NightlyConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
                         shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels, runner=runner,
                         workers=workers, encode_limit=encode_limit, max_bytes=max_bytes,
                         max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete, dtype=dtype,
                         kind=kind, memory=memory, target_recall=target_recall, k=k, index_parts=index_parts,
-                        metadata=metadata)
+                        metadata=metadata, report_duplicates=report_duplicates)
     store_loc = open_location(cfg.store)
     runs, bases, ingested = [], [], set()
     models, left_out = nightly_models(store_loc, cfg.model)
@@ -72,7 +74,12 @@ def nightly(catalogue: str, store: str, model: str | None = None, batch_size: st
     # models retired by a finished migration window go once their retention has passed and no alias needs them
     with StoreLock(store_loc, owner=f"nightly-retire@{socket.gethostname()}:{os.getpid()}") as lock:
         retired = collect_retired(store_loc, lock.fence)
+    found = None
+    if cfg.report_duplicates and runs:  # the serving model's duplicate groups, new ones since the last report
+        found = duplicates(store=cfg.store, alias="serving")
+        found.pop("groups")
     base_rows = [{"ingest": b, "index": {"built": False, "reason": "base of a head"}} for b in bases]
-    create_markdown_artifact(render_nightly(base_rows + runs, retired, left_out), key="nightly-summary",
+    create_markdown_artifact(render_nightly(base_rows + runs, retired, left_out, found), key="nightly-summary",
                              description=f"nightly {store_loc.url}")
-    return {**(runs[0] if runs else {}), "models": runs, "bases": bases, "retired": retired, "left_out": left_out}
+    return {**(runs[0] if runs else {}), "models": runs, "bases": bases, "retired": retired, "left_out": left_out,
+            "duplicates": found}

@@ -17,6 +17,7 @@ from imgest.defaults import (
     DEFAULT_DECODE_WORKERS,
     DEFAULT_DEVICE,
     DEFAULT_DTYPE,
+    DEFAULT_DUPLICATE_THRESHOLD,
     DEFAULT_ENCODE_LIMIT,
     DEFAULT_INDEX_PARTS,
     DEFAULT_K,
@@ -208,6 +209,7 @@ class NightlyConfig(IngestConfig):
     target_recall: float = DEFAULT_TARGET_RECALL
     k: int = DEFAULT_K
     index_parts: int = DEFAULT_INDEX_PARTS
+    report_duplicates: bool = False  # after the builds: duplicate groups of the serving model, new ones counted
 
     def __post_init__(self) -> None:
         self.ingest(self.model or DEFAULT_MODEL)
@@ -282,6 +284,24 @@ class EvalConfig:
             raise ConfigError(f"ks must be positive integers (cut-offs such as 1, 5, 10); got {list(self.ks)!r}")
         check_at_least(1, resamples=self.resamples)
         check_device(self.device)
+
+
+@dataclass(frozen=True)
+class DuplicatesConfig:
+    """duplicates: exact and near-duplicate groups of one image model's live items."""
+
+    store: str
+    alias: str | None = "serving"
+    model: str | None = None
+    threshold: float = DEFAULT_DUPLICATE_THRESHOLD
+
+    def __post_init__(self) -> None:
+        check_not_empty(store=self.store)
+        check_urls(store=self.store)
+        check_alias("alias", self.alias)
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float) \
+                or not 0 < self.threshold <= 1:
+            raise ConfigError(f"threshold must be a cosine in (0, 1]; got {self.threshold!r}")
 
 
 @dataclass(frozen=True)

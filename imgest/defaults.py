@@ -11,6 +11,7 @@ DEFAULT_KIND = "auto"
 DEFAULT_MEMORY = "4G"  # index memory budget
 DEFAULT_TARGET_RECALL = 0.95  # recall@k the served search parameters must reach
 DEFAULT_K = 10
+DEFAULT_DUPLICATE_THRESHOLD = 0.97  # cosine at or above which two images are near-duplicates
 DEFAULT_RECALL_QUERIES = 1000  # held-out corpus queries measuring it
 DEFAULT_ALIAS = "auto"  # build-index moves the aliases already on its model (creates `serving` if none)
 DEFAULT_INDEX_PARTS = 1

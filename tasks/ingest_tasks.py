@@ -20,7 +20,14 @@ from imgest.tasks.commit import RunSummary, commit_run
 from imgest.tasks.encode import encode_shard
 from imgest.tasks.encode_text import encode_text_shard, text_listing, text_of
 from imgest.tasks.listing import Listing, list_catalogue
-from imgest.tasks.metadata import MetadataReport, latest_seq, read_metadata, snapshot_key, store_metadata
+from imgest.tasks.metadata import (
+    MetadataReport,
+    NoMetadataError,
+    latest_seq,
+    read_metadata,
+    snapshot_key,
+    store_metadata,
+)
 from imgest.tasks.plan import Plan, ShardPlan, attach_base, plan_ingest
 from imgest.tasks.policy import COMMIT_TIMEOUT_S, IO_RETRIES, LIST_TIMEOUT_S, SHARD_RETRIES
 from imgest.tasks.shards import ShardResult
@@ -45,10 +52,6 @@ def store_metadata_task(store_url: str, metadata_url: str, listing: Listing) -> 
     meet are counted against this run's listing."""
     table = read_metadata(metadata_url)
     return store_metadata(Location(store_url), metadata_url, table, {obj.key for obj in listing.objects})
-
-
-class NoMetadataError(ValueError):
-    """A text model was asked to ingest a store that holds no catalogue metadata."""
 
 
 @task(name="list-texts", cache_policy=NO_CACHE, **IO_RETRIES)

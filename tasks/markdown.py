@@ -193,7 +193,7 @@ def render_cost(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_nightly(runs: list[dict], retired: list, left_out: list[str] = ()) -> str:
+def render_nightly(runs: list[dict], retired: list, left_out: list[str] = (), duplicates: dict | None = None) -> str:
     lines = ["# imgest nightly", "", "| model | listed | encoded | rejected | deleted | images/s | index | recall@k "
              "| aliases |", "|---|---:|---:|---:|---:|---:|---|---:|---|"]
     for run in runs:
@@ -210,6 +210,10 @@ def render_nightly(runs: list[dict], retired: list, left_out: list[str] = ()) ->
     if retired:
         lines += ["", f"Retired: {', '.join(map(str, retired))}"]
     lines += [f"\nLeft out: {line}" for line in left_out]
+    if duplicates:
+        lines += ["", f"Duplicates of `{duplicates['model_id']}`: {duplicates['exact_groups']} exact groups, "
+                      f"{duplicates['near_groups']} near (cosine >= {duplicates['threshold']}), "
+                      f"**{duplicates['new_groups']} new** since the last report (`{duplicates['key']}`)."]
     return "\n".join(lines)
 
 

@@ -33,6 +33,10 @@ class MetadataError(ValueError):
     """The metadata file cannot be used as it is; the message names the file and, where it can, the line."""
 
 
+class NoMetadataError(MetadataError):
+    """A text model was asked to ingest a store that holds no catalogue metadata."""
+
+
 @dataclass
 class MetadataReport:
     source: str

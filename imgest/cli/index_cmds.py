@@ -11,6 +11,7 @@ from imgest.cli import _fail, _user_errors, app
 from imgest.defaults import (
     DEFAULT_ALIAS,
     DEFAULT_DEVICE,
+    DEFAULT_DUPLICATE_THRESHOLD,
     DEFAULT_INDEX_PARTS,
     DEFAULT_K,
     DEFAULT_KIND,
@@ -140,3 +141,34 @@ def search_cmd(
         typer.echo(f"\n{query.query_id}: {query.image or query.text}")
         for hit in hits:
             typer.echo(f"  {hit.rank:>3}  {hit.score:.4f}  {hit.item_id}" + (f"  [{hit.group}]" if hit.group else ""))
+
+
+@app.command("duplicates")
+def duplicates_cmd(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    threshold: float = typer.Option(DEFAULT_DUPLICATE_THRESHOLD, help="Cosine at or above which two images are "
+                                                                      "near-duplicates"),
+    alias: str = typer.Option("serving", help="Alias of the image model whose index is searched"),
+    model: Optional[str] = typer.Option(None, help="This model's latest index instead of an alias"),
+    as_json: bool = typer.Option(False, "--json", help="Print the groups as JSON"),
+) -> None:
+    """Exact duplicates (same bytes, different keys) and near-duplicate groups; a Parquet report in the store."""
+    try:
+        from dataclasses import asdict
+
+        from imgest.config import DuplicatesConfig
+
+        cfg = DuplicatesConfig(store=store, alias=alias, model=model, threshold=threshold)
+        from imgest.flows.duplicates import duplicates
+
+        report = duplicates(**asdict(cfg))
+    except _user_errors() as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    typer.echo(f"{report['items']:,} items of {report['model_id']}: {report['exact_groups']} exact groups, "
+               f"{report['near_groups']} near groups (cosine >= {report['threshold']}), {report['new_groups']} new; "
+               f"report {report['key']}")
+    for n, group in enumerate(report["groups"]):
+        typer.echo(f"  {n:>4} {group['kind']:5} {group['min_score']:.4f}  {' '.join(group['items'])}")

@@ -199,6 +199,8 @@ def nightly(
     allow_mass_delete: bool = ALLOW_MASS_DELETE,
     dtype: str = DTYPE,
     metadata: Optional[str] = METADATA,
+    report_duplicates: bool = typer.Option(False, "--report-duplicates", help="After the builds, report the "
+                                           "serving model's duplicate groups and how many are new"),
 ) -> None:
     """Ingest, then build and verify a fresh index and move `serving` to it."""
     try:
@@ -210,7 +212,8 @@ def nightly(
         cfg = NightlyConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
                             kind=kind, memory=memory, target_recall=target_recall, runner=runner, workers=workers,
                             max_bytes=max_bytes, max_delete_fraction=max_delete_fraction,
-                            allow_mass_delete=allow_mass_delete, dtype=dtype, metadata=metadata)
+                            allow_mass_delete=allow_mass_delete, dtype=dtype, metadata=metadata,
+                            report_duplicates=report_duplicates)
         if cfg.model:
             encoders.resolve(cfg.model)
         check_apart(open_location(cfg.catalogue, must_exist=True, what="catalogue"), open_location(cfg.store))
