@@ -198,3 +198,14 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     assert by_model[card["model_id"]]["ingest"]["encoded"] == 1 and by_model[image_run["model_id"]]["ingest"][
         "encoded"] == 0
     assert search(str(store), text="emerald chelsea boot", alias="captions", k=1)[0].item_id == "ankle-boot/2.png"
+
+    # export carries the metadata's columns beside each live embedding
+    import pyarrow.parquet as pq
+
+    exported = runner.invoke(app, ["export", "--store", str(store), "--model", "minilm-l6", "--out",
+                                   str(tmp_path / "captions.parquet")])
+    assert exported.exit_code == 0, exported.output
+    table = pq.read_table(tmp_path / "captions.parquet")
+    assert {"embedding", "title", "category", "price", "product_id"} <= set(table.column_names)
+    row = {r["item_id"]: r for r in table.select(["item_id", "title"]).to_pylist()}["ankle-boot/2.png"]
+    assert row["title"] == "emerald suede chelsea boot" and table.num_rows == 38
