@@ -159,17 +159,32 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def _exit_with_parent(parent: int) -> None:
+    """In a decode process: end when the process that started it is gone (killed with -9, say), instead of
+    waiting for work that will never come."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="imgest-parent-watch", daemon=True).start()
+
+
 def decode_pool(plan: DecodePlan) -> Executor:
     if plan.processes:  # spawn: never fork a process that holds torch's and Prefect's threads
-        return ProcessPoolExecutor(plan.workers, mp_context=multiprocessing.get_context("spawn"))
+        return ProcessPoolExecutor(plan.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_exit_with_parent, initargs=(os.getpid(),))
     return ThreadPoolExecutor(max_workers=plan.workers, thread_name_prefix="imgest-decode")
 
 
 def read_ahead(items: tuple[WorkItem, ...], fn: Callable[[WorkItem], Prepared], pool: Executor,
                depth: int) -> Iterator[Prepared]:
-    """Yield ``fn(item)`` in order while up to ``depth`` items are in flight: memory stays flat."""
-    with pool:
-        pending: deque[Future] = deque()
+    """Yield ``fn(item)`` in order while up to ``depth`` items are in flight: memory stays flat. Closing the
+    generator early (the shard failed) cancels what has not started and stops the workers."""
+    pending: deque[Future] = deque()
+    try:
         source = iter(items)
         for item in source:
             pending.append(pool.submit(fn, item))
@@ -181,6 +196,8 @@ def read_ahead(items: tuple[WorkItem, ...], fn: Callable[[WorkItem], Prepared], 
             if nxt is not None:
                 pending.append(pool.submit(fn, nxt))
             yield done
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def derive_from_base(items: tuple[WorkItem, ...], encoder: Encoder, store: Location,
@@ -266,7 +283,7 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
         def fn(item: WorkItem) -> Prepared:
             return prepare(catalogue, item, encoder.preprocess, max_pixels, decode_side, gpu_jpeg)
     stream = read_ahead(to_read, fn, decode_pool(where), max(2 * batch_size, 4 * where.workers))
-    with torch_threads(where.torch_threads):
+    with torch_threads(where.torch_threads), contextlib.closing(stream):
         while True:
             t0 = time.perf_counter()
             prepared = next(stream, None)

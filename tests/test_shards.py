@@ -191,3 +191,53 @@ def test_decode_processes_write_the_shard_threads_write(tmp_path, monkeypatch):
     cores = len(os.sched_getaffinity(0))
     assert auto.workers == max(1, cores // 2) and auto.torch_threads == max(1, cores - auto.workers)
     assert auto.processes and not encode_module.plan_decode(lite0, 0, 10, gpu_jpeg=False).processes
+
+
+KILLED_ENCODER = """
+import sys
+from imgest import encoders
+from imgest.storage import Location
+from imgest.tasks.encode import encode_shard
+from imgest.tasks.plan import ShardPlan, WorkItem
+cat = Location(sys.argv[1])
+keys = sorted(o.key for o in cat.walk())
+items = tuple(WorkItem(k, cat.uri(k), 1, None, None, None) for k in keys)
+lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
+encode_shard(ShardPlan("r00000001-20261130T000000-abcdef", 0, items), lite0, cat, Location(sys.argv[2]), 1,
+             decode_workers=2)
+"""
+
+
+@pytest.mark.slow
+def test_decode_processes_end_when_their_encoder_is_killed(tmp_path):
+    """kill -9 of the process encoding a shard leaves no decode process behind waiting for work."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    write_files(str(tmp_path / "cat"), {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, (900, 700))) for i in range(400)})
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_ENCODER, str(tmp_path / "cat"), str(tmp_path / "store")])
+
+    def children() -> list[int]:
+        found = []
+        for task in os.listdir(f"/proc/{proc.pid}/task"):
+            with open(f"/proc/{proc.pid}/task/{task}/children") as fh:
+                found += [int(p) for p in fh.read().split()]
+        return found
+
+    deadline = time.time() + 120
+    workers: list[int] = []
+    while time.time() < deadline and len(workers) < 2:
+        assert proc.poll() is None, "the encoder ended before its decode processes started"
+        workers = [p for p in children() if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        time.sleep(0.2)
+    assert len(workers) == 2, workers
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in workers):
+        time.sleep(0.2)
+    alive = [p for p in workers if os.path.exists(f"/proc/{p}") and
+             open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    assert not alive, f"decode processes {alive} outlived their encoder"
