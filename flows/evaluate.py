@@ -23,14 +23,14 @@ from imgest.tasks.run_names import run_name
 @flow(name="eval", flow_run_name=run_name("eval", "compare"), validate_parameters=True)
 def evaluate(store: str, queries: str, alias: str = "serving", compare: str | None = None,
              ks: list[int] | None = None, resamples: int = DEFAULT_RESAMPLES, seed: int = 0, out: str | None = None,
-             device: str = DEFAULT_DEVICE) -> dict:
+             device: str = DEFAULT_DEVICE, traffic: str | None = None) -> dict:
     cfg = EvalConfig(store=store, queries=queries, alias=alias, compare=compare,
                      ks=tuple(DEFAULT_KS if ks is None else ks), resamples=resamples, seed=seed, out=out,
-                     device=device)
+                     device=device, traffic=traffic)
     store_loc = open_location(cfg.store, must_exist=True, what="store")
     query_set = read_query_set(cfg.queries)
     report = evaluate_task(store_loc.url, query_set, cfg.alias, cfg.compare, list(cfg.ks), cfg.resamples, cfg.seed,
-                           cfg.device)
+                           cfg.device, cfg.traffic)
     report["query_file"] = cfg.queries
     if evaluates_window(store_loc, report):  # serving vs shadow in an open window: kept for status and the gate
         with StoreLock(store_loc, owner=f"eval@{socket.gethostname()}:{os.getpid()}", wait=LOCK_WAIT_S) as lock:

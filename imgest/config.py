@@ -274,10 +274,13 @@ class EvalConfig:
     seed: int = 0
     out: str | None = None
     device: str = DEFAULT_DEVICE
+    traffic: str | None = None  # a query log's class counts: the traffic-weighted gain of the second retriever
 
     def __post_init__(self) -> None:
         check_not_empty(store=self.store, queries=self.queries)
-        check_urls(store=self.store, queries=self.queries, out=self.out)
+        check_urls(store=self.store, queries=self.queries, out=self.out, traffic=self.traffic)
+        if self.traffic and not self.compare:
+            raise ConfigError("traffic needs compare: the gain is that of adding the compared retriever")
         check_alias("alias", self.alias)
         check_alias("compare", self.compare)
         if not self.ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.ks):

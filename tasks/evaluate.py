@@ -18,6 +18,15 @@ from imgest.tasks.markdown import served_parameters
 from imgest.tasks.metrics import evaluate, paired_bootstrap, per_query, win_loss
 from imgest.tasks.plots import bootstrap_png, recall_sweep_png
 from imgest.tasks.querysets import LabelledQuery, QuerySetError
+from imgest.tasks.routing import (
+    FOLDS,
+    candidate_runs,
+    fit_calibration,
+    read_traffic,
+    routing_file,
+    routing_table,
+    traffic_gain,
+)
 from imgest.tasks.search import Query, Searcher
 
 EMBED_CHUNK = 64
@@ -128,18 +137,33 @@ def compare(a: dict, b: dict, queries: list[LabelledQuery], ks: list[int], resam
         fused_rrf[q] = [d for d, _ in rrf([a["_runs"]["served"][q], b["_runs"]["served"][q]])]
         fused_max[q] = [d for d, _ in max_score([a["_runs"]["served_scores"][q], b["_runs"]["served_scores"][q]])]
     names = [f"recall@{k}" for k in ks] + [f"precision@{k}" for k in ks]
+    runs = candidate_runs(a["_runs"], b["_runs"], qrels, seed)
     out["fusion"] = {
         "a": evaluate(a["_runs"]["served"], qrels, names),
         "b": evaluate(b["_runs"]["served"], qrels, names),
         "rrf": evaluate(fused_rrf, qrels, names),
+        "calibrated": evaluate(runs["calibrated"], qrels, names),
         "max": evaluate(fused_max, qrels, names),
-        "note": "max-score fusion compares raw cosine scores of two different models, which are not on one scale",
+        "note": "max-score fusion compares raw cosine scores of two different models, which are not on one scale "
+                "(the bad baseline); calibrated: Platt-scaled scores summed, each query calibrated on the other "
+                f"{FOLDS - 1} folds",
     }
+    metric = f"recall@{max(ks)}"
+    hits = {name: per_query(run, qrels, metric) for name, run in runs.items()}
+    out["fusion_bootstrap"] = {
+        f"calibrated - rrf ({metric})": paired_bootstrap([hits["calibrated"][q] for q in qrels],
+                                                        [hits["rrf"][q] for q in qrels], resamples=resamples,
+                                                        seed=seed)}
+    out["calibration"] = fit_calibration(a["_runs"]["served_scores"], b["_runs"]["served_scores"], qrels,
+                                         sorted(qrels))
+    classes = {q.query_id: q.cls for q in queries}
+    out["routing"] = routing_table(runs, qrels, classes, metric, resamples, seed)
     return out
 
 
 def run_evaluation(store_url: str, queries: list[LabelledQuery], alias: str = "serving", compare_to: str | None = None,
-                   ks: list[int] | None = None, resamples: int = 1000, seed: int = 0, device: str = "auto") -> dict:
+                   ks: list[int] | None = None, resamples: int = 1000, seed: int = 0, device: str = "auto",
+                   traffic: str | None = None) -> dict:
     ks = sorted(set(ks or [1, 5, 10]))
     store = Location(store_url)
     a = evaluate_retriever(store, alias, queries, ks, device)
@@ -148,6 +172,11 @@ def run_evaluation(store_url: str, queries: list[LabelledQuery], alias: str = "s
         b = evaluate_retriever(store, compare_to, queries, ks, device)
         report["b"] = b
         report["compare"] = compare(a, b, queries, ks, resamples, seed)
+        report["routing"] = routing_file({"a": a, "b": b}, report["compare"]["routing"],
+                                         report["compare"]["calibration"], report["metric"])
+        if traffic:
+            report["traffic"] = {"file": traffic, **traffic_gain(report["compare"]["routing"],
+                                                                 read_traffic(traffic), report["metric"])}
     for side in ("a", "b"):
         if side in report:
             report[side].pop("_runs")
@@ -194,5 +223,7 @@ def write_outputs(out: str, report: dict, markdown: str, plots: dict[str, bytes]
     target = Location(out)
     target.write_json("eval.json", report)
     target.write_bytes("eval.md", markdown.encode())
+    if "routing" in report:  # what `imgest search --route` serves
+        target.write_json("routing.json", report["routing"])
     for name, png in plots.items():
         target.write_bytes(f"{name}.png", png)

@@ -167,9 +167,32 @@ def render_eval(report: dict) -> str:
         fusion = comp["fusion"]
         fnames = [m for m in fusion["a"]]
         lines += ["", "### Fusion", "", "| retriever | " + " | ".join(fnames) + " |", "|---|" + "---:|" * len(fnames)]
-        for name in ("a", "b", "rrf", "max"):
-            lines.append(f"| {name} | " + " | ".join(_fmt(fusion[name][m]) for m in fnames) + " |")
+        for name in ("a", "b", "rrf", "calibrated", "max"):
+            if name in fusion:
+                lines.append(f"| {name} | " + " | ".join(_fmt(fusion[name][m]) for m in fnames) + " |")
         lines += ["", f"_{fusion['note']}._"]
+        for label, boot in comp.get("fusion_bootstrap", {}).items():
+            lines.append(f"\n{label}: {boot['difference']:+.4f}, 95% CI [{boot['low']:+.4f}, {boot['high']:+.4f}]")
+        if comp.get("routing"):
+            metric = report["metric"]
+            lines += ["", f"### Routing by query class ({metric})", "",
+                      "| class | queries | a | b | rrf | calibrated | route | route - a | 95% CI |",
+                      "|---|---:|---:|---:|---:|---:|---|---:|---|"]
+            for cls, entry in comp["routing"].items():
+                m, boot = entry[metric], entry["route_minus_a"]
+                lines.append(f"| {cls} | {entry['queries']} | " + " | ".join(_fmt(m[n]) for n in
+                                                                           ("a", "b", "rrf", "calibrated"))
+                             + f" | **{entry['route']}** | {boot['difference']:+.4f} | "
+                               f"[{boot['low']:+.4f}, {boot['high']:+.4f}] |")
+    if "traffic" in report:
+        t = report["traffic"]
+        lines += ["", f"### Traffic-weighted gain of routing over A ({t['metric']}, `{t['file']}`)", "",
+                  f"**{t['weighted_gain']:+.4f}** over the {t['traffic_covered']:.0%} of traffic whose classes the "
+                  "query set has (share x per-class gain, summed).", "", "| class | share | route | gain |",
+                  "|---|---:|---|---:|"]
+        for row in t["classes"]:
+            gain = "not in the query set" if row["gain"] is None else f"{row['gain']:+.4f}"
+            lines.append(f"| {row['class']} | {row['share']:.1%} | {row['route'] or '-'} | {gain} |")
     return "\n".join(lines) + "\n"
 
 

@@ -204,3 +204,48 @@ def fused_search(store_url: str, queries: list[Query], k: int = 10, aliases: tup
         hits = [Hit(rank, item, uris[item], score) for rank, (item, score) in enumerate(ranking, 1)]
         fused.append(grouped(hits, group_of, k, per_group)[0] if group_of is not None else hits[:k])
     return fused
+
+
+def read_route(url: str) -> dict:
+    """A routing table written by `imgest eval --compare ... --out DIR` (routing.json)."""
+    try:
+        route = json.loads(read_url(url))
+        route["a"], route["b"], route["classes"], route["default"]  # noqa: B018 - the keys it must have
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SearchError(f"{url} is not a routing table written by imgest eval ({type(exc).__name__}: {exc})") \
+            from exc
+    return route
+
+
+def routed_search(store_url: str, queries: list[Query], k: int, route_url: str, query_class: str | None,
+                  device: str = "auto", where: str | None = None, group_by: str | None = None,
+                  per_group: int = 1) -> tuple[list[list[Hit]], dict]:
+    """Serve a routing table: the query class's winner (A, B, their RRF or their calibrated fusion)."""
+    from imgest.tasks.routing import calibrated_fusion
+
+    route = read_route(route_url)
+    chosen = route["classes"].get(query_class) if query_class else None
+    how = {"route": chosen or route["default"], "query_class": query_class,
+           "from": "routing table" if chosen else "default (class not in the table)" if query_class
+           else "default (no --query-class)"}
+    aliases = (route["a"], route["b"])
+    if how["route"] in ("a", "b"):
+        searcher = Searcher(store_url, alias=route[how["route"]], device=device)
+        return searcher.search(queries, k, where, group_by, per_group), {**how, "aliases": [route[how["route"]]]}
+    if how["route"] == "rrf":
+        return fused_search(store_url, queries, k, aliases, device=device, where=where, group_by=group_by,
+                            per_group=per_group), {**how, "aliases": list(aliases)}
+    if how["route"] != "calibrated":
+        raise SearchError(f"{route_url}: unknown route {how['route']!r}")
+    searchers = [Searcher(store_url, alias=a, device=device) for a in aliases]
+    params = [tuple(route["calibration"]["a"]), tuple(route["calibration"]["b"])]
+    depth = max(k, 100) * (4 * per_group if group_by else 1)
+    per_alias = [s.search(queries, depth, where) for s in searchers]
+    uris = {h.item_id: h.uri for results in per_alias for hits in results for h in hits}
+    group_of = searchers[0]._groups(group_by) if group_by else None
+    out = []
+    for q in range(len(queries)):
+        ranking = calibrated_fusion([[(h.item_id, h.score) for h in results[q]] for results in per_alias], params)
+        hits = [Hit(rank, item, uris[item], score) for rank, (item, score) in enumerate(ranking, 1)]
+        out.append(grouped(hits, group_of, k, per_group)[0] if group_of is not None else hits[:k])
+    return out, {**how, "aliases": list(aliases)}

@@ -209,3 +209,33 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     assert {"embedding", "title", "category", "price", "product_id"} <= set(table.column_names)
     row = {r["item_id"]: r for r in table.select(["item_id", "title"]).to_pylist()}["ankle-boot/2.png"]
     assert row["title"] == "emerald suede chelsea boot" and table.num_rows == 38
+
+    # the decision between the two retrievers: eval per query class, a routing table, served by search --route
+    live_rows = [r for r in rows if r["item_id"] in items and "title" in r]
+    by_product: dict[str, list[str]] = {}
+    for r in live_rows:
+        by_product.setdefault(r["product_id"], []).append(r["item_id"])
+    judged = [{"query_id": f"title-{n}", "text": r["title"], "relevant": by_product[r["product_id"]],
+               "class": "title"} for n, r in enumerate(live_rows[::3])]
+    judged += [{"query_id": f"category-{c}", "text": c.replace("-", " "),
+                "relevant": [r["item_id"] for r in live_rows if r["category"] == c], "class": "category"}
+               for c in sorted({r["category"] for r in live_rows})]
+    (tmp_path / "judged.jsonl").write_text("".join(json.dumps(q) + "\n" for q in judged))
+    (tmp_path / "traffic.json").write_text(json.dumps({"title": 60, "category": 30, "brand": 10}))
+    evaluated = runner.invoke(app, ["eval", "--store", str(store), "--queries", str(tmp_path / "judged.jsonl"),
+                                    "--alias", "captions", "--compare", "serving", "--k", "1,5", "--resamples",
+                                    "200", "--out", str(tmp_path / "eval"), "--traffic",
+                                    str(tmp_path / "traffic.json"), "--json"])
+    assert evaluated.exit_code == 0, evaluated.output[-3000:]
+    report = json.loads(evaluated.output)
+    routing = json.loads((tmp_path / "eval" / "routing.json").read_text())
+    assert set(routing["classes"]) == {"title", "category"} and routing["a"] == "captions"
+    assert routing["calibration"]["method"] == "platt" and len(routing["calibration"]["a"]) == 2
+    assert report["compare"]["routing"]["title"]["route"] in ("a", "calibrated", "rrf")  # captions know titles
+    assert report["compare"]["fusion"]["calibrated"]["recall@5"] >= 0.0
+    assert report["traffic"]["traffic_covered"] == pytest.approx(0.9)
+    for cls, route in routing["classes"].items():
+        served = runner.invoke(app, ["search", "--store", str(store), "--text", "red sneaker", "--route",
+                                     str(tmp_path / "eval" / "routing.json"), "--query-class", cls, "--json"])
+        assert served.exit_code == 0, served.output
+        assert json.loads(served.output)["model_id"].startswith(f"route {route} ")

@@ -20,7 +20,10 @@ def eval_cmd(
     k: str = typer.Option(",".join(map(str, DEFAULT_KS)), help="Cut-offs, comma-separated"),
     resamples: int = typer.Option(DEFAULT_RESAMPLES, help="Paired bootstrap resamples (>= 1000 recommended)"),
     seed: int = typer.Option(0, help="Bootstrap seed"),
-    out: Optional[str] = typer.Option(None, help="Folder for eval.json, eval.md and PNG plots"),
+    out: Optional[str] = typer.Option(None, help="Folder for eval.json, eval.md, PNG plots and, with --compare, "
+                                                 "routing.json (what search --route serves)"),
+    traffic: Optional[str] = typer.Option(None, help="A query log's class counts (JSON {class: n} or JSONL with "
+                                                     "'class'): prints the traffic-weighted gain of --compare"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """recall@K, precision@K, MRR, mAP at the served parameters and exact, per class; A vs B when compared."""
@@ -36,13 +39,13 @@ def eval_cmd(
 
         # a bad parameter or a malformed set fails before Prefect starts
         EvalConfig(store=store, queries=queries, alias=alias, compare=compare, ks=tuple(ks), resamples=resamples,
-                   seed=seed, out=out)
+                   seed=seed, out=out, traffic=traffic)
         read_query_set(queries)
         from imgest.flows.evaluate import evaluate
         from imgest.tasks.evaluate import dumps
 
         report = evaluate(store=store, queries=queries, alias=alias, compare=compare, ks=ks, resamples=resamples,
-                          seed=seed, out=out)
+                          seed=seed, out=out, traffic=traffic)
     except _user_errors() as exc:
         _fail(exc)
     if as_json:

@@ -96,6 +96,10 @@ def search_cmd(
     group_by: Optional[str] = typer.Option(None, help="At most --per-group hits per value of this metadata column, "
                                                       "e.g. product_id: one product's photos do not fill the page"),
     per_group: int = typer.Option(1, help="Hits kept per group with --group-by"),
+    route: Optional[str] = typer.Option(None, help="A routing table from imgest eval --compare --out (routing.json): "
+                                                   "search with the retriever that wins for --query-class"),
+    query_class: Optional[str] = typer.Option(None, help="With --route: the query's class (its table entry; the "
+                                                         "table's default when absent)"),
     as_json: bool = typer.Option(False, "--json", help="JSON output"),
 ) -> None:
     """Search by image, by text, or a batch of queries, with the model that built the index."""
@@ -109,7 +113,13 @@ def search_cmd(
             raise SearchError("give exactly one of --image, --text or --queries")
         batch = read_queries(queries) if queries else [Query("query", image, text)]
         aliases = tuple(dict.fromkeys(alias))
-        if fuse is not None:
+        if route is not None:
+            from imgest.tasks.search import routed_search
+
+            results, how = routed_search(store, batch, k, route, query_class, device, where, group_by, per_group)
+            card = {"model_id": f"route {how['route']} ({', '.join(how['aliases'])}; {how['from']})",
+                    "version": None}
+        elif fuse is not None:
             if fuse != "rrf":
                 raise SearchError(f"unknown fusion {fuse!r}; allowed: rrf")
             from imgest.tasks.search import fused_search
@@ -132,7 +142,9 @@ def search_cmd(
         return
     from imgest.tasks.markdown import served_parameters
 
-    if fuse is None:
+    if route is not None:
+        typer.echo(card["model_id"])
+    elif fuse is None:
         typer.echo(f"index model={card['slug']} v{card['version']:04d} ({card['factory']}, "
                    f"{served_parameters(card)})")
     else:
