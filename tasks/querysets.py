@@ -43,9 +43,9 @@ class LabelledQuery:
 
 
 def _from_obj(obj: dict, where: str) -> LabelledQuery:
-    if "query_id" not in obj or ("image" in obj and obj["image"] is not None) == ("text" in obj and
-                                                                                  obj["text"] is not None):
-        raise QuerySetError(f"{where}: needs query_id and exactly one of image or text")
+    if "query_id" not in obj or (obj.get("image") is None and obj.get("text") is None):
+        raise QuerySetError(f"{where}: needs query_id and an image or a text (both: each retriever takes what "
+                            "its model reads)")
     relevant = obj.get("relevant")
     if not relevant:
         raise QuerySetError(f"{where}: needs a non-empty list 'relevant' of item ids")

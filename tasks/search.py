@@ -47,8 +47,8 @@ def read_queries(url: str) -> list[Query]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise SearchError(f"{url} line {number}: not JSON ({exc})") from exc
-        if "query_id" not in obj or ("image" in obj) == ("text" in obj):
-            raise SearchError(f"{url} line {number}: needs query_id and exactly one of image or text; got "
+        if "query_id" not in obj or ("image" not in obj and "text" not in obj):
+            raise SearchError(f"{url} line {number}: needs query_id and an image or a text (or both); got "
                               f"keys {sorted(obj)}")
         queries.append(Query(str(obj["query_id"]), obj.get("image"), obj.get("text")))
     return queries
@@ -83,21 +83,30 @@ class Searcher:
             self._encoder = encoders.load(self.spec, self.device)
         return self._encoder
 
-    def embed(self, queries: list[Query]) -> np.ndarray:
-        encoder = self.encoder()
-        texts = [q.text for q in queries if q.text is not None]
-        if texts and "text" not in self.spec.modalities:
+    def modality(self, query: Query) -> str:
+        """What of a query this model embeds: its text when the query has text and the model a text tower
+        (a caption model; CLIP's cross-modal search), else its image. A query may carry both (a photo and
+        words): each retriever then takes what it can read, so two retrievers answer the same query."""
+        modalities = self.spec.modalities
+        if query.text is not None and "text" in modalities:
+            return "text"
+        if query.image is not None and "image" in modalities:
+            return "image"
+        if query.text is not None:
             raise SearchError(f"{self.spec.name} has no text tower: text queries are refused (image queries work)")
+        raise SearchError(f"{self.spec.name} is a text model over catalogue captions: search it with --text "
+                          "(image queries go to an image model's alias)")
+
+    def embed(self, queries: list[Query]) -> np.ndarray:
+        kinds = [self.modality(q) for q in queries]
+        encoder = self.encoder()
         vectors = np.zeros((len(queries), self.spec.dim), np.float32)
-        image_rows = [i for i, q in enumerate(queries) if q.image is not None]
-        if image_rows and "image" not in self.spec.modalities:
-            raise SearchError(f"{self.spec.name} is a text model over catalogue captions: search it with --text "
-                              "(image queries go to an image model's alias)")
+        image_rows = [i for i, kind in enumerate(kinds) if kind == "image"]
         if image_rows:
             side = getattr(encoder, "decode_side", None)  # the reduced JPEG decode the catalogue got
             pixels = [encoder.preprocess(decode_image(read_url(queries[i].image), min_side=side)) for i in image_rows]
             vectors[image_rows] = encoder.encode_images(np.stack(pixels))
-        text_rows = [i for i, q in enumerate(queries) if q.text is not None]
+        text_rows = [i for i, kind in enumerate(kinds) if kind == "text"]
         if text_rows:
             try:
                 vectors[text_rows] = encoder.encode_texts([queries[i].text for i in text_rows])

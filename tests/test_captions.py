@@ -239,3 +239,20 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
                                      str(tmp_path / "eval" / "routing.json"), "--query-class", cls, "--json"])
         assert served.exit_code == 0, served.output
         assert json.loads(served.output)["model_id"].startswith(f"route {route} ")
+
+
+def test_a_query_with_a_photo_and_words_goes_to_each_retriever_as_it_reads():
+    from types import SimpleNamespace
+
+    from imgest.tasks.search import Query, Searcher, SearchError
+
+    both = Query("q", image="p.jpg", text="red sneaker")
+    caption, lite0, clip = (SimpleNamespace(spec=SimpleNamespace(name=n, modalities=m)) for n, m in
+                            (("minilm-l6", ("text",)), ("efficientnet-lite0", ("image",)),
+                             ("hf:clip", ("image", "text"))))
+    assert [Searcher.modality(r, both) for r in (caption, lite0, clip)] == ["text", "image", "text"]
+    assert Searcher.modality(clip, Query("q", image="p.jpg")) == "image"
+    with pytest.raises(SearchError, match="no text tower"):
+        Searcher.modality(lite0, Query("q", text="red"))
+    with pytest.raises(SearchError, match="text model over catalogue captions"):
+        Searcher.modality(caption, Query("q", image="p.jpg"))
