@@ -250,12 +250,14 @@ def demo(
     nightly(catalogue=catalogue, store=store_dir, model=None, batch_size=DEFAULT_BATCH_SIZE,
             device=DEFAULT_DEVICE, kind=DEFAULT_KIND, memory=DEFAULT_MEMORY, target_recall=DEFAULT_TARGET_RECALL,
             runner=DEFAULT_RUNNER, workers=DEFAULT_WORKERS, max_bytes=DEFAULT_MAX_BYTES,
-            max_delete_fraction=DEFAULT_MAX_DELETE_FRACTION, allow_mass_delete=False, dtype=DEFAULT_DTYPE)
+            max_delete_fraction=DEFAULT_MAX_DELETE_FRACTION, allow_mass_delete=False, dtype=DEFAULT_DTYPE,
+            metadata=None, report_duplicates=False)
     status(store=store_dir, as_json=False)
     query = os.path.join(catalogue, "photos", "chelsea.jpg")
     typer.echo(f"\n$ imgest search --store {store_dir} --image {query} --k 5")
     from imgest.cli.index_cmds import search_cmd
     from imgest.tasks.fusion import RRF_K
 
-    search_cmd(store=store_dir, image=query, text=None, queries=None, k=5, alias="serving", model=None,
-               version=None, device=DEFAULT_DEVICE, fuse=None, rrf_k=RRF_K, as_json=False)
+    search_cmd(store=store_dir, image=query, text=None, queries=None, k=5, alias=["serving"], model=None,
+               version=None, device=DEFAULT_DEVICE, fuse=None, rrf_k=RRF_K, where=None, group_by=None, per_group=1,
+               route=None, query_class=None, as_json=False)
