@@ -34,7 +34,7 @@ def main() -> None:
     import faiss
     import pyarrow as pa
 
-    from imgest.tasks.filters import filtered_search, matching_items
+    from imgest.tasks.filters import filtered_search, matching_items, positions
     from imgest.tasks.recall_tuning import candidates, set_param
 
     rng = np.random.default_rng(0)
@@ -80,12 +80,11 @@ def main() -> None:
     print(f"{'filter':38s} {'selected':>9s} {'predicate ms':>12s} {'search ms/query':>15s} {'x unfiltered':>12s} "
           f"{'all k':>6s}")
     print(f"{'(none)':38s} {args.n:9,d} {'-':>12s} {base:15.2f} {1.0:12.2f} {'yes':>6s}")
-    position = {item: n for n, item in enumerate(ids)}
+    index_ids = pa.array(ids, pa.string())
     for where in ("price < 250", "category < 'c10'", "category = 'c07'", "category = 'c07' AND price < 50"):
         t0 = time.perf_counter()
-        items = matching_items(table, where)
+        allowed = positions(matching_items(table, where), index_ids)
         predicate_ms = (time.perf_counter() - t0) * 1e3
-        allowed = np.array([position[i] for i in items], np.int64)
         full = []
 
         def search(q, allowed=allowed, full=full):

@@ -18,8 +18,8 @@ class FilterError(ValueError):
     """A --where or --group-by that cannot be evaluated; the message says why in one line."""
 
 
-def matching_items(table, where: str) -> list[str]:
-    """item_ids of the metadata rows that satisfy `where` (DuckDB SQL over the table's columns)."""
+def matching_items(table, where: str):
+    """item_ids (an Arrow array) of the metadata rows that satisfy `where` (DuckDB SQL over its columns)."""
     import duckdb
 
     sql = f"SELECT item_id FROM metadata WHERE ({where})"
@@ -29,20 +29,28 @@ def matching_items(table, where: str) -> list[str]:
         if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
             raise FilterError(f"--where {where!r}: one predicate over the metadata's columns, not statements")
         con.register("metadata", table)
-        rows = con.execute(sql).fetchall()
+        return con.sql(sql).to_arrow_table().column("item_id").combine_chunks()
     except duckdb.Error as exc:
         first = str(exc).strip().splitlines()[0]
         columns = ", ".join(c for c in table.column_names if c != "row_hash")
         raise FilterError(f"--where {where!r}: {first} (columns: {columns})") from exc
     finally:
         con.close()
-    return [r[0] for r in rows]
 
 
-def _params(index, allowed: np.ndarray, param: str | None, value: int | None):
+def positions(items, index_ids) -> np.ndarray:
+    """faiss ids (positions in `index_ids`, an Arrow array of the index's item_ids) of `items`; items the
+    index does not hold are dropped."""
+    import pyarrow.compute as pc
+
+    found = pc.index_in(items, value_set=index_ids)
+    return found.drop_null().to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _params(index, bits: np.ndarray, param: str | None, value: int | None):
     import faiss
 
-    selector = faiss.IDSelectorBatch(allowed)
+    selector = faiss.IDSelectorBitmap(index.ntotal, faiss.swig_ptr(bits))  # 1 bit per id: cheap at any size
     inner = faiss.downcast_index(index)
     if param == "efSearch":
         params = faiss.SearchParametersHNSW(sel=selector, efSearch=int(value))
@@ -78,7 +86,10 @@ def filtered_search(index, vectors: np.ndarray, k: int, allowed: np.ndarray, par
                     value: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Top k among the `allowed` faiss ids for each query, filled whenever `allowed` holds k ids."""
     vectors = np.ascontiguousarray(vectors, np.float32)
-    allowed = np.ascontiguousarray(np.unique(allowed), dtype=np.int64)
+    mask = np.zeros(index.ntotal, bool)
+    mask[allowed] = True
+    bits = np.packbits(mask, bitorder="little")  # faiss's IDSelectorBitmap: bit i of byte i // 8 is id i
+    allowed = np.flatnonzero(mask)
     need = min(k, len(allowed))
     scores = np.full((len(vectors), k), -np.inf, np.float32)
     ids = np.full((len(vectors), k), -1, np.int64)
@@ -88,7 +99,7 @@ def filtered_search(index, vectors: np.ndarray, k: int, allowed: np.ndarray, par
         rows = np.flatnonzero((ids >= 0).sum(axis=1) < need)
         if not len(rows) or (step and setting == value):
             break
-        params, _keep = _params(index, allowed, param, setting)
+        params, _keep = _params(index, bits, param, setting)
         found_scores, found_ids = index.search(vectors[rows], k, params=params)
         scores[rows], ids[rows] = found_scores, found_ids
     rows = np.flatnonzero((ids >= 0).sum(axis=1) < need)

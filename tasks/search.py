@@ -11,7 +11,7 @@ from imgest import encoders
 from imgest.encoders import EncoderError
 from imgest.storage import open_location, read_url
 from imgest.tasks.decode import decode_image
-from imgest.tasks.filters import FilterError, filtered_search, grouped, matching_items
+from imgest.tasks.filters import FilterError, filtered_search, grouped, matching_items, positions
 from imgest.tasks.index_store import OpenIndex, open_index, resolve_target
 from imgest.tasks.metadata import load_metadata
 from imgest.tasks.models import find_model
@@ -72,7 +72,7 @@ class Searcher:
         self.spec, self.device = spec, device
         self._encoder = None
         self._table = None  # the store's metadata, read on the first --where or --group-by
-        self._position: dict[str, int] | None = None
+        self._index_ids = None  # the index's item_ids as an Arrow array, for mapping a filter's items
 
     @property
     def card(self) -> dict:
@@ -167,9 +167,11 @@ class Searcher:
             items = matching_items(self._metadata(), where)
         except FilterError as exc:
             raise SearchError(str(exc)) from exc
-        if self._position is None:
-            self._position = {item: n for n, item in enumerate(self.opened.item_ids)}
-        return np.array([self._position[i] for i in items if i in self._position], np.int64)
+        if self._index_ids is None:
+            import pyarrow as pa
+
+            self._index_ids = pa.array(self.opened.item_ids, pa.string())
+        return positions(items, self._index_ids)
 
     def _groups(self, column: str) -> dict[str, str]:
         table = self._metadata()

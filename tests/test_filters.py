@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from imgest.tasks.filters import FilterError, filtered_search, grouped, matching_items
+from imgest.tasks.filters import FilterError, filtered_search, grouped, matching_items, positions
 from imgest.tasks.search import Hit
 
 TABLE = pa.table({"item_id": ["a", "b", "c", "d"], "category": ["shoes", "shoes", "coats", None],
@@ -16,9 +16,10 @@ TABLE = pa.table({"item_id": ["a", "b", "c", "d"], "category": ["shoes", "shoes"
 
 
 def test_a_predicate_selects_items():
-    assert matching_items(TABLE, "category = 'shoes' AND price < 50") == ["a"]
-    assert sorted(matching_items(TABLE, "price < 100 OR category IS NULL")) == ["a", "b", "d"]
-    assert matching_items(TABLE, "category = 'x;y'") == []  # a ';' inside a literal is data, not a statement
+    assert matching_items(TABLE, "category = 'shoes' AND price < 50").to_pylist() == ["a"]
+    assert sorted(matching_items(TABLE, "price < 100 OR category IS NULL").to_pylist()) == ["a", "b", "d"]
+    assert matching_items(TABLE, "category = 'x;y'").to_pylist() == []  # a ';' in a literal is data
+    assert positions(matching_items(TABLE, "price > 50"), pa.array(["c", "x", "b"])).tolist() == [2, 0]
 
 
 @pytest.mark.parametrize("where, message", [
