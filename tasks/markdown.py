@@ -31,6 +31,11 @@ def render_summary(summary: RunSummary, max_rejects: int = 20) -> str:
           if summary.not_regular else []),
         f"- snapshot: {summary.snapshot_seq}" + (f", {summary.resumed_shards} shard(s) resumed from an "
                                                  "interrupted run" if summary.resumed_shards else ""),
+        *([_metadata_line(summary.metadata)] if summary.metadata else []),
+        *([f"- text read: metadata snapshot {summary.texts['metadata_snapshot']}; "
+           f"{summary.texts['images_without_text']} listed image(s) without text, "
+           f"{summary.texts['rows_for_unlisted_items']} row(s) with text for items the catalogue does not list, "
+           f"{summary.texts['rows_without_text']} row(s) without text"] if summary.texts else []),
         "",
         "| " + " | ".join(COUNTS) + " |",
         "|" + "---:|" * len(COUNTS),
@@ -43,6 +48,15 @@ def render_summary(summary: RunSummary, max_rejects: int = 20) -> str:
         if len(summary.rejected_items) > max_rejects:
             lines.append(f"| ... | {len(summary.rejected_items) - max_rejects} more in `imgest status` |")
     return "\n".join(lines) + "\n"
+
+
+def _metadata_line(m: dict) -> str:
+    stored = f"stored as snapshot {m['snapshot_seq']}" if m["written"] else f"unchanged (snapshot {m['snapshot_seq']})"
+    examples = (m.get("unknown_examples") or [])[:3]
+    shown = f" (e.g. {', '.join(f'`{e}`' for e in examples)})" if examples else ""
+    return (f"- metadata `{m['source']}`: {m['rows']} rows, {m['new']} new, {m['changed']} changed, {m['removed']} "
+            f"removed; {stored}; {m['unknown_items']} row(s) for items the catalogue does not list{shown}, "
+            f"{m['without_row']} listed image(s) without a row")
 
 
 def progress_line(done: list[ShardResult], plan: Plan) -> str:
