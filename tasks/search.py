@@ -204,6 +204,13 @@ def fused_search(store_url: str, queries: list[Query], k: int = 10, aliases: tup
     the fused ranking."""
     from imgest.tasks.fusion import rrf
 
+    return _fused(store_url, queries, k, aliases, device, where, group_by, per_group,
+                  lambda lists: rrf([[h.item_id for h in hits] for hits in lists], k=rrf_k))
+
+
+def _fused(store_url: str, queries: list[Query], k: int, aliases: tuple[str, ...], device: str, where: str | None,
+           group_by: str | None, per_group: int, combine) -> list[list[Hit]]:
+    """Search each alias deep enough, combine each query's lists into one ranking, group it if asked."""
     searchers = [Searcher(store_url, alias=a, device=device) for a in aliases]
     depth = max(k, 100) * (4 * per_group if group_by else 1)
     per_alias = [s.search(queries, depth, where) for s in searchers]
@@ -211,7 +218,7 @@ def fused_search(store_url: str, queries: list[Query], k: int = 10, aliases: tup
     group_of = searchers[0]._groups(group_by) if group_by else None
     fused = []
     for q in range(len(queries)):
-        ranking = rrf([[h.item_id for h in results[q]] for results in per_alias], k=rrf_k)
+        ranking = combine([results[q] for results in per_alias])
         hits = [Hit(rank, item, uris[item], score) for rank, (item, score) in enumerate(ranking, 1)]
         fused.append(grouped(hits, group_of, k, per_group)[0] if group_of is not None else hits[:k])
     return fused
@@ -248,15 +255,7 @@ def routed_search(store_url: str, queries: list[Query], k: int, route_url: str, 
                             per_group=per_group), {**how, "aliases": list(aliases)}
     if how["route"] != "calibrated":
         raise SearchError(f"{route_url}: unknown route {how['route']!r}")
-    searchers = [Searcher(store_url, alias=a, device=device) for a in aliases]
     params = [tuple(route["calibration"]["a"]), tuple(route["calibration"]["b"])]
-    depth = max(k, 100) * (4 * per_group if group_by else 1)
-    per_alias = [s.search(queries, depth, where) for s in searchers]
-    uris = {h.item_id: h.uri for results in per_alias for hits in results for h in hits}
-    group_of = searchers[0]._groups(group_by) if group_by else None
-    out = []
-    for q in range(len(queries)):
-        ranking = calibrated_fusion([[(h.item_id, h.score) for h in results[q]] for results in per_alias], params)
-        hits = [Hit(rank, item, uris[item], score) for rank, (item, score) in enumerate(ranking, 1)]
-        out.append(grouped(hits, group_of, k, per_group)[0] if group_of is not None else hits[:k])
-    return out, {**how, "aliases": list(aliases)}
+    fused = _fused(store_url, queries, k, aliases, device, where, group_by, per_group,
+                   lambda lists: calibrated_fusion([[(h.item_id, h.score) for h in hits] for hits in lists], params))
+    return fused, {**how, "aliases": list(aliases)}

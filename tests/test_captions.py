@@ -234,11 +234,15 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     assert report["compare"]["routing"]["title"]["route"] in ("a", "calibrated", "rrf")  # captions know titles
     assert report["compare"]["fusion"]["calibrated"]["recall@5"] >= 0.0
     assert report["traffic"]["traffic_covered"] == pytest.approx(0.9)
-    for cls, route in routing["classes"].items():
+    routing["classes"] = {"one": "a", "two": "b", "three": "rrf", "four": "calibrated"}  # every kind of route
+    (tmp_path / "every-route.json").write_text(json.dumps(routing))
+    for cls, route in [*routing["classes"].items(), ("unheard-of", routing["default"])]:
         served = runner.invoke(app, ["search", "--store", str(store), "--text", "red sneaker", "--route",
-                                     str(tmp_path / "eval" / "routing.json"), "--query-class", cls, "--json"])
+                                     str(tmp_path / "every-route.json"), "--query-class", cls, "--k", "4",
+                                     "--group-by", "product_id", "--json"])
         assert served.exit_code == 0, served.output
-        assert json.loads(served.output)["model_id"].startswith(f"route {route} ")
+        payload = json.loads(served.output)
+        assert payload["model_id"].startswith(f"route {route} ") and len(payload["results"][0]["hits"]) == 4
 
 
 def test_a_query_with_a_photo_and_words_goes_to_each_retriever_as_it_reads():
