@@ -73,6 +73,7 @@ class Searcher:
         self._encoder = None
         self._table = None  # the store's metadata, read on the first --where or --group-by
         self._index_ids = None  # the index's item_ids as an Arrow array, for mapping a filter's items
+        self._filters: dict[str, np.ndarray] = {}  # --where predicate -> faiss ids
 
     @property
     def card(self) -> dict:
@@ -162,7 +163,10 @@ class Searcher:
         return self._table
 
     def _allowed(self, where: str) -> np.ndarray:
-        """The faiss ids of indexed items whose metadata satisfies `where`."""
+        """The faiss ids of indexed items whose metadata satisfies `where`; kept per predicate for the
+        Searcher's life (its index and metadata snapshot do not change under it)."""
+        if where in self._filters:
+            return self._filters[where]
         try:
             items = matching_items(self._metadata(), where)
         except FilterError as exc:
@@ -171,7 +175,8 @@ class Searcher:
             import pyarrow as pa
 
             self._index_ids = pa.array(self.opened.item_ids, pa.string())
-        return positions(items, self._index_ids)
+        self._filters[where] = positions(items, self._index_ids)
+        return self._filters[where]
 
     def _groups(self, column: str) -> dict[str, str]:
         table = self._metadata()

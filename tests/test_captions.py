@@ -180,6 +180,12 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     hits = json.loads(grouped.output)["results"][0]["hits"]
     assert len(hits) == 5 and len({h["group"] for h in hits}) == 5
     assert all(h["group"] == product.get(h["item_id"], h["item_id"]) for h in hits)
+    from imgest.tasks.search import Query, Searcher
+
+    searcher = Searcher(str(store), alias="captions")
+    cheap = [searcher.search([Query("q", text=t)], 3, where="price < 100")[0] for t in ("coat", "boots")]
+    assert all(h.item_id in {r["item_id"] for r in rows if r.get("price", 1e9) < 100} for hits in cheap for h in hits)
+    assert list(searcher._filters) == ["price < 100"]  # evaluated once, kept for the next query
     bad = runner.invoke(app, ["search", "--store", str(store), "--text", "coat", "--alias", "captions",
                               "--where", "colour = 'red'"])
     assert bad.exit_code == 2 and "colour" in bad.output and "columns: item_id, product_id" in bad.output
