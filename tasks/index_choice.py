@@ -9,7 +9,10 @@ The rule, first that fits the budget wins (autofaiss-style):
      (minutes for 20k vectors of d=1280) outweighs its recall gain for an automatic nightly build.
 nlist is the power of two nearest 8 x sqrt(N) (inside the 4-16 x sqrt(N) band), lowered until there
 are >= 39 training points per centroid; training uses at most 64 points per centroid (k-means
-quality flattens well before faiss's 256 cap, and training time is linear in the sample).
+quality flattens well before faiss's 256 cap, and training time is linear in the sample). From
+nlist = 16,384 (N around 4M) the coarse quantizer is an HNSW graph over the centroids
+(`IVF{nlist}_HNSW32,...`): finding the nprobe nearest lists then costs a graph walk, not a scan of every
+centroid (16,384 x d flops per query and growing with sqrt(N)), as autofaiss does at that size.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ RULE = ("first that fits the memory budget: Flat if N <= 50000; HNSW32,Flat if N
         "IVF{nlist},SQ8 if N*(d+8)+nlist*4d fit; else IVF{nlist},PQm with the largest m in (64,48,32,16,8) "
         "giving >= 4 dims per sub-vector that fits (OPQ only by factory string); nlist = power of two nearest "
         "8*sqrt(N), "
-        "lowered to keep >= 39 training points per centroid; <= 64 training points per centroid")
+        "lowered to keep >= 39 training points per centroid; <= 64 training points per centroid; an HNSW32 coarse "
+        "quantizer from nlist 16384")
 FLAT_MAX_N = 50_000
 TRAIN_PER_CENTROID = 64
 HNSW_M = 32
+COARSE_HNSW_MIN_NLIST = 16_384  # from here the centroids are searched through an HNSW graph
 KINDS = ("auto", "flat", "hnsw", "ivfsq8", "ivfpq")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -76,12 +81,17 @@ def nlist_for(n: int) -> int:
     return nlist
 
 
+def coarse_bytes(nlist: int, d: int) -> int:
+    """The centroids, plus their HNSW graph from COARSE_HNSW_MIN_NLIST on."""
+    return nlist * d * 4 + (int(nlist * 2 * HNSW_M * 4 * 1.1) if nlist >= COARSE_HNSW_MIN_NLIST else 0)
+
+
 def sq8_bytes(n: int, d: int, nlist: int) -> int:
-    return n * (d + 8) + nlist * d * 4
+    return n * (d + 8) + coarse_bytes(nlist, d)
 
 
 def pq_bytes(n: int, d: int, nlist: int, m: int) -> int:
-    return n * (m + 8) + nlist * d * 4 + d * d * 4
+    return n * (m + 8) + coarse_bytes(nlist, d) + d * d * 4
 
 
 def _pq_choice(n: int, d: int, nlist: int, budget: int | None) -> tuple[int, int]:
@@ -107,6 +117,7 @@ def choose_index(n: int, d: int, memory: int | str = "4G", kind: str = "auto") -
                                "explicit faiss factory string")
         raise IndexChoiceError(f"unknown index kind {kind!r}; allowed: {', '.join(KINDS)} or a faiss factory string")
     nlist = nlist_for(n)
+    ivf = f"IVF{nlist}_HNSW{HNSW_M}" if nlist >= COARSE_HNSW_MIN_NLIST else f"IVF{nlist}"
     train = min(n, TRAIN_PER_CENTROID * nlist)
     if kind == "flat" or (kind == "auto" and n <= FLAT_MAX_N and flat_bytes(n, d) <= budget):
         why = "asked for" if kind == "flat" else f"N={n} <= {FLAT_MAX_N}: exact search"
@@ -116,10 +127,10 @@ def choose_index(n: int, d: int, memory: int | str = "4G", kind: str = "auto") -
         return IndexChoice(f"HNSW{HNSW_M},Flat", "hnsw", None, None, 0, hnsw_bytes(n, d), why)
     if kind == "ivfsq8" or (kind == "auto" and sq8_bytes(n, d, nlist) <= budget):
         why = "asked for" if kind == "ivfsq8" else f"HNSW does not fit; IVF,SQ8 does ({sq8_bytes(n, d, nlist)} bytes)"
-        return IndexChoice(f"IVF{nlist},SQ8", "ivfsq8", nlist, None, train, sq8_bytes(n, d, nlist), why)
+        return IndexChoice(f"{ivf},SQ8", "ivfsq8", nlist, None, train, sq8_bytes(n, d, nlist), why)
     m, size = _pq_choice(n, d, nlist, budget if kind == "auto" else None)
     # No OPQ in the automatic choice: faiss's OPQ training took over 10 minutes for 20k vectors of
     # d=1280 on the 2-core development machine (IVF512,PQ64 alone: 48 s). Pass "OPQ64_512,IVF...,PQ64"
     # as a factory string where its recall gain is worth that.
     why = "asked for" if kind == "ivfpq" else f"only PQ fits the budget: PQ{m} needs {size} bytes"
-    return IndexChoice(f"IVF{nlist},PQ{m}", "ivfpq", nlist, m, train, size, why)
+    return IndexChoice(f"{ivf},PQ{m}", "ivfpq", nlist, m, train, size, why)

@@ -30,8 +30,12 @@ def test_parse_memory_rejects_nonsense():
     (1_000_000, 512, "1G", "IVF8192,SQ8"),
     # SQ8 does not fit 200M; PQ64: 1M x 72 + 16.8 MB + 1 MB = 90 MB does (OPQ only by factory string)
     (1_000_000, 512, "200M", "IVF8192,PQ64"),
-    # d=1280 (Lite0): PQ64 gives 20 dims per sub-vector
-    (10_000_000, 1280, "2G", "IVF32768,PQ64"),
+    # d=1280 (Lite0): PQ64 gives 20 dims per sub-vector; nlist 32768 searches its centroids through HNSW
+    (10_000_000, 1280, "2G", "IVF32768_HNSW32,PQ64"),
+    # 5M x 264 + 16384 x 1024 + the centroids' graph = 1.34 GB of SQ8 fits 2G; nlist 16384: HNSW coarse
+    (5_000_000, 256, "2G", "IVF16384_HNSW32,SQ8"),
+    (3_000_000, 256, "2G", "IVF16384_HNSW32,SQ8"),
+    (2_000_000, 256, "1G", "IVF8192,SQ8"),
 ])
 def test_choice_by_size_and_budget(n, d, memory, factory):
     assert choose_index(n, d, memory).factory == factory
@@ -88,6 +92,28 @@ def test_tuning_serves_the_smallest_parameter_meeting_the_target(kind):
     assert tuned.met and tuned.recall >= 0.95
     assert tuned.param == tuned.sweep[-1].param
     assert all(p.recall < 0.95 for p in tuned.sweep[:-1]), "a smaller value would have met the target"
+
+
+def test_an_hnsw_coarse_quantizer_builds_tunes_and_merges():
+    """The factory the rule picks from nlist 16,384, at a size a test can build: trains, tunes nprobe to the
+    target, and parts added separately merge into the same index."""
+    import faiss
+
+    from imgest.tasks.index_build import add_part, merge_parts
+
+    x = clustered()
+    choice = choose_index(len(x), x.shape[1], "4G", "IVF64_HNSW32,SQ8")
+    index, _ = build(x, choice)
+    tuned = tune_search(index, x, target=0.95, k=10, queries=300)
+    assert tuned.met and tuned.param_name == "nprobe"
+    one = faiss.index_factory(x.shape[1], "IVF64_HNSW32,SQ8", faiss.METRIC_INNER_PRODUCT)
+    one.train(x[:2000])
+    trained = faiss.serialize_index(one).tobytes()
+    half = len(x) // 2
+    merged = merge_parts(trained, [(0, add_part(trained, x[:half])), (half, add_part(trained, x[half:]))])
+    one.add(x)
+    faiss.extract_index_ivf(one).nprobe = faiss.extract_index_ivf(merged).nprobe = 8
+    assert (one.search(x[:50], 10)[1] == merged.search(x[:50], 10)[1]).all()
 
 
 def test_flat_is_exact():
