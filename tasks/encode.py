@@ -1,11 +1,12 @@
 """One shard: read and decode ahead (bounded; threads or processes), encode in batches, write the shard.
 
 Where decoding runs (`plan_decode`): on 2 CPU cores the model and the JPEG decoder compete for the same
-cores, and measured (BENCHMARKS.md, "Product-sized photos") the split that wins is one core each, with the
-decode in a process (no GIL shared with the encoder's thread): 0.86 x the bare model against 0.59 for two
-decode threads beside two torch threads. So with --decode-workers 0 (the default) the decode gets half the
-cores (all but one on a GPU, where the model does not need them) and torch the rest, and a shard with
-enough images to pay for starting them decodes in processes when the encoder's preprocessing can run in one.
+cores, and measured (BENCHMARKS.md, "Product-sized photos, second part") the split that wins is one core
+each, with the decode in a process (no GIL shared with the encoder's thread): 0.71 x the bare model against
+0.66 for one decode thread and 0.60 for two decode threads beside two torch threads. So with
+--decode-workers 0 (the default) the decode gets half the cores (all but one on a GPU, where the model
+does not need them) and torch the rest, and a shard with enough images to pay for starting them decodes in
+processes when the encoder's preprocessing can run in one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -179,22 +181,59 @@ def decode_pool(plan: DecodePlan) -> Executor:
     return ThreadPoolExecutor(max_workers=plan.workers, thread_name_prefix="imgest-decode")
 
 
-def read_ahead(items: tuple[WorkItem, ...], fn: Callable[[WorkItem], Prepared], pool: Executor,
+DIED = ("the decode process died on this object (killed or crashed: out of memory, or a fault in the image "
+        "decoder); the other objects were decoded in a new process")
+
+
+def _alone(fn: Callable[[WorkItem], Prepared], item: WorkItem) -> Prepared:
+    """One object in a fresh decode process of its own: its result, or its rejection if that dies too."""
+    with decode_pool(DecodePlan(1, True, None)) as solo:
+        try:
+            return solo.submit(fn, item).result()
+        except BrokenProcessPool:
+            return Prepared(item, reason=DIED)
+
+
+def read_ahead(items: tuple[WorkItem, ...], fn: Callable[[WorkItem], Prepared], make_pool: Callable[[], Executor],
                depth: int) -> Iterator[Prepared]:
     """Yield ``fn(item)`` in order while up to ``depth`` items are in flight: memory stays flat. Closing the
-    generator early (the shard failed) cancels what has not started and stops the workers."""
-    pending: deque[Future] = deque()
+    generator early (the shard failed) cancels what has not started and stops the workers.
+
+    A decode process that dies (the kernel's OOM killer, a crash inside a decoder) breaks its pool: the
+    object being waited for is tried again alone, in a process of its own, and rejected if that dies too
+    (one object's fault); the objects in flight go to a new pool. Threads never break a pool."""
+    pool = make_pool()
+    pending: deque[tuple[WorkItem, Future]] = deque()
+
+    def renew() -> None:
+        """The pool broke: a new one, and every object in flight that did not finish sent to it."""
+        nonlocal pool
+        pool.shutdown(wait=True, cancel_futures=True)
+        pool = make_pool()
+        for n, (it, fut) in enumerate(pending):
+            if fut.cancelled() or isinstance(fut.exception(), BrokenProcessPool):
+                pending[n] = (it, pool.submit(fn, it))
+
     try:
         source = iter(items)
         for item in source:
-            pending.append(pool.submit(fn, item))
+            pending.append((item, pool.submit(fn, item)))
             if len(pending) >= depth:
                 break
         while pending:
-            done = pending.popleft().result()
+            item, future = pending.popleft()
+            try:
+                done = future.result()
+            except (BrokenProcessPool, CancelledError):  # this object, or one beside it, killed the process
+                done = _alone(fn, item)
+                renew()
             nxt = next(source, None)
             if nxt is not None:
-                pending.append(pool.submit(fn, nxt))
+                try:
+                    pending.append((nxt, pool.submit(fn, nxt)))
+                except BrokenProcessPool:
+                    renew()
+                    pending.append((nxt, pool.submit(fn, nxt)))
             yield done
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -282,7 +321,7 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     else:
         def fn(item: WorkItem) -> Prepared:
             return prepare(catalogue, item, encoder.preprocess, max_pixels, decode_side, gpu_jpeg)
-    stream = read_ahead(to_read, fn, decode_pool(where), max(2 * batch_size, 4 * where.workers))
+    stream = read_ahead(to_read, fn, functools.partial(decode_pool, where), max(2 * batch_size, 4 * where.workers))
     with torch_threads(where.torch_threads), contextlib.closing(stream):
         while True:
             t0 = time.perf_counter()

@@ -14,6 +14,7 @@ import socket
 import time
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from imgest.defaults import DEFAULT_DTYPE
 from imgest.encoders import Encoder, EncoderSpec
@@ -25,11 +26,14 @@ from imgest.tasks.plan import ShardPlan, WorkItem
 from imgest.tasks.shards import ShardResult, ShardWriter
 
 
-def text_of(table: pa.Table, spec: EncoderSpec) -> dict[str, str]:
-    """item_id -> the text the model reads, for rows that have any."""
+def text_of(table: pa.Table, spec: EncoderSpec, items: set[str] | None = None) -> dict[str, str]:
+    """item_id -> the text the model reads, for rows that have any (of `items` only, when given)."""
     fields = spec.preprocessing["text_fields"]
     present = [f for f in fields if f in table.column_names]
-    rows = table.select(["item_id", *present]).to_pylist()
+    table = table.select(["item_id", *present])
+    if items is not None:  # one shard's rows: compose those, not the whole catalogue's
+        table = table.filter(pc.is_in(table["item_id"], value_set=pa.array(sorted(items), pa.string())))
+    rows = table.to_pylist()
     texts = {r["item_id"]: compose(r, present, spec.preprocessing["joiner"]) for r in rows}
     return {item: text for item, text in texts.items() if text}
 

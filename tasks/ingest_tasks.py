@@ -141,9 +141,7 @@ def encode_shard_task(plan: ShardPlan, spec: EncoderSpec, device: str, catalogue
     with encode_slot(encode_slot_name(encode_limit, device)):
         if "image" not in spec.modalities:  # a caption model: its objects are the metadata snapshot's texts
             store = Location(store_url)
-            table = store.read_table(snapshot_key(metadata_seq))
-            wanted = {item.item_id for item in plan.items}
-            texts = {k: v for k, v in text_of(table, spec).items() if k in wanted}
+            texts = text_of(store.read_table(snapshot_key(metadata_seq)), spec, {item.item_id for item in plan.items})
             return encode_text_shard(plan, encoder, texts, store, batch_size, fence, dtype)
         return encode_shard(plan, encoder, Location(catalogue_url), Location(store_url), batch_size,
                             decode_workers, max_pixels, fence, dtype)

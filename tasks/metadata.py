@@ -23,7 +23,6 @@ from imgest.storage import Location, read_url, redact
 from imgest.tasks.state import now_iso
 
 SNAPSHOTS = "metadata/snapshots"
-RESERVED = ("item_id", "product_id", "row_hash")
 TEXT_COLUMNS = ("title", "caption", "description")
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl",
            ".json": "jsonl"}

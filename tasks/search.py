@@ -74,6 +74,7 @@ class Searcher:
         self._table = None  # the store's metadata, read on the first --where or --group-by
         self._index_ids = None  # the index's item_ids as an Arrow array, for mapping a filter's items
         self._filters: dict[str, np.ndarray] = {}  # --where predicate -> faiss ids
+        self._group_maps: dict[str, dict[str, str]] = {}  # --group-by column -> item_id -> value
 
     @property
     def card(self) -> dict:
@@ -179,6 +180,12 @@ class Searcher:
         return self._filters[where]
 
     def _groups(self, column: str) -> dict[str, str]:
+        """item_id -> its value of `column`, kept per column like the filters."""
+        if column not in self._group_maps:
+            self._group_maps[column] = self._group_map(column)
+        return self._group_maps[column]
+
+    def _group_map(self, column: str) -> dict[str, str]:
         table = self._metadata()
         if column not in table.column_names or column == "row_hash":
             raise SearchError(f"--group-by {column!r}: no such metadata column; columns: "

@@ -243,3 +243,15 @@ class TcpProxy:
                     sock.close()
                 except OSError:
                     pass
+
+
+def preprocess_or_die(image):
+    """Lite0's preprocessing, except that a 301 x 201 image kills the process it runs in (a decoder crash,
+    an OOM kill): module-level, so a spawned decode process can call it."""
+    import os
+
+    from imgest.encoders.efficientnet import preprocess
+
+    if image.size == (301, 201):
+        os._exit(1)
+    return preprocess(image)

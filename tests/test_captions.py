@@ -205,6 +205,14 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
         "encoded"] == 0
     assert search(str(store), text="emerald chelsea boot", alias="captions", k=1)[0].item_id == "ankle-boot/2.png"
 
+    # a malformed metadata file is the run's fault: one line naming the line, exit 2, no snapshot, no encode
+    snapshots = sorted((store / "metadata" / "snapshots").iterdir())
+    (tmp_path / "broken.csv").write_text("item_id,title\nbag/0.png,tote\nbag/1.png,tote,extra\n")
+    broken = runner.invoke(app, ["ingest", "--catalogue", str(cat), "--store", str(store), "--model", "minilm-l6",
+                                 "--metadata", str(tmp_path / "broken.csv")])
+    assert broken.exit_code == 2 and "broken.csv line 3: 3 fields, the header has 2" in broken.output
+    assert sorted((store / "metadata" / "snapshots").iterdir()) == snapshots
+
     # export carries the metadata's columns beside each live embedding
     import pyarrow.parquet as pq
 

@@ -241,3 +241,25 @@ def test_decode_processes_end_when_their_encoder_is_killed(tmp_path):
     alive = [p for p in workers if os.path.exists(f"/proc/{p}") and
              open(f"/proc/{p}/stat").read().split()[2] != "Z"]
     assert not alive, f"decode processes {alive} outlived their encoder"
+
+
+def test_a_decode_process_that_dies_costs_its_object_only(tmp_path):
+    """One image kills its decode process: it is retried alone, rejected with the reason, and every other
+    object of the shard is encoded by new decode processes."""
+    from types import SimpleNamespace
+
+    from tests.helpers import preprocess_or_die
+
+    lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
+    dying = SimpleNamespace(spec=lite0.spec, device="cpu", decode_side=lite0.decode_side, preprocess=lite0.preprocess,
+                            preprocess_fn=preprocess_or_die, encode_images=lite0.encode_images)
+    files = {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, (300, 200))) for i in range(70)}
+    files["p/030-killer.jpg"] = jpeg_bytes(gradient(999, (301, 201)))
+    write_files(str(tmp_path / "cat"), files)
+    cat = Location(str(tmp_path / "cat"))
+    items = tuple(_item(k, tmp_path / "cat") for k in sorted(files))
+    result = encode_shard(ShardPlan(RUN, 0, items), dying, cat, Location(str(tmp_path / "store")), batch_size=16,
+                          decode_workers=2)
+    assert result.decode == "2 decode processes" and result.encoded == 70
+    assert [(i, r.startswith("the decode process died on this object")) for i, r in result.rejected] == \
+        [("p/030-killer.jpg", True)]
