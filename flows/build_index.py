@@ -19,6 +19,7 @@ from imgest.defaults import (
     DEFAULT_MEMORY,
     DEFAULT_MODEL,
     DEFAULT_RECALL_QUERIES,
+    DEFAULT_RETRAIN_SHARE,
     DEFAULT_RUNNER,
     DEFAULT_TARGET_RECALL,
     DEFAULT_WORKERS,
@@ -44,9 +45,10 @@ def build_index(store: str, model: str = DEFAULT_MODEL, kind: str = DEFAULT_KIND
                 target_recall: float = DEFAULT_TARGET_RECALL, k: int = DEFAULT_K,
                 queries: int = DEFAULT_RECALL_QUERIES, alias: str | None = DEFAULT_ALIAS,
                 parts: int = DEFAULT_INDEX_PARTS, runner: str = DEFAULT_RUNNER, workers: int = DEFAULT_WORKERS,
-                rebuild: bool = False) -> dict:
+                rebuild: bool = False, retrain_share: float = DEFAULT_RETRAIN_SHARE) -> dict:
     cfg = IndexConfig(store=store, model=model, kind=kind, memory=memory, target_recall=target_recall, k=k,
-                      queries=queries, alias=alias, parts=parts, runner=runner, workers=workers, rebuild=rebuild)
+                      queries=queries, alias=alias, parts=parts, runner=runner, workers=workers, rebuild=rebuild,
+                      retrain_share=retrain_share)
     store_loc = open_location(cfg.store, must_exist=True, what="store")
     card_model = find_model(store_loc, cfg.model)
     with tags(f"model:{card_model['slug']}"), \
@@ -59,7 +61,7 @@ def build_index(store: str, model: str = DEFAULT_MODEL, kind: str = DEFAULT_KIND
         reused = reused_card is not None
         result = {"built": True, "card": reused_card} if reused else build_version(
             store_loc.url, card_model, cfg.kind, cfg.memory, cfg.target_recall, cfg.k, cfg.queries, cfg.parts,
-            cfg.runner, cfg.workers, lock.fence)
+            cfg.runner, cfg.workers, lock.fence, cfg.rebuild, cfg.retrain_share)
         if not result["built"]:
             return {**result, "reused": False}
         if not reused:

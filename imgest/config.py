@@ -31,6 +31,7 @@ from imgest.defaults import (
     DEFAULT_RECALL_QUERIES,
     DEFAULT_RESAMPLES,
     DEFAULT_RETAIN_DAYS,
+    DEFAULT_RETRAIN_SHARE,
     DEFAULT_RUNNER,
     DEFAULT_SHARD_SIZE,
     DEFAULT_TARGET_RECALL,
@@ -184,13 +185,18 @@ class IndexConfig:
     parts: int = DEFAULT_INDEX_PARTS  # >1: train once here, add that many slices in parallel on `runner`, merge
     runner: str = DEFAULT_RUNNER
     workers: int = DEFAULT_WORKERS
-    rebuild: bool = False  # build a new version even when nothing changed since the last one
+    rebuild: bool = False  # train a new version from scratch, even when nothing changed or an update would do
+    retrain_share: float = DEFAULT_RETRAIN_SHARE  # ... and once this share of its training count was added since
 
     def __post_init__(self) -> None:
         check_not_empty(store=self.store, model=self.model)
         check_urls(store=self.store)
         check_runner(self.runner, self.workers)
         check_at_least(1, parts=self.parts, k=self.k, queries=self.queries)
+        if isinstance(self.retrain_share, bool) or not isinstance(self.retrain_share, int | float) \
+                or not 0 <= self.retrain_share:
+            raise ConfigError(f"retrain_share must be a number >= 0 (0: retrain on any addition); "
+                              f"got {self.retrain_share!r}")
         check_index(self.kind, self.memory, self.target_recall)
         if self.alias != "auto":
             check_alias("alias", self.alias)

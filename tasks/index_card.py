@@ -24,9 +24,8 @@ def bytes_per_vector(d: int, choice: IndexChoice) -> dict:
     }
 
 
-def make_card(model: dict, live: LiveVectors, choice: IndexChoice, memory: str, times: BuildTimes,
-              tuned: Tuned) -> dict:
-    n, d = live.vectors.shape
+def make_card(model: dict, n: int, d: int, snapshot: int, choice: IndexChoice, memory: str, times: BuildTimes,
+              tuned: Tuned, lineage: dict) -> dict:
     return {
         "imgest_version": imgest.__version__,
         "faiss_version": faiss.__version__,
@@ -48,13 +47,15 @@ def make_card(model: dict, live: LiveVectors, choice: IndexChoice, memory: str, 
             "target": tuned.target,
             "met": tuned.met,
             "queries": tuned.queries,
-            "against": "exact inner-product search (Flat) on the same vectors; query item excluded; ties tolerated",
+            "against": "exact inner-product search on the same vectors (lists kept 3k deep, carried through "
+                       "updates); query item excluded; ties tolerated",
             "sweep": [p.__dict__ for p in tuned.sweep],
         },
         "latency_ms_per_query": tuned.ms_per_query,
         "bytes_per_vector_by_encoding": bytes_per_vector(d, choice),
         "times": times.__dict__,
-        "snapshot": live.snapshot,
+        "snapshot": snapshot,
+        "lineage": lineage,
     }
 
 

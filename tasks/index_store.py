@@ -2,6 +2,7 @@
 
   indexes/model=<slug>/v<NNNN>/index.faiss   the faiss file
   indexes/model=<slug>/v<NNNN>/ids.parquet   faiss id -> item_id, uri, content_hash
+  indexes/model=<slug>/v<NNNN>/truth.parquet exact neighbours of the recall probes (carried by updates)
   indexes/model=<slug>/v<NNNN>/card.json     what made it, what it serves; its presence means complete
 """
 
@@ -51,8 +52,9 @@ def list_versions(store: Location, slug: str) -> list[int]:
 
 
 def write_version(store: Location, slug: str, index_bytes: bytes, ids: pa.Table, card: dict,
-                  fence: Fence | None = None) -> dict:
-    """Write index and id map, then the card with their checksums; returns the card. Never overwrites."""
+                  fence: Fence | None = None, truth: pa.Table | None = None) -> dict:
+    """Write index, id map and exact lists, then the card with their checksums; returns the card. Never
+    overwrites."""
     version = max(_version_numbers(store, slug), default=0) + 1
     prefix = version_prefix(slug, version)
     store.write_bytes(f"{prefix}/index.faiss", index_bytes)
@@ -67,6 +69,11 @@ def write_version(store: Location, slug: str, index_bytes: bytes, ids: pa.Table,
         "bytes_on_disk": len(index_bytes),
         "created": now_iso(),
     }
+    if truth is not None:
+        truth_bytes = store.write_table(f"{prefix}/truth.parquet", truth)
+        card.update(truth_file=f"{prefix}/truth.parquet", truth_sha256=hashlib.sha256(truth_bytes).hexdigest())
+    if card.get("lineage") and card["lineage"]["trained_in"] is None:  # trained here: its number is known now
+        card["lineage"] = {**card["lineage"], "trained_in": version}
     if fence is not None:
         fence.check(store)  # the card makes the version complete: not from a build that lost the lock
     if not store.create_exclusive(f"{prefix}/card.json", json.dumps(card, indent=2, sort_keys=True).encode()):
@@ -86,6 +93,34 @@ def read_card(store: Location, slug: str, version: int) -> dict:
         have = ", ".join(f"v{v:04d}" for v in list_versions(store, slug)) or "none"
         raise IndexNotFoundError(f"no index version {version} for model={slug}; complete versions: {have}")
     return store.read_json(key)
+
+
+def _verified_bytes(store: Location, key: str, sha256: str) -> bytes:
+    data = store.read_bytes(key)
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise IndexIntegrityError(f"{key} does not match the checksum in its card: refusing to use it")
+    return data
+
+
+def read_ids(store: Location, card: dict) -> pa.Table:
+    return pq.read_table(pa.BufferReader(_verified_bytes(store, card["ids_file"], card["ids_sha256"])))
+
+
+def read_truth(store: Location, card: dict) -> pa.Table | None:
+    """The exact neighbour lists stored with a version (None for versions built before they were kept)."""
+    if not card.get("truth_file"):
+        return None
+    return pq.read_table(pa.BufferReader(_verified_bytes(store, card["truth_file"], card["truth_sha256"])))
+
+
+def read_index_for_update(store: Location, card: dict, cache_dir: str = DEFAULT_CACHE):
+    """The version's index read whole into memory (its lists writable), checksum verified."""
+    import faiss
+
+    path = local_copy(store, card["index_file"], cache_dir, f"{card['sha256']}.faiss")
+    if _file_sha256(path) != card["sha256"]:
+        raise IndexIntegrityError(f"{card['index_file']} does not match the checksum in its card: refusing to use it")
+    return faiss.read_index(path)
 
 
 # -- opening ---------------------------------------------------------------------------------------
@@ -138,8 +173,5 @@ def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAUL
     flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if card["kind"] in ("ivfsq8", "ivfpq") else 0
     index = faiss.read_index(path, flags)
     set_param(index, card["search"]["param"], card["search"]["value"])
-    ids_bytes = store.read_bytes(card["ids_file"])
-    if hashlib.sha256(ids_bytes).hexdigest() != card["ids_sha256"]:
-        raise IndexIntegrityError(f"{card['ids_file']} does not match the checksum in its card: refusing to serve")
-    ids = pq.read_table(pa.BufferReader(ids_bytes))
+    ids = read_ids(store, card)
     return OpenIndex(card, index, ids["item_id"].to_pylist(), ids["uri"].to_pylist())

@@ -10,15 +10,18 @@ import time
 
 import faiss
 import numpy as np
+import pyarrow as pa
 from prefect import get_run_logger, task, unmapped
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
+from imgest.defaults import DEFAULT_RETRAIN_SHARE
 from imgest.lock import Fence
 from imgest.progress import report
 from imgest.storage import Location
 from imgest.tasks.aliases import aliases_to_move, set_alias
+from imgest.tasks.ground_truth import Truth, carry_truth
 from imgest.tasks.index_build import (
     BuildTimes,
     add_part,
@@ -31,11 +34,34 @@ from imgest.tasks.index_build import (
 )
 from imgest.tasks.index_card import ids_table, make_card
 from imgest.tasks.index_choice import IndexChoice, choose_index
-from imgest.tasks.index_store import index_prefix, open_index, read_card, version_exists, write_version
+from imgest.tasks.index_store import (
+    index_prefix,
+    list_versions,
+    open_index,
+    read_card,
+    read_ids,
+    read_index_for_update,
+    read_truth,
+    version_exists,
+    write_version,
+)
+from imgest.tasks.index_update import (
+    NotUpdatable,
+    apply_delta,
+    built_lineage,
+    check_drift,
+    check_served,
+    plan_delta,
+    updatable,
+    updated_lineage,
+)
 from imgest.tasks.live import LiveVectors, load_live_vectors
 from imgest.tasks.policy import IO_RETRIES
-from imgest.tasks.recall_tuning import Tuned, tune_search
+from imgest.tasks.recall_tuning import Tuned, tune_search, tune_with_truth
 from imgest.tasks.runners import shard_runner
+from imgest.tasks.state import LIVE, load_state
+
+MIN_USABLE_PROBES = 0.8  # below this share of probes with a known exact top-k, the recall is measured afresh
 
 
 @task(name="load-live-vectors", cache_policy=NO_CACHE, **IO_RETRIES)
@@ -79,10 +105,54 @@ def tune_task(index, vectors: np.ndarray, target: float, k: int, queries: int) -
     return tune_search(index, vectors, target, k, queries)
 
 
+@task(name="update-index", cache_policy=NO_CACHE)
+def update_task(store_url: str, model: dict, previous: dict | None, kind: str, memory: str, target_recall: float,
+                k: int, retrain_share: float) -> dict:
+    """Carry `previous` forward to the live state (see tasks/index_update.py): the new index, id map, exact
+    lists and card; or {"why": ...}, the reason to train a new index instead (a decision, not a failure)."""
+    try:
+        return update_version(store_url, model, previous, kind, memory, target_recall, k, retrain_share)
+    except NotUpdatable as exc:
+        return {"why": str(exc)}
+
+
+def update_version(store_url: str, model: dict, previous: dict | None, kind: str, memory: str, target_recall: float,
+                   k: int, retrain_share: float) -> dict:
+    start = time.perf_counter()
+    store, slug, d = Location(store_url), model["slug"], int(model["dim"])
+    state = load_state(store, slug)
+    choice = choose_index(state.count(LIVE), d, memory, kind)
+    truth_table = read_truth(store, previous) if previous else None
+    updatable(previous, choice.factory, truth_table is not None)
+    if previous["recall"]["k"] != k:
+        raise NotUpdatable(f"recall is now measured at k={k}; v{previous['version']:04d} kept lists for "
+                           f"k={previous['recall']['k']}")
+    delta = plan_delta(store, slug, d, read_ids(store, previous), state)
+    line = updated_lineage(previous, len(delta.added), delta.removed, retrain_share)
+    check_drift(line)
+    index = read_index_for_update(store, previous)
+    t0 = time.perf_counter()
+    apply_delta(index, delta)
+    add_seconds = round(time.perf_counter() - t0, 3)
+    truth = carry_truth(Truth.from_table(truth_table), delta.remap, delta.added_ids, delta.added)
+    usable = float(truth.usable(k).mean())
+    if usable < MIN_USABLE_PROBES:
+        raise NotUpdatable(f"only {usable:.0%} of the recall probes still have an exact top-{k}: measured afresh")
+    tuned = tune_with_truth(index, truth, target_recall, k)
+    check_served(line, tuned)
+    times = BuildTimes(0.0, add_seconds, round(time.perf_counter() - start, 3))
+    card = make_card(model, len(delta.ids), d, state.seq, choice, memory, times, tuned, line)
+    card["build"] = {"parts": 1, "runner": "local", "method": "updated in place: faiss remove_ids, ids renumbered "
+                                                              "to item_id order, add_with_ids of the new vectors"}
+    get_run_logger().info("index model=%s: %s", slug, line["why"])
+    return {"index": index, "ids": delta.ids, "truth": truth.to_table(), "card": card}
+
+
 @task(name="write-version", cache_policy=NO_CACHE, **IO_RETRIES)
-def write_version_task(store_url: str, index, live: LiveVectors, card: dict, fence: Fence | None = None) -> dict:
+def write_version_task(store_url: str, index, ids: pa.Table, card: dict, fence: Fence | None = None,
+                       truth: pa.Table | None = None) -> dict:
     data = faiss.serialize_index(index).tobytes()
-    return write_version(Location(store_url), card["slug"], data, ids_table(live), card, fence)
+    return write_version(Location(store_url), card["slug"], data, ids, card, fence, truth)
 
 
 @task(name="verify-and-alias", cache_policy=NO_CACHE)
@@ -125,10 +195,27 @@ def build_in_parts(vectors: np.ndarray, choice: IndexChoice, parts: int, runner:
     return index, times, len(ranges)
 
 
+def previous_version(store: Location, slug: str) -> dict | None:
+    versions = list_versions(store, slug)
+    return read_card(store, slug, versions[-1]) if versions else None
+
+
 @task(name="build-version", cache_policy=NO_CACHE)
 def build_version(store_url: str, model: dict, kind: str, memory: str, target_recall: float, k: int, queries: int,
-                  parts: int, runner: str, workers: int, fence: Fence | None = None) -> dict:
-    """Load, build, tune and write one version (reuse is decided before, from the store's build records)."""
+                  parts: int, runner: str, workers: int, fence: Fence | None = None, retrain: bool = False,
+                  retrain_share: float = DEFAULT_RETRAIN_SHARE) -> dict:
+    """Update the last version in place when it is an IVF index whose training still fits; otherwise load,
+    train, fill and tune. Then write the version (reuse is decided before, from the store's build records)."""
+    why = "asked to build from scratch (--rebuild)"
+    if not retrain:
+        previous = previous_version(Location(store_url), model["slug"])
+        updated = update_task(store_url, model, previous, kind, memory, target_recall, k, retrain_share)
+        if "why" not in updated:
+            card = write_version_task(store_url, updated["index"], quote(updated["ids"]), updated["card"], fence,
+                                      quote(updated["truth"]))
+            return {"built": True, "card": card}
+        why = updated["why"]
+        get_run_logger().info("index model=%s: training a new index: %s", model["slug"], why)
     live = load_live_task(store_url, model)
     if len(live) < 2:
         return {"built": False, "reason": f"{len(live)} live vectors: nothing to index", "slug": model["slug"]}
@@ -139,11 +226,13 @@ def build_version(store_url: str, model: dict, kind: str, memory: str, target_re
     else:
         (index, times), used = build_task(live.vectors, choice, progress), 1
     tuned = tune_task(index, live.vectors, target_recall, k, queries)
-    card = make_card(model, live, choice, memory, times, tuned)
+    card = make_card(model, len(live), live.vectors.shape[1], live.snapshot, choice, memory, times, tuned,
+                     built_lineage(len(live), tuned.param, retrain_share, why))
     card["build"] = {"parts": used, "runner": runner if runner in ("local", "dask") else "dask (remote)",
                      "method": "one process" if used == 1 else "trained once, parts added in parallel, "
                                                                "merged in id order (faiss merge_from)"}
-    return {"built": True, "card": write_version_task(store_url, index, quote(live), card, fence)}
+    card = write_version_task(store_url, index, quote(ids_table(live)), card, fence, quote(tuned.truth.to_table()))
+    return {"built": True, "card": card}
 
 
 def build_key(inputs: dict) -> str:

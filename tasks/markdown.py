@@ -131,12 +131,24 @@ def render_card(card: dict) -> str:
         + (f" ({card['build']['parts']} parts added in parallel on {card['build']['runner']}, merged)"
            if card.get("build", {}).get("parts", 1) > 1 else "")
         + f"; sha256 `{card['sha256'][:16]}...`",
+    ]
+    if card.get("lineage"):
+        lines.append(f"- lineage: {render_lineage(card['lineage'])}")
+    lines += [
         "",
         f"| {card['search']['param'] or 'exact'} | recall@{rec['k']} | ms/query |",
         "|---:|---:|---:|",
     ]
     lines += [f"| {p['param']} | {p['recall']} | {p['ms_per_query']} |" for p in rec["sweep"]]
     return "\n".join(lines) + "\n"
+
+
+def render_lineage(line: dict) -> str:
+    if line["method"] == "update":
+        return (f"updated from v{line['updated_from']:04d} (-{line['removed']:,} +{line['added']:,}); trained in "
+                f"v{line['trained_in']:04d} on {line['trained_n']:,} vectors, {line['added_since_training']:,} added "
+                f"since (retrains past {line['retrain_share']:.0%})")
+    return f"trained in this version on {line['trained_n']:,} vectors ({line['why']})"
 
 
 def served_parameters(card: dict) -> str:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
+from imgest.tasks.ground_truth import Truth, exact_truth, truth_recall
 from imgest.tasks.index_build import has_ivf
 
 EF_SEARCH = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -30,9 +31,11 @@ class Tuned:
     queries: int
     ms_per_query: float
     sweep: list[RecallPoint] = field(default_factory=list)
+    truth: Truth | None = field(default=None, repr=False, compare=False)  # the exact lists measured against
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("truth", "sweep")}
+        return {**out, "sweep": [asdict(p) for p in self.sweep]}
 
 
 def param_name(index) -> str | None:
@@ -101,24 +104,37 @@ def knn_recall(vectors: np.ndarray, query_ids: np.ndarray, found: np.ndarray, tr
     return hits / (len(query_ids) * k)
 
 
+TRUTH_DEPTH_PER_K = 3  # exact lists kept 3k deep: an update that removes some neighbours still knows the top k
+
+
 def tune_search(index, vectors: np.ndarray, target: float = 0.95, k: int = 10, queries: int = 1000,
                 seed: int = 0) -> Tuned:
     """Sweep efSearch / nprobe upwards; serve the smallest value whose measured recall@k meets target."""
     n = len(vectors)
     k = max(1, min(k, n - 1))
-    query_ids = sample_queries(n, queries, seed)
-    truth_scores, _ = exact_neighbours(vectors, query_ids, k)
+    return tune_with_truth(index, exact_truth(vectors, sample_queries(n, queries, seed), TRUTH_DEPTH_PER_K * k),
+                           target, k)
+
+
+def tune_with_truth(index, truth: Truth, target: float, k: int) -> Tuned:
+    """The sweep against exact lists already known (a fresh build's, or those carried through an update); the
+    queries whose exact top-k is no longer known are left out and the count says so."""
+    k = max(1, min(k, truth.depth))
+    rows = np.flatnonzero(truth.usable(k))
+    queries = truth.queries[rows]
     name = param_name(index)
     sweep: list[RecallPoint] = []
     for value in candidates(index, name):
         set_param(index, name, value)
         t0 = time.perf_counter()
-        _, ids = index.search(vectors[query_ids], k + 1)
-        ms = (time.perf_counter() - t0) * 1000 / len(query_ids)
-        sweep.append(RecallPoint(value, round(knn_recall(vectors, query_ids, ids, truth_scores, k), 4), round(ms, 4)))
+        _, ids = index.search(queries, k + 1)
+        ms = (time.perf_counter() - t0) * 1000 / max(len(rows), 1)
+        found = np.full((len(truth.query_ids), k + 1), -1, np.int64)
+        found[rows] = ids
+        sweep.append(RecallPoint(value, round(truth_recall(found, truth, k, rows), 4), round(ms, 4)))
         if sweep[-1].recall >= target:
             break
     met = [p for p in sweep if p.recall >= target]
     best = met[0] if met else max(sweep, key=lambda p: p.recall)
     set_param(index, name, best.param)
-    return Tuned(name, best.param, best.recall, target, bool(met), k, len(query_ids), best.ms_per_query, sweep)
+    return Tuned(name, best.param, best.recall, target, bool(met), k, len(rows), best.ms_per_query, sweep, truth)

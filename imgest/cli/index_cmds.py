@@ -18,6 +18,7 @@ from imgest.defaults import (
     DEFAULT_MEMORY,
     DEFAULT_MODEL,
     DEFAULT_RECALL_QUERIES,
+    DEFAULT_RETRAIN_SHARE,
     DEFAULT_RUNNER,
     DEFAULT_TARGET_RECALL,
     DEFAULT_WORKERS,
@@ -42,8 +43,11 @@ def build_index_cmd(
                                                         "process"),
     runner: str = typer.Option(DEFAULT_RUNNER, help="Where parts are added: local, dask (a local cluster) or tcp://..."),
     workers: int = typer.Option(DEFAULT_WORKERS, help="Worker processes of a local Dask cluster; 0: one per CPU core"),
-    rebuild: bool = typer.Option(False, "--rebuild", help="Build a new version even when nothing changed since "
-                                                          "the last one (otherwise it is reused)"),
+    rebuild: bool = typer.Option(False, "--rebuild", help="Train a new version from scratch even when nothing "
+                                 "changed since the last one (otherwise it is reused) or an IVF version could be "
+                                 "updated in place"),
+    retrain_share: float = typer.Option(DEFAULT_RETRAIN_SHARE, help="Update the last IVF version in place until "
+                                        "this share of its training count was added since; then train anew"),
     as_json: bool = typer.Option(False, "--json", help="Print the index card as JSON"),
 ) -> None:
     """Build a new immutable index version from the live embeddings and move an alias to it."""
@@ -54,7 +58,7 @@ def build_index_cmd(
 
         cfg = IndexConfig(store=store, model=model, kind=kind, memory=memory, target_recall=target_recall, k=k,
                           queries=queries, alias=alias or None, parts=parts, runner=runner, workers=workers,
-                          rebuild=rebuild)
+                          rebuild=rebuild, retrain_share=retrain_share)
         find_model(open_location(cfg.store, must_exist=True, what="store"), cfg.model)
 
         from imgest.flows.build_index import build_index

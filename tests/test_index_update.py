@@ -1,0 +1,139 @@
+"""An IVF version carried forward in place: the same index and the same exact lists as a fresh build on the
+same training, only the change read, and a retrain when the training no longer fits."""
+
+import numpy as np
+import pytest
+
+from imgest.flows.build_index import build_index
+from imgest.flows.ingest import ingest
+from imgest.storage import Location
+from imgest.tasks.ground_truth import carry_truth, exact_truth
+from imgest.tasks.index_store import open_index
+from imgest.tasks.index_update import Delta, apply_delta
+from imgest.tasks.live import load_live_vectors
+from tests.helpers import gradient, png_bytes, write_files
+
+
+def clustered(n: int, d: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(32, d))
+    x = (centres[rng.integers(0, 32, n)] + 0.4 * rng.normal(size=(n, d))).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def churn(n: int, seed: int = 1):
+    """Old rows 0..n-1; 3% leave; 4% arrive. New catalogue order: survivors then arrivals, shuffled together."""
+    rng = np.random.default_rng(seed)
+    keep = np.sort(rng.choice(n, size=n - 3 * n // 100, replace=False))
+    arrivals = 4 * n // 100
+    new_order = rng.permutation(len(keep) + arrivals)  # new faiss id of each (survivor..., arrival...)
+    remap = np.full(n, -1, np.int64)
+    remap[keep] = new_order[:len(keep)]
+    return keep, remap, new_order[len(keep):]
+
+
+def test_carried_lists_equal_a_fresh_exact_search_for_every_usable_query():
+    old = clustered(3000, 32, 0)
+    truth = exact_truth(old, np.arange(0, 3000, 15), depth=30)
+    keep, remap, added_ids = churn(3000)
+    added = clustered(120, 32, 7)
+    new = np.empty((len(keep) + len(added), 32), np.float32)
+    new[remap[keep]], new[added_ids] = old[keep], added
+
+    carried = carry_truth(truth, remap, added_ids, added)
+    usable = carried.usable(10)
+    assert usable.mean() > 0.9, "3% churn leaves nearly every 30-deep list with an exact top 10"
+    for row in np.flatnonzero(usable):
+        scores = new @ carried.queries[row]
+        if carried.query_ids[row] >= 0:
+            scores[carried.query_ids[row]] = -np.inf  # the query's own item is never its neighbour
+        order = np.argsort(-scores)[:10]
+        np.testing.assert_allclose(carried.scores[row, :10], scores[order], rtol=1e-5, atol=1e-5)
+        kth = scores[order[-1]]
+        assert all(scores[i] >= kth - 1e-5 for i in carried.ids[row, :10]), "ties aside, the same neighbours"
+    gone = truth.query_ids[remap[truth.query_ids] < 0]
+    assert len(gone) and (carried.query_ids[np.isin(truth.query_ids, gone)] == -1).all(), \
+        "a probe whose item left keeps its vector and excludes nothing"
+
+
+def test_an_updated_ivf_index_searches_like_one_filled_afresh_with_the_same_training():
+    import faiss
+
+    old = clustered(4000, 32, 0)
+    trained = faiss.index_factory(32, "IVF32,SQ8", faiss.METRIC_INNER_PRODUCT)
+    trained.train(old)
+    first = faiss.clone_index(trained)
+    first.add(old)
+    keep, remap, added_ids = churn(4000)
+    added = clustered(160, 32, 9)
+    new = np.empty((len(keep) + len(added), 32), np.float32)
+    new[remap[keep]], new[added_ids] = old[keep], added
+
+    updated = apply_delta(first, Delta(ids=np.arange(len(new)), remap=remap, added_ids=added_ids, added=added))
+    fresh = faiss.clone_index(trained)
+    fresh.add(new)
+    for index in (updated, fresh):
+        faiss.extract_index_ivf(index).nprobe = 4
+    (du, iu), (df, if_) = updated.search(new[::50], 10), fresh.search(new[::50], 10)
+    np.testing.assert_allclose(du, df, rtol=1e-5, atol=1e-5)
+    for a, b, dist in zip(iu, if_, df):
+        same = dist[:-1] != dist[1:]  # beyond ties, the very same ids in the same order
+        assert (a[:-1][same] == b[:-1][same]).all()
+
+
+def _catalogue(root, names: range, seed_shift: int = 0):
+    write_files(str(root), {f"p/{i:04d}.png": png_bytes(gradient(i + seed_shift, (16, 16))) for i in names})
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_nightly_change_updates_the_ivf_version_in_place_then_retrains_past_the_share(tmp_path):
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    _catalogue(cat, range(400))
+    common = {"store": str(store), "model": "raw-pixels", "kind": "IVF8,SQ8", "queries": 200, "alias": None,
+              "target_recall": 0.9}
+    ingest(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64", shard_size=100)
+    v1 = build_index(**common)["card"]
+    assert v1["lineage"]["method"] == "build" and v1["lineage"]["trained_in"] == 1 and v1["truth_file"]
+
+    for i in range(5):
+        (cat / "p" / f"{i:04d}.png").unlink()
+    _catalogue(cat, range(10, 13), seed_shift=1000)  # changed content
+    _catalogue(cat, range(400, 410))  # new
+    summary = ingest(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64")
+    assert summary["deleted"] == 5 and summary["encoded"] == 13
+    v2 = build_index(**common)["card"]
+    line = v2["lineage"]
+    assert line["method"] == "update" and line["updated_from"] == 1 and line["trained_in"] == 1
+    assert (line["added"], line["removed"], v2["n"]) == (13, 8, 405)
+    assert v2["recall"]["met"] and v2["recall"]["queries"] >= 0.8 * 200 and v2["times"]["train_seconds"] == 0
+
+    loc = Location(str(store))
+    updated = open_index(loc, v2["slug"], 2)
+    live = load_live_vectors(loc, v2["slug"], v2["d"])
+    assert updated.item_ids == live.item_ids, "faiss id = position in item_id order, as a fresh build numbers them"
+    import faiss
+
+    faiss.extract_index_ivf(updated.index).nprobe = 8  # every list
+    _, ids = updated.search(live.vectors, 1)
+    assert (ids[:, 0] == np.arange(len(live))).mean() > 0.99, "every vector, new and changed ones too, finds itself"
+
+    fresh = build_index(**common, rebuild=True)["card"]
+    assert fresh["lineage"]["method"] == "build" and "--rebuild" in fresh["lineage"]["why"]
+
+    _catalogue(cat, range(410, 520))  # 110 new: over 20% of the 405 that v3 was trained on
+    ingest(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64")
+    v4 = build_index(**common)["card"]
+    assert v4["lineage"]["method"] == "build" and "retrain share" in v4["lineage"]["why"] and v4["n"] == 515
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_hnsw_is_built_again_and_says_why(tmp_path):
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    _catalogue(cat, range(60))
+    ingest(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64")
+    common = {"store": str(store), "model": "raw-pixels", "kind": "hnsw", "queries": 50, "alias": None}
+    build_index(**common)
+    _catalogue(cat, range(60, 64))
+    ingest(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64")
+    card = build_index(**common)["card"]
+    assert card["lineage"]["method"] == "build" and "HNSW graph cannot remove" in card["lineage"]["why"]
