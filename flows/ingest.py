@@ -37,9 +37,10 @@ from imgest.tasks.ingest_tasks import (
     choose_batch_size_task,
     commit_run_task,
     encode_shard_task,
-    list_catalogue_task,
+    list_catalogue_fanned,
     plan_ingest_task,
     prepare_state_task,
+    read_inventory_task,
     store_metadata_task,
     text_listing_task,
 )
@@ -60,12 +61,12 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
            runner: str = DEFAULT_RUNNER, workers: int = DEFAULT_WORKERS,
            encode_limit: str = DEFAULT_ENCODE_LIMIT, max_bytes: int = DEFAULT_MAX_BYTES,
            max_delete_fraction: float = DEFAULT_MAX_DELETE_FRACTION, allow_mass_delete: bool = False,
-           dtype: str = DEFAULT_DTYPE, metadata: str | None = None) -> dict:
+           dtype: str = DEFAULT_DTYPE, metadata: str | None = None, inventory: str | None = None) -> dict:
     cfg = IngestConfig(catalogue=catalogue, store=store, model=model, batch_size=str(batch_size), device=device,
                        shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels, runner=runner,
                        workers=workers, encode_limit=encode_limit, max_bytes=max_bytes,
                        max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete, dtype=dtype,
-                       metadata=metadata)
+                       metadata=metadata, inventory=inventory)
     spec = encoders.resolve(cfg.model)
     device = encoders.resolve_device(cfg.device)
     store_loc = open_location(cfg.store)
@@ -76,7 +77,8 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
         state, orphans = prepare_state_task(store_loc.url, spec.describe())
         run_id = new_run_id(state.seq + 1)
         summary = new_summary(spec, run_id, catalogue_url, store_loc.url, cfg.to_dict())
-        listing = list_catalogue_task(catalogue_url)
+        listing = read_inventory_task(cfg.inventory, catalogue_url) if cfg.inventory else \
+            list_catalogue_fanned(catalogue_url)
         if cfg.metadata:
             summary.metadata = store_metadata_task(store_loc.url, cfg.metadata, quote(listing)).to_dict()
         metadata_seq = None

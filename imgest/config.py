@@ -139,12 +139,17 @@ class IngestConfig:
     allow_mass_delete: bool = False  # the deletions are real: lift max_delete_fraction for this run
     dtype: str = DEFAULT_DTYPE  # of the vectors in the shards this run writes: float32 or float16
     metadata: str | None = None  # catalogue metadata (Parquet, CSV, JSONL) stored with the run; text models read it
+    inventory: str | None = None  # an S3 Inventory manifest.json listing the catalogue's bucket, read instead of LIST
 
     def __post_init__(self) -> None:
         check_not_empty(catalogue=self.catalogue, store=self.store, model=self.model)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
-        check_urls(catalogue=self.catalogue, store=self.store, metadata=self.metadata)
+        check_urls(catalogue=self.catalogue, store=self.store, metadata=self.metadata, inventory=self.inventory)
+        if self.inventory and not self.catalogue.startswith(("s3://", "s3a://")):
+            raise ConfigError(f"inventory: an S3 Inventory lists an S3 bucket; the catalogue is {self.catalogue}")
+        if self.inventory and not self.inventory.endswith("manifest.json"):
+            raise ConfigError(f"inventory must be the URL of a report's manifest.json; got {self.inventory}")
         check_runner(self.runner, self.workers)
         if not re.fullmatch(r"[A-Za-z0-9._:-]+", str(self.encode_limit)):
             raise ConfigError("encode_limit must be 'auto' (one encode per GPU), 'none' or the name of a Prefect "

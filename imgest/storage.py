@@ -193,16 +193,17 @@ class Location:
         except FileNotFoundError:
             return None
 
-    def walk(self, key: str = "") -> Iterator[ObjectInfo]:
-        """Every object below ``key`` (recursively), with size, mtime and etag when the store has one.
-        Symlinks are followed: a link to a file is that file (its size and mtime); a link to a device or
-        a FIFO, like the FIFO itself, comes back with ``regular=False`` (never to be read)."""
+    def walk(self, key: str = "", maxdepth: int | None = None) -> Iterator[ObjectInfo]:
+        """Every object below ``key`` (recursively, or `maxdepth` levels down), with size, mtime and etag when
+        the store has one; keys relative to ``key``. Symlinks are followed: a link to a file is that file (its
+        size and mtime); a link to a device or a FIFO, like the FIFO itself, comes back with ``regular=False``
+        (never to be read)."""
         base = self.path(key)
         # all of fsspec's listing cache, not just `base`: s3fs drops a path and its parents, and its find()
         # would reuse a stale listing of a subfolder in a long-lived process (new objects never seen)
         self.fs.invalidate_cache()
         try:
-            found = self.fs.find(base, detail=True)
+            found = self.fs.find(base, maxdepth=maxdepth, detail=True)
         except FileNotFoundError:
             return
         except Exception as exc:
@@ -224,6 +225,19 @@ class Location:
                 regular=info.get("type", "file") == "file",
                 storage_class=info.get("StorageClass") or info.get("storage_class"),
             )
+
+    def folders(self, key: str = "") -> list[str]:
+        """Names of the folders (common prefixes) directly below ``key``."""
+        base = self.path(key)
+        self.fs.invalidate_cache(base)
+        try:
+            entries = self.fs.ls(base, detail=True)
+        except FileNotFoundError:
+            return []
+        except Exception as exc:
+            raise self.failure("listing", key, exc) from exc
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries
+                      if e.get("type") == "directory" and e["name"].rstrip("/") != base.rstrip("/"))
 
     def list_names(self, key: str, *, temp: bool = False) -> list[str]:
         """Names directly below ``key`` (files and folders); empty when it does not exist.

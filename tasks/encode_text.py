@@ -21,7 +21,7 @@ from imgest.encoders import Encoder, EncoderSpec
 from imgest.encoders.text import compose
 from imgest.lock import Fence
 from imgest.storage import Location, ObjectInfo
-from imgest.tasks.listing import Listing
+from imgest.tasks.listing import Listing, listing_table
 from imgest.tasks.plan import ShardPlan, WorkItem
 from imgest.tasks.shards import ShardResult, ShardWriter
 
@@ -45,13 +45,13 @@ def text_hash(text: str) -> str:
 def text_listing(images: Listing, table: pa.Table, spec: EncoderSpec) -> tuple[Listing, dict]:
     """The listing a text model plans from: listed images that have text; and what was left out."""
     texts = text_of(table, spec)
-    listed = {obj.key for obj in images.objects}
+    listed = set(images.keys)
     objects = [ObjectInfo(key=item, size=len(text.encode("utf-8")), mtime=None, etag=text_hash(text))
                for item, text in sorted(texts.items()) if item in listed]
     left_out = {"rows_without_text": table.num_rows - len(texts),
                 "rows_for_unlisted_items": sum(1 for item in texts if item not in listed),
                 "images_without_text": len(listed) - len(objects)}
-    return Listing(catalogue=images.catalogue, objects=objects), left_out
+    return Listing(catalogue=images.catalogue, table=listing_table(objects)), left_out
 
 
 def encode_text_shard(plan: ShardPlan, encoder: Encoder, texts: dict[str, str], store: Location, batch_size: int,

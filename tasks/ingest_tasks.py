@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from prefect import task
+from prefect import task, unmapped
 from prefect.cache_policies import NO_CACHE
 
 from imgest import encoders
@@ -19,7 +19,8 @@ from imgest.tasks.batch_size import choose_batch_size
 from imgest.tasks.commit import RunSummary, commit_run
 from imgest.tasks.encode import encode_shard
 from imgest.tasks.encode_text import encode_text_shard, text_listing, text_of
-from imgest.tasks.listing import Listing, list_catalogue
+from imgest.tasks.inventory import read_inventory
+from imgest.tasks.listing import Listing, catalogue_parts, list_catalogue, merge_listings
 from imgest.tasks.metadata import (
     MetadataReport,
     NoMetadataError,
@@ -41,9 +42,25 @@ def prepare_state_task(store_url: str, spec_description: dict) -> tuple[Catalogu
     return prepare_state(Location(store_url), spec_description)
 
 
-@task(name="list-catalogue", cache_policy=NO_CACHE, timeout_seconds=LIST_TIMEOUT_S, **IO_RETRIES)
-def list_catalogue_task(catalogue_url: str) -> Listing:
-    return list_catalogue(catalogue_url)
+@task(name="list-catalogue", cache_policy=NO_CACHE, timeout_seconds=LIST_TIMEOUT_S, **IO_RETRIES,
+      task_run_name="list-{folder}")
+def list_part_task(catalogue_url: str, folder: str, maxdepth: int | None = None) -> Listing:
+    return list_catalogue(catalogue_url, folder, maxdepth)
+
+
+@task(name="read-inventory", cache_policy=NO_CACHE, timeout_seconds=LIST_TIMEOUT_S, **IO_RETRIES)
+def read_inventory_task(manifest_url: str, catalogue_url: str) -> Listing:
+    return read_inventory(manifest_url, catalogue_url)
+
+
+def list_catalogue_fanned(catalogue_url: str) -> Listing:
+    """One listing task per top-level folder, side by side, and one for the objects at the top; merged in key
+    order. A catalogue without folders is one task."""
+    folders = catalogue_parts(catalogue_url)
+    if not folders:
+        return list_part_task(catalogue_url, "")
+    futures = list_part_task.map(unmapped(catalogue_url), [""] + folders, [1] + [None] * len(folders))
+    return merge_listings([f.result() for f in futures])
 
 
 @task(name="store-metadata", cache_policy=NO_CACHE, **IO_RETRIES)
@@ -51,7 +68,7 @@ def store_metadata_task(store_url: str, metadata_url: str, listing: Listing) -> 
     """Read and check the metadata file, store a snapshot if a row changed; rows and images that do not
     meet are counted against this run's listing."""
     table = read_metadata(metadata_url)
-    return store_metadata(Location(store_url), metadata_url, table, {obj.key for obj in listing.objects})
+    return store_metadata(Location(store_url), metadata_url, table, set(listing.keys))
 
 
 @task(name="list-texts", cache_policy=NO_CACHE, **IO_RETRIES)

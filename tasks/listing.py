@@ -1,11 +1,50 @@
-"""List a catalogue through fsspec and keep the image files, counting what is skipped."""
+"""List a catalogue through fsspec and keep the image files, counting what is skipped. The listing is an
+Arrow table filled in batches (never one Python object per object kept), which the planner joins columnar."""
 
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import pyarrow as pa
+
 from imgest.storage import Location, ObjectInfo, StorageError, open_location, redact
+
+# key: as listed (a local name that is not valid UTF-8 is stored with backslash escapes, key_ok false)
+LISTING_SCHEMA = pa.schema([("key", pa.string()), ("key_ok", pa.bool_()), ("size", pa.int64()),
+                            ("mtime", pa.float64()), ("etag", pa.string()), ("storage_class", pa.string())])
+BATCH_ROWS = 65_536
+
+
+def printable_key(key: str) -> str:
+    """The key itself, or for a name that is not valid UTF-8 (a local file system hands those over with
+    surrogate escapes) a printable stand-in that can be stored and shown."""
+    try:
+        key.encode("utf-8")
+        return key
+    except UnicodeEncodeError:
+        return key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def listing_table(objects: Iterable[ObjectInfo]) -> pa.Table:
+    """Objects -> LISTING_SCHEMA, converted BATCH_ROWS at a time."""
+    batches, rows = [], []
+
+    def flush() -> None:
+        columns = list(zip(*rows)) if rows else [[] for _ in LISTING_SCHEMA]
+        batches.append(pa.record_batch([pa.array(c, f.type) for c, f in zip(columns, LISTING_SCHEMA)],
+                                       schema=LISTING_SCHEMA))
+        rows.clear()
+
+    for obj in objects:
+        key = printable_key(obj.key)
+        rows.append((key, key == obj.key, obj.size, obj.mtime, obj.etag, obj.storage_class))
+        if len(rows) == BATCH_ROWS:
+            flush()
+    if rows or not batches:
+        flush()
+    return pa.Table.from_batches(batches, LISTING_SCHEMA)
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff"})
 
@@ -13,33 +52,70 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", 
 @dataclass
 class Listing:
     catalogue: str
-    objects: list[ObjectInfo]
+    table: pa.Table  # LISTING_SCHEMA, in key order
     skipped: int = 0  # not an image by its extension
     skipped_examples: list[str] = field(default_factory=list)
     not_regular: int = 0  # FIFOs, devices, sockets, dangling links: never read (a read could block for ever)
     not_regular_examples: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @property
+    def keys(self) -> list[str]:
+        return self.table["key"].to_pylist()
+
+    @property
+    def objects(self) -> list[ObjectInfo]:
+        """The listed objects one by one, for the small consumers (query-set builders, text listings)."""
+        return [ObjectInfo(r["key"], r["size"], r["mtime"], r["etag"], storage_class=r["storage_class"])
+                for r in self.table.to_pylist()]
 
 
 def is_image_key(key: str) -> bool:
     return posixpath.splitext(key)[1].lower() in IMAGE_EXTENSIONS
 
 
-def list_catalogue(catalogue_url: str) -> Listing:
-    """Every image object below the catalogue root; the item id is its key relative to the root."""
+def list_catalogue(catalogue_url: str, folder: str = "", maxdepth: int | None = None) -> Listing:
+    """Every image object below the catalogue root (or below `folder` in it, `maxdepth` levels down); the item
+    id is its key relative to the root."""
     loc: Location = open_location(catalogue_url, must_exist=True, what="catalogue")
-    listing = Listing(catalogue=loc.url, objects=[])
-    for obj in loc.walk():
-        if not obj.regular:
-            listing.not_regular += 1
-            if len(listing.not_regular_examples) < 10:
-                listing.not_regular_examples.append(obj.key)
-        elif is_image_key(obj.key):
-            listing.objects.append(obj)
-        else:
-            listing.skipped += 1
-            if len(listing.skipped_examples) < 10:
-                listing.skipped_examples.append(obj.key)
+    listing = Listing(catalogue=loc.url, table=LISTING_SCHEMA.empty_table())
+    above = f"{folder}/" if folder else ""
+
+    def images() -> Iterable[ObjectInfo]:
+        for obj in loc.walk(folder, maxdepth):
+            key = above + obj.key
+            if not obj.regular:
+                listing.not_regular += 1
+                if len(listing.not_regular_examples) < 10:
+                    listing.not_regular_examples.append(key)
+            elif is_image_key(key):
+                yield ObjectInfo(key, obj.size, obj.mtime, obj.etag, storage_class=obj.storage_class)
+            else:
+                listing.skipped += 1
+                if len(listing.skipped_examples) < 10:
+                    listing.skipped_examples.append(key)
+
+    listing.table = listing_table(images())
     return listing
+
+
+def catalogue_parts(catalogue_url: str) -> list[str]:
+    """How a listing fans out: one part per top-level folder (one LIST each, run side by side)."""
+    return open_location(catalogue_url, must_exist=True, what="catalogue").folders()
+
+
+def merge_listings(parts: list[Listing]) -> Listing:
+    """The parts' tables in one, in key order; their counts summed."""
+    merged = Listing(catalogue=parts[0].catalogue,
+                     table=pa.concat_tables([p.table for p in parts]).sort_by("key").combine_chunks())
+    for part in parts:
+        merged.skipped += part.skipped
+        merged.not_regular += part.not_regular
+        merged.skipped_examples = (merged.skipped_examples + part.skipped_examples)[:10]
+        merged.not_regular_examples = (merged.not_regular_examples + part.not_regular_examples)[:10]
+    return merged
 
 
 def check_apart(catalogue: Location, store: Location) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import pyarrow as pa
+
 from imgest.defaults import DEFAULT_MAX_BYTES, DEFAULT_SHARD_SIZE
 from imgest.storage import Location, ObjectInfo
-from imgest.tasks.listing import Listing
+from imgest.tasks.listing import Listing, printable_key
 from imgest.tasks.state import DELETED, FAILED, LIVE, CatalogueState, ItemState, revivable
 
 
@@ -61,88 +63,110 @@ def same_signature(obj: ObjectInfo, prev: ItemState) -> bool:
         and abs(obj.mtime - prev.mtime) < 1e-6
 
 
+# same_signature, in SQL over the listing (l) joined with the state (s)
+SAME_SIGNATURE_SQL = """CASE WHEN coalesce(l.etag, '') <> '' AND coalesce(s.etag, '') <> ''
+                             THEN l.etag = s.etag AND l.size = s.size
+                             ELSE l.size = s.size AND l.mtime IS NOT NULL AND s.mtime IS NOT NULL
+                                  AND abs(l.mtime - s.mtime) < 1e-6 END"""
+
+
 class MassDeleteError(ValueError):
     """A run would tombstone more of the live items than allowed; nothing was changed."""
 
 
 ARCHIVED = frozenset({"GLACIER", "DEEP_ARCHIVE"})  # unreadable until restored (GLACIER_IR reads at once)
+item_key = printable_key  # the item id of a listed key
 
 
-def item_key(key: str) -> str:
-    """The item id of a key: the key itself, or for a name that is not valid UTF-8 (a local file system
-    hands those over with surrogate escapes) a printable stand-in that can be stored and shown."""
-    try:
-        key.encode("utf-8")
-        return key
-    except UnicodeEncodeError:
-        return key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-
-
-def listing_verdict(obj: ObjectInfo, key: str, max_bytes: int) -> str | None:
-    """Why an object (whose item id is `key`) is rejected from its listing alone, without reading it; None
-    when it is to be read."""
-    if key != obj.key:
+def listing_verdict(key: str, key_ok: bool, size: int, storage_class: str | None, max_bytes: int) -> str | None:
+    """Why a listed object is rejected from its listing alone, without reading it; None when it is to be read."""
+    if not key_ok:
         return f"KeyError: the key is not valid UTF-8 ({key!r}); rename the object"
-    if obj.storage_class and obj.storage_class.upper() in ARCHIVED:
-        return f"ArchivedObject: storage class {obj.storage_class} cannot be read until it is restored"
-    if obj.size > max_bytes:
-        return f"TooLarge: {obj.size} bytes, over max_bytes {max_bytes}"
+    if storage_class and storage_class.upper() in ARCHIVED:
+        return f"ArchivedObject: storage class {storage_class} cannot be read until it is restored"
+    if size > max_bytes:
+        return f"TooLarge: {size} bytes, over max_bytes {max_bytes}"
     return None
 
 
-def check_deletions(plan: Plan, state: CatalogueState, max_fraction: float) -> None:
-    """Stop before anything is written when a run would tombstone more than `max_fraction` of the live
-    items, or see an empty listing over a non-empty state: a wrong prefix or a half-synced bucket."""
-    live = state.count(LIVE)
-    gone = sum(1 for k in plan.deleted if state.items[k].status == LIVE)
-    if live and (gone > max_fraction * live or plan.listed == 0):
+def check_deletions(live: int, gone: int, listed: int, max_fraction: float) -> None:
+    """Stop before anything is written when a run would tombstone more than `max_fraction` of the `live` items
+    (`gone` of them unlisted), or see an empty listing over a non-empty state: a wrong prefix or a half-synced
+    bucket."""
+    if live and (gone > max_fraction * live or listed == 0):
         raise MassDeleteError(
             f"this run would tombstone {gone} of {live} live items ({gone / live:.0%}, over the allowed "
-            f"{max_fraction:.0%}){' from an empty listing' if plan.listed == 0 else ''}: a wrong prefix or a "
+            f"{max_fraction:.0%}){' from an empty listing' if listed == 0 else ''}: a wrong prefix or a "
             "half-synced bucket? Nothing was changed. If the deletions are real, run again with --allow-mass-delete")
 
 
-def plan_ingest(listing: Listing, state: CatalogueState, run_id: str, shard_size: int = DEFAULT_SHARD_SIZE,
-                max_bytes: int = DEFAULT_MAX_BYTES, max_delete_fraction: float | None = None) -> Plan:
+def _relation(con, name: str, source: pa.Table | str) -> None:
+    """A table of the plan's query: an Arrow table, or a Parquet file DuckDB streams from disk."""
+    if isinstance(source, str):
+        con.read_parquet(source).create_view(name)
+    else:
+        con.register(name, source)
+
+
+def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id: str,
+                shard_size: int = DEFAULT_SHARD_SIZE, max_bytes: int = DEFAULT_MAX_BYTES,
+                max_delete_fraction: float | None = None, listing_source: pa.Table | str | None = None) -> Plan:
     """Decide what to read. Unchanged objects (same signature) are never read.
 
     Rejected items are retried only when they change, failed ones (a transient reason) on every run;
     deleted ones come back as new, revived from their tombstone's row when the bytes are the same.
     `max_delete_fraction` (None: no limit) stops a run that would delete too much (MassDeleteError).
+
+    A columnar join (DuckDB) of the listing with the state (STATE_SCHEMA: a CatalogueState, an Arrow table or
+    a Parquet file); only the objects to read and the items to delete come back as Python objects, so memory
+    follows the change, not the catalogue. `listing_source` replaces `listing.table` (a Parquet file of it).
     """
+    import duckdb
+
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
-    plan = Plan(run_id=run_id, listed=len(listing.objects), skipped=listing.skipped,
-                not_regular=listing.not_regular)
+    if isinstance(state, CatalogueState):
+        state = state.to_table()
+    plan = Plan(run_id=run_id, listed=0, skipped=listing.skipped, not_regular=listing.not_regular)
     catalogue = Location(listing.catalogue)
-    work: list[WorkItem] = []
-    seen = set()
-    for obj in listing.objects:
-        key = item_key(obj.key)
-        seen.add(key)
-        prev = state.items.get(key)
-        if prev is not None and prev.status not in (DELETED, FAILED) and same_signature(obj, prev):
-            plan.unchanged += 1
-            continue
+    with duckdb.connect(config={"enable_external_access": isinstance(state, str) or
+                                isinstance(listing_source, str)}) as con:
+        _relation(con, "listing", listing.table if listing_source is None else listing_source)
+        _relation(con, "state", state)
+        plan.listed = con.execute("SELECT count(*) FROM listing").fetchone()[0]
+        work = con.execute(f"""
+            SELECT l.key, l.key_ok, l.size, l.mtime, l.etag, l.storage_class,
+                   s.status, s.content_hash, s.shard, s.updated_at
+            FROM listing l LEFT JOIN state s ON s.item_id = l.key
+            WHERE s.item_id IS NULL OR s.status IN ('{DELETED}', '{FAILED}') OR NOT ({SAME_SIGNATURE_SQL})
+            ORDER BY l.key""").fetchall()
+        unlisted = con.execute(f"""
+            SELECT s.item_id, s.status = '{LIVE}' FROM state s ANTI JOIN listing l ON s.item_id = l.key
+            WHERE s.status <> '{DELETED}' ORDER BY s.item_id""").fetchall()
+        live = con.execute(f"SELECT count(*) FROM state WHERE status = '{LIVE}'").fetchone()[0]
+    plan.deleted = [item_id for item_id, _ in unlisted]
+    gone = sum(was_live for _, was_live in unlisted)
+    if max_delete_fraction is not None:
+        check_deletions(live, gone, plan.listed, max_delete_fraction)
+    items: list[WorkItem] = []
+    for key, key_ok, size, mtime, etag, storage_class, status, content_hash, shard, updated_at in work:
         prev_hash = revive = None
-        if prev is None or prev.status == DELETED:
+        if status is None or status == DELETED:
             plan.new += 1
-            if prev is not None and revivable(prev):
-                prev_hash, revive = prev.content_hash, prev.shard
-        elif prev.status == FAILED:
+            prev = ItemState(key, "", DELETED, None, 0, None, content_hash, shard, updated_at=updated_at)
+            if status == DELETED and revivable(prev):
+                prev_hash, revive = content_hash, shard
+        elif status == FAILED:
             plan.retried += 1
         else:
             plan.changed_candidates += 1
-            prev_hash = prev.content_hash
-        work.append(WorkItem(key, catalogue.uri(key), obj.size, obj.mtime, obj.etag, prev_hash,
-                             verdict=listing_verdict(obj, key, max_bytes), revive_shard=revive))
-    plan.deleted = sorted(k for k, item in state.items.items() if k not in seen and item.status != DELETED)
-    if max_delete_fraction is not None:
-        check_deletions(plan, state, max_delete_fraction)
-    plan.shards = [
-        ShardPlan(run_id, i, tuple(work[start:start + shard_size]))
-        for i, start in enumerate(range(0, len(work), shard_size))
-    ]
+            prev_hash = content_hash
+        items.append(WorkItem(key, catalogue.uri(key), size, mtime, etag, prev_hash,
+                              verdict=listing_verdict(key, key_ok, size, storage_class, max_bytes),
+                              revive_shard=revive))
+    plan.unchanged = plan.listed - len(items)
+    plan.shards = [ShardPlan(run_id, i, tuple(items[start:start + shard_size]))
+                   for i, start in enumerate(range(0, len(items), shard_size))]
     return plan
 
 

@@ -14,7 +14,7 @@ from imgest.encoders import EncoderError
 from imgest.encoders.text import compose
 from imgest.storage import Location, ObjectInfo
 from imgest.tasks.encode_text import encode_text_shard, text_listing, text_of
-from imgest.tasks.listing import Listing
+from imgest.tasks.listing import Listing, listing_table
 from imgest.tasks.plan import ShardPlan, WorkItem
 
 RUN = "r00000001-20261130T000000-abcdef"
@@ -55,8 +55,8 @@ def test_text_listing_keeps_listed_items_with_text_and_counts_the_rest(minilm, t
         {"item_id": "p/3.jpg", "title": "blue coat", "caption": None},
         {"item_id": "p/gone.jpg", "title": "green scarf", "caption": None},
     ])
-    images = Listing(catalogue=str(tmp_path), objects=[ObjectInfo(k, 10, 1.0, None) for k in
-                                                        ("p/1.jpg", "p/2.jpg", "p/3.jpg", "p/4.jpg")])
+    images = Listing(catalogue=str(tmp_path), table=listing_table([ObjectInfo(k, 10, 1.0, None) for k in
+                                                                   ("p/1.jpg", "p/2.jpg", "p/3.jpg", "p/4.jpg")]))
     listing, left_out = text_listing(images, table, minilm.spec)
     assert [o.key for o in listing.objects] == ["p/1.jpg", "p/3.jpg"]
     assert left_out == {"rows_without_text": 1, "rows_for_unlisted_items": 1, "images_without_text": 2}

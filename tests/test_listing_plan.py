@@ -2,8 +2,8 @@
 
 import os
 
-from imgest.storage import Location
-from imgest.tasks.listing import is_image_key, list_catalogue
+from imgest.storage import Location, ObjectInfo
+from imgest.tasks.listing import Listing, is_image_key, list_catalogue, listing_table
 from imgest.tasks.plan import plan_ingest
 from imgest.tasks.state import DELETED, LIVE, REJECTED, CatalogueState, ItemState
 from tests.helpers import jpeg_bytes, solid, write_files
@@ -59,14 +59,46 @@ def test_plan_classifies_by_signature(tmp_path):
     assert plan.shards[1].name == "part-r00000002-x-y-00001"
 
 
-def test_etag_decides_when_both_sides_have_one(tmp_path):
-    write_files(str(tmp_path), {"a.jpg": b"x"})
-    listing = list_catalogue(str(tmp_path))
-    obj = listing.objects[0]
-    object.__setattr__(obj, "etag", "e1")
+def test_etag_decides_when_both_sides_have_one():
+    listing = Listing("file:///cat", listing_table([ObjectInfo("a.jpg", 1, 5.0, "e1")]))
     same = plan_ingest(listing, _state(**{"a.jpg": _item("a.jpg", size=1, mtime=0.0, etag="e1")}), "r1", 10)
-    moved = plan_ingest(listing, _state(**{"a.jpg": _item("a.jpg", size=1, mtime=obj.mtime, etag="e0")}), "r1", 10)
-    assert same.unchanged == 1 and moved.changed_candidates == 1
+    moved = plan_ingest(listing, _state(**{"a.jpg": _item("a.jpg", size=1, mtime=5.0, etag="e0")}), "r1", 10)
+    no_etag = plan_ingest(listing, _state(**{"a.jpg": _item("a.jpg", size=1, mtime=5.0, etag="")}), "r1", 10)
+    assert same.unchanged == 1 and moved.changed_candidates == 1 and no_etag.unchanged == 1
+
+
+def test_columnar_plan_from_parquet_files_follows_the_change(tmp_path):
+    """10,000 items: 1% changed, 0.5% new, 0.5% deleted, some failed, rejected and tombstoned; the plan from
+    Parquet files on disk (what a large catalogue uses) equals the in-memory one and the change made."""
+    import random
+
+    import pyarrow.parquet as pq
+
+    rng = random.Random(3)
+    keys = [f"k/{i:06d}.jpg" for i in range(10_000)]
+    state = _state(**{k: _item(k, size=10, mtime=1.0, etag=f"e-{k}") for k in keys})
+    picked = rng.sample(keys, 300)
+    changed, deleted, failed, rejected = picked[:100], picked[100:150], picked[150:200], picked[200:300]
+    for k in failed:
+        state.items[k].status = "failed"
+    for k in rejected:
+        state.items[k].status = REJECTED
+    new = [f"k/new-{i:04d}.jpg" for i in range(50)]
+    objects = [ObjectInfo(k, 10, 1.0, f"e-{k}" + ("x" if k in changed else "")) for k in keys if k not in deleted]
+    objects += [ObjectInfo(k, 10, 2.0, "e-new") for k in new]
+    listing = Listing("file:///cat", listing_table(sorted(objects, key=lambda o: o.key)))
+    pq.write_table(listing.table, tmp_path / "listing.parquet")
+    pq.write_table(state.to_table(), tmp_path / "state.parquet")
+
+    plans = [plan_ingest(listing, state, "r00000002-x-y", 64),
+             plan_ingest(listing, str(tmp_path / "state.parquet"), "r00000002-x-y", 64,
+                         listing_source=str(tmp_path / "listing.parquet"))]
+    for plan in plans:
+        assert (plan.listed, plan.new, plan.changed_candidates, plan.retried) == (9_950 + 50, 50, 100, 50)
+        assert plan.unchanged == plan.listed - 200 and plan.deleted == sorted(deleted)
+        read = [w.item_id for s in plan.shards for w in s.items]
+        assert read == sorted(changed + failed + new), "in key order, each once"
+    assert plans[0].shards == plans[1].shards
 
 
 def test_location_atomic_write_and_exclusive_create(tmp_path):

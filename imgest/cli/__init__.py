@@ -30,6 +30,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from imgest.tasks.heads import HeadError
     from imgest.tasks.index_choice import IndexChoiceError
     from imgest.tasks.index_store import IndexIntegrityError, IndexNotFoundError
+    from imgest.tasks.inventory import InventoryError
     from imgest.tasks.metadata import MetadataError
     from imgest.tasks.migration import MigrationError
     from imgest.tasks.models import ModelNotFoundError
@@ -39,7 +40,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     return (ConfigError, EncoderError, StoreLockedError, StorageError, ModelNotFoundError, FileNotFoundError,
             IndexChoiceError, IndexIntegrityError, IndexNotFoundError, SearchError, MigrationError, QuerySetError,
-            HeadError, MassDeleteError, MetadataError)
+            HeadError, MassDeleteError, MetadataError, InventoryError)
 
 
 # Registers the commands on `app` (each module imports it from here).

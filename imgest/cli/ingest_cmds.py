@@ -41,6 +41,8 @@ RUNNER = typer.Option(DEFAULT_RUNNER, help="Where shards encode: local (this pro
 METADATA = typer.Option(None, help="Catalogue metadata, one row per item_id (Parquet, CSV or JSONL: item_id, "
                                    "product_id, title, caption, attributes): stored with the run; text models "
                                    "such as minilm-l6 embed its text")
+INVENTORY = typer.Option(None, help="An S3 Inventory report's manifest.json (CSV, Parquet or ORC) to list the "
+                                    "catalogue from instead of LIST: s3://inventory-bucket/.../manifest.json")
 WORKERS = typer.Option(DEFAULT_WORKERS, help="Worker processes of a local Dask cluster (--runner dask); 0: one per "
                                              "CPU core")
 
@@ -66,6 +68,7 @@ def ingest(
     allow_mass_delete: bool = ALLOW_MASS_DELETE,
     dtype: str = DTYPE,
     metadata: Optional[str] = METADATA,
+    inventory: Optional[str] = INVENTORY,
     as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON"),
 ) -> None:
     """Encode what is new or changed in the catalogue; tombstone what was deleted."""
@@ -80,7 +83,7 @@ def ingest(
                            shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels,
                            runner=runner, workers=workers, encode_limit=encode_limit, max_bytes=max_bytes,
                            max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete,
-                           dtype=dtype, metadata=metadata)
+                           dtype=dtype, metadata=metadata, inventory=inventory)
         encoders.resolve(cfg.model)
         encoders.resolve_device(cfg.device)
         check_apart(open_location(cfg.catalogue, must_exist=True, what="catalogue"), open_location(cfg.store))
@@ -199,6 +202,7 @@ def nightly(
     allow_mass_delete: bool = ALLOW_MASS_DELETE,
     dtype: str = DTYPE,
     metadata: Optional[str] = METADATA,
+    inventory: Optional[str] = INVENTORY,
     report_duplicates: bool = typer.Option(False, "--report-duplicates", help="After the builds, report the "
                                            "serving model's duplicate groups and how many are new"),
 ) -> None:
@@ -213,7 +217,7 @@ def nightly(
                             kind=kind, memory=memory, target_recall=target_recall, runner=runner, workers=workers,
                             max_bytes=max_bytes, max_delete_fraction=max_delete_fraction,
                             allow_mass_delete=allow_mass_delete, dtype=dtype, metadata=metadata,
-                            report_duplicates=report_duplicates)
+                            inventory=inventory, report_duplicates=report_duplicates)
         if cfg.model:
             encoders.resolve(cfg.model)
         check_apart(open_location(cfg.catalogue, must_exist=True, what="catalogue"), open_location(cfg.store))

@@ -1,0 +1,114 @@
+"""An S3 Inventory report lists the catalogue as LIST does: a run planned from it and a LIST run agree, object
+for object; a report that does not match its manifest, or lists another bucket, lists nothing."""
+
+import csv
+import gzip
+import hashlib
+import io
+import json
+import uuid
+from datetime import datetime
+from urllib.parse import quote_plus
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from imgest.flows.ingest import ingest
+from imgest.tasks.inventory import InventoryError, read_inventory
+from imgest.tasks.listing import list_catalogue
+from tests.helpers import gradient, png_bytes
+
+SCHEMA = ["Bucket", "Key", "VersionId", "IsLatest", "IsDeleteMarker", "Size", "LastModifiedDate", "ETag",
+          "StorageClass"]
+
+
+@pytest.fixture()
+def bucket(s3_endpoint):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint})
+    name = f"shop-{uuid.uuid4().hex[:8]}"
+    fs.mkdir(name)
+    fs.mkdir(f"{name}-inventory")
+    for i in range(12):
+        fs.pipe(f"{name}/products/p{i:02d}.png", png_bytes(gradient(i, (16, 16))))
+    fs.pipe(f"{name}/products/with space+plus.png", png_bytes(gradient(50, (16, 16))))
+    fs.pipe(f"{name}/products/notes.txt", b"not an image")
+    fs.pipe(f"{name}/elsewhere/x.png", png_bytes(gradient(60, (16, 16))))
+    return fs, name
+
+
+def inventory_rows(fs, name: str) -> list[dict]:
+    """What S3 would report for the bucket: every current object, plus an old version and a delete marker."""
+    rows = []
+    for path, info in sorted(fs.find(name, detail=True).items()):
+        rows.append({"Bucket": name, "Key": path[len(name) + 1:], "VersionId": "v2", "IsLatest": "true",
+                     "IsDeleteMarker": "false", "Size": str(info["size"]),
+                     "LastModifiedDate": info["LastModified"].strftime("%Y-%m-%dT%H:%M:%S.000Z"),
+                     "ETag": info["ETag"].strip('"'), "StorageClass": "STANDARD"})
+    rows.append({**rows[0], "VersionId": "v1", "IsLatest": "false", "ETag": "0ld", "Size": "3"})
+    rows.append({**rows[0], "Key": "products/deleted.png", "IsDeleteMarker": "true", "Size": "", "ETag": ""})
+    return rows
+
+
+def write_report(fs, name: str, rows: list[dict], fmt: str) -> str:
+    if fmt == "CSV":
+        text = io.StringIO()
+        writer = csv.writer(text, quoting=csv.QUOTE_ALL)
+        for row in rows:
+            writer.writerow([quote_plus(row[c], safe="/") if c == "Key" else row[c] for c in SCHEMA])
+        data, key = gzip.compress(text.getvalue().encode()), "inv/shop/daily/data/a1.csv.gz"
+    else:
+        table = pa.table({
+            "bucket": [r["Bucket"] for r in rows], "key": [r["Key"] for r in rows],
+            "version_id": [r["VersionId"] for r in rows], "is_latest": [r["IsLatest"] == "true" for r in rows],
+            "is_delete_marker": [r["IsDeleteMarker"] == "true" for r in rows],
+            "size": pa.array([int(r["Size"]) if r["Size"] else None for r in rows], pa.int64()),
+            "last_modified_date": pa.array([datetime.strptime(r["LastModifiedDate"], "%Y-%m-%dT%H:%M:%S.000Z")
+                                            for r in rows], pa.timestamp("ms")),  # UTC, as S3 writes it
+            "e_tag": [r["ETag"] for r in rows], "storage_class": [r["StorageClass"] for r in rows]})
+        sink = io.BytesIO()
+        pq.write_table(table, sink)
+        data, key = sink.getvalue(), "inv/shop/daily/data/a1.parquet"
+    fs.pipe(f"{name}-inventory/{key}", data)
+    manifest = {"sourceBucket": name, "destinationBucket": f"arn:aws:s3:::{name}-inventory", "version": "2016-11-30",
+                "fileFormat": fmt, "fileSchema": ", ".join(SCHEMA),
+                "files": [{"key": key, "size": len(data), "MD5checksum": hashlib.md5(data).hexdigest()}]}
+    fs.pipe(f"{name}-inventory/inv/shop/daily/2026-11-30T01-00Z/manifest.json", json.dumps(manifest).encode())
+    return f"s3://{name}-inventory/inv/shop/daily/2026-11-30T01-00Z/manifest.json"
+
+
+@pytest.mark.parametrize("fmt", ["CSV", "Parquet"])
+def test_an_inventory_lists_what_list_lists(bucket, fmt):
+    fs, name = bucket
+    manifest = write_report(fs, name, inventory_rows(fs, name), fmt)
+    listed = list_catalogue(f"s3://{name}/products")
+    from_report = read_inventory(manifest, f"s3://{name}/products")
+    assert from_report.keys == listed.keys and "with space+plus.png" in from_report.keys
+    assert from_report.table.drop(["mtime"]).equals(listed.table.drop(["mtime"])), "sizes, etags, classes"
+    seconds = zip(from_report.table["mtime"].to_pylist(), listed.table["mtime"].to_pylist())
+    assert all(abs(a - b) < 1 for a, b in seconds), "the same modification times (to the report's precision)"
+    assert from_report.skipped == listed.skipped == 1
+
+
+def test_a_report_that_does_not_match_its_manifest_lists_nothing(bucket):
+    fs, name = bucket
+    manifest = write_report(fs, name, inventory_rows(fs, name), "CSV")
+    fs.pipe(f"{name}-inventory/inv/shop/daily/data/a1.csv.gz", gzip.compress(b'"x","y"\n'))
+    with pytest.raises(InventoryError, match="does not match the MD5"):
+        read_inventory(manifest, f"s3://{name}/products")
+    with pytest.raises(InventoryError, match="lists bucket"):
+        read_inventory(manifest, "s3://another-bucket/products")
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_run_from_the_inventory_then_a_list_run_reads_nothing_again(bucket, tmp_path):
+    fs, name = bucket
+    manifest = write_report(fs, name, inventory_rows(fs, name), "CSV")
+    run = {"catalogue": f"s3://{name}/products", "store": str(tmp_path / "store"), "model": "raw-pixels",
+           "batch_size": "8"}
+    first = ingest(**run, inventory=manifest)
+    assert first["listed"] == 13 and first["encoded"] == 13
+    again = ingest(**run)
+    assert again["listed"] == 13 and again["unchanged"] == 13 and again["encoded"] == 0
