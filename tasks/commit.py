@@ -12,7 +12,7 @@ from imgest.lock import Fence
 from imgest.storage import Location
 from imgest.tasks.plan import Plan
 from imgest.tasks.shards import ShardResult
-from imgest.tasks.state import DELETED, CatalogueState, commit_key, now_iso, write_snapshot
+from imgest.tasks.state import CatalogueState, commit_key, now_iso, write_snapshot
 
 
 @dataclass
@@ -93,11 +93,7 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
     resumed = len(state.pending)
     for result in results:
         state.apply_commit(store.read_json(commit_key(state.slug, result.shard)))
-    stamp = now_iso()
-    for item_id in plan.deleted:
-        item = state.items[item_id]
-        # the tombstone keeps its shard: the row is revived if the same bytes come back (TOMBSTONE_DAYS)
-        item.status, item.run_id, item.updated_at, item.reason = DELETED, plan.run_id, stamp, None
+    state.delete(plan.deleted, plan.run_id, now_iso())
     touched = sum(r.unchanged for r in results)
     summary.listed, summary.skipped, summary.new = plan.listed, plan.skipped, plan.new
     summary.unchanged = plan.unchanged + touched

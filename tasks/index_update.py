@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from imgest.storage import Location
 from imgest.tasks.shards import embedding_matrix
-from imgest.tasks.state import LIVE, CatalogueState, shard_key
+from imgest.tasks.state import CatalogueState, shard_key
 
 RETRAIN_PARAM_GROWTH = 2  # retrain when an update needs more than twice the nprobe its training served
 
@@ -42,11 +42,9 @@ class Delta:
 
 
 def live_table(state: CatalogueState) -> pa.Table:
-    items = sorted((i for i in state.items.values() if i.status == LIVE), key=lambda i: i.item_id)
-    return pa.table({"item_id": pa.array([i.item_id for i in items], pa.string()),
-                     "uri": pa.array([i.uri for i in items], pa.string()),
-                     "content_hash": pa.array([i.content_hash or "" for i in items], pa.string()),
-                     "shard": pa.array([i.shard for i in items], pa.string())})
+    live = state.live_table()
+    return pa.table({"item_id": live["item_id"], "uri": live["uri"],
+                     "content_hash": pc.fill_null(live["content_hash"], ""), "shard": live["shard"]})
 
 
 def _keys(table: pa.Table) -> pa.Array:

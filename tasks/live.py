@@ -6,7 +6,6 @@ import hashlib
 import json
 import logging
 import tempfile
-from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,7 +16,6 @@ import pyarrow.compute as pc
 from imgest.storage import Location
 from imgest.tasks.shards import embedding_matrix
 from imgest.tasks.state import (
-    LIVE,
     CatalogueState,
     latest_snapshot_seq,
     list_commits,
@@ -29,19 +27,23 @@ from imgest.tasks.state import (
 )
 
 
-def live_by_shard(state: CatalogueState) -> dict[str, set[str]]:
-    by_shard: dict[str, set[str]] = defaultdict(set)
-    for item in state.items.values():
-        if item.status == LIVE:
-            by_shard[item.shard].add(item.item_id)
-    return by_shard
+def live_by_shard(state: CatalogueState) -> list[tuple[str, pa.Array]]:
+    """(shard, item ids of its live rows) per shard, in shard order: columnar, no object per item."""
+    live = state.live_table().select(["shard", "item_id"]).sort_by([("shard", "ascending")])
+    shards = live["shard"].combine_chunks()
+    ids = live["item_id"].combine_chunks()
+    out, start = [], 0
+    for run in pc.run_end_encode(shards).run_ends.to_pylist() if len(shards) else []:
+        out.append((shards[start].as_py(), ids.slice(start, run - start)))
+        start = run
+    return out
 
 
 def iter_live_tables(store: Location, state: CatalogueState) -> Iterator[pa.Table]:
     """One filtered table per shard: only the rows that are an item's current embedding."""
-    for shard, keep in sorted(live_by_shard(state).items()):
+    for shard, keep in live_by_shard(state):
         table = store.read_table(shard_key(state.slug, shard))
-        yield table.filter(pc.is_in(table["item_id"], value_set=pa.array(sorted(keep))))
+        yield table.filter(pc.is_in(table["item_id"], value_set=keep))
 
 
 @dataclass
@@ -85,14 +87,13 @@ def load_live_vectors(store: Location, slug: str, dim: int) -> LiveVectors:
     """All live vectors of a model in item_id order (stable faiss ids across rebuilds of one state), read
     one shard at a time and written into place (see SPILL_BYTES for where)."""
     state = load_state(store, slug)
-    by_shard = live_by_shard(state)
-    item_ids = sorted(item for keep in by_shard.values() for item in keep)
-    position = {item: n for n, item in enumerate(item_ids)}
+    live_ids = state.live_table()["item_id"].combine_chunks()  # item_id order: faiss id n is row n
+    item_ids = live_ids.to_pylist()
     vectors = _vector_array(len(item_ids), dim)
     uris: list[str | None] = [None] * len(item_ids)
     hashes: list[str | None] = [None] * len(item_ids)
     for table in iter_live_tables(store, state):
-        rows = np.fromiter((position[i] for i in table["item_id"].to_pylist()), np.int64, len(table))
+        rows = pc.index_in(table["item_id"], value_set=live_ids).to_numpy().astype(np.int64)
         vectors[rows] = embedding_matrix(table, dim)
         for row, uri, content_hash in zip(rows, table["uri"].to_pylist(), table["content_hash"].to_pylist()):
             uris[row], hashes[row] = uri, content_hash

@@ -18,7 +18,7 @@ from imgest.storage import Location
 from imgest.tasks.aliases import list_aliases, read_alias, set_alias
 from imgest.tasks.index_store import index_prefix, list_versions, open_index, read_card
 from imgest.tasks.models import find_model
-from imgest.tasks.state import LIVE, embeddings_prefix, latest_snapshot_seq, load_state, now_iso, state_prefix
+from imgest.tasks.state import embeddings_prefix, latest_snapshot_seq, load_state, now_iso, state_prefix
 
 WINDOW_KEY = "migration/window.json"
 ACTIONS = ("start", "status", "promote", "rollback", "finish")  # of `imgest migrate` and the migrate flow
@@ -87,14 +87,13 @@ def require_window(store: Location) -> dict:
 
 def coverage(store: Location, window: dict) -> dict:
     """Share of the old model's live items that the new model holds with the same content."""
-    old = {i.item_id: i.content_hash for i in load_state(store, window["from"]["slug"]).items.values()
-           if i.status == LIVE}
-    new = {i.item_id: i.content_hash for i in load_state(store, window["to"]["slug"]).items.values()
-           if i.status == LIVE}
-    covered = sum(1 for item, digest in old.items() if new.get(item) == digest)
-    missing = sorted(item for item, digest in old.items() if new.get(item) != digest)
-    return {"live": len(old), "covered": covered, "share": round(covered / len(old), 6) if old else 1.0,
-            "missing_examples": missing[:10]}
+    old, new = (load_state(store, window[side]["slug"]).live_table().select(["item_id", "content_hash"])
+                for side in ("from", "to"))
+    same = old.join(new, keys=["item_id", "content_hash"], join_type="left semi")
+    missing = old.join(new, keys=["item_id", "content_hash"], join_type="left anti").sort_by("item_id")
+    live, covered = len(old), len(same)
+    return {"live": live, "covered": covered, "share": round(covered / live, 6) if live else 1.0,
+            "missing_examples": missing["item_id"][:10].to_pylist()}
 
 
 def index_current(store: Location, slug: str) -> dict:

@@ -173,11 +173,12 @@ def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id
 def attach_base(plan: Plan, base: CatalogueState) -> Plan:
     """For a head model: every planned item whose base-model embedding is current (live, same signature)
     is marked to be derived from it (the head applied to the stored vector) instead of read and decoded."""
+    known = base.rows([item.item_id for shard in plan.shards for item in shard.items])
     shards = []
     for shard in plan.shards:
         items = []
         for item in shard.items:
-            prev = base.items.get(item.item_id)
+            prev = known.get(item.item_id)
             obj = ObjectInfo(item.item_id, item.size, item.mtime, item.etag)
             if prev is not None and prev.status == LIVE and prev.shard and same_signature(obj, prev):
                 item = replace(item, base_shard=prev.shard, base_hash=prev.content_hash)

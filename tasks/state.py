@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from imgest.storage import TEMP_PREFIX, Location
 
@@ -95,15 +96,53 @@ def shard_run_id(shard: str) -> str:
     return shard[len("part-"):].rsplit("-", 1)[0]
 
 
-@dataclass
+EMPTY_STATE = STATE_SCHEMA.empty_table()
+
+
+def _item(row: dict) -> ItemState:
+    return ItemState(**row)
+
+
 class CatalogueState:
-    slug: str
-    items: dict[str, ItemState]
-    seq: int = 0  # sequence of the snapshot this state started from
-    pending: list[str] = dataclasses.field(default_factory=list)  # commit markers applied on top
+    """One model's catalogue state: a columnar base (the snapshot, an Arrow table in item_id order) and an
+    overlay of the items changed since (pending commit markers, this run's outcome) as Python objects. The
+    ingest and index paths stay columnar: the overlay grows with the change, not with the catalogue.
+    `items` materialises every item as an object, for small stores, reports and tests."""
+
+    def __init__(self, slug: str, items: dict[str, ItemState] | None = None, seq: int = 0,
+                 pending: list[str] | None = None, base: pa.Table | None = None):
+        self.slug, self.seq = slug, seq  # seq: the snapshot this state started from
+        self.pending: list[str] = list(pending or [])  # commit markers applied on top
+        self.base = EMPTY_STATE if base is None else base
+        self.overlay: dict[str, ItemState] = items if items is not None else {}
+
+    @property
+    def items(self) -> dict[str, ItemState]:
+        """Every item as an ItemState (O(N) objects: not for the nightly path at catalogue scale)."""
+        if len(self.base):
+            merged = {row["item_id"]: _item(row) for row in self._base_without_overlay().to_pylist()}
+            merged.update(self.overlay)
+            self.base, self.overlay = EMPTY_STATE, merged
+        return self.overlay
+
+    def _base_without_overlay(self) -> pa.Table:
+        if not self.overlay:
+            return self.base
+        return self.base.filter(pc.invert(pc.is_in(self.base["item_id"], value_set=pa.array(list(self.overlay)))))
+
+    def rows(self, item_ids: list[str]) -> dict[str, ItemState]:
+        """The items among `item_ids` that exist, the overlay first (a batch lookup, one scan of the base)."""
+        found = {i: self.overlay[i] for i in item_ids if i in self.overlay}
+        rest = [i for i in item_ids if i not in found]
+        if rest and len(self.base):
+            hit = self.base.filter(pc.is_in(self.base["item_id"], value_set=pa.array(rest, pa.string())))
+            found.update((row["item_id"], _item(row)) for row in hit.to_pylist())
+        return found
 
     def count(self, status: str) -> int:
-        return sum(1 for item in self.items.values() if item.status == status)
+        base = self._base_without_overlay()
+        in_base = (pc.sum(pc.equal(base["status"], status)).as_py() or 0) if len(base) else 0
+        return in_base + sum(1 for item in self.overlay.values() if item.status == status)
 
     def live(self) -> list[ItemState]:
         return [item for item in self.items.values() if item.status == LIVE]
@@ -111,27 +150,45 @@ class CatalogueState:
     def apply_commit(self, marker: dict) -> None:
         """Fold one shard commit marker into the state (idempotent for the same marker)."""
         for row in marker.get("encoded", []):
-            self.items[row["item_id"]] = ItemState(status=LIVE, shard=marker["shard"], run_id=marker["run_id"],
-                                                   updated_at=marker["created"], **row)
+            self.overlay[row["item_id"]] = ItemState(status=LIVE, shard=marker["shard"], run_id=marker["run_id"],
+                                                     updated_at=marker["created"], **row)
         for row in marker.get("rejected", []):
             row = dict(row)
             reason, transient = row.pop("reason"), row.pop("transient", False)
-            self.items[row["item_id"]] = ItemState(status=FAILED if transient else REJECTED, shard=None,
-                                                   run_id=marker["run_id"], reason=reason,
-                                                   updated_at=marker["created"], **row)
+            self.overlay[row["item_id"]] = ItemState(status=FAILED if transient else REJECTED, shard=None,
+                                                     run_id=marker["run_id"], reason=reason,
+                                                     updated_at=marker["created"], **row)
         for row in marker.get("revived", []):  # back with the bytes its tombstone had: its old row serves again
             row = dict(row)
             shard = row.pop("shard")
-            self.items[row["item_id"]] = ItemState(status=LIVE, shard=shard, run_id=marker["run_id"],
-                                                   updated_at=marker["created"], **row)
-        for row in marker.get("unchanged", []):  # signature moved, content hash did not
-            item = self.items.get(row["item_id"])
+            self.overlay[row["item_id"]] = ItemState(status=LIVE, shard=shard, run_id=marker["run_id"],
+                                                     updated_at=marker["created"], **row)
+        unchanged = marker.get("unchanged", [])  # signature moved, content hash did not
+        known = self.rows([row["item_id"] for row in unchanged]) if unchanged else {}
+        for row in unchanged:
+            item = known.get(row["item_id"])
             if item is not None:
+                item = self.overlay[row["item_id"]] = dataclasses.replace(item)
                 item.etag, item.size, item.mtime = row["etag"], row["size"], row["mtime"]
 
+    def delete(self, item_ids: list[str], run_id: str, stamp: str) -> None:
+        """Tombstone these items; the tombstone keeps its shard, so that the same bytes coming back within
+        TOMBSTONE_DAYS are revived from it."""
+        for item_id, item in self.rows(item_ids).items():
+            self.overlay[item_id] = dataclasses.replace(item, status=DELETED, run_id=run_id, updated_at=stamp,
+                                                        reason=None)
+
     def to_table(self) -> pa.Table:
-        rows = [dataclasses.asdict(item) for item in sorted(self.items.values(), key=lambda i: i.item_id)]
-        return pa.Table.from_pylist(rows, schema=STATE_SCHEMA)
+        if not self.overlay:
+            return self.base
+        rows = [dataclasses.asdict(item) for item in self.overlay.values()]
+        return pa.concat_tables([self._base_without_overlay(), pa.Table.from_pylist(rows, schema=STATE_SCHEMA)]) \
+            .sort_by("item_id").combine_chunks()
+
+    def live_table(self) -> pa.Table:
+        """The live items (STATE_SCHEMA), in item_id order."""
+        table = self.to_table()
+        return table.filter(pc.equal(table["status"], LIVE))
 
 
 def latest_snapshot_seq(store: Location, slug: str) -> int:
@@ -146,11 +203,10 @@ def list_commits(store: Location, slug: str) -> list[str]:
 def load_state(store: Location, slug: str) -> CatalogueState:
     """The last committed state: newest snapshot plus every later shard commit, in run order."""
     seq = latest_snapshot_seq(store, slug)
-    items: dict[str, ItemState] = {}
+    base = None
     if seq:
-        for row in store.read_table(snapshot_key(slug, seq)).to_pylist():
-            items[row["item_id"]] = ItemState(**row)
-    state = CatalogueState(slug=slug, items=items, seq=seq)
+        base = store.read_table(snapshot_key(slug, seq)).cast(STATE_SCHEMA).replace_schema_metadata(None)
+    state = CatalogueState(slug=slug, seq=seq, base=base)
     for shard in sorted(list_commits(store, slug)):
         if run_seq(shard_run_id(shard)) > seq:
             state.apply_commit(store.read_json(commit_key(slug, shard)))
@@ -175,6 +231,22 @@ def write_snapshot(store: Location, state: CatalogueState, run_id: str, summary:
     return seq
 
 
+def forget_expired_tombstones(state: CatalogueState, now: datetime | None = None) -> None:
+    """Tombstones older than TOMBSTONE_DAYS let go of their shard (columnar over the base: ISO times in UTC
+    compare as strings)."""
+    cutoff = ((now or datetime.now(UTC)) - timedelta(days=TOMBSTONE_DAYS)).isoformat(timespec="seconds")
+    for item in state.overlay.values():
+        if item.status == DELETED and item.shard and not revivable(item, now):
+            item.shard = None
+    base = state.base
+    if len(base):
+        recent = pc.and_(pc.is_valid(base["content_hash"]), pc.greater(base["updated_at"], cutoff))
+        expired = pc.and_(pc.equal(base["status"], DELETED), pc.invert(pc.fill_null(recent, False)))
+        if pc.any(pc.and_(expired, pc.is_valid(base["shard"]))).as_py():
+            shard = pc.if_else(expired, pa.scalar(None, pa.string()), base["shard"])
+            state.base = base.set_column(base.schema.get_field_index("shard"), "shard", shard)
+
+
 def revivable(item: ItemState, now: datetime | None = None) -> bool:
     """A tombstone that still holds its last row (deleted less than TOMBSTONE_DAYS ago)."""
     if item.status != DELETED or not item.shard or not item.content_hash or not item.updated_at:
@@ -189,10 +261,11 @@ def remove_orphan_shards(store: Location, state: CatalogueState) -> list[str]:
     Called with the store lock held, after load_state: every shard a live item needs is referenced, and
     so is every shard a recent tombstone could be revived from. Older tombstones forget their shard here.
     """
-    for item in state.items.values():
-        if item.status == DELETED and item.shard and not revivable(item):
-            item.shard = None
-    needed = {item.shard for item in state.items.values() if item.status in (LIVE, DELETED) and item.shard}
+    forget_expired_tombstones(state)
+    table = state.to_table()
+    kept = table.filter(pc.and_(pc.is_in(table["status"], value_set=pa.array([LIVE, DELETED])),
+                                pc.is_valid(table["shard"])))
+    needed = set(pc.unique(kept["shard"]).to_pylist())
     needed.update(state.pending)
     removed = []
     for name in store.list_names(embeddings_prefix(state.slug), temp=True):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyarrow.compute as pc
+
 from imgest.lock import current_holder
 from imgest.storage import Location, open_location
 from imgest.tasks.models import list_models
@@ -20,20 +22,22 @@ def last_run(store: Location, slug: str) -> dict | None:
 def model_status(store: Location, card: dict) -> dict:
     slug = card["slug"]
     state = load_state(store, slug)
-    items = state.items.values()
-    live_shards = {i.shard for i in items if i.status == LIVE}
+    table = state.to_table()
+
+    def reasons(status: str) -> list[dict]:  # rejects and failures: few, listed one by one
+        rows = table.filter(pc.equal(table["status"], status)).select(["item_id", "reason"])
+        return rows.to_pylist()
+
     return {
         "name": card["name"],
         "model_id": card["model_id"],
         "slug": slug,
         "dim": card["dim"],
-        "live": sum(1 for i in items if i.status == LIVE),
-        "shards": len(live_shards),
-        "rejected": [{"item_id": i.item_id, "reason": i.reason} for i in sorted(items, key=lambda i: i.item_id)
-                     if i.status == REJECTED],
-        "failed": [{"item_id": i.item_id, "reason": i.reason} for i in sorted(items, key=lambda i: i.item_id)
-                   if i.status == FAILED],  # transient: read again on the next run
-        "tombstones": sum(1 for i in items if i.status == DELETED),
+        "live": state.count(LIVE),
+        "shards": len(pc.unique(state.live_table()["shard"])),
+        "rejected": reasons(REJECTED),
+        "failed": reasons(FAILED),  # transient: read again on the next run
+        "tombstones": state.count(DELETED),
         "snapshot": latest_snapshot_seq(store, slug),
         "pending_shards": len(state.pending),  # committed by a run that did not finish; folded next run
         "last_run": last_run(store, slug),

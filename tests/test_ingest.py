@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import duckdb
@@ -212,11 +213,14 @@ def test_a_catalogue_that_drops_mid_run_fails_the_run_naming_the_shard_and_the_o
         write_files_s3.pipe(f"dropping-catalogue/ok/{i}.png", png_bytes(gradient(i)))
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries would only make the test slower
-    listed = listing_module.list_catalogue
+    listed, parts_done, lock = listing_module.list_catalogue, [], threading.Lock()
 
-    def list_then_drop(url):
-        listing = listed(url)
-        proxy.cut()  # the network goes after the listing: every read now fails to connect
+    def list_then_drop(url, folder="", maxdepth=None):  # two parts: the top level, and folder ok/
+        listing = listed(url, folder, maxdepth)
+        with lock:
+            parts_done.append(folder)
+            if len(parts_done) == 2:
+                proxy.cut()  # the network goes after the listing: every read now fails to connect
         return listing
 
     monkeypatch.setattr(listing_module, "list_catalogue", list_then_drop)
