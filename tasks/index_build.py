@@ -47,16 +47,39 @@ def warn_if_generic_blas() -> dict:
     return blas
 
 
-def train(vectors: np.ndarray, choice: IndexChoice, seed: int = 0):
-    """An empty index of `choice`, trained on a seeded sample of at most `choice.train_size` points."""
+def training_rows(shard_codes: np.ndarray, size: int, seed: int = 0) -> np.ndarray:
+    """Rows to train on: whole shards in a seeded random order until `size` rows, then `size` of them. Drawn
+    by shard so that a build reading from the store reads a few shards, not one row from each."""
+    if size <= 0 or size >= len(shard_codes):
+        return np.arange(len(shard_codes))
+    rng = np.random.default_rng(seed)
+    counts = np.bincount(shard_codes)
+    order = rng.permutation(len(counts))
+    taken = order[:int(np.searchsorted(np.cumsum(counts[order]), size)) + 1]
+    rows = np.flatnonzero(np.isin(shard_codes, taken))
+    return np.sort(rng.choice(rows, size=size, replace=False)) if len(rows) > size else rows
+
+
+def probe_rows(candidates: np.ndarray, n: int, count: int, seed: int = 0) -> np.ndarray:
+    """The recall probes: a seeded sample of `candidates` (the training rows, already read), or of all n rows."""
+    pool = candidates if len(candidates) >= min(count, n) and len(candidates) else np.arange(n)
+    rng = np.random.default_rng(seed + 1)
+    return np.sort(rng.choice(pool, size=min(count, len(pool)), replace=False))
+
+
+def train(vectors: np.ndarray, choice: IndexChoice, seed: int = 0, rows: np.ndarray | None = None):
+    """An empty index of `choice`, trained on `rows` of `vectors` (default: a seeded sample of at most
+    `choice.train_size` of them)."""
     import faiss
 
     n, d = vectors.shape
     index = faiss.index_factory(d, choice.factory, faiss.METRIC_INNER_PRODUCT)
     _disable_polysemous(index)
     if not index.is_trained:
-        rng = np.random.default_rng(seed)
-        index.train(vectors[np.sort(rng.choice(n, size=min(n, choice.train_size or n), replace=False))])
+        if rows is None:
+            rng = np.random.default_rng(seed)
+            rows = np.sort(rng.choice(n, size=min(n, choice.train_size or n), replace=False))
+        index.train(np.ascontiguousarray(vectors[rows]))
     return index
 
 
@@ -69,10 +92,11 @@ def add_in_blocks(index, vectors: np.ndarray, block: int = 65536, on_added: Call
     return index
 
 
-def build(vectors: np.ndarray, choice: IndexChoice, seed: int = 0, on_added: Callable[[int], None] | None = None):
-    """Train and add in this process; returns (index, times)."""
+def build(vectors: np.ndarray, choice: IndexChoice, seed: int = 0, on_added: Callable[[int], None] | None = None,
+          rows: np.ndarray | None = None):
+    """Train (on `rows`, default a seeded sample) and add in this process; returns (index, times)."""
     start = time.perf_counter()
-    index = train(vectors, choice, seed)
+    index = train(vectors, choice, seed, rows)
     times = BuildTimes(train_seconds=round(time.perf_counter() - start, 3))
     t0 = time.perf_counter()
     add_in_blocks(index, vectors, on_added=on_added)

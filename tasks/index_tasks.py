@@ -11,6 +11,7 @@ import time
 import faiss
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from prefect import get_run_logger, task, unmapped
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -21,7 +22,7 @@ from imgest.lock import Fence
 from imgest.progress import report
 from imgest.storage import Location
 from imgest.tasks.aliases import aliases_to_move, set_alias
-from imgest.tasks.ground_truth import Truth, carry_truth
+from imgest.tasks.ground_truth import Truth, carry_truth, exact_truth
 from imgest.tasks.index_build import (
     BuildTimes,
     add_part,
@@ -29,11 +30,15 @@ from imgest.tasks.index_build import (
     merge_parts,
     mergeable,
     part_ranges,
+    probe_rows,
     train,
+    training_rows,
     warn_if_generic_blas,
 )
 from imgest.tasks.index_card import ids_table, make_card
 from imgest.tasks.index_choice import IndexChoice, choose_index
+from imgest.tasks.index_parts import PartSpec, merge_id_parts, merge_truth, plan_parts, read_rows
+from imgest.tasks.index_parts import add_part as add_store_part
 from imgest.tasks.index_store import (
     index_prefix,
     list_versions,
@@ -57,7 +62,7 @@ from imgest.tasks.index_update import (
 )
 from imgest.tasks.live import LiveVectors, load_live_vectors
 from imgest.tasks.policy import IO_RETRIES
-from imgest.tasks.recall_tuning import Tuned, tune_search, tune_with_truth
+from imgest.tasks.recall_tuning import TRUTH_DEPTH_PER_K, Tuned, tune_with_truth
 from imgest.tasks.runners import shard_runner
 from imgest.tasks.state import LIVE, load_state
 
@@ -84,15 +89,16 @@ class AddProgress:
 
 
 @task(name="build-index", cache_policy=NO_CACHE)
-def build_task(vectors: np.ndarray, choice: IndexChoice, on_added: AddProgress | None = None):
+def build_task(vectors: np.ndarray, choice: IndexChoice, on_added: AddProgress | None = None,
+               rows: np.ndarray | None = None):
     warn_if_generic_blas()
-    return build(vectors, choice, on_added=on_added)
+    return build(vectors, choice, on_added=on_added, rows=rows)
 
 
 @task(name="train-index", cache_policy=NO_CACHE)
-def train_task(vectors: np.ndarray, choice: IndexChoice) -> bytes:
+def train_task(vectors: np.ndarray, choice: IndexChoice, rows: np.ndarray | None = None) -> bytes:
     warn_if_generic_blas()
-    return faiss.serialize_index(train(vectors, choice)).tobytes()
+    return faiss.serialize_index(train(vectors, choice, rows=rows)).tobytes()
 
 
 @task(name="add-part", cache_policy=NO_CACHE, retries=1, task_run_name="add-part-{start}")
@@ -100,9 +106,20 @@ def add_part_task(trained: bytes, vectors: np.ndarray, start: int) -> tuple[int,
     return start, add_part(trained, vectors)
 
 
+@task(name="add-store-part", cache_policy=NO_CACHE, retries=1, task_run_name="add-store-part-{number}")
+def add_store_part_task(trained: bytes, spec: PartSpec, probes: np.ndarray, depth: int, number: int) -> dict:
+    return add_store_part(trained, spec, probes, depth)
+
+
+@task(name="live-rows", cache_policy=NO_CACHE, **IO_RETRIES)
+def live_rows_task(store_url: str, slug: str) -> tuple[pa.Table, int]:
+    state = load_state(Location(store_url), slug)
+    return state.live_table(), state.seq
+
+
 @task(name="tune-search", cache_policy=NO_CACHE)
-def tune_task(index, vectors: np.ndarray, target: float, k: int, queries: int) -> Tuned:
-    return tune_search(index, vectors, target, k, queries)
+def tune_task(index, truth: Truth, target: float, k: int) -> Tuned:
+    return tune_with_truth(index, truth, target, k)
 
 
 @task(name="update-index", cache_policy=NO_CACHE)
@@ -167,12 +184,12 @@ def verify_and_alias_task(store_url: str, card: dict, alias: str | None, fence: 
 
 
 def build_in_parts(vectors: np.ndarray, choice: IndexChoice, parts: int, runner: str, workers: int,
-                   on_added: AddProgress | None = None):
+                   on_added: AddProgress | None = None, rows: np.ndarray | None = None):
     """Train once here; add `parts` contiguous slices in parallel on the runner (local threads or a Dask
     cluster); merge them in id order with faiss's own merge. Same index as one build (tested)."""
     logger = get_run_logger()
     start = time.perf_counter()
-    trained = train_task(vectors, choice)
+    trained = train_task(vectors, choice, rows)
     train_seconds = round(time.perf_counter() - start, 3)
     ranges = part_ranges(len(vectors), parts)
     if not mergeable(faiss.deserialize_index(np.frombuffer(trained, np.uint8))):
@@ -193,6 +210,37 @@ def build_in_parts(vectors: np.ndarray, choice: IndexChoice, parts: int, runner:
     add_seconds = round(time.perf_counter() - t0, 3)
     times = BuildTimes(train_seconds, add_seconds, round(time.perf_counter() - start, 3))
     return index, times, len(ranges)
+
+
+def build_from_store(store_url: str, model: dict, live: pa.Table, choice: IndexChoice, parts: int, runner: str,
+                     workers: int, queries: int, depth: int, on_added: AddProgress | None = None):
+    """An IVF build whose vectors never gather on this node (see tasks/index_parts.py): the training rows
+    (whole shards) and the probes among them read here; each part reads its own shards on the runner."""
+    start = time.perf_counter()
+    store, slug, d = Location(store_url), model["slug"], int(model["dim"])
+    codes = pc.dictionary_encode(live["shard"].combine_chunks()).indices.to_numpy()
+    rows = training_rows(codes, choice.train_size)
+    probes_at = probe_rows(rows, len(live), queries)
+    sample = read_rows(store, slug, d, live, np.union1d(rows, probes_at))
+    at = np.union1d(rows, probes_at)
+    trained = train_task(sample, choice, np.searchsorted(at, rows))
+    probes = np.ascontiguousarray(sample[np.searchsorted(at, probes_at)])
+    train_seconds = round(time.perf_counter() - start, 3)
+    specs = plan_parts(store_url, slug, d, live, parts)
+    t0, results, done = time.perf_counter(), [], 0
+    with shard_runner(runner, workers) as part_runner:
+        futures = part_runner.map(add_store_part_task, {"trained": unmapped(trained), "spec": specs,
+                                                        "probes": unmapped(probes), "depth": unmapped(depth),
+                                                        "number": list(range(len(specs)))})
+        for spec, future in zip(specs, futures):
+            results.append(future.result())
+            done += spec.rows
+            if on_added is not None:
+                on_added(done)
+    index = merge_id_parts(trained, [r["index"] for r in results])
+    truth = merge_truth(probes, probes_at, results, len(live), depth)
+    times = BuildTimes(train_seconds, round(time.perf_counter() - t0, 3), round(time.perf_counter() - start, 3))
+    return index, times, len(specs), truth
 
 
 def previous_version(store: Location, slug: str) -> dict | None:
@@ -216,22 +264,36 @@ def build_version(store_url: str, model: dict, kind: str, memory: str, target_re
             return {"built": True, "card": card}
         why = updated["why"]
         get_run_logger().info("index model=%s: training a new index: %s", model["slug"], why)
-    live = load_live_task(store_url, model)
-    if len(live) < 2:
-        return {"built": False, "reason": f"{len(live)} live vectors: nothing to index", "slug": model["slug"]}
-    choice = choose_index(len(live), live.vectors.shape[1], memory, kind)
-    progress = AddProgress(model["slug"], len(live))
-    if parts > 1:
-        index, times, used = build_in_parts(live.vectors, choice, parts, runner, workers, progress)
+    live_rows, snapshot = live_rows_task(store_url, model["slug"])
+    if len(live_rows) < 2:
+        return {"built": False, "reason": f"{len(live_rows)} live vectors: nothing to index", "slug": model["slug"]}
+    d, depth = int(model["dim"]), TRUTH_DEPTH_PER_K * k
+    choice = choose_index(len(live_rows), d, memory, kind)
+    progress = AddProgress(model["slug"], len(live_rows))
+    if parts > 1 and "IVF" in choice.factory:
+        index, times, used, truth = build_from_store(store_url, model, live_rows, choice, parts, runner,
+                                                     workers, queries, depth, progress)
+        method = ("trained once on whole shards read here; each part read its own shards from the store and added "
+                  "them with their faiss ids on the runner; merged (faiss merge_from)")
+        ids = pa.table({"faiss_id": pa.array(np.arange(len(live_rows)), pa.int64()), "item_id": live_rows["item_id"],
+                        "uri": live_rows["uri"], "content_hash": live_rows["content_hash"]})
     else:
-        (index, times), used = build_task(live.vectors, choice, progress), 1
-    tuned = tune_task(index, live.vectors, target_recall, k, queries)
-    card = make_card(model, len(live), live.vectors.shape[1], live.snapshot, choice, memory, times, tuned,
-                     built_lineage(len(live), tuned.param, retrain_share, why))
+        live = load_live_task(store_url, model)
+        rows = training_rows(live.shard_codes, choice.train_size)
+        if parts > 1:
+            index, times, used = build_in_parts(live.vectors, choice, parts, runner, workers, progress, rows)
+        else:
+            (index, times), used = build_task(live.vectors, choice, progress, rows), 1
+        method = "one process" if used == 1 else "trained once, parts added in parallel, merged in id order " \
+                                                 "(faiss merge_from)"
+        truth = exact_truth(live.vectors, probe_rows(rows, len(live), queries), depth)
+        ids, snapshot = ids_table(live), live.snapshot
+    tuned = tune_task(index, quote(truth), target_recall, k)
+    card = make_card(model, len(ids), d, snapshot, choice, memory, times, tuned,
+                     built_lineage(len(ids), tuned.param, retrain_share, why))
     card["build"] = {"parts": used, "runner": runner if runner in ("local", "dask") else "dask (remote)",
-                     "method": "one process" if used == 1 else "trained once, parts added in parallel, "
-                                                               "merged in id order (faiss merge_from)"}
-    card = write_version_task(store_url, index, quote(ids_table(live)), card, fence, quote(tuned.truth.to_table()))
+                     "method": method}
+    card = write_version_task(store_url, index, quote(ids), card, fence, quote(truth.to_table()))
     return {"built": True, "card": card}
 
 

@@ -53,6 +53,7 @@ class LiveVectors:
     content_hashes: list[str]
     vectors: np.ndarray  # (N, d) float32, L2-normalised
     snapshot: int
+    shard_codes: np.ndarray | None = None  # (N,) which shard each row came from (a code per shard name)
 
     def __len__(self) -> int:
         return len(self.item_ids)
@@ -87,7 +88,9 @@ def load_live_vectors(store: Location, slug: str, dim: int) -> LiveVectors:
     """All live vectors of a model in item_id order (stable faiss ids across rebuilds of one state), read
     one shard at a time and written into place (see SPILL_BYTES for where)."""
     state = load_state(store, slug)
-    live_ids = state.live_table()["item_id"].combine_chunks()  # item_id order: faiss id n is row n
+    live = state.live_table()
+    live_ids = live["item_id"].combine_chunks()  # item_id order: faiss id n is row n
+    codes = pc.dictionary_encode(live["shard"].combine_chunks()).indices.to_numpy().astype(np.int32)
     item_ids = live_ids.to_pylist()
     vectors = _vector_array(len(item_ids), dim)
     uris: list[str | None] = [None] * len(item_ids)
@@ -103,5 +106,5 @@ def load_live_vectors(store: Location, slug: str, dim: int) -> LiveVectors:
         logging.getLogger("imgest").warning("model=%s: %d live item(s) have no row in their shard (e.g. %s); "
                                             "indexing the other %d", slug, len(missing), missing[:3], len(found))
         item_ids, uris, hashes = [item_ids[n] for n in found], [uris[n] for n in found], [hashes[n] for n in found]
-        vectors = np.ascontiguousarray(vectors[found])
-    return LiveVectors(item_ids, uris, hashes, vectors, state.seq)
+        vectors, codes = np.ascontiguousarray(vectors[found]), codes[found]
+    return LiveVectors(item_ids, uris, hashes, vectors, state.seq, codes)

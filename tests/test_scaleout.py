@@ -59,7 +59,7 @@ def test_dask_cluster_writes_the_same_shards_as_local_one_encode_per_limit_slot(
     assert len(runs) == 5 and all(r.state.is_completed() for r in runs), "task runs reported to this server"
 
 
-def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(tmp_path):
+def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(tmp_path, monkeypatch):
     import faiss
 
     from imgest.flows.build_index import build_index
@@ -74,7 +74,13 @@ def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(
 
     common = {"store": str(store), "model": "raw-pixels", "kind": "IVF16,SQ8", "queries": 100, "alias": None}
     one = build_index(**common)["card"]
+
+    def gather_everything(*args, **kwargs):
+        raise AssertionError("a build in parts must not load every live vector on the flow's node")
+
+    monkeypatch.setattr("imgest.tasks.index_tasks.load_live_vectors", gather_everything)
     parts = build_index(**common, parts=3, runner="dask", workers=2, rebuild=True)["card"]
+    assert "each part read its own shards" in parts["build"]["method"]
     assert one["build"]["parts"] == 1 and parts["build"]["parts"] == 3 and parts["build"]["runner"] == "dask"
     assert parts["n"] == one["n"] == 600 and parts["search"] == one["search"]
 
