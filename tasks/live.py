@@ -17,13 +17,13 @@ from imgest.storage import Location
 from imgest.tasks.shards import embedding_matrix
 from imgest.tasks.state import (
     CatalogueState,
+    latest_snapshot_key,
     latest_snapshot_seq,
     list_commits,
     load_state,
     run_seq,
     shard_key,
     shard_run_id,
-    snapshot_key,
 )
 
 
@@ -66,7 +66,7 @@ def live_fingerprint(store: Location, slug: str) -> str:
     pending = sorted(s for s in list_commits(store, slug) if run_seq(shard_run_id(s)) > seq)
     run_id = ""
     if seq:
-        run_id = store.read_parquet_metadata(snapshot_key(slug, seq)).get("imgest.run_id", "")
+        run_id = store.read_parquet_metadata(latest_snapshot_key(store, slug)).get("imgest.run_id", "")
     return hashlib.sha256(json.dumps([slug, seq, run_id, pending]).encode()).hexdigest()
 
 

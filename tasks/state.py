@@ -73,8 +73,12 @@ def commit_key(slug: str, shard: str) -> str:
     return f"{state_prefix(slug)}/commits/{shard}.json"
 
 
-def snapshot_key(slug: str, seq: int) -> str:
-    return f"{state_prefix(slug)}/snapshots/{seq:08d}.parquet"
+def snapshot_key(slug: str, seq: int, delta: bool = False) -> str:
+    return f"{state_prefix(slug)}/snapshots/{seq:08d}{DELTA if delta else ''}.parquet"
+
+
+DELTA = ".delta"  # a run's changed items only, on top of the full snapshot before it (and earlier deltas)
+COMPACT_SHARE = 0.1  # a full snapshot again once the deltas since the last one would hold this share of its rows
 
 
 def now_iso() -> str:
@@ -115,6 +119,7 @@ class CatalogueState:
         self.pending: list[str] = list(pending or [])  # commit markers applied on top
         self.base = EMPTY_STATE if base is None else base
         self.overlay: dict[str, ItemState] = items if items is not None else {}
+        self.full_rows = self.delta_rows = 0  # rows of the last full snapshot, and of the deltas read after it
 
     @property
     def items(self) -> dict[str, ItemState]:
@@ -191,9 +196,19 @@ class CatalogueState:
         return table.filter(pc.equal(table["status"], LIVE))
 
 
-def latest_snapshot_seq(store: Location, slug: str) -> int:
+def list_snapshots(store: Location, slug: str) -> list[tuple[int, bool]]:
+    """(seq, is_delta) of every snapshot, in order."""
     names = [n for n in store.list_names(f"{state_prefix(slug)}/snapshots") if n.endswith(".parquet")]
-    return max((int(n.split(".")[0]) for n in names), default=0)
+    return sorted((int(n.split(".")[0]), n.endswith(f"{DELTA}.parquet")) for n in names)
+
+
+def latest_snapshot_seq(store: Location, slug: str) -> int:
+    return max((seq for seq, _ in list_snapshots(store, slug)), default=0)
+
+
+def latest_snapshot_key(store: Location, slug: str) -> str | None:
+    snapshots = list_snapshots(store, slug)
+    return snapshot_key(slug, *snapshots[-1]) if snapshots else None
 
 
 def list_commits(store: Location, slug: str) -> list[str]:
@@ -201,12 +216,31 @@ def list_commits(store: Location, slug: str) -> list[str]:
 
 
 def load_state(store: Location, slug: str) -> CatalogueState:
-    """The last committed state: newest snapshot plus every later shard commit, in run order."""
+    """The last committed state: the newest full snapshot, the deltas written after it (later wins), then every
+    later shard commit, in run order."""
+    snapshots = list_snapshots(store, slug)
+    fulls = [seq for seq, delta in snapshots if not delta]
+    full = fulls[-1] if fulls else 0
+    base, delta_rows = None, 0
+
+    def read(seq: int, delta: bool) -> pa.Table:
+        return store.read_table(snapshot_key(slug, seq, delta)).cast(STATE_SCHEMA).replace_schema_metadata(None)
+
+    if full:
+        base = read(full, False)
+    for seq, delta in snapshots:
+        if delta and seq > full:
+            changed = read(seq, True)
+            delta_rows += len(changed)
+            kept = base.filter(pc.invert(pc.is_in(base["item_id"], value_set=changed["item_id"]))) \
+                if base is not None else None
+            base = changed if kept is None else pa.concat_tables([kept, changed])
+    if delta_rows:
+        base = base.sort_by("item_id").combine_chunks()
     seq = latest_snapshot_seq(store, slug)
-    base = None
-    if seq:
-        base = store.read_table(snapshot_key(slug, seq)).cast(STATE_SCHEMA).replace_schema_metadata(None)
     state = CatalogueState(slug=slug, seq=seq, base=base)
+    state.full_rows = len(base) - delta_rows if base is not None else 0
+    state.delta_rows = delta_rows
     for shard in sorted(list_commits(store, slug)):
         if run_seq(shard_run_id(shard)) > seq:
             state.apply_commit(store.read_json(commit_key(slug, shard)))
@@ -215,18 +249,31 @@ def load_state(store: Location, slug: str) -> CatalogueState:
 
 
 def write_snapshot(store: Location, state: CatalogueState, run_id: str, summary: dict) -> int:
-    """Publish the state as the next snapshot (one atomic write), then drop the folded markers."""
+    """Publish the state as the next snapshot (one atomic write), then drop the folded markers. The snapshot
+    is a delta (the items changed since the state was loaded) while the deltas since the last full snapshot
+    stay under COMPACT_SHARE of its rows; then a full one. A nightly of 1% churn writes ~1% of the rows."""
     seq = run_seq(run_id)
-    table = state.to_table().replace_schema_metadata({
+    delta = bool(state.full_rows) and state.delta_rows + len(state.overlay) <= COMPACT_SHARE * state.full_rows
+    if delta:
+        rows = [dataclasses.asdict(item) for item in sorted(state.overlay.values(), key=lambda i: i.item_id)]
+        table = pa.Table.from_pylist(rows, schema=STATE_SCHEMA)
+    else:
+        table = state.to_table()
+    table = table.replace_schema_metadata({
         "imgest.run_id": run_id,
         "imgest.seq": str(seq),
+        "imgest.kind": "delta" if delta else "full",
         "imgest.created": now_iso(),
         "imgest.summary": json.dumps(summary, sort_keys=True, default=str),
     })
-    store.write_table(snapshot_key(state.slug, seq), table)
+    store.write_table(snapshot_key(state.slug, seq, delta), table)
     for shard in list_commits(store, state.slug):
         if run_seq(shard_run_id(shard)) <= seq:
             store.delete(commit_key(state.slug, shard))
+    if delta:
+        state.delta_rows += len(table)
+    else:
+        state.full_rows, state.delta_rows = len(table), 0
     state.seq, state.pending = seq, []
     return seq
 
@@ -238,13 +285,13 @@ def forget_expired_tombstones(state: CatalogueState, now: datetime | None = None
     for item in state.overlay.values():
         if item.status == DELETED and item.shard and not revivable(item, now):
             item.shard = None
-    base = state.base
-    if len(base):
+    base = state._base_without_overlay()
+    if len(base):  # the newly expired ones go to the overlay: the change a delta snapshot records
         recent = pc.and_(pc.is_valid(base["content_hash"]), pc.greater(base["updated_at"], cutoff))
-        expired = pc.and_(pc.equal(base["status"], DELETED), pc.invert(pc.fill_null(recent, False)))
-        if pc.any(pc.and_(expired, pc.is_valid(base["shard"]))).as_py():
-            shard = pc.if_else(expired, pa.scalar(None, pa.string()), base["shard"])
-            state.base = base.set_column(base.schema.get_field_index("shard"), "shard", shard)
+        expired = pc.and_(pc.and_(pc.equal(base["status"], DELETED), pc.is_valid(base["shard"])),
+                          pc.invert(pc.fill_null(recent, False)))
+        for row in base.filter(expired).to_pylist():
+            state.overlay[row["item_id"]] = ItemState(**{**row, "shard": None})
 
 
 def revivable(item: ItemState, now: datetime | None = None) -> bool:

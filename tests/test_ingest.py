@@ -96,6 +96,14 @@ def test_incremental_runs_add_change_touch_delete(tmp_path):
     assert {d for _, _, d in rows} == {1280} and {m for _, m, _ in rows} == {status["model_id"]}
     meta = pq.read_schema(next(shards.glob("*/*.parquet"))).metadata
     assert meta[b"imgest.model_id"].decode() == status["model_id"] and meta[b"imgest.normalisation"] == b"l2"
+    slug = status["slug"]  # the README's live view: newest snapshot row per item, joined to its shard's row
+    live_view = duckdb.sql(f"""
+        WITH s AS (SELECT * FROM read_parquet('{store}/state/model={slug}/snapshots/*.parquet', filename = true)
+                   QUALIFY row_number() OVER (PARTITION BY item_id ORDER BY filename DESC) = 1)
+        SELECT e.item_id FROM read_parquet('{store}/embeddings/model={slug}/*.parquet', filename = true) e
+        JOIN s ON s.item_id = e.item_id AND s.status = 'live' AND e.filename LIKE '%/' || s.shard || '.parquet'
+        """).fetchall()
+    assert sorted(item for (item,) in live_view) == sorted(new)
 
 
 def test_second_model_gets_its_own_namespace_and_auto_batch(tmp_path, tiny_models):

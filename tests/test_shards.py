@@ -3,6 +3,7 @@ encoder on small real PNG and JPEG files, so every vector can be recomputed by h
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from imgest.tasks.encode import encode_shard
 from imgest.tasks.plan import Plan, ShardPlan, WorkItem
 from imgest.tasks.shards import ShardWriter, embedding_matrix
 from imgest.tasks.state import (
+    DELETED,
     LIVE,
     REJECTED,
     CatalogueState,
@@ -263,3 +265,33 @@ def test_a_decode_process_that_dies_costs_its_object_only(tmp_path):
     assert result.decode == "2 decode processes" and result.encoded == 70
     assert [(i, r.startswith("the decode process died on this object")) for i, r in result.rejected] == \
         [("p/030-killer.jpg", True)]
+
+
+def test_a_small_change_is_written_as_a_delta_and_read_back_whole(tmp_path):
+    """Nights of small change write only the changed rows; the state read back equals the whole state kept
+    by hand, across deltas and the full snapshot that compacts them."""
+    from imgest.tasks.state import list_snapshots, now_iso, write_snapshot
+
+    store = Location(str(tmp_path))
+    model = {f"k{i:04d}": ItemState(f"k{i:04d}", f"u{i}", LIVE, f"e{i}", 1, 1.0, f"h{i}", "part-r00000001-a-b-00000",
+                                    "r00000001-a-b", None, "2026-11-01T00:00:00+00:00") for i in range(1000)}
+    write_snapshot(store, CatalogueState("m", dict(model)), "r00000001-a-b", {})
+    for night, changed in [(2, 10), (3, 10), (4, 10), (5, 200)]:
+        run = f"r{night:08d}-a-b"
+        marker = {"shard": f"part-{run}-00000", "run_id": run, "created": now_iso(),
+                  "encoded": [{"item_id": f"k{night * 10 + i:04d}", "uri": "u", "etag": f"n{night}", "size": 2,
+                               "mtime": 2.0, "content_hash": f"new{night}"} for i in range(changed)]}
+        gone = [f"k{999 - night:04d}"]
+        state = load_state(store, "m")
+        state.apply_commit(marker)
+        state.delete(gone, run, marker["created"])
+        write_snapshot(store, state, run, {})
+        for row in marker["encoded"]:
+            model[row["item_id"]] = ItemState(status=LIVE, shard=marker["shard"], run_id=run,
+                                              updated_at=marker["created"], **row)
+        model[gone[0]] = dataclasses.replace(model[gone[0]], status=DELETED, run_id=run, updated_at=marker["created"])
+        expected = sorted((dataclasses.asdict(i) for i in model.values()), key=lambda r: r["item_id"])
+        assert load_state(store, "m").to_table().to_pylist() == expected
+    assert list_snapshots(store, "m") == [(1, False), (2, True), (3, True), (4, True), (5, False)], \
+        "three nights of 1% change are deltas; 20% more than the share left writes a full snapshot"
+    assert pq.read_metadata(tmp_path / "state/model=m/snapshots/00000002.delta.parquet").num_rows == 11
