@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
@@ -100,6 +102,9 @@ def check_deletions(live: int, gone: int, listed: int, max_fraction: float) -> N
             "half-synced bucket? Nothing was changed. If the deletions are real, run again with --allow-mass-delete")
 
 
+PLAN_MEMORY = "1GB"  # DuckDB's memory for the plan's join; a larger catalogue spills to disk
+
+
 def _relation(con, name: str, source: pa.Table | str) -> None:
     """A table of the plan's query: an Arrow table, or a Parquet file DuckDB streams from disk."""
     if isinstance(source, str):
@@ -129,8 +134,11 @@ def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id
         state = state.to_table()
     plan = Plan(run_id=run_id, listed=0, skipped=listing.skipped, not_regular=listing.not_regular)
     catalogue = Location(listing.catalogue)
-    with duckdb.connect(config={"enable_external_access": isinstance(state, str) or
-                                isinstance(listing_source, str)}) as con:
+    # a bounded join: past PLAN_MEMORY DuckDB spills to a temporary folder instead of growing
+    config = {"enable_external_access": isinstance(state, str) or isinstance(listing_source, str),
+              "memory_limit": PLAN_MEMORY, "preserve_insertion_order": False,
+              "temp_directory": os.path.join(tempfile.gettempdir(), "imgest-plan")}
+    with duckdb.connect(config=config) as con:
         _relation(con, "listing", listing.table if listing_source is None else listing_source)
         _relation(con, "state", state)
         plan.listed = con.execute("SELECT count(*) FROM listing").fetchone()[0]
