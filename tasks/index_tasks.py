@@ -21,7 +21,7 @@ from imgest.defaults import DEFAULT_RETRAIN_SHARE
 from imgest.lock import Fence
 from imgest.progress import report
 from imgest.storage import Location
-from imgest.tasks.aliases import aliases_to_move, set_alias
+from imgest.tasks.aliases import aliases_to_move, list_aliases, set_alias
 from imgest.tasks.ground_truth import Truth, carry_truth, exact_truth
 from imgest.tasks.index_build import (
     BuildTimes,
@@ -244,8 +244,13 @@ def build_from_store(store_url: str, model: dict, live: pa.Table, choice: IndexC
 
 
 def previous_version(store: Location, slug: str) -> dict | None:
-    versions = list_versions(store, slug)
-    return read_card(store, slug, versions[-1]) if versions else None
+    """The version an update starts from: the newest one an alias serves for this model (after a rollback to
+    an older version, that one), else the newest complete version."""
+    versions = set(list_versions(store, slug))
+    served = [int(a["version"]) for a in list_aliases(store).values()
+              if a.get("slug") == slug and int(a["version"]) in versions]
+    chosen = max(served) if served else max(versions, default=None)
+    return read_card(store, slug, chosen) if chosen is not None else None
 
 
 @task(name="build-version", cache_policy=NO_CACHE)

@@ -127,6 +127,25 @@ def test_nightly_change_updates_the_ivf_version_in_place_then_retrains_past_the_
 
 
 @pytest.mark.usefixtures("prefect_harness")
+def test_an_update_starts_from_the_version_an_alias_serves(tmp_path):
+    from imgest.tasks.aliases import set_alias
+    from imgest.tasks.index_store import read_card
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    _catalogue(cat, range(200))
+    ingest(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64")
+    common = {"store": str(store), "model": "raw-pixels", "kind": "IVF4,SQ8", "queries": 100, "alias": None,
+              "target_recall": 0.9}
+    v1 = build_index(**common)["card"]
+    build_index(**common, rebuild=True)  # v2, never served
+    set_alias(Location(str(store)), "serving", read_card(Location(str(store)), v1["slug"], 1), reason="rolled back")
+    _catalogue(cat, range(200, 204))
+    ingest(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64")
+    v3 = build_index(**common)["card"]
+    assert v3["lineage"]["method"] == "update" and v3["lineage"]["updated_from"] == 1 and v3["n"] == 204
+
+
+@pytest.mark.usefixtures("prefect_harness")
 def test_hnsw_is_built_again_and_says_why(tmp_path):
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     _catalogue(cat, range(60))
