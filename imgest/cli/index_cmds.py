@@ -46,7 +46,7 @@ def build_index_cmd(
     rebuild: bool = typer.Option(False, "--rebuild", help="Train a new version from scratch even when nothing "
                                  "changed since the last one (otherwise it is reused) or an IVF version could be "
                                  "updated in place"),
-    retrain_share: float = typer.Option(DEFAULT_RETRAIN_SHARE, help="Update the last IVF version in place until "
+    retrain_share: float = typer.Option(DEFAULT_RETRAIN_SHARE, help="Update an IVF version in place until "
                                         "this share of its training count was added since; then train anew"),
     as_json: bool = typer.Option(False, "--json", help="Print the index card as JSON"),
 ) -> None:
