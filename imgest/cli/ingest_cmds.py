@@ -255,7 +255,7 @@ def demo(
             device=DEFAULT_DEVICE, kind=DEFAULT_KIND, memory=DEFAULT_MEMORY, target_recall=DEFAULT_TARGET_RECALL,
             runner=DEFAULT_RUNNER, workers=DEFAULT_WORKERS, max_bytes=DEFAULT_MAX_BYTES,
             max_delete_fraction=DEFAULT_MAX_DELETE_FRACTION, allow_mass_delete=False, dtype=DEFAULT_DTYPE,
-            metadata=None, report_duplicates=False)
+            metadata=None, inventory=None, report_duplicates=False)
     status(store=store_dir, as_json=False)
     query = os.path.join(catalogue, "photos", "chelsea.jpg")
     typer.echo(f"\n$ imgest search --store {store_dir} --image {query} --k 5")
