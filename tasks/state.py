@@ -79,6 +79,7 @@ def snapshot_key(slug: str, seq: int, delta: bool = False) -> str:
 
 DELTA = ".delta"  # a run's changed items only, on top of the full snapshot before it (and earlier deltas)
 COMPACT_SHARE = 0.1  # a full snapshot again once the deltas since the last one would hold this share of its rows
+SNAPSHOT_RETAIN_DAYS = 7  # snapshots a newer full one replaces are kept this long (a reader may still be on one)
 
 
 def now_iso() -> str:
@@ -274,8 +275,23 @@ def write_snapshot(store: Location, state: CatalogueState, run_id: str, summary:
         state.delta_rows += len(table)
     else:
         state.full_rows, state.delta_rows = len(table), 0
+        prune_snapshots(store, state.slug, seq)
     state.seq, state.pending = seq, []
     return seq
+
+
+def prune_snapshots(store: Location, slug: str, full_seq: int, now: datetime | None = None) -> list[str]:
+    """Delete the snapshots (full and delta) that the full snapshot `full_seq` replaces, once older than
+    SNAPSHOT_RETAIN_DAYS: the state never needs them again, and a nightly would otherwise grow the store by a
+    snapshot a run for ever."""
+    cutoff = (now or datetime.now(UTC)).timestamp() - SNAPSHOT_RETAIN_DAYS * 86400
+    removed = []
+    for seq, delta in list_snapshots(store, slug):
+        key = snapshot_key(slug, seq, delta)
+        if seq < full_seq and (store.modified(key) or cutoff) < cutoff:
+            store.delete(key)
+            removed.append(key)
+    return removed
 
 
 def forget_expired_tombstones(state: CatalogueState, now: datetime | None = None) -> None:

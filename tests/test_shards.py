@@ -295,3 +295,19 @@ def test_a_small_change_is_written_as_a_delta_and_read_back_whole(tmp_path):
     assert list_snapshots(store, "m") == [(1, False), (2, True), (3, True), (4, True), (5, False)], \
         "three nights of 1% change are deltas; 20% more than the share left writes a full snapshot"
     assert pq.read_metadata(tmp_path / "state/model=m/snapshots/00000002.delta.parquet").num_rows == 11
+
+
+def test_snapshots_a_full_one_replaces_go_after_a_week(tmp_path):
+    from imgest.tasks.state import list_snapshots, now_iso, write_snapshot
+
+    store = Location(str(tmp_path))
+    items = {f"k{i}": ItemState(f"k{i}", "u", LIVE, None, 1, 1.0, f"h{i}", "part-r00000001-a-b-00000", None, None,
+                                now_iso()) for i in range(10)}
+    for seq in (1, 2):
+        write_snapshot(store, CatalogueState("m", dict(items)), f"r{seq:08d}-a-b", {})
+    old = tmp_path / "state/model=m/snapshots/00000001.parquet"
+    week_ago = (datetime.now(UTC) - timedelta(days=8)).timestamp()
+    os.utime(old, (week_ago, week_ago))
+    write_snapshot(store, CatalogueState("m", dict(items)), "r00000003-a-b", {})
+    assert list_snapshots(store, "m") == [(2, False), (3, False)], "the week-old one goes, yesterday's stays"
+    assert load_state(store, "m").to_table().num_rows == 10
