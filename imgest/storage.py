@@ -226,8 +226,8 @@ class Location:
                 storage_class=info.get("StorageClass") or info.get("storage_class"),
             )
 
-    def folders(self, key: str = "") -> list[str]:
-        """Names of the folders (common prefixes) directly below ``key``."""
+    def _entries(self, key: str) -> list[dict]:
+        """What lies directly below ``key`` (fsspec's detailed ls, fresh), without ``key`` itself."""
         base = self.path(key)
         self.fs.invalidate_cache(base)
         try:
@@ -236,8 +236,15 @@ class Location:
             return []
         except Exception as exc:
             raise self.failure("listing", key, exc) from exc
-        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries
-                      if e.get("type") == "directory" and e["name"].rstrip("/") != base.rstrip("/"))
+        return [e for e in entries if e["name"].rstrip("/") != base.rstrip("/")]
+
+    @staticmethod
+    def _name(entry: dict) -> str:
+        return entry["name"].rstrip("/").rsplit("/", 1)[-1]
+
+    def folders(self, key: str = "") -> list[str]:
+        """Names of the folders (common prefixes) directly below ``key``."""
+        return sorted(self._name(e) for e in self._entries(key) if e.get("type") == "directory")
 
     def list_names(self, key: str, *, temp: bool = False) -> list[str]:
         """Names directly below ``key`` (files and folders); empty when it does not exist.
@@ -245,15 +252,7 @@ class Location:
         A local write killed before its rename leaves a hidden temp file (``TEMP_PREFIX``); those are
         left out unless ``temp`` is set (the writer's sweep asks for them to delete them).
         """
-        base = self.path(key)
-        self.fs.invalidate_cache(base)
-        try:
-            entries = self.fs.ls(base, detail=False)
-        except FileNotFoundError:
-            return []
-        except Exception as exc:
-            raise self.failure("listing", key, exc) from exc
-        names = (p.rstrip("/").rsplit("/", 1)[-1] for p in entries if p.rstrip("/") != base.rstrip("/"))
+        names = (self._name(e) for e in self._entries(key))
         return sorted(n for n in names if temp or not n.startswith(TEMP_PREFIX))
 
     # -- reading -----------------------------------------------------------------------------

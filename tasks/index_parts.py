@@ -40,6 +40,7 @@ def plan_parts(store_url: str, slug: str, dim: int, live: pa.Table, parts: int) 
     shards = table["shard"].combine_chunks()
     ends = pc.run_end_encode(shards).run_ends.to_numpy() if len(shards) else np.array([], np.int64)
     starts = np.concatenate([[0], ends[:-1]]) if len(ends) else ends
+    item_ids, faiss_ids = table["item_id"].combine_chunks(), table["faiss_id"].combine_chunks().to_numpy()
     bounds = np.searchsorted(ends, np.linspace(0, len(table), min(parts, max(len(ends), 1)) + 1)[1:-1], side="right")
     groups = np.split(np.arange(len(ends)), bounds)
     specs = []
@@ -49,8 +50,7 @@ def plan_parts(store_url: str, slug: str, dim: int, live: pa.Table, parts: int) 
         a, b = int(starts[group[0]]), int(ends[group[-1]])
         specs.append(PartSpec(store_url, slug, dim, tuple(shards[int(starts[g])].as_py() for g in group),
                               tuple(int(ends[g] - starts[g]) for g in group),
-                              table["item_id"].combine_chunks().slice(a, b - a),
-                              table["faiss_id"].combine_chunks().slice(a, b - a).to_numpy()))
+                              item_ids.slice(a, b - a), faiss_ids[a:b]))
     return specs
 
 
@@ -65,7 +65,7 @@ def read_rows(store: Location, slug: str, dim: int, live: pa.Table, rows: np.nda
     return vectors[order]
 
 
-def add_part(trained: bytes, spec: PartSpec, probes: np.ndarray, depth: int) -> dict:
+def add_store_part(trained: bytes, spec: PartSpec, probes: np.ndarray, depth: int) -> dict:
     """Read the part's shards, add its vectors with their faiss ids to a copy of the trained index, and find
     each probe's `depth` + 1 best among them (exact). Runs on a worker; reads the store itself."""
     import faiss

@@ -37,9 +37,9 @@ from imgest.tasks.index_build import (
 )
 from imgest.tasks.index_card import ids_table, make_card
 from imgest.tasks.index_choice import IndexChoice, choose_index
-from imgest.tasks.index_parts import PartSpec, merge_id_parts, merge_truth, plan_parts, read_rows
-from imgest.tasks.index_parts import add_part as add_store_part
+from imgest.tasks.index_parts import PartSpec, add_store_part, merge_id_parts, merge_truth, plan_parts, read_rows
 from imgest.tasks.index_store import (
+    IndexIntegrityError,
     index_prefix,
     list_versions,
     open_index,
@@ -131,6 +131,8 @@ def update_task(store_url: str, model: dict, previous: dict | None, kind: str, m
         return update_version(store_url, model, previous, kind, memory, target_recall, k, retrain_share)
     except NotUpdatable as exc:
         return {"why": str(exc)}
+    except (IndexIntegrityError, FileNotFoundError) as exc:  # the old version's fault, not this build's: train anew
+        return {"why": f"v{previous['version']:04d} cannot be carried forward: {exc}"}
 
 
 def update_version(store_url: str, model: dict, previous: dict | None, kind: str, memory: str, target_recall: float,
@@ -221,8 +223,8 @@ def build_from_store(store_url: str, model: dict, live: pa.Table, choice: IndexC
     codes = pc.dictionary_encode(live["shard"].combine_chunks()).indices.to_numpy()
     rows = training_rows(codes, choice.train_size)
     probes_at = probe_rows(rows, len(live), queries)
-    sample = read_rows(store, slug, d, live, np.union1d(rows, probes_at))
     at = np.union1d(rows, probes_at)
+    sample = read_rows(store, slug, d, live, at)
     trained = train_task(sample, choice, np.searchsorted(at, rows))
     probes = np.ascontiguousarray(sample[np.searchsorted(at, probes_at)])
     train_seconds = round(time.perf_counter() - start, 3)
@@ -255,12 +257,12 @@ def previous_version(store: Location, slug: str) -> dict | None:
 
 @task(name="build-version", cache_policy=NO_CACHE)
 def build_version(store_url: str, model: dict, kind: str, memory: str, target_recall: float, k: int, queries: int,
-                  parts: int, runner: str, workers: int, fence: Fence | None = None, retrain: bool = False,
+                  parts: int, runner: str, workers: int, fence: Fence | None = None, rebuild: bool = False,
                   retrain_share: float = DEFAULT_RETRAIN_SHARE) -> dict:
     """Update the last version in place when it is an IVF index whose training still fits; otherwise load,
     train, fill and tune. Then write the version (reuse is decided before, from the store's build records)."""
     why = "asked to build from scratch (--rebuild)"
-    if not retrain:
+    if not rebuild:
         previous = previous_version(Location(store_url), model["slug"])
         updated = update_task(store_url, model, previous, kind, memory, target_recall, k, retrain_share)
         if "why" not in updated:

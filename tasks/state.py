@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -19,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from imgest.storage import TEMP_PREFIX, Location
+from imgest.storage import TEMP_PREFIX, Location, StorageError
 
 # live: a current embedding; rejected: this content cannot be used (retried when the object changes);
 # failed: a transient fault (timeout, throttling, memory): retried on the next run; deleted: a tombstone,
@@ -104,10 +105,6 @@ def shard_run_id(shard: str) -> str:
 EMPTY_STATE = STATE_SCHEMA.empty_table()
 
 
-def _item(row: dict) -> ItemState:
-    return ItemState(**row)
-
-
 class CatalogueState:
     """One model's catalogue state: a columnar base (the snapshot, an Arrow table in item_id order) and an
     overlay of the items changed since (pending commit markers, this run's outcome) as Python objects. The
@@ -126,7 +123,7 @@ class CatalogueState:
     def items(self) -> dict[str, ItemState]:
         """Every item as an ItemState (O(N) objects: not for the nightly path at catalogue scale)."""
         if len(self.base):
-            merged = {row["item_id"]: _item(row) for row in self._base_without_overlay().to_pylist()}
+            merged = {row["item_id"]: ItemState(**row) for row in self._base_without_overlay().to_pylist()}
             merged.update(self.overlay)
             self.base, self.overlay = EMPTY_STATE, merged
         return self.overlay
@@ -142,7 +139,7 @@ class CatalogueState:
         rest = [i for i in item_ids if i not in found]
         if rest and len(self.base):
             hit = self.base.filter(pc.is_in(self.base["item_id"], value_set=pa.array(rest, pa.string())))
-            found.update((row["item_id"], _item(row)) for row in hit.to_pylist())
+            found.update((row["item_id"], ItemState(**row)) for row in hit.to_pylist())
         return found
 
     def count(self, status: str) -> int:
@@ -275,7 +272,10 @@ def write_snapshot(store: Location, state: CatalogueState, run_id: str, summary:
         state.delta_rows += len(table)
     else:
         state.full_rows, state.delta_rows = len(table), 0
-        prune_snapshots(store, state.slug, seq)
+        try:  # housekeeping after the commit: a delete that fails now is retried after the next full snapshot
+            prune_snapshots(store, state.slug, seq)
+        except StorageError as exc:
+            logging.getLogger("imgest").warning("old snapshots of model=%s not pruned: %s", state.slug, exc)
     state.seq, state.pending = seq, []
     return seq
 

@@ -146,6 +146,22 @@ def test_an_update_starts_from_the_version_an_alias_serves(tmp_path):
 
 
 @pytest.mark.usefixtures("prefect_harness")
+def test_a_damaged_previous_version_is_not_carried_forward_but_trained_anew(tmp_path):
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    _catalogue(cat, range(120))
+    ingest(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64")
+    common = {"store": str(store), "model": "raw-pixels", "kind": "IVF4,SQ8", "queries": 50, "alias": None}
+    v1 = build_index(**common)["card"]
+    truth = store / v1["truth_file"]
+    truth.write_bytes(truth.read_bytes()[:-7] + b"garbage")  # bit rot in the old version's exact lists
+    _catalogue(cat, range(120, 123))
+    ingest(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64")
+    v2 = build_index(**common)["card"]
+    assert v2["lineage"]["method"] == "build" and "v0001 cannot be carried forward" in v2["lineage"]["why"]
+    assert v2["n"] == 123 and v2["recall"]["met"]
+
+
+@pytest.mark.usefixtures("prefect_harness")
 def test_hnsw_is_built_again_and_says_why(tmp_path):
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     _catalogue(cat, range(60))

@@ -112,3 +112,17 @@ def test_a_run_from_the_inventory_then_a_list_run_reads_nothing_again(bucket, tm
     assert first["listed"] == 13 and first["encoded"] == 13
     again = ingest(**run)
     assert again["listed"] == 13 and again["unchanged"] == 13 and again["encoded"] == 0
+
+
+def test_a_manifest_that_is_not_one_or_names_an_unread_format_lists_nothing(tmp_path):
+    bad = tmp_path / "garbage" / "manifest.json"
+    bad.parent.mkdir()
+    bad.write_text("{not json")
+    with pytest.raises(InventoryError, match="not an S3 Inventory manifest"):
+        read_inventory(str(bad), "s3://shop/products")
+    odd = tmp_path / "odd" / "manifest.json"
+    odd.parent.mkdir()
+    odd.write_text(json.dumps({"sourceBucket": "shop", "destinationBucket": "arn:aws:s3:::inv",
+                               "fileFormat": "Avro", "files": []}))
+    with pytest.raises(InventoryError, match="imgest reads CSV, Parquet, ORC"):
+        read_inventory(str(odd), "s3://shop/products")
