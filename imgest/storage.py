@@ -6,7 +6,7 @@ import functools
 import io
 import json
 import os
-import re
+import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,42 +16,15 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from imgest.redact import USERINFO, one_line, redact  # noqa: F401  (callers import them from here)
+
 TEMP_PREFIX = ".tmp-"  # a local atomic write's file before its rename (see Location.write_bytes)
-_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
-# The query string of an http(s) URL: presigned S3 signatures, Azure SAS tokens, GCS signed URLs.
-_HTTP_QUERY = re.compile(r"(?P<url>https?://[^\s?#'\"]*)\?[^\s#'\"]*", re.IGNORECASE)
-# Signing parameters wherever they appear (another scheme, a bare query string in a message).
-_SIGNING = re.compile(r"(?P<name>X-Amz-(?:Signature|Credential|Security-Token)|X-Goog-(?:Signature|Credential)|"
-                      r"sig|signature|se|st|sv|skoid|sktid|token|access_token)=[^&\s'\"]*", re.IGNORECASE)
-_CREDENTIAL_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AZURE_STORAGE_KEY",
-                    "AZURE_STORAGE_SAS_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS")
-
-
-def redact(text: str) -> str:
-    """Remove what could be a secret from a message: credentials embedded in URLs (``s3://KEY:SECRET@b``),
-    the query strings of http(s) URLs (presigned signatures, SAS tokens), signing parameters anywhere, and
-    the values of the usual credential variables."""
-    text = _USERINFO.sub(r"\g<scheme>***@", str(text))
-    text = _HTTP_QUERY.sub(r"\g<url>?***", text)
-    text = _SIGNING.sub(r"\g<name>=***", text)
-    for var in _CREDENTIAL_VARS:
-        secret = os.environ.get(var)
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, "***")
-    return text
-
-
 def check_no_credentials(url: str, what: str = "URL") -> None:
     """Credentials never travel in a URL (they would land in run parameters, logs and artifacts)."""
-    if _USERINFO.match(str(url).strip()):
+    if USERINFO.match(str(url).strip()):
         raise StorageError(f"{what} {redact(url)} carries credentials in the URL; they are refused (they would be "
                            "stored with the run's parameters): use the standard variables AWS_ACCESS_KEY_ID and "
                            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) instead")
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception as one redacted line: its type and message, whitespace collapsed."""
-    return redact(" ".join(f"{type(exc).__name__}: {exc}".split()))
 
 
 class StorageError(RuntimeError):
@@ -277,25 +250,35 @@ class Location:
         return {k.decode(): v.decode() for k, v in meta.items()}
 
     # -- writing -----------------------------------------------------------------------------
+    def _atomic_local(self, path: str, fill: Callable[[Any], Any]) -> None:
+        # a hidden temp file in the same folder, fsynced, renamed over the target: a kill never leaves half a file
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{os.path.basename(path)}")
+        with open(tmp, "wb") as fh:
+            fill(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
     @_io("writing")
     def write_bytes(self, key: str, data: bytes) -> None:
-        """Make ``key`` appear whole or not at all.
-
-        A single PUT is atomic on object stores; on a local disk we write a hidden temp file in the
-        same folder, fsync it and rename it over the target, so a kill never leaves half a file.
-        """
-        path = self.path(key)
+        """Make ``key`` appear whole or not at all: a single PUT is atomic on object stores, a local disk gets
+        a temp file renamed over the target."""
         if self.is_local:
-            folder = os.path.dirname(path)
-            os.makedirs(folder, exist_ok=True)
-            tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{os.path.basename(path)}")
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
+            self._atomic_local(self.path(key), lambda fh: fh.write(data))
         else:
-            self.fs.pipe_file(path, data)
+            self.fs.pipe_file(self.path(key), data)
+
+    @_io("writing")
+    def put_file(self, key: str, local_path: str) -> None:
+        """Upload a local file too large to hold, whole or not at all (an object store's multipart upload is
+        visible only once completed)."""
+        if self.is_local:
+            with open(local_path, "rb") as src:
+                self._atomic_local(self.path(key), lambda fh: shutil.copyfileobj(src, fh, 1 << 20))
+        else:
+            self.fs.put_file(local_path, self.path(key))
 
     def write_json(self, key: str, obj: Any) -> None:
         self.write_bytes(key, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())

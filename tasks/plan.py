@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
@@ -113,6 +115,24 @@ def _relation(con, name: str, source: pa.Table | str) -> None:
         con.register(name, source)
 
 
+@contextmanager
+def _plan_connection(state: CatalogueState | pa.Table | str, files: bool) -> Iterator:
+    """A DuckDB connection where `state` is the catalogue state: the CatalogueState's own database (its rows
+    stay on disk), or a bounded one over an Arrow table or a Parquet file."""
+    if isinstance(state, CatalogueState):
+        with state.sql() as con:
+            yield con
+        return
+    import duckdb
+
+    # past PLAN_MEMORY DuckDB spills to a temporary folder instead of growing
+    config = {"enable_external_access": files, "memory_limit": PLAN_MEMORY,
+              "preserve_insertion_order": False, "temp_directory": os.path.join(tempfile.gettempdir(), "imgest-plan")}
+    with duckdb.connect(config=config) as con:
+        _relation(con, "state", state)
+        yield con
+
+
 def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id: str,
                 shard_size: int = DEFAULT_SHARD_SIZE, max_bytes: int = DEFAULT_MAX_BYTES,
                 max_delete_fraction: float | None = None, listing_source: pa.Table | str | None = None) -> Plan:
@@ -126,21 +146,12 @@ def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id
     a Parquet file); only the objects to read and the items to delete come back as Python objects, so memory
     follows the change, not the catalogue. `listing_source` replaces `listing.table` (a Parquet file of it).
     """
-    import duckdb
-
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
-    if isinstance(state, CatalogueState):
-        state = state.to_table()
     plan = Plan(run_id=run_id, listed=0, skipped=listing.skipped, not_regular=listing.not_regular)
     catalogue = Location(listing.catalogue)
-    # a bounded join: past PLAN_MEMORY DuckDB spills to a temporary folder instead of growing
-    config = {"enable_external_access": isinstance(state, str) or isinstance(listing_source, str),
-              "memory_limit": PLAN_MEMORY, "preserve_insertion_order": False,
-              "temp_directory": os.path.join(tempfile.gettempdir(), "imgest-plan")}
-    with duckdb.connect(config=config) as con:
+    with _plan_connection(state, isinstance(state, str) or isinstance(listing_source, str)) as con:
         _relation(con, "listing", listing.table if listing_source is None else listing_source)
-        _relation(con, "state", state)
         plan.listed = con.execute("SELECT count(*) FROM listing").fetchone()[0]
         work = con.execute(f"""
             SELECT l.key, l.key_ok, l.size, l.mtime, l.etag, l.storage_class,

@@ -4,6 +4,7 @@ Layout below the store (``<slug>`` names one model id):
   embeddings/model=<slug>/part-<run>-<NNNNN>.parquet   shard data, written before its commit marker
   state/model=<slug>/commits/part-<run>-<NNNNN>.json   shard commit marker, written last
   state/model=<slug>/snapshots/<seq>.parquet           full catalogue state after a run
+  state/model=<slug>/snapshots/<seq>.delta.parquet     or only the items a run changed, on top of the last full one
   state/model=<slug>/model.json                        what the encoder is
 A shard is visible only once its marker exists; a snapshot folds markers in and is itself one PUT.
 """
@@ -13,35 +14,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
-import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
-from imgest.storage import TEMP_PREFIX, Location, StorageError
+from imgest.storage import TEMP_PREFIX, Location, StorageError, local_copy
+from imgest.tasks.state_base import STATE_SCHEMA, StateBase, write_rows
 
 # live: a current embedding; rejected: this content cannot be used (retried when the object changes);
 # failed: a transient fault (timeout, throttling, memory): retried on the next run; deleted: a tombstone,
 # which keeps its last shard for TOMBSTONE_DAYS so that an item coming back with the same bytes is revived.
 LIVE, REJECTED, FAILED, DELETED = "live", "rejected", "failed", "deleted"
 TOMBSTONE_DAYS = 30
-
-STATE_SCHEMA = pa.schema([
-    ("item_id", pa.string()),
-    ("uri", pa.string()),
-    ("status", pa.string()),
-    ("etag", pa.string()),
-    ("size", pa.int64()),
-    ("mtime", pa.float64()),
-    ("content_hash", pa.string()),
-    ("shard", pa.string()),
-    ("run_id", pa.string()),
-    ("reason", pa.string()),
-    ("updated_at", pa.string()),
-])
-
 
 @dataclass
 class ItemState:
@@ -102,50 +92,66 @@ def shard_run_id(shard: str) -> str:
     return shard[len("part-"):].rsplit("-", 1)[0]
 
 
-EMPTY_STATE = STATE_SCHEMA.empty_table()
-
-
 class CatalogueState:
-    """One model's catalogue state: a columnar base (the snapshot, an Arrow table in item_id order) and an
-    overlay of the items changed since (pending commit markers, this run's outcome) as Python objects. The
-    ingest and index paths stay columnar: the overlay grows with the change, not with the catalogue.
-    `items` materialises every item as an object, for small stores, reports and tests."""
+    """One model's catalogue state: a columnar base (the committed snapshot rows, in a DuckDB database on local
+    disk: StateBase) and an overlay of the items changed since (pending commit markers, this run's outcome) as
+    Python objects. The ingest and index paths query the base in SQL: the flow's memory grows with the change,
+    not with the catalogue. `items` materialises every item as an object, for small stores, reports and tests."""
 
     def __init__(self, slug: str, items: dict[str, ItemState] | None = None, seq: int = 0,
-                 pending: list[str] | None = None, base: pa.Table | None = None):
+                 pending: list[str] | None = None, base: StateBase | pa.Table | None = None):
         self.slug, self.seq = slug, seq  # seq: the snapshot this state started from
         self.pending: list[str] = list(pending or [])  # commit markers applied on top
-        self.base = EMPTY_STATE if base is None else base
+        self._base = StateBase.from_table(base) if isinstance(base, pa.Table) else base  # None: empty, made on use
         self.overlay: dict[str, ItemState] = items if items is not None else {}
         self.full_rows = self.delta_rows = 0  # rows of the last full snapshot, and of the deltas read after it
 
     @property
+    def base(self) -> StateBase:
+        if self._base is None:
+            self._base = StateBase.empty()
+        return self._base
+
+    def overlay_table(self) -> pa.Table:
+        rows = [dataclasses.asdict(item) for item in self.overlay.values()]
+        return pa.Table.from_pylist(rows, schema=STATE_SCHEMA)
+
+    @contextmanager
+    def sql(self) -> Iterator:
+        """A DuckDB connection with the views `state` (every item as now), `kept` (committed rows the overlay does
+        not replace) and `overlay`, all in STATE_SCHEMA."""
+        with self.base.cursor(self.overlay_table()) as cur:
+            yield cur
+
+    def query(self, sql: str, params: list | None = None) -> pa.Table:
+        with self.sql() as cur:
+            return cur.sql(sql, params=params or None).to_arrow_table()
+
+    @property
     def items(self) -> dict[str, ItemState]:
         """Every item as an ItemState (O(N) objects: not for the nightly path at catalogue scale)."""
-        if len(self.base):
-            merged = {row["item_id"]: ItemState(**row) for row in self._base_without_overlay().to_pylist()}
+        if self._base is not None and self._base.rows:
+            merged = {row["item_id"]: ItemState(**row) for row in self.query("SELECT * FROM kept").to_pylist()}
             merged.update(self.overlay)
-            self.base, self.overlay = EMPTY_STATE, merged
+            self._base, self.overlay = None, merged
         return self.overlay
-
-    def _base_without_overlay(self) -> pa.Table:
-        if not self.overlay:
-            return self.base
-        return self.base.filter(pc.invert(pc.is_in(self.base["item_id"], value_set=pa.array(list(self.overlay)))))
 
     def rows(self, item_ids: list[str]) -> dict[str, ItemState]:
         """The items among `item_ids` that exist, the overlay first (a batch lookup, one scan of the base)."""
         found = {i: self.overlay[i] for i in item_ids if i in self.overlay}
         rest = [i for i in item_ids if i not in found]
-        if rest and len(self.base):
-            hit = self.base.filter(pc.is_in(self.base["item_id"], value_set=pa.array(rest, pa.string())))
+        if rest and self._base is not None and self._base.rows:
+            with self.sql() as cur:
+                cur.register("wanted", pa.table({"item_id": pa.array(rest, pa.string())}))
+                hit = cur.sql("SELECT k.* FROM kept k SEMI JOIN wanted w ON w.item_id = k.item_id").to_arrow_table()
             found.update((row["item_id"], ItemState(**row)) for row in hit.to_pylist())
         return found
 
     def count(self, status: str) -> int:
-        base = self._base_without_overlay()
-        in_base = (pc.sum(pc.equal(base["status"], status)).as_py() or 0) if len(base) else 0
-        return in_base + sum(1 for item in self.overlay.values() if item.status == status)
+        if self._base is None or not self._base.rows:
+            return sum(1 for item in self.overlay.values() if item.status == status)
+        with self.sql() as cur:
+            return cur.execute("SELECT count(*) FROM state WHERE status = ?", [status]).fetchone()[0]
 
     def live(self) -> list[ItemState]:
         return [item for item in self.items.values() if item.status == LIVE]
@@ -182,16 +188,12 @@ class CatalogueState:
                                                         reason=None)
 
     def to_table(self) -> pa.Table:
-        if not self.overlay:
-            return self.base
-        rows = [dataclasses.asdict(item) for item in self.overlay.values()]
-        return pa.concat_tables([self._base_without_overlay(), pa.Table.from_pylist(rows, schema=STATE_SCHEMA)]) \
-            .sort_by("item_id").combine_chunks()
+        """Every item as now, in item_id order (the whole state in memory: small stores, tests)."""
+        return self.query("SELECT * FROM state ORDER BY item_id").cast(STATE_SCHEMA)
 
     def live_table(self) -> pa.Table:
         """The live items (STATE_SCHEMA), in item_id order."""
-        table = self.to_table()
-        return table.filter(pc.equal(table["status"], LIVE))
+        return self.query(f"SELECT * FROM state WHERE status = '{LIVE}' ORDER BY item_id").cast(STATE_SCHEMA)
 
 
 def list_snapshots(store: Location, slug: str) -> list[tuple[int, bool]]:
@@ -215,30 +217,20 @@ def list_commits(store: Location, slug: str) -> list[str]:
 
 def load_state(store: Location, slug: str) -> CatalogueState:
     """The last committed state: the newest full snapshot, the deltas written after it (later wins), then every
-    later shard commit, in run order."""
+    later shard commit, in run order. The snapshot files are read by DuckDB (in place on a local store, else
+    downloaded to the state's folder); no row becomes a Python object."""
     snapshots = list_snapshots(store, slug)
     fulls = [seq for seq, delta in snapshots if not delta]
     full = fulls[-1] if fulls else 0
-    base, delta_rows = None, 0
-
-    def read(seq: int, delta: bool) -> pa.Table:
-        return store.read_table(snapshot_key(slug, seq, delta)).cast(STATE_SCHEMA).replace_schema_metadata(None)
-
-    if full:
-        base = read(full, False)
-    for seq, delta in snapshots:
-        if delta and seq > full:
-            changed = read(seq, True)
-            delta_rows += len(changed)
-            kept = base.filter(pc.invert(pc.is_in(base["item_id"], value_set=changed["item_id"]))) \
-                if base is not None else None
-            base = changed if kept is None else pa.concat_tables([kept, changed])
-    if delta_rows:
-        base = base.sort_by("item_id").combine_chunks()
+    wanted = [(seq, delta) for seq, delta in snapshots if seq >= full and (delta or seq == full)]
+    base = StateBase()  # its folder caches the downloads; the table is made from them below
+    keys = [snapshot_key(slug, seq, delta) for seq, delta in wanted]
+    paths = [local_copy(store, key, base.folder, os.path.basename(key)) for key in keys]
+    counts = [pq.read_metadata(path).num_rows for path in paths]
     seq = latest_snapshot_seq(store, slug)
-    state = CatalogueState(slug=slug, seq=seq, base=base)
-    state.full_rows = len(base) - delta_rows if base is not None else 0
-    state.delta_rows = delta_rows
+    state = CatalogueState(slug=slug, seq=seq, base=base.load(paths))
+    state.full_rows = sum(n for (_, delta), n in zip(wanted, counts) if not delta)
+    state.delta_rows = sum(n for (_, delta), n in zip(wanted, counts) if delta)
     for shard in sorted(list_commits(store, slug)):
         if run_seq(shard_run_id(shard)) > seq:
             state.apply_commit(store.read_json(commit_key(slug, shard)))
@@ -249,29 +241,33 @@ def load_state(store: Location, slug: str) -> CatalogueState:
 def write_snapshot(store: Location, state: CatalogueState, run_id: str, summary: dict) -> int:
     """Publish the state as the next snapshot (one atomic write), then drop the folded markers. The snapshot
     is a delta (the items changed since the state was loaded) while the deltas since the last full snapshot
-    stay under COMPACT_SHARE of its rows; then a full one. A nightly of 1% churn writes ~1% of the rows."""
+    stay under COMPACT_SHARE of its rows; then a full one, streamed from DuckDB to a local file and uploaded.
+    A nightly of 1% churn writes ~1% of the rows."""
     seq = run_seq(run_id)
     delta = bool(state.full_rows) and state.delta_rows + len(state.overlay) <= COMPACT_SHARE * state.full_rows
-    if delta:
-        rows = [dataclasses.asdict(item) for item in sorted(state.overlay.values(), key=lambda i: i.item_id)]
-        table = pa.Table.from_pylist(rows, schema=STATE_SCHEMA)
-    else:
-        table = state.to_table()
-    table = table.replace_schema_metadata({
+    metadata = {
         "imgest.run_id": run_id,
         "imgest.seq": str(seq),
         "imgest.kind": "delta" if delta else "full",
         "imgest.created": now_iso(),
         "imgest.summary": json.dumps(summary, sort_keys=True, default=str),
-    })
-    store.write_table(snapshot_key(state.slug, seq, delta), table)
+    }
+    key = snapshot_key(state.slug, seq, delta)
+    local = os.path.join(state.base.folder, f"out-{os.path.basename(key)}")
+    with state.sql() as cur:
+        rows = write_rows(cur.sql(f"SELECT * FROM {'overlay' if delta else 'state'} ORDER BY item_id")
+                          .to_arrow_reader(65_536), local, metadata)
+    try:
+        store.put_file(key, local)
+    finally:
+        os.remove(local)
     for shard in list_commits(store, state.slug):
         if run_seq(shard_run_id(shard)) <= seq:
             store.delete(commit_key(state.slug, shard))
     if delta:
-        state.delta_rows += len(table)
+        state.delta_rows += rows
     else:
-        state.full_rows, state.delta_rows = len(table), 0
+        state.full_rows, state.delta_rows = rows, 0
         try:  # housekeeping after the commit: a delete that fails now is retried after the next full snapshot
             prune_snapshots(store, state.slug, seq)
         except StorageError as exc:
@@ -295,18 +291,16 @@ def prune_snapshots(store: Location, slug: str, full_seq: int, now: datetime | N
 
 
 def forget_expired_tombstones(state: CatalogueState, now: datetime | None = None) -> None:
-    """Tombstones older than TOMBSTONE_DAYS let go of their shard (columnar over the base: ISO times in UTC
-    compare as strings)."""
+    """Tombstones older than TOMBSTONE_DAYS let go of their shard (in SQL over the committed rows: ISO times in
+    UTC compare as strings)."""
     cutoff = ((now or datetime.now(UTC)) - timedelta(days=TOMBSTONE_DAYS)).isoformat(timespec="seconds")
     for item in state.overlay.values():
         if item.status == DELETED and item.shard and not revivable(item, now):
             item.shard = None
-    base = state._base_without_overlay()
-    if len(base):  # the newly expired ones go to the overlay: the change a delta snapshot records
-        recent = pc.and_(pc.is_valid(base["content_hash"]), pc.greater(base["updated_at"], cutoff))
-        expired = pc.and_(pc.and_(pc.equal(base["status"], DELETED), pc.is_valid(base["shard"])),
-                          pc.invert(pc.fill_null(recent, False)))
-        for row in base.filter(expired).to_pylist():
+    if state.base.rows:  # the newly expired ones go to the overlay: the change a delta snapshot records
+        expired = state.query(f"""SELECT * FROM kept WHERE status = '{DELETED}' AND shard IS NOT NULL
+                                  AND NOT coalesce(content_hash IS NOT NULL AND updated_at > ?, false)""", [cutoff])
+        for row in expired.to_pylist():
             state.overlay[row["item_id"]] = ItemState(**{**row, "shard": None})
 
 
@@ -325,10 +319,8 @@ def remove_orphan_shards(store: Location, state: CatalogueState) -> list[str]:
     so is every shard a recent tombstone could be revived from. Older tombstones forget their shard here.
     """
     forget_expired_tombstones(state)
-    table = state.to_table()
-    kept = table.filter(pc.and_(pc.is_in(table["status"], value_set=pa.array([LIVE, DELETED])),
-                                pc.is_valid(table["shard"])))
-    needed = set(pc.unique(kept["shard"]).to_pylist())
+    needed = set(state.query(f"""SELECT DISTINCT shard FROM state
+                                 WHERE status IN ('{LIVE}', '{DELETED}') AND shard IS NOT NULL""")["shard"].to_pylist())
     needed.update(state.pending)
     removed = []
     for name in store.list_names(embeddings_prefix(state.slug), temp=True):

@@ -1,0 +1,111 @@
+"""The committed rows of one model's catalogue state, in a DuckDB database on local disk: its memory is capped
+and the rows spill, so planning and folding a 100M-item state never holds it in the flow's memory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+STATE_SCHEMA = pa.schema([
+    ("item_id", pa.string()),
+    ("uri", pa.string()),
+    ("status", pa.string()),
+    ("etag", pa.string()),
+    ("size", pa.int64()),
+    ("mtime", pa.float64()),
+    ("content_hash", pa.string()),
+    ("shard", pa.string()),
+    ("run_id", pa.string()),
+    ("reason", pa.string()),
+    ("updated_at", pa.string()),
+])
+STATE_MEMORY = "1GB"  # DuckDB's working memory for one state; past it, joins and sorts spill to its folder
+STATE_TMP_PREFIX = "imgest-state-"
+SQL_TYPES = {pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.float64(): "DOUBLE"}
+COLUMNS = ", ".join(f'CAST("{f.name}" AS {SQL_TYPES[f.type]}) AS "{f.name}"' for f in STATE_SCHEMA)
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _close(con, folder: str) -> None:
+    con.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class StateBase:
+    """Rows in STATE_SCHEMA, newest per item, as the DuckDB table or view `base`: a snapshot file read in place,
+    or a full snapshot and the deltas after it folded once into a table (which DuckDB keeps on disk).
+
+    Queries go through `cursor(overlay)`, which adds the views `state` (the base with the overlay's rows in
+    place of theirs) and `kept` (the base rows the overlay does not replace). The folder goes with the object."""
+
+    def __init__(self) -> None:
+        import duckdb
+
+        self.folder = tempfile.mkdtemp(prefix=STATE_TMP_PREFIX)
+        self._db = duckdb.connect(os.path.join(self.folder, "state.duckdb"), config={
+            "memory_limit": STATE_MEMORY, "temp_directory": os.path.join(self.folder, "spill"),
+            "preserve_insertion_order": False})
+        self._finalizer = weakref.finalize(self, _close, self._db, self.folder)
+        self.rows = 0
+
+    @classmethod
+    def empty(cls) -> StateBase:
+        return cls().load_table(STATE_SCHEMA.empty_table())
+
+    @classmethod
+    def from_table(cls, table: pa.Table) -> StateBase:
+        return cls().load_table(table)
+
+    def load_table(self, table: pa.Table) -> StateBase:
+        self._db.register("source", table.cast(STATE_SCHEMA))
+        self._db.execute(f"CREATE TABLE base AS SELECT {COLUMNS} FROM source")
+        self._db.unregister("source")
+        self.rows = len(table)
+        return self
+
+    def load(self, paths: list[str]) -> StateBase:
+        """Snapshot files in order (a full one first, then deltas): a later file's row for an item wins."""
+        if not paths:
+            return self.load_table(STATE_SCHEMA.empty_table())
+        files = "[" + ", ".join(_sql_string(p) for p in paths) + "]"
+        if len(paths) == 1:  # read in place: nothing copied
+            self._db.execute(f"CREATE VIEW base AS SELECT {COLUMNS} FROM read_parquet({files})")
+        else:
+            order = "CASE filename " + " ".join(f"WHEN {_sql_string(p)} THEN {n}" for n, p in enumerate(paths)) + " END"
+            self._db.execute(f"""CREATE TABLE base AS SELECT {COLUMNS} FROM read_parquet({files}, filename = true)
+                                 QUALIFY row_number() OVER (PARTITION BY item_id ORDER BY {order} DESC) = 1""")
+        self.rows = self._db.execute("SELECT count(*) FROM base").fetchone()[0]
+        return self
+
+    @contextmanager
+    def cursor(self, overlay: pa.Table) -> Iterator:
+        """A connection of its own (safe beside other threads) with the views `state` and `kept`."""
+        cur = self._db.cursor()
+        try:
+            cur.register("overlay", overlay.cast(STATE_SCHEMA))
+            cur.execute("CREATE TEMP VIEW kept AS SELECT b.* FROM base b ANTI JOIN overlay o ON o.item_id = b.item_id")
+            cur.execute("CREATE TEMP VIEW state AS SELECT * FROM kept UNION ALL SELECT * FROM overlay")
+            yield cur
+        finally:
+            cur.close()
+
+
+def write_rows(reader: pa.RecordBatchReader, path: str, metadata: dict[str, str]) -> int:
+    """Stream rows into a Parquet file (zstd, as the store writes tables) with the given footer metadata."""
+    rows = 0
+    schema = STATE_SCHEMA.with_metadata(metadata)
+    with pq.ParquetWriter(path, schema, compression="zstd") as writer:
+        for batch in reader:
+            writer.write_batch(batch.cast(STATE_SCHEMA))
+            rows += batch.num_rows
+    return rows
