@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from imgest.storage import read_url
-from imgest.tasks.listing import IMAGE_EXTENSIONS, LISTING_SCHEMA, Listing
+from imgest.tasks.listing import IMAGE_EXTENSIONS, LISTING_SCHEMA, Listing, SpillFolder
 
 FORMATS = ("CSV", "Parquet", "ORC")
 # CSV header names (the manifest's fileSchema) -> the Parquet/ORC column names S3 uses
@@ -130,8 +130,7 @@ def read_inventory(manifest_url: str, catalogue_url: str) -> Listing:
     if manifest["fileFormat"] == "CSV" and "Key" not in schema:
         raise InventoryError("the manifest's fileSchema has no Key column")
     below = prefix.rstrip("/") + "/" if prefix else ""
-    listing = Listing(catalogue=catalogue_url.rstrip("/"), table=LISTING_SCHEMA.empty_table())
-    tables = []
+    listing = Listing(catalogue=catalogue_url.rstrip("/"), spill=[SpillFolder()])
     for entry in manifest["files"]:
         data = read_url(_data_url(manifest_url, manifest, entry["key"]))
         if hashlib.md5(data).hexdigest() != entry["MD5checksum"]:
@@ -148,6 +147,6 @@ def read_inventory(manifest_url: str, catalogue_url: str) -> Listing:
         others = rows.filter(pc.invert(image))["key"]
         listing.skipped += len(others)
         listing.skipped_examples = (listing.skipped_examples + others[:10].to_pylist())[:10]
-        tables.append(rows.filter(image))
-    listing.table = pa.concat_tables([listing.table, *tables]).sort_by("key").combine_chunks()
+        name = f"inventory-{len(listing.files):05d}.parquet"  # spilled file by file: never the whole report in memory
+        listing.files.append(listing.spill[0].write(name, rows.filter(image).sort_by("key").to_batches()))
     return listing

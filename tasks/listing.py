@@ -1,13 +1,19 @@
-"""List a catalogue through fsspec and keep the image files, counting what is skipped. The listing is an
-Arrow table filled in batches (never one Python object per object kept), which the planner joins columnar."""
+"""List a catalogue through fsspec and keep the image files, counting what is skipped. The listing is written
+to a local Parquet file in batches as it is listed (never one Python object per object kept, never the whole
+listing in memory), which the planner joins columnar."""
 
 from __future__ import annotations
 
+import os
 import posixpath
-from collections.abc import Iterable
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from imgest.storage import Location, ObjectInfo, StorageError, open_location, redact
 
@@ -27,24 +33,45 @@ def printable_key(key: str) -> str:
         return key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def listing_table(objects: Iterable[ObjectInfo]) -> pa.Table:
-    """Objects -> LISTING_SCHEMA, converted BATCH_ROWS at a time."""
-    batches, rows = [], []
+def listing_batches(objects: Iterable[ObjectInfo]) -> Iterator[pa.RecordBatch]:
+    """Objects -> LISTING_SCHEMA batches of BATCH_ROWS (at least one, maybe empty)."""
+    rows: list[tuple] = []
 
-    def flush() -> None:
+    def batch() -> pa.RecordBatch:
         columns = list(zip(*rows)) if rows else [[] for _ in LISTING_SCHEMA]
-        batches.append(pa.record_batch([pa.array(c, f.type) for c, f in zip(columns, LISTING_SCHEMA)],
-                                       schema=LISTING_SCHEMA))
         rows.clear()
+        return pa.record_batch([pa.array(c, f.type) for c, f in zip(columns, LISTING_SCHEMA)], schema=LISTING_SCHEMA)
 
+    sent = False
     for obj in objects:
         key = printable_key(obj.key)
         rows.append((key, key == obj.key, obj.size, obj.mtime, obj.etag, obj.storage_class))
         if len(rows) == BATCH_ROWS:
-            flush()
-    if rows or not batches:
-        flush()
-    return pa.Table.from_batches(batches, LISTING_SCHEMA)
+            sent = True
+            yield batch()
+    if rows or not sent:
+        yield batch()
+
+
+def listing_table(objects: Iterable[ObjectInfo]) -> pa.Table:
+    """Objects -> LISTING_SCHEMA, in memory (small listings: text listings, tests)."""
+    return pa.Table.from_batches(list(listing_batches(objects)), LISTING_SCHEMA)
+
+
+class SpillFolder:
+    """A folder on local disk for a listing's files; removed with the last object holding it."""
+
+    def __init__(self) -> None:
+        self.path = tempfile.mkdtemp(prefix="imgest-listing-")
+        weakref.finalize(self, shutil.rmtree, self.path, True)
+
+    def write(self, name: str, batches: Iterable[pa.RecordBatch]) -> str:
+        path = os.path.join(self.path, name)
+        with pq.ParquetWriter(path, LISTING_SCHEMA, compression="zstd") as writer:
+            for batch in batches:
+                writer.write_batch(batch)
+        return path
+
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff"})
 
@@ -52,24 +79,38 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", 
 @dataclass
 class Listing:
     catalogue: str
-    table: pa.Table  # LISTING_SCHEMA, in key order
+    table: pa.Table | None = None  # LISTING_SCHEMA in key order, for a listing held in memory; else `files`
     skipped: int = 0  # not an image by its extension
     skipped_examples: list[str] = field(default_factory=list)
     not_regular: int = 0  # FIFOs, devices, sockets, dangling links: never read (a read could block for ever)
     not_regular_examples: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)  # local Parquet files (LISTING_SCHEMA), as the parts listed them
+    spill: list[SpillFolder] = field(default_factory=list, repr=False)  # keeps the files' folders while needed
+
+    @property
+    def source(self) -> pa.Table | list[str]:
+        """What the planner joins: the table, or the files (DuckDB streams them)."""
+        return self.files if self.table is None else self.table
+
+    def read(self) -> pa.Table:
+        """The whole listing in memory, in key order (small consumers only)."""
+        if self.table is not None:
+            return self.table
+        return pa.concat_tables([pq.read_table(f) for f in self.files], promote_options="none").sort_by("key") \
+            if self.files else LISTING_SCHEMA.empty_table()
 
     def __len__(self) -> int:
-        return len(self.table)
+        return len(self.table) if self.table is not None else sum(pq.read_metadata(f).num_rows for f in self.files)
 
     @property
     def keys(self) -> list[str]:
-        return self.table["key"].to_pylist()
+        return self.read()["key"].to_pylist()
 
     @property
     def objects(self) -> list[ObjectInfo]:
         """The listed objects one by one, for the small consumers (query-set builders, text listings)."""
         return [ObjectInfo(r["key"], r["size"], r["mtime"], r["etag"], storage_class=r["storage_class"])
-                for r in self.table.to_pylist()]
+                for r in self.read().to_pylist()]
 
 
 def is_image_key(key: str) -> bool:
@@ -80,7 +121,7 @@ def list_catalogue(catalogue_url: str, folder: str = "", maxdepth: int | None = 
     """Every image object below the catalogue root (or below `folder` in it, `maxdepth` levels down); the item
     id is its key relative to the root."""
     loc: Location = open_location(catalogue_url, must_exist=True, what="catalogue")
-    listing = Listing(catalogue=loc.url, table=LISTING_SCHEMA.empty_table())
+    listing = Listing(catalogue=loc.url, spill=[SpillFolder()])
     above = f"{folder}/" if folder else ""
 
     def images() -> Iterable[ObjectInfo]:
@@ -97,7 +138,7 @@ def list_catalogue(catalogue_url: str, folder: str = "", maxdepth: int | None = 
                 if len(listing.skipped_examples) < 10:
                     listing.skipped_examples.append(key)
 
-    listing.table = listing_table(images())
+    listing.files = [listing.spill[0].write("listing.parquet", listing_batches(images()))]
     return listing
 
 
@@ -107,9 +148,14 @@ def catalogue_parts(catalogue_url: str) -> list[str]:
 
 
 def merge_listings(parts: list[Listing]) -> Listing:
-    """The parts' tables in one, in key order; their counts summed."""
-    merged = Listing(catalogue=parts[0].catalogue,
-                     table=pa.concat_tables([p.table for p in parts]).sort_by("key").combine_chunks())
+    """The parts as one listing (their files, or for listings in memory their tables in key order); their counts
+    summed."""
+    merged = Listing(catalogue=parts[0].catalogue)
+    if all(p.table is None for p in parts):
+        merged.files = [f for p in parts for f in p.files]
+        merged.spill = [s for p in parts for s in p.spill]
+    else:
+        merged.table = pa.concat_tables([p.read() for p in parts]).sort_by("key").combine_chunks()
     for part in parts:
         merged.skipped += part.skipped
         merged.not_regular += part.not_regular

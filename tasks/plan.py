@@ -107,9 +107,9 @@ def check_deletions(live: int, gone: int, listed: int, max_fraction: float) -> N
 PLAN_MEMORY = "1GB"  # DuckDB's memory for the plan's join; a larger catalogue spills to disk
 
 
-def _relation(con, name: str, source: pa.Table | str) -> None:
-    """A table of the plan's query: an Arrow table, or a Parquet file DuckDB streams from disk."""
-    if isinstance(source, str):
+def _relation(con, name: str, source: pa.Table | str | list[str]) -> None:
+    """A table of the plan's query: an Arrow table, or Parquet files DuckDB streams from disk."""
+    if isinstance(source, (str, list)):
         con.read_parquet(source).create_view(name)
     else:
         con.register(name, source)
@@ -144,14 +144,15 @@ def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id
 
     A columnar join (DuckDB) of the listing with the state (STATE_SCHEMA: a CatalogueState, an Arrow table or
     a Parquet file); only the objects to read and the items to delete come back as Python objects, so memory
-    follows the change, not the catalogue. `listing_source` replaces `listing.table` (a Parquet file of it).
+    follows the change, not the catalogue. `listing_source` replaces `listing.source` (a Parquet file of it).
     """
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     plan = Plan(run_id=run_id, listed=0, skipped=listing.skipped, not_regular=listing.not_regular)
     catalogue = Location(listing.catalogue)
-    with _plan_connection(state, isinstance(state, str) or isinstance(listing_source, str)) as con:
-        _relation(con, "listing", listing.table if listing_source is None else listing_source)
+    listed = listing.source if listing_source is None else listing_source
+    with _plan_connection(state, isinstance(state, str) or isinstance(listed, (str, list))) as con:
+        _relation(con, "listing", listed)
         plan.listed = con.execute("SELECT count(*) FROM listing").fetchone()[0]
         work = con.execute(f"""
             SELECT l.key, l.key_ok, l.size, l.mtime, l.etag, l.storage_class,

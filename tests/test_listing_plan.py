@@ -117,3 +117,31 @@ def test_redact_hides_credentials():
     text = redact("s3://AKIA:topsecret@bucket/x failed with imgest-test-secret-never-logged")
     assert "topsecret" not in text and "imgest-test-secret-never-logged" not in text
     assert "bucket/x" in text
+
+
+def test_a_listing_is_written_to_local_parquet_as_listed_and_its_folder_goes_with_it(tmp_path):
+    """Listing never holds the catalogue in memory: each part is a Parquet file on local disk, a merged listing
+    keeps its parts' files (and their folders) alive, and the planner joins them from disk."""
+    import gc
+
+    import pyarrow.parquet as pq
+
+    from imgest.tasks.listing import merge_listings
+
+    write_files(str(tmp_path / "cat"), {"a/1.jpg": b"1", "a/2.jpg": b"22", "b/3.jpg": b"333", "top.jpg": b"4"})
+    parts = [list_catalogue(str(tmp_path / "cat"), folder, depth) for folder, depth in [("", 1), ("a", None),
+                                                                                          ("b", None)]]
+    assert all(p.table is None and len(p.files) == 1 for p in parts)
+    assert pq.read_table(parts[1].files[0])["key"].to_pylist() == ["a/1.jpg", "a/2.jpg"]
+    merged = merge_listings(parts)
+    folders = [s.path for s in merged.spill]
+    del parts
+    gc.collect()
+    assert len(merged) == 4 and merged.keys == ["a/1.jpg", "a/2.jpg", "b/3.jpg", "top.jpg"]
+    plan = plan_ingest(merged, _state(**{"a/2.jpg": _item("a/2.jpg", size=2, mtime=os.path.getmtime(
+        tmp_path / "cat/a/2.jpg"))}), "r00000002-x-y")
+    assert plan.listed == 4 and plan.unchanged == 1
+    assert [i.item_id for s in plan.shards for i in s.items] == ["a/1.jpg", "b/3.jpg", "top.jpg"]
+    del merged
+    gc.collect()
+    assert not any(os.path.exists(f) for f in folders)

@@ -311,3 +311,32 @@ def test_snapshots_a_full_one_replaces_go_after_a_week(tmp_path):
     write_snapshot(store, CatalogueState("m", dict(items)), "r00000003-a-b", {})
     assert list_snapshots(store, "m") == [(2, False), (3, False)], "the week-old one goes, yesterday's stays"
     assert load_state(store, "m").to_table().num_rows == 10
+
+
+def test_the_state_is_queried_on_disk_and_its_folder_goes_with_it(tmp_path):
+    """The committed rows stay in a DuckDB database in a folder of their own (never the flow's memory): queries
+    see the overlay in place of the rows it replaces, a full snapshot is streamed out and uploaded whole (no
+    temp file left), and the folder is gone once the state is."""
+    import gc
+
+    from imgest.tasks.state import list_snapshots, write_snapshot
+
+    store = Location(str(tmp_path / "store"))
+    items = {f"k{i}": ItemState(f"k{i}", "u", LIVE, None, 1, 1.0, f"h{i}", "part-r00000001-a-b-00000", None, None,
+                                "2026-11-01T00:00:00+00:00") for i in range(5)}
+    write_snapshot(store, CatalogueState("m", items), "r00000001-a-b", {"seeded": 5})
+    state = load_state(store, "m")
+    folder = state.base.folder
+    assert os.path.exists(os.path.join(folder, "state.duckdb")) and state.base.rows == 5 and not state.overlay
+    state.delete(["k1", "k3"], "r00000002-a-b", "2026-11-02T00:00:00+00:00")
+    assert state.count(LIVE) == 3 and state.count(DELETED) == 2
+    assert state.rows(["k1", "k2", "nope"]).keys() == {"k1", "k2"} and state.rows(["k1"])["k1"].status == DELETED
+    assert state.live_table()["item_id"].to_pylist() == ["k0", "k2", "k4"]
+    state.full_rows = 0  # force a full snapshot: the path a compaction takes
+    write_snapshot(store, state, "r00000002-a-b", {})
+    assert list_snapshots(store, "m")[-1] == (2, False)
+    assert not [n for n in os.listdir(tmp_path / "store/state/model=m/snapshots") if n.startswith(".tmp-")]
+    assert load_state(store, "m").count(DELETED) == 2
+    del state
+    gc.collect()
+    assert not os.path.exists(folder)
