@@ -1,7 +1,9 @@
 """Planning at catalogue scale: a listing of N objects against an N-item snapshot (1% changed, 0.5% new,
 0.5% deleted), planned by the per-item planner imgest had before (tasks/plan.py at a29ef69, loaded from git:
-a Python object per item for the state and the listing) and by today's columnar one (DuckDB joining the
-listing and snapshot Parquet files on disk). Each runs in its own process; time and that process's peak RSS.
+a Python object per item for the state and the listing), by today's columnar one alone (DuckDB joining the
+listing and snapshot Parquet files on disk), and along the flow's whole state path with its own functions
+(`prepare_state` on a store holding the snapshot, `plan_ingest` over the listing's file, the night's commit
+markers folded, tombstones, and `write_snapshot`). Each runs in its own process; time and its peak RSS.
 
     .venv/bin/python bench/bench_plan.py --sizes 1000000 10000000
 """
@@ -44,6 +46,9 @@ def write_inputs(n: int, work: str, seed: int = 0) -> dict:
         "updated_at": ["2026-11-29T00:00:00+00:00"] * n,
     }, schema=STATE_SCHEMA)
     pq.write_table(state, os.path.join(work, "snapshot.parquet"))
+    snapshots = os.path.join(work, "store", "state", "model=m", "snapshots")  # the same file, as a store holds it
+    os.makedirs(snapshots)
+    os.link(os.path.join(work, "snapshot.parquet"), os.path.join(snapshots, "00000001.parquet"))
     picks = rng.permutation(n)
     changed, deleted = picks[:n // 100], picks[n // 100:n // 100 + n // 200]
     listed_etags = etags.copy()
@@ -77,6 +82,29 @@ def old_planner():
     return module.plan_ingest
 
 
+def flow_path(work: str):
+    """What the ingest flow does with the state on a night, minus listing and encoding: load it (the snapshot
+    file read in place by DuckDB), plan against the listing file as the listing task leaves it, fold one commit
+    marker per shard of the work (every object re-encoded), tombstone the unlisted, write the next snapshot."""
+    from imgest.storage import Location
+    from imgest.tasks.listing import Listing
+    from imgest.tasks.plan import plan_ingest
+    from imgest.tasks.state import now_iso, prepare_state, write_snapshot
+
+    store = Location(os.path.join(work, "store"))
+    state, _ = prepare_state(store, {"slug": "m", "model_id": "bench"})
+    listing = Listing("s3://shop", files=[os.path.join(work, "listing.parquet")])
+    run_id = "r00000002-x-y"
+    plan = plan_ingest(listing, state, run_id, 1000, 50 << 20, 0.1)
+    for shard in plan.shards:
+        state.apply_commit({"shard": shard.name, "run_id": run_id, "created": now_iso(), "encoded": [
+            {"item_id": i.item_id, "uri": i.uri, "etag": i.etag, "size": i.size, "mtime": i.mtime,
+             "content_hash": f"h-{i.etag}"} for i in shard.items]})
+    state.delete(plan.deleted, run_id, now_iso())
+    write_snapshot(store, state, run_id, {"bench": True})
+    return plan
+
+
 def child(kind: str, work: str) -> None:
     from imgest.storage import ObjectInfo
     from imgest.tasks.listing import LISTING_SCHEMA, Listing
@@ -93,10 +121,12 @@ def child(kind: str, work: str) -> None:
                    for r in pq.read_table(os.path.join(work, "listing.parquet")).to_pylist()]
         listing = types.SimpleNamespace(catalogue="s3://shop", objects=objects, skipped=0, not_regular=0)
         plan = plan_before(listing, state, "r00000002-x-y", 1000, 50 << 20, 0.1)
-    else:
+    elif kind == "new":
         listing = Listing("s3://shop", LISTING_SCHEMA.empty_table())
         plan = plan_ingest(listing, os.path.join(work, "snapshot.parquet"), "r00000002-x-y", 1000, 50 << 20, 0.1,
                            listing_source=os.path.join(work, "listing.parquet"))
+    else:
+        plan = flow_path(work)
     seconds = time.perf_counter() - start
     print(json.dumps({"seconds": round(seconds, 1), "peak_rss_mib": peak_rss_mib(), "listed": plan.listed,
                       "to_read": plan.to_read, "new": plan.new,
@@ -106,7 +136,8 @@ def child(kind: str, work: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
-    parser.add_argument("--child", choices=["old", "new"])
+    parser.add_argument("--child", choices=["old", "new", "flow"])
+    parser.add_argument("--planners", nargs="+", default=["old", "new", "flow"])
     parser.add_argument("--work")
     args = parser.parse_args()
     if args.child:
@@ -117,7 +148,7 @@ def main() -> None:
             t0 = time.perf_counter()
             made = write_inputs(n, work)
             print(f"N={n:,}: inputs written in {time.perf_counter() - t0:.0f} s ({made})", flush=True)
-            for kind in ("old", "new"):
+            for kind in args.planners:
                 out = subprocess.run([sys.executable, __file__, "--child", kind, "--work", work], capture_output=True,
                                      text=True)
                 if out.returncode:
@@ -129,7 +160,8 @@ def main() -> None:
     print("\n| N | planner | seconds | peak RSS MiB | listed | to read | new | changed | deleted |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        name = f"per-item ({OLD})" if r["planner"] == "old" else "columnar (DuckDB over Parquet)"
+        name = {"old": f"per-item ({OLD})", "new": "columnar (DuckDB over Parquet)",
+                "flow": "flow's state path (load, plan, fold, snapshot)"}[r["planner"]]
         print(f"| {r['n']:,} | {name} | {r['seconds']} | {r['peak_rss_mib']:,} | {r['listed']:,} | {r['to_read']:,} | "
               f"{r['new']:,} | {r['changed']:,} | {r['deleted']:,} |")
 
