@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import os
 import posixpath
-import shutil
-import tempfile
-import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from imgest.scratch import scratch_folder
 from imgest.storage import Location, ObjectInfo, StorageError, open_location, redact
 
 # key: as listed (a local name that is not valid UTF-8 is stored with backslash escapes, key_ok false)
@@ -62,8 +60,7 @@ class SpillFolder:
     """A folder on local disk for a listing's files; removed with the last object holding it."""
 
     def __init__(self) -> None:
-        self.path = tempfile.mkdtemp(prefix="imgest-listing-")
-        weakref.finalize(self, shutil.rmtree, self.path, True)
+        self.path = scratch_folder(self, "listing")
 
     def write(self, name: str, batches: Iterable[pa.RecordBatch]) -> str:
         path = os.path.join(self.path, name)

@@ -4,14 +4,14 @@ and the rows spill, so planning and folding a 100M-item state never holds it in 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from imgest.scratch import scratch_folder
 
 STATE_SCHEMA = pa.schema([
     ("item_id", pa.string()),
@@ -27,18 +27,12 @@ STATE_SCHEMA = pa.schema([
     ("updated_at", pa.string()),
 ])
 STATE_MEMORY = "1GB"  # DuckDB's working memory for one state; past it, joins and sorts spill to its folder
-STATE_TMP_PREFIX = "imgest-state-"
 SQL_TYPES = {pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.float64(): "DOUBLE"}
 COLUMNS = ", ".join(f'CAST("{f.name}" AS {SQL_TYPES[f.type]}) AS "{f.name}"' for f in STATE_SCHEMA)
 
 
 def _sql_string(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
-
-
-def _close(con, folder: str) -> None:
-    con.close()
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 class StateBase:
@@ -51,11 +45,11 @@ class StateBase:
     def __init__(self) -> None:
         import duckdb
 
-        self.folder = tempfile.mkdtemp(prefix=STATE_TMP_PREFIX)
+        self.folder = scratch_folder(self, "state")
         self._db = duckdb.connect(os.path.join(self.folder, "state.duckdb"), config={
             "memory_limit": STATE_MEMORY, "temp_directory": os.path.join(self.folder, "spill"),
             "preserve_insertion_order": False})
-        self._finalizer = weakref.finalize(self, _close, self._db, self.folder)
+        weakref.finalize(self, self._db.close)  # with the folder, when the state goes
         self.rows = 0
 
     @classmethod

@@ -340,3 +340,52 @@ def test_the_state_is_queried_on_disk_and_its_folder_goes_with_it(tmp_path):
     del state
     gc.collect()
     assert not os.path.exists(folder)
+
+
+def test_killed_between_the_snapshot_and_the_marker_deletion_nothing_is_counted_twice(tmp_path):
+    """A run killed after its snapshot (a delta here) but before it deleted the commit markers it folded: the
+    next load sees them as already folded (their run is not after the snapshot), and the next write drops them."""
+    from imgest.tasks.state import commit_key, list_commits, now_iso, write_snapshot
+
+    store = Location(str(tmp_path))
+    items = {f"k{i:03d}": ItemState(f"k{i:03d}", "u", LIVE, f"e{i}", 1, 1.0, f"h{i}", "part-r00000001-a-b-00000",
+                                    "r00000001-a-b", None, "2026-11-01T00:00:00+00:00") for i in range(100)}
+    write_snapshot(store, CatalogueState("m", items), "r00000001-a-b", {})
+    run = "r00000002-a-b"
+    marker = {"shard": f"part-{run}-00000", "run_id": run, "created": now_iso(),
+              "encoded": [{"item_id": "new", "uri": "u", "etag": "n", "size": 2, "mtime": 2.0, "content_hash": "hn"}]}
+    store.write_json(commit_key("m", marker["shard"]), marker)
+    state = load_state(store, "m")
+    assert state.pending == [marker["shard"]] and state.count(LIVE) == 101
+    write_snapshot(store, state, run, {})
+    store.write_json(commit_key("m", marker["shard"]), marker)  # as if killed before the deletion
+    again = load_state(store, "m")
+    assert again.pending == [] and not again.overlay and again.count(LIVE) == 101
+    assert again.to_table().num_rows == 101
+    write_snapshot(store, again, "r00000003-a-b", {})
+    assert list_commits(store, "m") == []
+
+
+def test_scratch_folders_of_a_killed_process_are_swept(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from imgest.scratch import scratch_folder
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = tmp_path / f"imgest-state-{int(dead.stdout)}-abc"
+    left.mkdir()
+    (left / "state.duckdb").write_bytes(b"x")
+    mine = tmp_path / f"imgest-state-{os.getpid()}-def"
+    mine.mkdir()
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    made = scratch_folder(owner, "state")
+    assert not left.exists(), "a dead process's folder goes"
+    assert mine.exists() and os.path.isdir(made), "a live process's folders stay"
