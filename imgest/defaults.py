@@ -15,6 +15,7 @@ DEFAULT_DUPLICATE_THRESHOLD = 0.97  # cosine at or above which two images are ne
 DEFAULT_RECALL_QUERIES = 1000  # held-out corpus queries measuring it
 DEFAULT_ALIAS = "auto"  # build-index moves the aliases already on its model (creates `serving` if none)
 DEFAULT_INDEX_PARTS = 1
+DEFAULT_DISK = "unlimited"  # local disk for a PQ index's float16 re-rank vectors (memory-mapped when served)
 DEFAULT_RETRAIN_SHARE = 0.2  # an IVF index is trained again once this share of its training count was added
 DEFAULT_RETAIN_DAYS = 7.0  # a retired model's data is kept this long after `migrate finish`
 DEFAULT_KS = (1, 5, 10)  # eval cut-offs

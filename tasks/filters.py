@@ -47,7 +47,7 @@ def positions(items, index_ids) -> np.ndarray:
     return found.drop_null().to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def _params(index, bits: np.ndarray, param: str | None, value: int | None):
+def _params(index, bits: np.ndarray, param: str | None, value: int | None, k_factor: int | None = None):
     import faiss
 
     selector = faiss.IDSelectorBitmap(index.ntotal, faiss.swig_ptr(bits))  # 1 bit per id: cheap at any size
@@ -58,7 +58,13 @@ def _params(index, bits: np.ndarray, param: str | None, value: int | None):
         params = faiss.SearchParametersIVF(sel=selector, nprobe=int(value))
     else:
         params = faiss.SearchParameters(sel=selector)
-    if isinstance(inner, faiss.IndexPreTransform):  # OPQ in front of an IVF: the selector goes to the IVF
+    if isinstance(inner, faiss.IndexRefine):  # PQ candidates re-ranked: the selector goes to the PQ search
+        base = faiss.downcast_index(inner.base_index)
+        if isinstance(base, faiss.IndexPreTransform):
+            params = faiss.SearchParametersPreTransform(index_params=params)
+        params = faiss.IndexRefineSearchParameters(k_factor=float(k_factor or 1), base_index_params=params,
+                                                   sel=selector)
+    elif isinstance(inner, faiss.IndexPreTransform):  # OPQ in front of an IVF: the selector goes to the IVF
         params = faiss.SearchParametersPreTransform(index_params=params)
     return params, selector  # the selector must outlive the search
 
@@ -83,7 +89,7 @@ def _exact_over(index, vectors: np.ndarray, allowed: np.ndarray, k: int) -> tupl
 
 
 def filtered_search(index, vectors: np.ndarray, k: int, allowed: np.ndarray, param: str | None,
-                    value: int | None) -> tuple[np.ndarray, np.ndarray]:
+                    value: int | None, k_factor: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Top k among the `allowed` faiss ids for each query, filled whenever `allowed` holds k ids."""
     vectors = np.ascontiguousarray(vectors, np.float32)
     mask = np.zeros(index.ntotal, bool)
@@ -99,7 +105,7 @@ def filtered_search(index, vectors: np.ndarray, k: int, allowed: np.ndarray, par
         rows = np.flatnonzero((ids >= 0).sum(axis=1) < need)
         if not len(rows) or (step and setting == value):
             break
-        params, _keep = _params(index, bits, param, setting)
+        params, _keep = _params(index, bits, param, setting, k_factor)
         found_scores, found_ids = index.search(vectors[rows], k, params=params)
         scores[rows], ids[rows] = found_scores, found_ids
     rows = np.flatnonzero((ids >= 0).sum(axis=1) < need)

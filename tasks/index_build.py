@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from imgest.tasks.index_choice import IndexChoice
+from imgest.tasks.index_choice import OPQ_NITER, OPQ_TRAIN, IndexChoice
 
 
 @dataclass
@@ -75,6 +75,7 @@ def train(vectors: np.ndarray, choice: IndexChoice, seed: int = 0, rows: np.ndar
     n, d = vectors.shape
     index = faiss.index_factory(d, choice.factory, faiss.METRIC_INNER_PRODUCT)
     _disable_polysemous(index)
+    _bound_opq(index)
     if not index.is_trained:
         if rows is None:
             rng = np.random.default_rng(seed)
@@ -109,6 +110,8 @@ def mergeable(index) -> bool:
     """IVF indexes merge their inverted lists and flat indexes their codes; an HNSW graph does not merge."""
     import faiss
 
+    if refine_of(index) is not None:  # its re-rank vectors are a second index, numbered by add order
+        return False
     return has_ivf(index) or isinstance(faiss.downcast_index(index), faiss.IndexFlatCodes)
 
 
@@ -153,6 +156,27 @@ def _disable_polysemous(index) -> None:
         ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
         if hasattr(ivf, "do_polysemous_training"):
             ivf.do_polysemous_training = False
+
+
+def refine_of(index):
+    """The IndexRefine (PQ codes searched, float vectors re-ranking) an index is, or None."""
+    import faiss
+
+    inner = faiss.downcast_index(index)
+    return inner if isinstance(inner, faiss.IndexRefine) else None
+
+
+def _bound_opq(index) -> None:
+    # an OPQ rotation trains on at most OPQ_TRAIN vectors for OPQ_NITER iterations (see index_choice)
+    import faiss
+
+    refine = refine_of(index)
+    inner = faiss.downcast_index(refine.base_index if refine is not None else index)
+    if isinstance(inner, faiss.IndexPreTransform):
+        for i in range(inner.chain.size()):
+            transform = faiss.downcast_VectorTransform(inner.chain.at(i))
+            if isinstance(transform, faiss.OPQMatrix):
+                transform.niter, transform.max_train_points = OPQ_NITER, OPQ_TRAIN
 
 
 def has_ivf(index) -> bool:

@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 
 import imgest
-from imgest.tasks.index_build import BuildTimes, faiss_blas
+from imgest.tasks.index_build import BuildTimes, faiss_blas, refine_of
 from imgest.tasks.index_choice import HNSW_M, RULE, IndexChoice, parse_memory
 from imgest.tasks.live import LiveVectors
 from imgest.tasks.recall_tuning import Tuned
@@ -24,8 +24,23 @@ def bytes_per_vector(d: int, choice: IndexChoice) -> dict:
     }
 
 
+def footprint(index, choice: IndexChoice) -> dict:
+    """Bytes of the built index where it is served: in RAM (codes, ids, coarse quantizer, codebooks) and on
+    local disk (a re-ranking index's float16 vectors, memory-mapped), measured from the index itself."""
+    refine = refine_of(index)
+    if refine is None:
+        return {"ram_bytes": int(faiss.serialize_index(index).nbytes), "disk_bytes": 0, "refine": None}
+    vectors = faiss.downcast_index(refine.refine_index)
+    ram = int(faiss.serialize_index(refine.base_index).nbytes)
+    disk = int(vectors.ntotal * vectors.code_size)
+    if choice.refine != "disk":
+        ram, disk = ram + disk, 0
+    return {"ram_bytes": ram, "disk_bytes": disk, "refine": choice.refine,
+            "estimated_ram_bytes": choice.estimated_bytes, "estimated_disk_bytes": choice.disk_bytes}
+
+
 def make_card(model: dict, n: int, d: int, snapshot: int, choice: IndexChoice, memory: str, times: BuildTimes,
-              tuned: Tuned, lineage: dict) -> dict:
+              tuned: Tuned, lineage: dict, index=None, disk: str | None = None) -> dict:
     return {
         "imgest_version": imgest.__version__,
         "faiss_version": faiss.__version__,
@@ -38,9 +53,10 @@ def make_card(model: dict, n: int, d: int, snapshot: int, choice: IndexChoice, m
         "factory": choice.factory,
         "kind": choice.kind,
         "choice": {**choice.to_dict(), "memory_budget": memory, "memory_budget_bytes": parse_memory(memory),
-                   "rule": RULE},
+                   "disk_budget": disk, "rule": RULE},
         "metric": "inner product on L2-normalised vectors (cosine)",
-        "search": {"param": tuned.param_name, "value": tuned.param},
+        "search": {"param": tuned.param_name, "value": tuned.param, "k_factor": tuned.k_factor},
+        "footprint": footprint(index, choice) if index is not None else None,
         "recall": {
             f"recall@{tuned.k}": tuned.recall,
             "k": tuned.k,

@@ -130,6 +130,7 @@ class OpenIndex:
     index: object  # faiss.Index with the served search parameter set
     item_ids: list[str]
     uris: list[str]
+    held: tuple = ()  # faiss objects the index points at without owning them (kept alive here)
 
     def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return self.index.search(np.ascontiguousarray(vectors, np.float32), k)
@@ -170,8 +171,16 @@ def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAUL
     if actual != card["sha256"]:
         raise IndexIntegrityError(f"{card['index_file']} has sha256 {actual[:16]}..., its card says "
                                   f"{card['sha256'][:16]}...: refusing to serve a corrupted index")
-    flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if card["kind"] in ("ivfsq8", "ivfpq") else 0
-    index = faiss.read_index(path, flags)
-    set_param(index, card["search"]["param"], card["search"]["value"])
+    refine = (card.get("footprint") or {}).get("refine")
+    if refine == "disk":  # the float16 vectors stay in the file (memory-mapped); the codes are copied to RAM
+        index = faiss.read_index(path, faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY)
+        inner = faiss.downcast_index(index)
+        inner.base_index = faiss.clone_index(inner.base_index)
+        inner.own_fields = False
+        held = (inner.base_index,)
+    else:
+        flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if card["kind"] in ("ivfsq8", "ivfpq") else 0
+        index, held = faiss.read_index(path, flags), ()
+    set_param(index, card["search"]["param"], card["search"]["value"], card["search"].get("k_factor"))
     ids = read_ids(store, card)
-    return OpenIndex(card, index, ids["item_id"].to_pylist(), ids["uri"].to_pylist())
+    return OpenIndex(card, index, ids["item_id"].to_pylist(), ids["uri"].to_pylist(), held)

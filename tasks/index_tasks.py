@@ -17,7 +17,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
-from imgest.defaults import DEFAULT_RETRAIN_SHARE
+from imgest.defaults import DEFAULT_DISK, DEFAULT_RETRAIN_SHARE
 from imgest.lock import Fence
 from imgest.progress import report
 from imgest.storage import Location
@@ -36,7 +36,7 @@ from imgest.tasks.index_build import (
     warn_if_generic_blas,
 )
 from imgest.tasks.index_card import ids_table, make_card
-from imgest.tasks.index_choice import IndexChoice, choose_index
+from imgest.tasks.index_choice import IndexChoice, choose_index, refines
 from imgest.tasks.index_parts import PartSpec, add_store_part, merge_id_parts, merge_truth, plan_parts, read_rows
 from imgest.tasks.index_store import (
     IndexIntegrityError,
@@ -124,11 +124,11 @@ def tune_task(index, truth: Truth, target: float, k: int) -> Tuned:
 
 @task(name="update-index", cache_policy=NO_CACHE)
 def update_task(store_url: str, model: dict, previous: dict | None, kind: str, memory: str, target_recall: float,
-                k: int, retrain_share: float) -> dict:
+                k: int, retrain_share: float, disk: str = DEFAULT_DISK) -> dict:
     """Carry `previous` forward to the live state (see tasks/index_update.py): the new index, id map, exact
     lists and card; or {"why": ...}, the reason to train a new index instead (a decision, not a failure)."""
     try:
-        return update_version(store_url, model, previous, kind, memory, target_recall, k, retrain_share)
+        return update_version(store_url, model, previous, kind, memory, target_recall, k, retrain_share, disk)
     except NotUpdatable as exc:
         return {"why": str(exc)}
     except (IndexIntegrityError, FileNotFoundError) as exc:  # the old version's fault, not this build's: train anew
@@ -136,11 +136,11 @@ def update_task(store_url: str, model: dict, previous: dict | None, kind: str, m
 
 
 def update_version(store_url: str, model: dict, previous: dict | None, kind: str, memory: str, target_recall: float,
-                   k: int, retrain_share: float) -> dict:
+                   k: int, retrain_share: float, disk: str = DEFAULT_DISK) -> dict:
     start = time.perf_counter()
     store, slug, d = Location(store_url), model["slug"], int(model["dim"])
     state = load_state(store, slug)
-    choice = choose_index(state.count(LIVE), d, memory, kind)
+    choice = choose_index(state.count(LIVE), d, memory, kind, disk)
     truth_table = read_truth(store, previous) if previous else None
     updatable(previous, choice.factory, truth_table is not None)
     if previous["recall"]["k"] != k:
@@ -160,7 +160,7 @@ def update_version(store_url: str, model: dict, previous: dict | None, kind: str
     tuned = tune_with_truth(index, truth, target_recall, k)
     check_served(line, tuned)
     times = BuildTimes(0.0, add_seconds, round(time.perf_counter() - start, 3))
-    card = make_card(model, len(delta.ids), d, state.seq, choice, memory, times, tuned, line)
+    card = make_card(model, len(delta.ids), d, state.seq, choice, memory, times, tuned, line, index, disk)
     card["build"] = {"parts": 1, "runner": "local", "method": "updated in place: faiss remove_ids, ids renumbered "
                                                               "to item_id order, add_with_ids of the new vectors"}
     get_run_logger().info("index model=%s: %s", slug, line["why"])
@@ -258,13 +258,13 @@ def previous_version(store: Location, slug: str) -> dict | None:
 @task(name="build-version", cache_policy=NO_CACHE)
 def build_version(store_url: str, model: dict, kind: str, memory: str, target_recall: float, k: int, queries: int,
                   parts: int, runner: str, workers: int, fence: Fence | None = None, rebuild: bool = False,
-                  retrain_share: float = DEFAULT_RETRAIN_SHARE) -> dict:
+                  retrain_share: float = DEFAULT_RETRAIN_SHARE, disk: str = DEFAULT_DISK) -> dict:
     """Update the last version in place when it is an IVF index whose training still fits; otherwise load,
     train, fill and tune. Then write the version (reuse is decided before, from the store's build records)."""
     why = "asked to build from scratch (--rebuild)"
     if not rebuild:
         previous = previous_version(Location(store_url), model["slug"])
-        updated = update_task(store_url, model, previous, kind, memory, target_recall, k, retrain_share)
+        updated = update_task(store_url, model, previous, kind, memory, target_recall, k, retrain_share, disk)
         if "why" not in updated:
             card = write_version_task(store_url, updated["index"], quote(updated["ids"]), updated["card"], fence,
                                       quote(updated["truth"]))
@@ -275,9 +275,9 @@ def build_version(store_url: str, model: dict, kind: str, memory: str, target_re
     if len(live_rows) < 2:
         return {"built": False, "reason": f"{len(live_rows)} live vectors: nothing to index", "slug": model["slug"]}
     d, depth = int(model["dim"]), TRUTH_DEPTH_PER_K * k
-    choice = choose_index(len(live_rows), d, memory, kind)
+    choice = choose_index(len(live_rows), d, memory, kind, disk)
     progress = AddProgress(model["slug"], len(live_rows))
-    if parts > 1 and "IVF" in choice.factory:
+    if parts > 1 and "IVF" in choice.factory and not refines(choice.factory):
         index, times, used, truth = build_from_store(store_url, model, live_rows, choice, parts, runner,
                                                      workers, queries, depth, progress)
         method = ("trained once on whole shards read here; each part read its own shards from the store and added "
@@ -297,7 +297,7 @@ def build_version(store_url: str, model: dict, kind: str, memory: str, target_re
         ids, snapshot = ids_table(live), live.snapshot
     tuned = tune_task(index, quote(truth), target_recall, k)
     card = make_card(model, len(ids), d, snapshot, choice, memory, times, tuned,
-                     built_lineage(len(ids), tuned.param, retrain_share, why))
+                     built_lineage(len(ids), tuned.param, retrain_share, why), index, disk)
     card["build"] = {"parts": used, "runner": runner if runner in ("local", "dask") else "dask (remote)",
                      "method": method}
     card = write_version_task(store_url, index, quote(ids), card, fence, quote(truth.to_table()))

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from imgest.storage import Location
+from imgest.tasks.index_choice import refines
 from imgest.tasks.shards import embedding_matrix
 from imgest.tasks.state import CatalogueState, shard_key
 
@@ -125,6 +126,9 @@ def updatable(previous: dict | None, factory: str, has_truth: bool) -> None:
         what = "an HNSW graph cannot remove vectors" if previous["search"]["param"] == "efSearch" else \
             "a flat index has no training to save"
         raise NotUpdatable(f"v{previous['version']:04d} is {previous['factory']}: {what}; built again")
+    if refines(previous["factory"]):
+        raise NotUpdatable(f"v{previous['version']:04d} is {previous['factory']}: its re-rank vectors are numbered "
+                           "by add order and cannot remove; built again")
     if previous["factory"] != factory:
         raise NotUpdatable(f"the rule now picks {factory} for this catalogue; v{previous['version']:04d} was "
                            f"trained as {previous['factory']}")

@@ -134,11 +134,15 @@ def render_card(card: dict) -> str:
     ]
     if card.get("lineage"):
         lines.append(f"- lineage: {render_lineage(card['lineage'])}")
-    lines += [
-        "",
-        f"| {card['search']['param'] or 'exact'} | recall@{rec['k']} | ms/query |",
-        "|---:|---:|---:|",
-    ]
+    if card["search"].get("k_factor") is not None:  # PQ candidates re-ranked: both parameters in the sweep
+        foot = card["footprint"]
+        lines += [f"- re-rank: {card['search']['k_factor']} x k candidates from the PQ codes, re-scored by float16 "
+                  f"vectors (in {foot['refine']}); RAM {foot['ram_bytes']:,} bytes, disk {foot['disk_bytes']:,} bytes",
+                  "", f"| {card['search']['param']} | k_factor | recall@{rec['k']} | ms/query |",
+                  "|---:|---:|---:|---:|"]
+        lines += [f"| {p['param']} | {p['k_factor']} | {p['recall']} | {p['ms_per_query']} |" for p in rec["sweep"]]
+        return "\n".join(lines) + "\n"
+    lines += ["", f"| {card['search']['param'] or 'exact'} | recall@{rec['k']} | ms/query |", "|---:|---:|---:|"]
     lines += [f"| {p['param']} | {p['recall']} | {p['ms_per_query']} |" for p in rec["sweep"]]
     return "\n".join(lines) + "\n"
 
@@ -153,7 +157,8 @@ def render_lineage(line: dict) -> str:
 
 def served_parameters(card: dict) -> str:
     search = card["search"]
-    return f"{search['param']}={search['value']}" if search["param"] else "exact search"
+    refine = f", k_factor={search['k_factor']}" if search.get("k_factor") is not None else ""
+    return f"{search['param']}={search['value']}{refine}" if search["param"] else "exact search"
 
 
 def _fmt(value) -> str:

@@ -22,8 +22,11 @@ def recall_sweep_png(card: dict) -> bytes:
     """recall@k and latency against efSearch/nprobe, with the target and the served value marked."""
     sweep = card["recall"]["sweep"]
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    xs = [p["param"] if p["param"] is not None else 0 for p in sweep]
-    ax.plot(xs, [p["recall"] for p in sweep], "o-", label=f"recall@{card['recall']['k']}")
+    for factor in dict.fromkeys(p.get("k_factor") for p in sweep):  # one curve per re-rank factor
+        points = [p for p in sweep if p.get("k_factor") == factor]
+        label = f"recall@{card['recall']['k']}" + (f", k_factor {factor}" if factor is not None else "")
+        ax.plot([p["param"] if p["param"] is not None else 0 for p in points], [p["recall"] for p in points], "o-",
+                label=label)
     ax.axhline(card["recall"]["target"], color="grey", linestyle="--", label="target")
     if card["search"]["value"] is not None:
         ax.axvline(card["search"]["value"], color="tab:green", linestyle=":", label="served")

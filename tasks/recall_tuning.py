@@ -1,4 +1,5 @@
-"""Tune an index's search parameter (efSearch, nprobe) to a measured recall@k against exact search."""
+"""Tune an index's search parameters (efSearch, nprobe; with a re-rank, nprobe and k_factor together) to a
+measured recall@k against exact search."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from imgest.tasks.ground_truth import Truth, exact_truth, truth_recall
-from imgest.tasks.index_build import has_ivf
+from imgest.tasks.index_build import has_ivf, refine_of
 
 EF_SEARCH = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+K_FACTORS = (1, 2, 4, 8, 16, 32, 64)  # re-rank k x k_factor candidates from the PQ search
+PLATEAU = 0.002  # an nprobe step gaining less recall than this: more lists will not reach the target
 
 
 @dataclass
@@ -18,6 +21,7 @@ class RecallPoint:
     param: int | None
     recall: float
     ms_per_query: float
+    k_factor: int | None = None  # candidates re-ranked per result (a re-ranking index only)
 
 
 @dataclass
@@ -31,6 +35,7 @@ class Tuned:
     queries: int
     ms_per_query: float
     sweep: list[RecallPoint] = field(default_factory=list)
+    k_factor: int | None = None  # served re-rank factor (a re-ranking index only)
     truth: Truth | None = field(default=None, repr=False, compare=False)  # the exact lists measured against
 
     def to_dict(self) -> dict:
@@ -48,9 +53,11 @@ def param_name(index) -> str | None:
     return None
 
 
-def set_param(index, name: str | None, value: int | None) -> None:
+def set_param(index, name: str | None, value: int | None, k_factor: int | None = None) -> None:
     import faiss
 
+    if k_factor is not None:
+        refine_of(index).k_factor = float(k_factor)
     if name == "nprobe":
         faiss.extract_index_ivf(index).nprobe = int(value)
     elif name == "efSearch":
@@ -118,23 +125,30 @@ def tune_search(index, vectors: np.ndarray, target: float = 0.95, k: int = 10, q
 
 def tune_with_truth(index, truth: Truth, target: float, k: int) -> Tuned:
     """The sweep against exact lists already known (a fresh build's, or those carried through an update); the
-    queries whose exact top-k is no longer known are left out and the count says so."""
+    queries whose exact top-k is no longer known are left out and the count says so. An index that re-ranks
+    sweeps nprobe at each k_factor (until the target or a plateau) and serves the fastest pair that meets the
+    target; ties go to the smaller pair."""
     k = max(1, min(k, truth.depth))
     rows = np.flatnonzero(truth.usable(k))
     queries = truth.queries[rows]
     name = param_name(index)
     sweep: list[RecallPoint] = []
-    for value in candidates(index, name):
-        set_param(index, name, value)
-        t0 = time.perf_counter()
-        _, ids = index.search(queries, k + 1)
-        ms = (time.perf_counter() - t0) * 1000 / max(len(rows), 1)
-        found = np.full((len(truth.query_ids), k + 1), -1, np.int64)
-        found[rows] = ids
-        sweep.append(RecallPoint(value, round(truth_recall(found, truth, k, rows), 4), round(ms, 4)))
-        if sweep[-1].recall >= target:
-            break
+    for factor in K_FACTORS if refine_of(index) is not None else (None,):
+        before = -1.0
+        for value in candidates(index, name):
+            set_param(index, name, value, factor)
+            t0 = time.perf_counter()
+            _, ids = index.search(queries, k + 1)
+            ms = (time.perf_counter() - t0) * 1000 / max(len(rows), 1)
+            found = np.full((len(truth.query_ids), k + 1), -1, np.int64)
+            found[rows] = ids
+            sweep.append(RecallPoint(value, round(truth_recall(found, truth, k, rows), 4), round(ms, 4), factor))
+            if sweep[-1].recall >= target or (factor is not None and sweep[-1].recall - before < PLATEAU):
+                break
+            before = sweep[-1].recall
     met = [p for p in sweep if p.recall >= target]
-    best = met[0] if met else max(sweep, key=lambda p: p.recall)
-    set_param(index, name, best.param)
-    return Tuned(name, best.param, best.recall, target, bool(met), k, len(rows), best.ms_per_query, sweep, truth)
+    best = min(met, key=lambda p: (p.ms_per_query, p.k_factor or 0, p.param or 0)) if met else \
+        max(sweep, key=lambda p: p.recall)
+    set_param(index, name, best.param, best.k_factor)
+    return Tuned(name, best.param, best.recall, target, bool(met), k, len(rows), best.ms_per_query, sweep,
+                 best.k_factor, truth)

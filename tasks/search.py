@@ -153,7 +153,8 @@ class Searcher:
         if allowed is None:
             return self.opened.search(vectors, k)
         search = self.card["search"]
-        return filtered_search(self.opened.index, vectors, k, allowed, search["param"], search["value"])
+        return filtered_search(self.opened.index, vectors, k, allowed, search["param"], search["value"],
+                               search.get("k_factor"))
 
     def _metadata(self):
         if self._table is None:

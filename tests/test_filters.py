@@ -40,7 +40,9 @@ def _vectors(n=3000, d=32, seed=0):
 
 
 @pytest.mark.parametrize("factory, param, value", [("Flat", None, None), ("HNSW16", "efSearch", 16),
-                                                   ("IVF64,Flat", "nprobe", 1), ("IVF64,PQ8x4fs", "nprobe", 1)])
+                                                   ("IVF64,Flat", "nprobe", 1), ("IVF64,PQ8x4fs", "nprobe", 1),
+                                                   ("IVF64,PQ8,Refine(SQfp16)", "nprobe", 1),
+                                                   ("OPQ8_32,IVF64,PQ8,Refine(SQfp16)", "nprobe", 1)])
 def test_a_selective_filter_is_never_under_filled(factory, param, value):
     x = _vectors()
     index = faiss.index_factory(x.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
@@ -53,12 +55,13 @@ def test_a_selective_filter_is_never_under_filled(factory, param, value):
     rng = np.random.default_rng(1)
     allowed = np.sort(rng.choice(len(x), size=25, replace=False))  # under 1%: the served parameters miss most
     queries = _vectors(8, seed=2)
-    scores, ids = filtered_search(index, queries, 10, allowed, param, value)
+    k_factor = 4 if "Refine" in factory else None
+    scores, ids = filtered_search(index, queries, 10, allowed, param, value, k_factor)
     assert (ids >= 0).all() and np.isin(ids, allowed).all()  # k results, all satisfying the filter
     exact = np.argsort(-(queries @ x[allowed].T), axis=1)[:, :10]
     if factory in ("Flat", "HNSW16"):  # flat storage: the exact top 10 of the selected items
         assert (np.sort(ids, axis=1) == np.sort(allowed[exact], axis=1)).all()
-    few = filtered_search(index, queries, 10, allowed[:3], param, value)[1]
+    few = filtered_search(index, queries, 10, allowed[:3], param, value, k_factor)[1]
     assert ((few >= 0).sum(axis=1) == 3).all() and (few[:, 3:] == -1).all()  # fewer exist: all of them
 
 

@@ -28,10 +28,16 @@ def test_parse_memory_rejects_nonsense():
     (1_000_000, 512, "4G", "HNSW32,Flat"),
     # 2.33 GB does not fit 1G; SQ8: 1M x 520 + 8192 x 2048 = 537 MB does
     (1_000_000, 512, "1G", "IVF8192,SQ8"),
-    # SQ8 does not fit 200M; PQ64: 1M x 72 + 16.8 MB + 1 MB = 90 MB does (OPQ only by factory string)
-    (1_000_000, 512, "200M", "IVF8192,PQ64"),
-    # d=1280 (Lite0): PQ64 gives 20 dims per sub-vector; nlist 32768 searches its centroids through HNSW
-    (10_000_000, 1280, "2G", "IVF32768_HNSW32,PQ64"),
+    # SQ8 does not fit 200M; PQ128 codes: 1M x 136 + 16.8 MB coarse + 0.5 MB codebooks = 153 MB do (PQ256 would
+    # leave 2 dims per sub-vector); the float16 vectors (1 GB) go to disk, which is unlimited by default
+    (1_000_000, 512, "200M", "IVF8192,PQ128,Refine(SQfp16)"),
+    # 1/16 of fp32 (128 MB): PQ64 codes, 1M x 72 + 17.3 MB = 89 MB
+    (1_000_000, 512, "128M", "IVF8192,PQ64,Refine(SQfp16)"),
+    # d=1280 (Lite0) at 2G: PQ160 (8 dims each): 10M x 168 + 168 MB of centroids + their graph = 1.87 GB; nlist
+    # 32768 searches its centroids through HNSW
+    (10_000_000, 1280, "2G", "IVF32768_HNSW32,PQ160,Refine(SQfp16)"),
+    # at 1G only PQ80 fits (16 dims per sub-vector): an OPQ rotation first
+    (10_000_000, 1280, "1G", "OPQ80_1280,IVF32768_HNSW32,PQ80,Refine(SQfp16)"),
     # 5M x 264 + 16384 x 1024 + the centroids' graph = 1.34 GB of SQ8 fits 2G; nlist 16384: HNSW coarse
     (5_000_000, 256, "2G", "IVF16384_HNSW32,SQ8"),
     (3_000_000, 256, "2G", "IVF16384_HNSW32,SQ8"),
@@ -43,7 +49,7 @@ def test_choice_by_size_and_budget(n, d, memory, factory):
 
 def test_explicit_kind_and_factory_override_the_rule():
     assert choose_index(1_000, 64, "4G", "hnsw").factory == "HNSW32,Flat"
-    assert choose_index(1_000_000, 512, "64G", "ivfpq").factory == "IVF8192,PQ64"
+    assert choose_index(1_000_000, 512, "64G", "ivfpq").factory == "IVF8192,PQ64,Refine(SQfp16)"
     assert choose_index(1_000_000, 512, "4G", "OPQ64_512,IVF8192,PQ64").kind == "factory"
     assert choose_index(5_000, 64, "4G", "IVF64,Flat").factory == "IVF64,Flat"
     with pytest.raises(IndexChoiceError, match="unknown index kind 'annoy'; allowed: auto, flat, hnsw"):
@@ -129,3 +135,53 @@ def test_unmet_target_is_reported_not_hidden():
     tuned = tune_search(index, x, target=0.999, k=10, queries=200)
     assert not tuned.met and tuned.recall < 0.999
     assert tuned.recall == max(p.recall for p in tuned.sweep)  # serves the best it found
+
+
+def test_pq_with_a_re_rank_meets_the_target_that_pq_alone_misses():
+    """8 bytes of PQ per 64-d vector plateau far below 0.95; the same codes searched for k x k_factor candidates
+    re-scored by float16 vectors meet it, and the sweep serves the fastest (nprobe, k_factor) that does."""
+    from imgest.tasks.index_build import refine_of
+
+    x = clustered(n=8_000, d=64, clusters=80, noise=0.6)
+    alone, _ = build(x, choose_index(len(x), 64, "4G", "IVF32,PQ8"))
+    plain = tune_search(alone, x, target=0.95, k=10, queries=300)
+    assert not plain.met and plain.recall < 0.8
+    index, _ = build(x, choose_index(len(x), 64, "4G", "IVF32,PQ8,Refine(SQfp16)"))
+    tuned = tune_search(index, x, target=0.95, k=10, queries=300)
+    assert tuned.met and tuned.k_factor > 1 and refine_of(index).k_factor == tuned.k_factor
+    assert {p.k_factor for p in tuned.sweep} >= {1, tuned.k_factor}
+    served = next(p for p in tuned.sweep if (p.param, p.k_factor) == (tuned.param, tuned.k_factor))
+    assert served.recall >= 0.95 and faiss_nprobe(index) == tuned.param
+    assert all(p.ms_per_query >= served.ms_per_query for p in tuned.sweep if p.recall >= 0.95)
+
+
+def faiss_nprobe(index) -> int:
+    import faiss
+
+    return faiss.extract_index_ivf(index).nprobe
+
+
+@pytest.mark.parametrize("factory", ["IVF32,PQ16,Refine(SQfp16)", "OPQ8_64,IVF32,PQ8,Refine(SQfp16)"])
+def test_the_memory_estimate_matches_the_built_index(factory):
+    """RAM: codes and ids, coarse centroids, codebooks (and the OPQ rotation), checked against the built index;
+    disk: the float16 vectors, exactly 2d bytes each."""
+    from imgest.tasks.index_card import footprint
+    from imgest.tasks.index_choice import IndexChoice, pq_bytes, refine_bytes
+
+    x = clustered(n=6_000, d=64)
+    m, opq = int(factory.split(",PQ")[1].split(",")[0]), factory.startswith("OPQ")
+    choice = IndexChoice(factory, "ivfpq", 32, m, 6_000, pq_bytes(len(x), 64, 32, m, opq), "test", "disk",
+                         refine_bytes(len(x), 64))
+    index, _ = build(x, choice)
+    measured = footprint(index, choice)
+    assert measured["disk_bytes"] == len(x) * 2 * 64 == choice.disk_bytes
+    assert abs(measured["ram_bytes"] - choice.estimated_bytes) < 0.1 * choice.estimated_bytes, measured
+
+
+def test_the_disk_budget_decides_where_the_re_rank_vectors_go():
+    on_disk = choose_index(1_000_000, 512, "128M")
+    assert on_disk.refine == "disk" and on_disk.disk_bytes == 1_000_000 * 1024 and "Refine(SQfp16)" in on_disk.factory
+    in_ram = choose_index(1_000_000, 512, "2G", "ivfpq", disk="512M")
+    assert in_ram.refine == "ram" and in_ram.disk_bytes == 0 and in_ram.estimated_bytes > 1_000_000 * 1024
+    none = choose_index(1_000_000, 512, "128M", disk="0")
+    assert none.refine is None and none.factory == "IVF8192,PQ64" and "no re-rank" in none.reason

@@ -273,3 +273,33 @@ def test_a_planted_build_record_is_never_unpickled(tmp_path):
     again = build_index(store=str(store), model="raw-pixels")
     assert not again["reused"] and again["card"]["version"] == 2, "an unreadable record is a miss: built again"
     assert not pwned.exists()
+
+
+def test_a_pq_index_re_ranks_from_a_memory_mapped_file_and_serves(tmp_path):
+    """kind ivfpq: PQ codes, float16 re-rank vectors on disk. The card gives both parameters and both sizes; a
+    searcher opens it with the codes copied to RAM and the vectors memory-mapped, and a catalogue image finds
+    itself first."""
+    import faiss
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    cat = tmp_path / "catalogue"
+    noisy = [np.asarray(gradient(i % 40, (16, 16)), int) + rng.integers(-40, 40, (16, 16, 3)) for i in range(300)]
+    write_files(str(cat), {f"p/{i:03d}.png": png_bytes(Image.fromarray(np.clip(a, 0, 255).astype(np.uint8)))
+                           for i, a in enumerate(noisy)})
+    store = str(tmp_path / "store")
+    ingest(catalogue=str(cat), store=store, model="raw-pixels", batch_size="64")
+    built = build_index(store=store, model="raw-pixels", kind="ivfpq", alias=None, target_recall=0.9)
+    card = built["card"]
+    assert card["factory"].endswith(",Refine(SQfp16)") and card["recall"]["met"]
+    assert card["search"]["param"] == "nprobe" and card["search"]["k_factor"] >= 1
+    foot = card["footprint"]
+    assert foot["refine"] == "disk" and foot["disk_bytes"] == 300 * 2 * card["d"] and 0 < foot["ram_bytes"]
+    opened = open_index(Location(store), card["slug"], card["version"])
+    inner = faiss.downcast_index(opened.index)
+    assert inner.k_factor == card["search"]["k_factor"] and opened.held, "codes cloned to RAM, kept alive"
+    assert faiss.extract_index_ivf(opened.index).nprobe == card["search"]["value"]
+    searcher = Searcher(store, model=card["slug"], version=card["version"])
+    hits = searcher.search([Query("q", image=str(cat / "p" / "007.png"))], k=1)[0]
+    assert hits[0].item_id == "p/007.png"
