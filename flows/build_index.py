@@ -13,6 +13,7 @@ import imgest
 from imgest.config import IndexConfig
 from imgest.defaults import (
     DEFAULT_ALIAS,
+    DEFAULT_DISK,
     DEFAULT_INDEX_PARTS,
     DEFAULT_K,
     DEFAULT_KIND,
@@ -45,23 +46,25 @@ def build_index(store: str, model: str = DEFAULT_MODEL, kind: str = DEFAULT_KIND
                 target_recall: float = DEFAULT_TARGET_RECALL, k: int = DEFAULT_K,
                 queries: int = DEFAULT_RECALL_QUERIES, alias: str | None = DEFAULT_ALIAS,
                 parts: int = DEFAULT_INDEX_PARTS, runner: str = DEFAULT_RUNNER, workers: int = DEFAULT_WORKERS,
-                rebuild: bool = False, retrain_share: float = DEFAULT_RETRAIN_SHARE) -> dict:
+                rebuild: bool = False, retrain_share: float = DEFAULT_RETRAIN_SHARE,
+                disk: str = DEFAULT_DISK) -> dict:
     cfg = IndexConfig(store=store, model=model, kind=kind, memory=memory, target_recall=target_recall, k=k,
                       queries=queries, alias=alias, parts=parts, runner=runner, workers=workers, rebuild=rebuild,
-                      retrain_share=retrain_share)
+                      retrain_share=retrain_share, disk=disk)
     store_loc = open_location(cfg.store, must_exist=True, what="store")
     card_model = find_model(store_loc, cfg.model)
     with tags(f"model:{card_model['slug']}"), \
             StoreLock(store_loc, owner=f"build-index@{socket.gethostname()}:{os.getpid()}") as lock:
         inputs = {"model_id": card_model["model_id"], "live_state": live_fingerprint(store_loc, card_model["slug"]),
-                  "kind": cfg.kind, "memory": cfg.memory, "target_recall": cfg.target_recall, "k": cfg.k,
+                  "kind": cfg.kind, "memory": cfg.memory, "disk": cfg.disk, "target_recall": cfg.target_recall,
+                  "k": cfg.k,
                   "queries": cfg.queries, "code": f"imgest {imgest.__version__}, faiss {faiss.__version__}"}
         key = build_key(inputs)
         reused_card = None if cfg.rebuild else reusable_version(store_loc, card_model["slug"], key)
         reused = reused_card is not None
         result = {"built": True, "card": reused_card} if reused else build_version(
             store_loc.url, card_model, cfg.kind, cfg.memory, cfg.target_recall, cfg.k, cfg.queries, cfg.parts,
-            cfg.runner, cfg.workers, lock.fence, cfg.rebuild, cfg.retrain_share)
+            cfg.runner, cfg.workers, lock.fence, cfg.rebuild, cfg.retrain_share, cfg.disk)
         if not result["built"]:
             return {**result, "reused": False}
         if not reused:

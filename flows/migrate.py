@@ -13,6 +13,7 @@ from imgest.config import MigrateConfig
 from imgest.defaults import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DEVICE,
+    DEFAULT_DISK,
     DEFAULT_KIND,
     DEFAULT_MEMORY,
     DEFAULT_RETAIN_DAYS,
@@ -35,15 +36,15 @@ def migrate(store: str, action: str, to: str | None = None, catalogue: str | Non
             gate: dict | None = None, margin: float = 0.0, retain_days: float = DEFAULT_RETAIN_DAYS,
             batch_size: str = DEFAULT_BATCH_SIZE, device: str = DEFAULT_DEVICE, kind: str = DEFAULT_KIND,
             memory: str = DEFAULT_MEMORY, target_recall: float = DEFAULT_TARGET_RECALL,
-            shard_size: int = DEFAULT_SHARD_SIZE) -> dict:
+            shard_size: int = DEFAULT_SHARD_SIZE, disk: str = DEFAULT_DISK) -> dict:
     cfg = MigrateConfig(store=store, action=action, to=to, catalogue=catalogue, gate=gate, margin=margin,
                         retain_days=retain_days, batch_size=batch_size, device=device, kind=kind, memory=memory,
-                        target_recall=target_recall, shard_size=shard_size)
+                        target_recall=target_recall, shard_size=shard_size, disk=disk)
     store_loc = open_location(cfg.store, must_exist=True, what="store")
     if cfg.action == "start":  # its re-encode and index build take the writer lock themselves
         migrate_start(store=cfg.store, to=cfg.to, catalogue=cfg.catalogue, batch_size=cfg.batch_size,
                       device=cfg.device, kind=cfg.kind, memory=cfg.memory, target_recall=cfg.target_recall,
-                      shard_size=cfg.shard_size)
+                      shard_size=cfg.shard_size, disk=cfg.disk)
     elif cfg.action in ("promote", "rollback", "finish"):
         # Alias moves and deletions hold the writer lock: a nightly build moving `serving` on the old model
         # at the same moment would otherwise overwrite the promote (or finish would delete what it reads).
@@ -65,11 +66,13 @@ def migrate(store: str, action: str, to: str | None = None, catalogue: str | Non
 @flow(name="migrate-start", flow_run_name=run_name("migrate-start", "to"), validate_parameters=True)
 def migrate_start(store: str, to: str, catalogue: str | None = None, batch_size: str = DEFAULT_BATCH_SIZE,
                   device: str = DEFAULT_DEVICE, kind: str = DEFAULT_KIND, memory: str = DEFAULT_MEMORY,
-                  target_recall: float = DEFAULT_TARGET_RECALL, shard_size: int = DEFAULT_SHARD_SIZE) -> dict:
+                  target_recall: float = DEFAULT_TARGET_RECALL, shard_size: int = DEFAULT_SHARD_SIZE,
+                  disk: str = DEFAULT_DISK) -> dict:
     """Open (or resume) the window, re-encode into the new namespace, build its index as `shadow`.
     Every step is idempotent, so rerunning the same command after a crash continues."""
     cfg = MigrateConfig(store=store, action="start", to=to, catalogue=catalogue, batch_size=batch_size,
-                        device=device, kind=kind, memory=memory, target_recall=target_recall, shard_size=shard_size)
+                        device=device, kind=kind, memory=memory, target_recall=target_recall, shard_size=shard_size,
+                        disk=disk)
     store_loc = open_location(cfg.store, must_exist=True, what="store")
     serving = read_alias(store_loc, "serving")
     if serving is None:
@@ -90,7 +93,7 @@ def migrate_start(store: str, to: str, catalogue: str | None = None, batch_size:
         migration.record(store_loc, window, "reencode-finished", lock.fence, encoded=summary["encoded"],
                          run_id=summary["run_id"])
     built = build_index(store=store_loc.url, model=target.slug, kind=cfg.kind, memory=cfg.memory,
-                        target_recall=cfg.target_recall, alias="shadow")
+                        target_recall=cfg.target_recall, alias="shadow", disk=cfg.disk)
     with StoreLock(store_loc, owner=owner, wait=LOCK_WAIT_S) as lock:
         migration.record(store_loc, window, "shadow-index", lock.fence, version=built.get("card", {}).get("version"))
     return window

@@ -14,6 +14,7 @@ from imgest.defaults import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DECODE_WORKERS,
     DEFAULT_DEVICE,
+    DEFAULT_DISK,
     DEFAULT_DTYPE,
     DEFAULT_ENCODE_LIMIT,
     DEFAULT_INDEX_PARTS,
@@ -47,13 +48,13 @@ def nightly(catalogue: str, store: str, model: str | None = None, batch_size: st
             allow_mass_delete: bool = False, dtype: str = DEFAULT_DTYPE, kind: str = DEFAULT_KIND,
             memory: str = DEFAULT_MEMORY, target_recall: float = DEFAULT_TARGET_RECALL, k: int = DEFAULT_K,
             index_parts: int = DEFAULT_INDEX_PARTS, metadata: str | None = None, inventory: str | None = None,
-            report_duplicates: bool = False) -> dict:
+            report_duplicates: bool = False, disk: str = DEFAULT_DISK) -> dict:
     cfg = NightlyConfig(catalogue=catalogue, store=store, model=model, batch_size=batch_size, device=device,
                         shard_size=shard_size, decode_workers=decode_workers, max_pixels=max_pixels, runner=runner,
                         workers=workers, encode_limit=encode_limit, max_bytes=max_bytes,
                         max_delete_fraction=max_delete_fraction, allow_mass_delete=allow_mass_delete, dtype=dtype,
                         kind=kind, memory=memory, target_recall=target_recall, k=k, index_parts=index_parts,
-                        metadata=metadata, inventory=inventory, report_duplicates=report_duplicates)
+                        metadata=metadata, inventory=inventory, report_duplicates=report_duplicates, disk=disk)
     store_loc = open_location(cfg.store)
     runs, bases, ingested = [], [], set()
     models, left_out = nightly_models(store_loc, cfg.model)

@@ -16,6 +16,7 @@ from imgest.defaults import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DECODE_WORKERS,
     DEFAULT_DEVICE,
+    DEFAULT_DISK,
     DEFAULT_DTYPE,
     DEFAULT_DUPLICATE_THRESHOLD,
     DEFAULT_ENCODE_LIMIT,
@@ -41,7 +42,7 @@ from imgest.defaults import (
 from imgest.storage import check_no_credentials
 from imgest.tasks.aliases import ALIAS_NAME
 from imgest.tasks.heads import HeadConfig
-from imgest.tasks.index_choice import KINDS, IndexChoiceError, parse_memory
+from imgest.tasks.index_choice import KINDS, IndexChoiceError, parse_disk, parse_memory
 from imgest.tasks.migration import ACTIONS
 from imgest.tasks.shards import DTYPES
 
@@ -101,11 +102,12 @@ def check_at_least(low: int | float, **values) -> None:
             raise ConfigError(f"{name} must be an integer >= {low}; got {value!r}")
 
 
-def check_index(kind: str, memory: str, target_recall: float) -> None:
+def check_index(kind: str, memory: str, target_recall: float, disk: str = DEFAULT_DISK) -> None:
     if kind not in KINDS and not any(t in kind for t in ("Flat", "HNSW", "IVF", "PQ", "SQ")):
         raise ConfigError(f"kind must be one of {', '.join(KINDS)} or a faiss factory string; got {kind!r}")
     try:
         parse_memory(memory)
+        parse_disk(disk)
     except IndexChoiceError as exc:
         raise ConfigError(str(exc)) from None
     if not isinstance(target_recall, int | float) or not 0 < target_recall <= 1:
@@ -186,6 +188,7 @@ class IndexConfig:
     target_recall: float = DEFAULT_TARGET_RECALL
     k: int = DEFAULT_K
     queries: int = DEFAULT_RECALL_QUERIES
+    disk: str = DEFAULT_DISK  # local disk for a PQ index's float16 re-rank vectors ("unlimited", "0", "20G")
     alias: str | None = DEFAULT_ALIAS  # a name, "auto" (follow the model's aliases) or None (move none)
     parts: int = DEFAULT_INDEX_PARTS  # >1: train once here, add that many slices in parallel on `runner`, merge
     runner: str = DEFAULT_RUNNER
@@ -202,7 +205,7 @@ class IndexConfig:
                 or not 0 <= self.retrain_share:
             raise ConfigError(f"retrain_share must be a number >= 0 (0: retrain on any addition); "
                               f"got {self.retrain_share!r}")
-        check_index(self.kind, self.memory, self.target_recall)
+        check_index(self.kind, self.memory, self.target_recall, self.disk)
         if self.alias != "auto":
             check_alias("alias", self.alias)
 
@@ -220,6 +223,7 @@ class NightlyConfig(IngestConfig):
     target_recall: float = DEFAULT_TARGET_RECALL
     k: int = DEFAULT_K
     index_parts: int = DEFAULT_INDEX_PARTS
+    disk: str = DEFAULT_DISK
     report_duplicates: bool = False  # after the builds: duplicate groups of the serving model, new ones counted
 
     def __post_init__(self) -> None:
@@ -234,7 +238,7 @@ class NightlyConfig(IngestConfig):
         # alias "auto": each rebuilt index moves the aliases already on its model (serving, shadow, previous)
         return IndexConfig(store=self.store, model=model, kind=self.kind, memory=self.memory,
                            target_recall=self.target_recall, k=self.k, alias=DEFAULT_ALIAS, parts=self.index_parts,
-                           runner=self.runner, workers=self.workers)
+                           runner=self.runner, workers=self.workers, disk=self.disk)
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,7 @@ class MigrateConfig:
     memory: str = DEFAULT_MEMORY
     target_recall: float = DEFAULT_TARGET_RECALL
     shard_size: int = DEFAULT_SHARD_SIZE
+    disk: str = DEFAULT_DISK
 
     def __post_init__(self) -> None:
         check_not_empty(store=self.store)
@@ -269,7 +274,7 @@ class MigrateConfig:
         parse_batch_size(self.batch_size)
         check_device(self.device)
         check_at_least(1, shard_size=self.shard_size)
-        check_index(self.kind, self.memory, self.target_recall)
+        check_index(self.kind, self.memory, self.target_recall, self.disk)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ def storage_per_vector(d: int, pq_m: int = 64) -> dict[str, float]:
 
 
 def cost_report(store_url: str, corpus_size: int, gpu_hour_price: float | None = None,
-                node_memory: str = "64G", device: str = "auto", min_seconds: float = 1.0) -> dict:
+                node_memory: str = "64G", device: str = "auto", min_seconds: float = 1.0,
+                node_disk: str = "unlimited") -> dict:
     store = Location(store_url)
     serving = read_alias(store, "serving")
     if serving is None:
@@ -45,7 +46,7 @@ def cost_report(store_url: str, corpus_size: int, gpu_hour_price: float | None =
         else None
     d = spec.dim
     per_vector = storage_per_vector(d)
-    choice = choose_index(corpus_size, d, node_memory)
+    choice = choose_index(corpus_size, d, node_memory, disk=node_disk)
     models = list_models(store)
     dual = sum(4 * int(m["dim"]) for m in models) * corpus_size if len(models) > 1 else None
     return {
@@ -62,6 +63,7 @@ def cost_report(store_url: str, corpus_size: int, gpu_hour_price: float | None =
         "storage_bytes_per_vector": per_vector,
         "storage_bytes": {k: int(v * corpus_size) for k, v in per_vector.items()},
         "index": {"factory": choice.factory, "estimated_bytes": choice.estimated_bytes, "node_memory": node_memory,
+                  "disk_bytes": choice.disk_bytes, "node_disk": node_disk, "refine": choice.refine,
                   "fits": choice.estimated_bytes <= parse_memory(node_memory), "reason": choice.reason},
         "dual_window_fp32_bytes": dual,
         "models_in_store": [m["slug"] for m in models],

@@ -240,8 +240,10 @@ def render_cost(report: dict) -> str:
               f"- query encode: image {report['query_encode_ms']['image']} ms, text "
               f"{report['query_encode_ms']['text'] if report['query_encode_ms']['text'] is not None else 'n/a'} ms",
               "- storage: " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in report["storage_bytes"].items()),
-              f"- index: `{report['index']['factory']}` about {report['index']['estimated_bytes'] / gib:.2f} GiB; "
-              f"fits {report['index']['node_memory']}: {report['index']['fits']}"]
+              f"- index: `{report['index']['factory']}` about {report['index']['estimated_bytes'] / gib:.2f} GiB in RAM"
+              + (f" and {report['index']['disk_bytes'] / gib:.2f} GiB of re-rank vectors on disk"
+                 if report["index"].get("disk_bytes") else "")
+              + f"; fits {report['index']['node_memory']}: {report['index']['fits']}"]
     if report["dual_window_fp32_bytes"]:
         lines.append(f"- migration window (both models at fp32): {report['dual_window_fp32_bytes'] / gib:.2f} GiB")
     return "\n".join(lines) + "\n"

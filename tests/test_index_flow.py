@@ -280,7 +280,6 @@ def test_a_pq_index_re_ranks_from_a_memory_mapped_file_and_serves(tmp_path):
     searcher opens it with the codes copied to RAM and the vectors memory-mapped, and a catalogue image finds
     itself first."""
     import faiss
-
     from PIL import Image
 
     rng = np.random.default_rng(0)

@@ -105,6 +105,7 @@ def report_cost(
     corpus_size: int = typer.Option(..., help="N items to cost"),
     gpu_hour_price: Optional[float] = typer.Option(None, help="Price of one GPU-hour"),
     node_memory: str = typer.Option("64G", help="Memory of a serving node"),
+    node_disk: str = typer.Option("unlimited", help="Local disk of a serving node for a PQ index's re-rank vectors"),
     device: str = typer.Option(DEFAULT_DEVICE, help="Where to measure encode throughput"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -113,7 +114,7 @@ def report_cost(
     from imgest.tasks.markdown import render_cost
 
     try:
-        report = cost_report(store, corpus_size, gpu_hour_price, node_memory, device)
+        report = cost_report(store, corpus_size, gpu_hour_price, node_memory, device, node_disk=node_disk)
     except _user_errors() as exc:
         _fail(exc)
     typer.echo(json.dumps(report, indent=2) if as_json else render_cost(report))

@@ -11,6 +11,7 @@ from imgest.cli import _fail, _user_errors, app
 from imgest.defaults import (
     DEFAULT_ALIAS,
     DEFAULT_DEVICE,
+    DEFAULT_DISK,
     DEFAULT_DUPLICATE_THRESHOLD,
     DEFAULT_INDEX_PARTS,
     DEFAULT_K,
@@ -32,6 +33,9 @@ def build_index_cmd(
     model: str = typer.Option(DEFAULT_MODEL, help="Model name, model id or slug in the store"),
     kind: str = typer.Option(DEFAULT_KIND, help="auto, flat, hnsw, ivfsq8, ivfpq or a faiss factory string"),
     memory: str = typer.Option(DEFAULT_MEMORY, help="Memory budget for the index, e.g. 512M, 4G"),
+    disk: str = typer.Option(DEFAULT_DISK, help="Local disk for a PQ index's float16 re-rank vectors "
+                                              "(memory-mapped when served): 'unlimited', 0 (none: PQ alone) "
+                                              "or e.g. 20G"),
     target_recall: float = typer.Option(DEFAULT_TARGET_RECALL, help="recall@k against exact search the served "
                                                                     "parameters must meet"),
     k: int = typer.Option(DEFAULT_K, help="k of the recall target"),
@@ -58,7 +62,7 @@ def build_index_cmd(
 
         cfg = IndexConfig(store=store, model=model, kind=kind, memory=memory, target_recall=target_recall, k=k,
                           queries=queries, alias=alias or None, parts=parts, runner=runner, workers=workers,
-                          rebuild=rebuild, retrain_share=retrain_share)
+                          rebuild=rebuild, retrain_share=retrain_share, disk=disk)
         find_model(open_location(cfg.store, must_exist=True, what="store"), cfg.model)
 
         from imgest.flows.build_index import build_index

@@ -14,6 +14,7 @@ from imgest.defaults import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DECODE_WORKERS,
     DEFAULT_DEVICE,
+    DEFAULT_DISK,
     DEFAULT_DTYPE,
     DEFAULT_ENCODE_LIMIT,
     DEFAULT_KIND,
@@ -194,6 +195,8 @@ def nightly(
     device: str = typer.Option(DEFAULT_DEVICE, help="auto, cpu, cuda or cuda:N"),
     kind: str = typer.Option(DEFAULT_KIND, help="Index kind or faiss factory string"),
     memory: str = typer.Option(DEFAULT_MEMORY, help="Memory budget for the index"),
+    disk: str = typer.Option(DEFAULT_DISK, help="Local disk for a PQ index's float16 re-rank vectors: "
+                             "'unlimited', 0 or e.g. 20G"),
     target_recall: float = typer.Option(DEFAULT_TARGET_RECALL, help="recall@10 target for the served parameters"),
     runner: str = RUNNER,
     workers: int = WORKERS,
@@ -217,7 +220,7 @@ def nightly(
                             kind=kind, memory=memory, target_recall=target_recall, runner=runner, workers=workers,
                             max_bytes=max_bytes, max_delete_fraction=max_delete_fraction,
                             allow_mass_delete=allow_mass_delete, dtype=dtype, metadata=metadata,
-                            inventory=inventory, report_duplicates=report_duplicates)
+                            inventory=inventory, report_duplicates=report_duplicates, disk=disk)
         if cfg.model:
             encoders.resolve(cfg.model)
         check_apart(open_location(cfg.catalogue, must_exist=True, what="catalogue"), open_location(cfg.store))
@@ -255,7 +258,7 @@ def demo(
             device=DEFAULT_DEVICE, kind=DEFAULT_KIND, memory=DEFAULT_MEMORY, target_recall=DEFAULT_TARGET_RECALL,
             runner=DEFAULT_RUNNER, workers=DEFAULT_WORKERS, max_bytes=DEFAULT_MAX_BYTES,
             max_delete_fraction=DEFAULT_MAX_DELETE_FRACTION, allow_mass_delete=False, dtype=DEFAULT_DTYPE,
-            metadata=None, inventory=None, report_duplicates=False)
+            metadata=None, inventory=None, report_duplicates=False, disk=DEFAULT_DISK)
     status(store=store_dir, as_json=False)
     query = os.path.join(catalogue, "photos", "chelsea.jpg")
     typer.echo(f"\n$ imgest search --store {store_dir} --image {query} --k 5")

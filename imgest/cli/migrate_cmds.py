@@ -8,7 +8,14 @@ from typing import Optional
 import typer
 
 from imgest.cli import _fail, _user_errors, app
-from imgest.defaults import DEFAULT_BATCH_SIZE, DEFAULT_DEVICE, DEFAULT_KIND, DEFAULT_MEMORY, DEFAULT_RETAIN_DAYS
+from imgest.defaults import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_DEVICE,
+    DEFAULT_DISK,
+    DEFAULT_KIND,
+    DEFAULT_MEMORY,
+    DEFAULT_RETAIN_DAYS,
+)
 
 migrate_app = typer.Typer(help="Change the embedding model through a dual-index migration window.",
                           no_args_is_help=True)
@@ -52,11 +59,12 @@ def migrate_start(
     device: str = typer.Option(DEFAULT_DEVICE, help="auto, cpu, cuda or cuda:N"),
     kind: str = typer.Option(DEFAULT_KIND, help="Index kind for the new model"),
     memory: str = typer.Option(DEFAULT_MEMORY, help="Memory budget for the new index"),
+    disk: str = typer.Option(DEFAULT_DISK, help="Local disk for a PQ index's float16 re-rank vectors"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Open (or resume) a window: re-encode with the new model, build its index, point `shadow` at it."""
     _migrate(store, "start", as_json, to=to, catalogue=catalogue, batch_size=batch_size, device=device, kind=kind,
-             memory=memory)
+             memory=memory, disk=disk)
 
 
 @migrate_app.command("status")
