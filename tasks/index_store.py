@@ -175,7 +175,8 @@ def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAUL
     if refine == "disk":  # the float16 vectors stay in the file (memory-mapped); the codes are copied to RAM
         index = faiss.read_index(path, faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY)
         inner = faiss.downcast_index(index)
-        inner.base_index = faiss.clone_index(inner.base_index)
+        # clone_index would keep viewing the mapped lists; a serialised round trip owns its copy
+        inner.base_index = faiss.deserialize_index(faiss.serialize_index(inner.base_index))
         inner.own_fields = False
         held = (inner.base_index,)
     else:
