@@ -28,8 +28,8 @@ def footprint(index, choice: IndexChoice) -> dict:
     """Bytes of the built index where it is served: in RAM (codes, ids, coarse quantizer, codebooks) and on
     local disk (a re-ranking index's float16 vectors, memory-mapped), measured from the index itself."""
     refine = refine_of(index)
-    if refine is None:
-        return {"ram_bytes": int(faiss.serialize_index(index).nbytes), "disk_bytes": 0, "refine": None}
+    if refine is None:  # the whole index is served from RAM (or its own memory map): bytes_on_disk says how much
+        return {"ram_bytes": None, "disk_bytes": 0, "refine": None}
     vectors = faiss.downcast_index(refine.refine_index)
     ram = int(faiss.serialize_index(refine.base_index).nbytes)
     disk = int(vectors.ntotal * vectors.code_size)
