@@ -134,6 +134,8 @@ def _pq_choice(n: int, d: int, nlist: int, ram: int | None, disk: int | None) ->
     default = [m for m in options if m <= 64] or options[-1:]
     for m in options if ram is not None else default:
         opq = d // m >= OPQ_MIN_DIMS
+        if ram is not None and opq and pq_bytes(n, d, nlist, m, True) > ram:
+            opq = False  # the d x d rotation does not fit beside the codes (a small N): PQ without it
         codes = pq_bytes(n, d, nlist, m, opq)
         if ram is not None and codes > ram:
             continue
@@ -142,7 +144,7 @@ def _pq_choice(n: int, d: int, nlist: int, ram: int | None, disk: int | None) ->
         if ram is None or codes + refine_bytes(n, d) <= ram:
             return m, opq, "ram"
         return m, opq, None
-    need = pq_bytes(n, d, nlist, options[-1], d // options[-1] >= OPQ_MIN_DIMS)
+    need = pq_bytes(n, d, nlist, options[-1])
     raise IndexChoiceError(f"memory budget {ram} bytes is too small for {n} vectors of d={d}: the smallest "
                            f"index (IVF{nlist},PQ{options[-1]}) needs about {need} bytes")
 

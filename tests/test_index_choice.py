@@ -38,6 +38,9 @@ def test_parse_memory_rejects_nonsense():
     (10_000_000, 1280, "2G", "IVF32768_HNSW32,PQ160,Refine(SQfp16)"),
     # at 1G only PQ80 fits (16 dims per sub-vector): an OPQ rotation first
     (10_000_000, 1280, "1G", "OPQ80_1280,IVF32768_HNSW32,PQ80,Refine(SQfp16)"),
+    # 10k Lite0 vectors at 1/16 of fp32 (3.2 MB): PQ32 codes (0.4 MB), centroids and codebooks (2.6 MB) fit; the
+    # 6.5 MB OPQ rotation its 40-dim sub-vectors would get does not, so none
+    (10_018, 1280, 3_205_760, "IVF256,PQ32,Refine(SQfp16)"),
     # 5M x 264 + 16384 x 1024 + the centroids' graph = 1.34 GB of SQ8 fits 2G; nlist 16384: HNSW coarse
     (5_000_000, 256, "2G", "IVF16384_HNSW32,SQ8"),
     (3_000_000, 256, "2G", "IVF16384_HNSW32,SQ8"),
