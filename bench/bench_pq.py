@@ -81,10 +81,10 @@ def child(args) -> None:
                          capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
-    served = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("SERVED "))[7:])
+    opened = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("SERVED "))[7:])
     recall = knn_recall(x, qids, np.load(path + ".ids.npy"), truth, 10)
     alone = knn_recall(x, qids, np.load(path + ".alone.npy"), truth, 10) if tuned.k_factor else None
-    qps, added = served["qps"], served["anon_mib"]
+    qps, added = opened["qps"], opened["anon_mib"]
     print("RESULT " + json.dumps({
         "fraction": args.fraction, "budget": budget, "variant": "no OPQ" if args.no_opq else "rule",
         "factory": choice.factory, "n": n, "d": d,
@@ -98,18 +98,14 @@ def child(args) -> None:
 def serve(path: str, params: dict) -> None:
     """Open the index as `imgest search` does, in a process of its own (so the memory it adds is its own), and
     search the saved queries: k+1 ids each (the query item is among them), once to warm the page cache."""
-    import faiss
-
     from imgest.tasks.index_build import refine_of
+    from imgest.tasks.index_store import read_served
     from imgest.tasks.recall_tuning import set_param
 
     queries = np.load(path + ".queries.npy")
     before = rss_anon_mib()
-    index = faiss.read_index(path, faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY)
+    index, _held = read_served(path, "ivfpq", "disk" if params["k_factor"] else None)
     refine = refine_of(index)
-    if refine is not None:  # the codes copied to RAM, the float16 vectors left mapped
-        base = faiss.deserialize_index(faiss.serialize_index(refine.base_index))
-        refine.base_index, refine.own_fields = base, False
     added = rss_anon_mib() - before
     set_param(index, params["name"], params["value"], params["k_factor"])
     index.search(queries, 11)

@@ -159,9 +159,25 @@ def resolve_target(store: Location, alias: str | None, slug: str | None, version
     return slug, int(version)
 
 
+def read_served(path: str, kind: str, refine: str | None) -> tuple[object, tuple]:
+    """An index file read for serving, and the faiss objects it points at without owning them. A re-ranking
+    index with its vectors on disk keeps them memory-mapped and copies its PQ part to RAM; IVF indexes are
+    memory-mapped; others are read whole."""
+    import faiss
+
+    if refine != "disk":
+        flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if kind in ("ivfsq8", "ivfpq") else 0
+        return faiss.read_index(path, flags), ()
+    index = faiss.read_index(path, faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY)
+    inner = faiss.downcast_index(index)
+    # clone_index would keep viewing the mapped lists; a serialised round trip owns its copy
+    inner.base_index = faiss.deserialize_index(faiss.serialize_index(inner.base_index))
+    inner.own_fields = False
+    return index, (inner.base_index,)
+
+
 def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAULT_CACHE) -> OpenIndex:
     """Verify the checksum, then read (IVF indexes memory-mapped) and set the served parameter."""
-    import faiss
 
     from imgest.tasks.recall_tuning import set_param
 
@@ -171,17 +187,7 @@ def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAUL
     if actual != card["sha256"]:
         raise IndexIntegrityError(f"{card['index_file']} has sha256 {actual[:16]}..., its card says "
                                   f"{card['sha256'][:16]}...: refusing to serve a corrupted index")
-    refine = (card.get("footprint") or {}).get("refine")
-    if refine == "disk":  # the float16 vectors stay in the file (memory-mapped); the codes are copied to RAM
-        index = faiss.read_index(path, faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY)
-        inner = faiss.downcast_index(index)
-        # clone_index would keep viewing the mapped lists; a serialised round trip owns its copy
-        inner.base_index = faiss.deserialize_index(faiss.serialize_index(inner.base_index))
-        inner.own_fields = False
-        held = (inner.base_index,)
-    else:
-        flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if card["kind"] in ("ivfsq8", "ivfpq") else 0
-        index, held = faiss.read_index(path, flags), ()
+    index, held = read_served(path, card["kind"], (card.get("footprint") or {}).get("refine"))
     set_param(index, card["search"]["param"], card["search"]["value"], card["search"].get("k_factor"))
     ids = read_ids(store, card)
     return OpenIndex(card, index, ids["item_id"].to_pylist(), ids["uri"].to_pylist(), held)

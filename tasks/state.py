@@ -141,7 +141,7 @@ class CatalogueState:
         found = {i: self.overlay[i] for i in item_ids if i in self.overlay}
         rest = [i for i in item_ids if i not in found]
         if rest and self._base is not None and self._base.rows:
-            with self.sql() as cur:
+            with self.base.cursor(STATE_SCHEMA.empty_table()) as cur:  # `rest` is outside the overlay: no view of it
                 cur.register("wanted", pa.table({"item_id": pa.array(rest, pa.string())}))
                 hit = cur.sql("SELECT k.* FROM kept k SEMI JOIN wanted w ON w.item_id = k.item_id").to_arrow_table()
             found.update((row["item_id"], ItemState(**row)) for row in hit.to_pylist())

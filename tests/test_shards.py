@@ -389,3 +389,28 @@ def test_scratch_folders_of_a_killed_process_are_swept(tmp_path, monkeypatch):
     made = scratch_folder(owner, "state")
     assert not left.exists(), "a dead process's folder goes"
     assert mine.exists() and os.path.isdir(made), "a live process's folders stay"
+
+
+def test_a_full_snapshot_whose_upload_fails_publishes_nothing_and_keeps_the_markers(tmp_path, monkeypatch):
+    """The streamed full snapshot is the run's commit: an upload that fails (a dropped connection) stops the run
+    with the markers still in place, no snapshot and no temp file; the next load sees the same state."""
+    from imgest.storage import StorageError
+    from imgest.tasks.state import commit_key, list_commits, list_snapshots, now_iso, write_snapshot
+
+    store = Location(str(tmp_path))
+    run = "r00000001-a-b"
+    marker = {"shard": f"part-{run}-00000", "run_id": run, "created": now_iso(),
+              "encoded": [{"item_id": f"k{i}", "uri": "u", "etag": f"e{i}", "size": 1, "mtime": 1.0,
+                           "content_hash": f"h{i}"} for i in range(5)]}
+    store.write_json(commit_key("m", marker["shard"]), marker)
+    state = load_state(store, "m")
+
+    def dropped(self, key, local_path):
+        raise StorageError(f"writing {key} failed: ConnectionError: dropped")
+
+    monkeypatch.setattr(Location, "put_file", dropped)
+    with pytest.raises(StorageError, match="dropped"):
+        write_snapshot(store, state, run, {})
+    assert list_snapshots(store, "m") == [] and list_commits(store, "m") == [marker["shard"]]
+    assert not [n for n in os.listdir(state.base.folder) if n.startswith("out-")], "the local file is removed"
+    assert load_state(store, "m").count(LIVE) == 5
