@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,10 @@ def child(args) -> None:
     if args.no_opq:  # the ablation: the same PQ without the rotation the rule put in front
         choice = replace(choice, factory=choice.factory.split(",", 1)[1],
                          estimated_bytes=choice.estimated_bytes - 4 * d * d)
+    if args.with_opq and not choice.factory.startswith("OPQ"):  # the other way: a rotation the rule left out
+        m = int(re.search(r",PQ(\d+)", choice.factory).group(1))
+        choice = replace(choice, factory=f"OPQ{m}_{d}," + choice.factory,
+                         estimated_bytes=choice.estimated_bytes + 4 * d * d)
     index, times = build(x, choice)
     tuned = tune_search(index, x, target=0.95, k=10, queries=1000)
     foot = footprint(index, choice)
@@ -86,7 +91,8 @@ def child(args) -> None:
     alone = knn_recall(x, qids, np.load(path + ".alone.npy"), truth, 10) if tuned.k_factor else None
     qps, added = opened["qps"], opened["anon_mib"]
     print("RESULT " + json.dumps({
-        "fraction": args.fraction, "budget": budget, "variant": "no OPQ" if args.no_opq else "rule",
+        "fraction": args.fraction, "budget": budget,
+        "variant": "no OPQ" if args.no_opq else "with OPQ" if args.with_opq else "rule",
         "factory": choice.factory, "n": n, "d": d,
         "nprobe": tuned.param, "k_factor": tuned.k_factor, "tuned_recall": tuned.recall, "met": tuned.met,
         "recall": round(recall, 4), "recall_codes_alone": None if alone is None else round(alone, 4),
@@ -147,6 +153,9 @@ def main() -> None:
     parser.add_argument("--fraction", type=int)
     parser.add_argument("--work")
     parser.add_argument("--no-opq", action="store_true")
+    parser.add_argument("--with-opq", action="store_true",
+                        help="beside each rule row without OPQ, the same index with an OPQ rotation in front "
+                        "(over the budget by the d x d matrix: an ablation of what the rotation buys)")
     parser.add_argument("--autofaiss-python", help="the bench virtualenv's python (see bench/bench_index.py): "
                         "autofaiss at each budget too, its index measured by the same code")
     parser.add_argument("--serve")
@@ -158,9 +167,8 @@ def main() -> None:
         return child(args)
     work = tempfile.mkdtemp(prefix="imgest-bench-pq-")
     rows = []
-    runs = [(fraction, []) for fraction in args.fractions]
-    while runs:
-        fraction, extra = runs.pop(0)
+
+    def run(fraction: int, extra: list[str]) -> dict:
         command = [sys.executable, __file__, "--fraction", str(fraction), "--work", work, "--n", str(args.n),
                    "--d", str(args.d)] + (["--real-store", args.real_store] if args.real_store else []) + extra
         out = subprocess.run(command, capture_output=True, text=True)
@@ -169,9 +177,14 @@ def main() -> None:
             raise SystemExit(out.returncode)
         rows.append(json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:]))
         print(time.strftime("%H:%M:%S"), rows[-1], flush=True)
-        if rows[-1]["factory"].startswith("OPQ") and not extra:  # where the rule chose OPQ: the same without it
-            runs.insert(0, (fraction, ["--no-opq"]))
-        elif args.autofaiss_python:
+        return rows[-1]
+
+    for fraction in args.fractions:
+        if run(fraction, [])["factory"].startswith("OPQ"):  # where the rule chose OPQ: the same without it
+            run(fraction, ["--no-opq"])
+        elif args.with_opq:
+            run(fraction, ["--with-opq"])
+        if args.autofaiss_python:
             rows.append(autofaiss_at(args, fraction, work))
             print(time.strftime("%H:%M:%S"), rows[-1], flush=True)
     r0 = rows[0]

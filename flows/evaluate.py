@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 
@@ -11,7 +12,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from imgest.config import EvalConfig
 from imgest.defaults import DEFAULT_DEVICE, DEFAULT_KS, DEFAULT_RESAMPLES
 from imgest.lock import LOCK_WAIT_S, StoreLock
-from imgest.storage import open_location
+from imgest.storage import open_location, read_url
 from imgest.tasks.evaluate import evaluate_task, metrics_table, plot_report, write_outputs
 from imgest.tasks.markdown import render_eval
 from imgest.tasks.migration import evaluates_window, record_evaluation
@@ -32,6 +33,7 @@ def evaluate(store: str, queries: str, alias: str = "serving", compare: str | No
     report = evaluate_task(store_loc.url, query_set, cfg.alias, cfg.compare, list(cfg.ks), cfg.resamples, cfg.seed,
                            cfg.device, cfg.traffic)
     report["query_file"] = cfg.queries
+    report["query_sha256"] = hashlib.sha256(read_url(cfg.queries)).hexdigest()
     if evaluates_window(store_loc, report):  # serving vs shadow in an open window: kept for status and the gate
         with StoreLock(store_loc, owner=f"eval@{socket.gethostname()}:{os.getpid()}", wait=LOCK_WAIT_S) as lock:
             record_evaluation(store_loc, report, lock.fence)

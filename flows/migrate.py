@@ -33,13 +33,14 @@ from imgest.tasks.status import last_run
 
 @flow(name="migrate", flow_run_name=run_name("migrate", "to"), validate_parameters=True)
 def migrate(store: str, action: str, to: str | None = None, catalogue: str | None = None,
-            gate: dict | None = None, margin: float = 0.0, retain_days: float = DEFAULT_RETAIN_DAYS,
-            batch_size: str = DEFAULT_BATCH_SIZE, device: str = DEFAULT_DEVICE, kind: str = DEFAULT_KIND,
+            gate: dict | None = None, margin: float = 0.0, force: str | None = None,
+            retain_days: float = DEFAULT_RETAIN_DAYS, batch_size: str = DEFAULT_BATCH_SIZE,
+            device: str = DEFAULT_DEVICE, kind: str = DEFAULT_KIND,
             memory: str = DEFAULT_MEMORY, target_recall: float = DEFAULT_TARGET_RECALL,
             shard_size: int = DEFAULT_SHARD_SIZE, disk: str = DEFAULT_DISK) -> dict:
     cfg = MigrateConfig(store=store, action=action, to=to, catalogue=catalogue, gate=gate, margin=margin,
-                        retain_days=retain_days, batch_size=batch_size, device=device, kind=kind, memory=memory,
-                        target_recall=target_recall, shard_size=shard_size, disk=disk)
+                        force=force, retain_days=retain_days, batch_size=batch_size, device=device, kind=kind,
+                        memory=memory, target_recall=target_recall, shard_size=shard_size, disk=disk)
     store_loc = open_location(cfg.store, must_exist=True, what="store")
     if cfg.action == "start":  # its re-encode and index build take the writer lock themselves
         migrate_start(store=cfg.store, to=cfg.to, catalogue=cfg.catalogue, batch_size=cfg.batch_size,
@@ -50,7 +51,7 @@ def migrate(store: str, action: str, to: str | None = None, catalogue: str | Non
         # at the same moment would otherwise overwrite the promote (or finish would delete what it reads).
         with StoreLock(store_loc, owner=f"migrate-{cfg.action}@{socket.gethostname()}:{os.getpid()}") as lock:
             if cfg.action == "promote":
-                migration.promote(store_loc, cfg.gate, cfg.margin, lock.fence)
+                migration.promote(store_loc, cfg.gate, cfg.margin, cfg.force, lock.fence)
             elif cfg.action == "rollback":
                 migration.rollback(store_loc, lock.fence)
             else:

@@ -251,6 +251,7 @@ class MigrateConfig:
     catalogue: str | None = None
     gate: dict | None = None
     margin: float = 0.0
+    force: str | None = None
     retain_days: float = DEFAULT_RETAIN_DAYS
     batch_size: str = DEFAULT_BATCH_SIZE
     device: str = DEFAULT_DEVICE
@@ -269,6 +270,10 @@ class MigrateConfig:
             check_not_empty(to=self.to)
         if self.gate is not None and not isinstance(self.gate, dict):
             raise ConfigError("gate must be the JSON object `imgest eval --alias serving --compare shadow` writes")
+        if self.force is not None and not self.force.strip():
+            raise ConfigError("force needs a reason (it is recorded in the window and the alias history)")
+        if not isinstance(self.margin, int | float) or self.margin < 0:
+            raise ConfigError(f"margin must be a number >= 0 (the drop of the metric allowed); got {self.margin!r}")
         if not isinstance(self.retain_days, int | float) or self.retain_days < 0:
             raise ConfigError(f"retain_days must be a number >= 0; got {self.retain_days!r}")
         parse_batch_size(self.batch_size)

@@ -91,6 +91,15 @@ def render_reencode(summary: dict) -> str:
     ]) + "\n"
 
 
+def _evaluation_line(e: dict | None) -> str:
+    if not e:
+        return "none recorded yet (promote needs one: `imgest eval --alias serving --compare shadow`)"
+    interval = e.get("interval", {})
+    span = f", {interval['of']} in [{interval['low']}, {interval['high']}]" if "low" in interval else ""
+    return (f"{e['metric']} shadow {e['shadow']} vs serving {e['serving']}{span} on {e.get('queries')} queries "
+            f"of `{e.get('query_file')}` ({e.get('source', 'imgest eval')}, {e['at']})")
+
+
 def render_window(status: dict) -> str:
     if not status.get("open"):
         return "No migration window is open.\n"
@@ -102,7 +111,7 @@ def render_window(status: dict) -> str:
         f"- opened by {w['opened_by']} at {w['opened_at']}; catalogue `{w['catalogue']}`",
         f"- coverage: {cov['covered']}/{cov['live']} live items ({cov['share']:.2%})",
         "- aliases: " + ", ".join(f"{n} -> {a['slug']} v{a['version']}" for n, a in sorted(status["aliases"].items())),
-        f"- evaluation: {status['evaluation'] or 'none recorded yet'}",
+        f"- evaluation: {_evaluation_line(status['evaluation'])}",
         "",
         "| side | model | index version | current | storage MiB |",
         "|---|---|---:|---|---:|",

@@ -145,28 +145,29 @@ def _latest_card(store: Location, slug: str) -> dict:
 def check_gate(gate: dict, margin: float, aliases: dict[str, dict] | None = None) -> str | None:
     """Refuse promotion when the new model is worse than serving by more than ``margin``.
 
-    Reads the JSON of ``imgest eval --alias serving --compare shadow`` (A is serving, B is shadow; the
-    gated metric is its ``metric``, recall at the largest K), or ``{"serving": x, "shadow": y}``. With
-    `aliases` (the store's), an evaluation of other index versions than the aliases point at now is refused:
-    the proof must be about what would be served. Returns the refusal reason, or None.
+    Reads the JSON of ``imgest eval --alias serving --compare shadow`` (or the reverse: sides are found by
+    alias; the gated metric is its ``metric``, recall at the largest K). With `aliases` (the store's), an
+    evaluation of other index versions than the aliases point at now is refused: the proof must be about what
+    would be served. Returns the refusal reason, or None.
     """
+    if "a" not in gate or "b" not in gate:
+        raise MigrationError("the gate file must be the JSON `imgest eval --alias serving --compare shadow --json` "
+                             "writes (a hand-written pair of numbers is not an evaluation)")
+    sides = {gate[s].get("alias"): gate[s] for s in ("a", "b")}
+    if set(sides) != {"serving", "shadow"}:
+        raise MigrationError("the gate file must compare --alias serving against --compare shadow")
+    for measured in sides.values():
+        now = (aliases or {}).get(measured["alias"])
+        if now is not None and "version" in measured and \
+                (measured.get("slug"), measured["version"]) != (now["slug"], now["version"]):
+            raise MigrationError(
+                f"the gate file measured {measured['alias']} = model={measured.get('slug')} "
+                f"v{measured['version']}, but it now points at model={now['slug']} v{now['version']}: "
+                "evaluate the indexes that would be served again")
     metric = gate.get("metric", "recall@10")
-    if "serving" in gate and "shadow" in gate:
-        old, new = float(gate["serving"]), float(gate["shadow"])
-    else:
-        if gate["a"].get("alias") != "serving" or gate["b"].get("alias") != "shadow":
-            raise MigrationError("the gate file must compare --alias serving against --compare shadow")
-        for side in ("a", "b"):
-            measured, now = gate[side], (aliases or {}).get(gate[side]["alias"])
-            if now is not None and "version" in measured and \
-                    (measured.get("slug"), measured["version"]) != (now["slug"], now["version"]):
-                raise MigrationError(
-                    f"the gate file measured {measured['alias']} = model={measured.get('slug')} "
-                    f"v{measured['version']}, but it now points at model={now['slug']} v{now['version']}: "
-                    "evaluate the indexes that would be served again")
-        old, new = float(gate["a"]["metrics"][metric]), float(gate["b"]["metrics"][metric])
+    old, new = float(sides["serving"]["metrics"][metric]), float(sides["shadow"]["metrics"][metric])
     if new < old - margin:
-        return f"gate: shadow {metric} {new:.4f} is worse than serving {old:.4f} by more than the margin {margin}"
+        return f"shadow {metric} {new:.4f} is worse than serving {old:.4f} by more than the margin {margin}"
     return None
 
 
@@ -176,23 +177,59 @@ def evaluates_window(store: Location, report: dict) -> bool:
         and read_window(store) is not None
 
 
+def evaluation_record(report: dict, source: str) -> dict:
+    """What the window keeps of a serving-vs-shadow evaluation: the metric on each side, the paired bootstrap
+    interval of (b - a), the query set it was measured on and the index versions it measured."""
+    metric = report["metric"]
+    interval = report.get("compare", {}).get("bootstrap", {}).get(metric, {})
+    return {"at": now_iso(), "source": source, "metric": metric, "queries": report.get("queries"),
+            "query_file": report.get("query_file"), "query_sha256": report.get("query_sha256"),
+            report["a"]["alias"]: report["a"]["metrics"][metric],
+            report["b"]["alias"]: report["b"]["metrics"][metric],
+            "interval": {"of": f"{report['b']['alias']} - {report['a']['alias']}",
+                         **{k: interval[k] for k in ("low", "high") if k in interval}},
+            "versions": {report[s]["alias"]: {"slug": report[s].get("slug"), "version": report[s]["version"]}
+                         for s in ("a", "b") if "version" in report[s]}}
+
+
 def record_evaluation(store: Location, report: dict, fence: Fence | None = None) -> None:
-    """Keep the latest serving-vs-shadow evaluation in the open window (for status and the gate)."""
+    """Keep the latest serving-vs-shadow evaluation in the open window (for status and promote)."""
     window = read_window(store)
     if not evaluates_window(store, report):
         return
-    metric = report["metric"]
-    window["evaluation"] = {"at": now_iso(), "metric": metric, "queries": report["queries"],
-                            report["a"]["alias"]: report["a"]["metrics"][metric],
-                            report["b"]["alias"]: report["b"]["metrics"][metric],
-                            "interval": {k: report["compare"]["bootstrap"][metric][k] for k in ("low", "high")},
-                            "versions": {report[s]["alias"]: f"{report[s].get('slug')} v{report[s].get('version')}"
-                                         for s in ("a", "b") if "version" in report[s]}}
+    window["evaluation"] = evaluation_record(report, "imgest eval")
     _save(store, window, fence)
 
 
-def promote(store: Location, gate: dict | None = None, margin: float = 0.0, fence: Fence | None = None) -> dict:
-    """serving -> the new model's newest verified index; the old target is kept as `previous`."""
+def check_evaluation(evaluation: dict | None, margin: float, aliases: dict[str, dict]) -> str | None:
+    """The window's recorded evaluation as proof for a promote: present, about the index versions the aliases
+    point at now, and shadow not worse than serving beyond `margin`. Returns the refusal reason, or None."""
+    if evaluation is None:
+        return ("no evaluation of shadow against serving is recorded in the window: run `imgest eval --store S "
+                "--queries LABELLED.jsonl --alias serving --compare shadow` (it is recorded), then promote; or "
+                "promote with --force \"reason\"")
+    for alias, measured in evaluation.get("versions", {}).items():
+        now = aliases.get(alias)
+        if now is not None and (measured["slug"], measured["version"]) != (now["slug"], now["version"]):
+            return (f"the recorded evaluation measured {alias} = model={measured['slug']} v{measured['version']}, "
+                    f"but it now points at model={now['slug']} v{now['version']}: evaluate again")
+    metric, old, new = evaluation["metric"], float(evaluation["serving"]), float(evaluation["shadow"])
+    if new < old - margin:
+        low, high = evaluation["interval"].get("low"), evaluation["interval"].get("high")
+        span = f" (paired bootstrap interval of {evaluation['interval']['of']}: [{low}, {high}])" if low is not None \
+            else ""
+        return (f"shadow {metric} {new:.4f} is worse than serving {old:.4f} by more than the margin {margin} on "
+                f"{evaluation.get('query_file')}{span}")
+    return None
+
+
+def promote(store: Location, gate: dict | None = None, margin: float = 0.0, force: str | None = None,
+            fence: Fence | None = None) -> dict:
+    """serving -> the new model's newest verified index; the old target is kept as `previous`.
+
+    Coverage and a current, verified index are always required. The proof of quality is an evaluation of
+    shadow against serving recorded in the window (by `imgest eval`, or the `gate` report, which is recorded
+    first); `force` (a reason) promotes without it, and the reason is kept in the window and the alias history."""
     window = require_window(store)
     if window["status"] == "promoted":
         return window
@@ -205,17 +242,26 @@ def promote(store: Location, gate: dict | None = None, margin: float = 0.0, fenc
     if not state["current"]:
         raise MigrationError(f"refused: {window['to']['name']} has no current index ({state['reason']}); run "
                              "`imgest migrate start` or the nightly build first")
-    if gate is not None and (reason := check_gate(gate, margin, list_aliases(store))):
-        raise MigrationError(f"refused by {reason}")
+    aliases = list_aliases(store)
+    if gate is not None:
+        if reason := check_gate(gate, margin, aliases):
+            raise MigrationError(f"refused by the gate file: {reason}")
+        window["evaluation"] = evaluation_record(gate, "promote --gate")
+    reason = check_evaluation(window.get("evaluation"), margin, aliases)
+    if reason and not force:
+        raise MigrationError(f"refused: {reason}")
     card = _latest_card(store, window["to"]["slug"])
     open_index(store, card["slug"], card["version"])  # checksums verified before anything points at it
+    why = f"migration {window['id']} promote" + (f" (forced: {force})" if force else
+                                                 f" (evaluated on {window['evaluation'].get('query_file')})")
     serving = read_alias(store, "serving")
     if serving is not None:
-        set_alias(store, "previous", read_card(store, serving["slug"], serving["version"]), "migration promote",
-                  fence)
-    set_alias(store, "serving", card, f"migration {window['id']} promote", fence)
+        set_alias(store, "previous", read_card(store, serving["slug"], serving["version"]), why, fence)
+    set_alias(store, "serving", card, why, fence)
     window["status"] = "promoted"
-    return record(store, window, "promoted", fence, serving=f"{card['slug']} v{card['version']}")
+    proof = {"forced": force, "unproven": reason} if force else {"evaluation": window["evaluation"]}
+    return record(store, window, "promoted", fence, serving=f"{card['slug']} v{card['version']}", margin=margin,
+                  **proof)
 
 
 def rollback(store: Location, fence: Fence | None = None) -> dict:

@@ -221,7 +221,7 @@ def test_after_a_finished_migration_the_nightly_follows_serving_and_never_reenco
     assert [r["ingest"]["model_id"].split("@")[0] for r in first["models"]] == ["efficientnet-lite0"]
     new = f"hf:{tiny_models['dinov2']}"
     migrate(store=str(store), action="start", to=new, batch_size="4")
-    migrate(store=str(store), action="promote")
+    migrate(store=str(store), action="promote", force="retirement test: no evaluation")
     migrate(store=str(store), action="finish", retain_days=0)
     old_slug, new_slug = first["models"][0]["ingest"]["slug"], resolve(new).slug
     assert not (store / "embeddings" / f"model={old_slug}").exists()

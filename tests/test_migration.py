@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from imgest.cli import app
+from imgest.flows.evaluate import evaluate
 from imgest.flows.migrate import migrate
 from imgest.flows.nightly import nightly
 from imgest.storage import Location
@@ -123,15 +124,35 @@ def test_promote_then_finish_with_kill_changes_and_searcher(tmp_path, tiny_model
         fused = fused_search(str(store), [Query("q", image=query)], k=5)[0]
         assert len(fused) == 5 and "p/003.jpg" not in {h.item_id for h in fused}
 
+        assert read_alias(store_loc, "serving")["slug"] == base["ingest"]["slug"], "the nightly never promotes"
+
+        # Promote asks for proof: none recorded is refused; a real evaluation of shadow against serving on a
+        # labelled query set is recorded in the window; a report showing shadow worse than the margin is refused.
+        refused = CliRunner().invoke(app, ["migrate", "promote", "--store", str(store)])
+        assert refused.exit_code == 2 and "no evaluation of shadow against serving" in refused.output
+        queries = tmp_path / "queries.jsonl"
+        queries.write_text("".join(json.dumps({"query_id": f"q{i}", "image": str(cat / "p" / f"{i:03d}.jpg"),
+                                               "relevant": [f"p/{i:03d}.jpg"]}) + "\n" for i in range(4, 12)))
+        report = evaluate(store=str(store), queries=str(queries), alias="serving", compare="shadow", ks=[1, 5],
+                          resamples=200)
+        recorded = read_window(store_loc)["evaluation"]
+        assert recorded["query_file"] == str(queries) and recorded["queries"] == 8
+        assert recorded["versions"]["shadow"] == {"slug": new_slug, "version": 2}
+        worse = json.loads(json.dumps(report, default=str))
+        worse["b"]["metrics"]["recall@5"] = worse["a"]["metrics"]["recall@5"] - 0.5
         gate = tmp_path / "eval.json"
-        gate.write_text(json.dumps({"metric": "recall@10", "serving": 0.9, "shadow": 0.7}))
+        gate.write_text(json.dumps(worse))
         refused = CliRunner().invoke(app, ["migrate", "promote", "--store", str(store), "--gate", str(gate),
                                            "--margin", "0.05"])
-        assert refused.exit_code == 2 and "worse than serving" in refused.output
+        assert refused.exit_code == 2 and "worse than serving" in refused.output, refused.output
+        assert read_window(store_loc)["evaluation"]["source"] == "imgest eval", "a refused gate is not recorded"
 
-        promoted = migrate(store=str(store), action="promote")
+        promoted = migrate(store=str(store), action="promote", margin=0.2)
         assert promoted["aliases"]["serving"]["slug"] == new_slug
         assert promoted["aliases"]["previous"]["slug"] == base["ingest"]["slug"]
+        event = [e for e in promoted["events"] if e["event"] == "promoted"][0]
+        assert event["evaluation"]["metric"] == "recall@5" and event["margin"] == 0.2
+        assert f"evaluated on {queries}" in read_alias(store_loc, "serving")["reason"]
 
         # Still in the window: the nightly keeps both current; serving follows the new model.
         nightly(catalogue=str(cat), store=str(store), model=old, batch_size="4")
@@ -159,13 +180,24 @@ def test_promote_then_rollback_and_refusals(tmp_path, tiny_models):
     start = migrate(store=str(store), action="start", to=new, batch_size="8")
     new_slug = start["window"]["to"]["slug"]
     query = str(cat / "p" / "004.jpg")
+    refused = CliRunner().invoke(app, ["migrate", "promote", "--store", str(store)])
+    assert refused.exit_code == 2 and "no evaluation of shadow against serving" in refused.output
+    assert read_alias(Location(str(store)), "serving")["slug"] == base["ingest"]["slug"]
+    empty = CliRunner().invoke(app, ["migrate", "promote", "--store", str(store), "--force", " "])
+    assert empty.exit_code == 2 and "force needs a reason" in empty.output
     with SearchLoop(store, query) as loop:
-        migrate(store=str(store), action="promote")
+        forced = CliRunner().invoke(app, ["migrate", "promote", "--store", str(store), "--force",
+                                          "canary traffic looked fine"])
+        assert forced.exit_code == 0, forced.output
         time.sleep(0.5)
         rolled = migrate(store=str(store), action="rollback")
         time.sleep(0.5)
     assert rolled["aliases"]["serving"]["slug"] == base["ingest"]["slug"]
     assert not loop.errors, loop.errors[:3]
+    promoted = [e for e in rolled["events"] if e["event"] == "promoted"]
+    assert promoted[0]["forced"] == "canary traffic looked fine" and "no evaluation" in promoted[0]["unproven"]
+    history = read_alias(Location(str(store)), "serving")["history"]
+    assert "(forced: canary traffic looked fine)" in history[-1]["reason"], history[-1]
     finished = migrate(store=str(store), action="finish", retain_days=0)
     assert finished["finished"]["window"]["retired"]["slug"] == new_slug
     assert new_slug in finished["finished"]["deleted"]
@@ -186,8 +218,8 @@ def test_promote_rollback_finish_wait_for_the_writer_lock(tmp_path, tiny_models)
     with StoreLock(loc, owner="build-index@elsewhere:1"):
         for action in ("promote", "rollback", "finish"):
             with pytest.raises(StoreLockedError, match="locked by run build-index@elsewhere:1"):
-                migrate(store=str(store), action=action)
+                migrate(store=str(store), action=action, force="lock test")
         assert read_alias(loc, "serving")["slug"] == base["ingest"]["slug"]
         assert read_window(loc)["status"] == "open"
-    promoted = migrate(store=str(store), action="promote")
+    promoted = migrate(store=str(store), action="promote", force="lock test")
     assert promoted["aliases"]["serving"]["slug"] == promoted["window"]["to"]["slug"]

@@ -258,7 +258,7 @@ build_index(store=sys.argv[1], model="raw-pixels", kind="hnsw", rebuild=True)
 PROMOTE = """
 import sys
 from imgest.flows.migrate import migrate
-migrate(store=sys.argv[1], action="promote")
+migrate(store=sys.argv[1], action="promote", force="kill test: no evaluation")
 """
 
 
@@ -306,7 +306,7 @@ def test_kills_during_build_index_and_during_promote(s3, tmp_path, tiny_models):
         kills += 1
     proc.wait()
     assert _serving_answers(store) in (resolve(MODEL).slug, resolve(new).slug)  # the old or the new, whole
-    promoted = migrate(store=store, action="promote")
+    promoted = migrate(store=store, action="promote", force="kill test: no evaluation")
     assert promoted["aliases"]["serving"]["slug"] == resolve(new).slug
     assert _serving_answers(store) == resolve(new).slug
     _no_secret(*logs)

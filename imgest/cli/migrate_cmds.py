@@ -77,11 +77,15 @@ def migrate_status(store: str = typer.Option(..., help="Folder or URL of the sto
 @migrate_app.command("promote")
 def migrate_promote(
     store: str = typer.Option(..., help="Folder or URL of the store"),
-    gate: Optional[str] = typer.Option(None, help="Evaluation JSON; refuse when shadow is worse than serving"),
-    margin: float = typer.Option(0.0, help="Allowed drop of the gated metric"),
+    gate: Optional[str] = typer.Option(None, help="An `imgest eval --alias serving --compare shadow --json` report "
+                                                  "made elsewhere; recorded in the window as its evaluation"),
+    margin: float = typer.Option(0.0, help="Allowed drop of shadow's metric below serving's"),
+    force: Optional[str] = typer.Option(None, help="Promote without (or against) the evaluation; the reason is "
+                                                   "recorded in the window and the alias history"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Swap `serving` to the new model (full coverage and a current, checksummed index required)."""
+    """Swap `serving` to the new model: full coverage, a current checksummed index, and an evaluation of shadow
+    against serving recorded in the window where shadow is not worse beyond --margin (or --force "reason")."""
     gate_obj = None
     if gate:
         from imgest.storage import read_url
@@ -90,7 +94,7 @@ def migrate_promote(
             gate_obj = json.loads(read_url(gate))
         except _user_errors() as exc:
             _fail(exc)
-    _migrate(store, "promote", as_json, gate=gate_obj, margin=margin)
+    _migrate(store, "promote", as_json, gate=gate_obj, margin=margin, force=force)
 
 
 @migrate_app.command("rollback")
