@@ -12,19 +12,11 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 import imgest
-from imgest.encoders.head import HELDOUT_VIEWS, serialise_weights, write_head
+from imgest.encoders.head import ARCHITECTURES, HELDOUT_VIEWS, serialise_weights, write_head
 from imgest.storage import Location, read_url
 from imgest.tasks.decode import decode_image
-from imgest.tasks.heads import (
-    HeadConfig,
-    HeadError,
-    augment,
-    augmented_instances,
-    loss_curves_png,
-    read_labels,
-    train_head,
-    view_rng,
-)
+from imgest.tasks.head_views import DESCRIPTION, augment, augmented_instances, view_rng
+from imgest.tasks.heads import HeadConfig, HeadError, loss_curves_png, read_labels, train_head
 from imgest.tasks.live import LiveVectors
 from imgest.tasks.state import now_iso
 
@@ -60,21 +52,51 @@ def labelled_set(live: LiveVectors, labels_url: str, model_id: str) -> TrainingS
 
 
 @task(name="augment-and-encode", cache_policy=NO_CACHE)
-def augment_task(live: LiveVectors, base_name: str, views: int, seed: int, max_items: int) -> TrainingSet:
+def augment_task(live: LiveVectors, base_name: str, views: int, seed: int, max_items: int,
+                 names: tuple[str, ...]) -> TrainingSet:
     """No labels: each catalogue item is its own label, with `views` augmented views as its positives."""
     vectors, item_ids, labels, rows = augmented_instances(live, base_name, views, seed, max_items,
-                                                          log=get_run_logger().info)
+                                                          names=names, log=get_run_logger().info)
     return TrainingSet(
         vectors=vectors, item_ids=item_ids, labels=labels,
         source={"file": None, "augmented_views": views, "items": len(rows), "seed": seed,
-                "transforms": "crop 60-85%, mirror (p=0.5), brightness 0.7-1.3, colour 0.3-1.7"},
+                "augmentations": list(names), "transforms": DESCRIPTION},
         counts={"labelled_live_items": 0, "unlabelled_live_items": len(live), "labels_not_in_store": 0},
         rows=rows)
 
 
 @task(name="train-head", cache_policy=NO_CACHE)
-def train_task(training: TrainingSet, cfg: HeadConfig):
-    return train_head(training.vectors, training.item_ids, training.labels, cfg, log=get_run_logger().info)
+def train_task(training: TrainingSet, cfg: HeadConfig, scorer=None):
+    return train_head(training.vectors, training.item_ids, training.labels, cfg, log=get_run_logger().info,
+                      scorer=scorer)
+
+
+PROXY = ("a proxy: the queries are views made by the same augmentations the head trained on, so a gain here "
+         "does not show robustness to a shift the augmentations do not cover (another camera, artist, style or "
+         "background); evaluate on real queries (--eval-queries, or `imgest eval` in a migration window) before "
+         "promoting")
+
+
+def validation_record(result, source: dict, evaluation: dict | None) -> dict:
+    """What the training's validation measured, in words, whether it is a proxy, and its figures."""
+    cfg = result.config
+    if evaluation:
+        measured = (f"the given query set {evaluation['file']} ({evaluation['queries']} queries, sha256 "
+                    f"{evaluation['sha256'][:12]}...): epochs were selected on it")
+        note = ("epochs were selected on this set, so its figures are optimistic for it; confirm on another "
+                "labelled set with `imgest eval`")
+    elif source["file"] is None:
+        measured = "held-out catalogue items, each queried by views made by the training augmentations"
+        note = PROXY
+    else:
+        measured = ("held-out labels (classes unseen in training)" if cfg.split == "labels" else
+                    "held-out items of the labels trained on") + ", queried against every labelled item"
+        note = ("queries and gallery are the same catalogue's images: this does not show robustness to a shift "
+                "between query photos and catalogue photos")
+    return {"measured_on": measured, "proxy": not evaluation and source["file"] is None, "note": note,
+            "selected_on": "eval queries recall@1 (then recall@10)" if evaluation else "held-out recall@1",
+            "recall@1": result.val_recall_at_1, "base_recall@1": result.base_val_recall_at_1,
+            "best_epoch": result.best_epoch, "history": result.history, "eval": evaluation}
 
 
 def heldout_set(result, training: TrainingSet, live: LiveVectors, views: int,
@@ -82,7 +104,7 @@ def heldout_set(result, training: TrainingSet, live: LiveVectors, views: int,
     """The held-out items as an `imgest eval` query set (and, for augmented training, their view images)."""
     if training.source["file"]:
         return heldout_queries(result, training.item_ids, training.uris, training.labels), {}
-    return heldout_views(result, live, training.rows, views, seed)
+    return heldout_views(result, live, training.rows, views, seed, tuple(training.source["augmentations"]))
 
 
 def heldout_queries(result, item_ids: list[str], uris: list[str], labels: list[str]) -> list[dict]:
@@ -95,33 +117,33 @@ def heldout_queries(result, item_ids: list[str], uris: list[str], labels: list[s
              "relevant": [i for i in by_label[label_of[q]] if i != q]} for q in result.val_item_ids]
 
 
-def head_record(result, base: dict, source: dict, weights_sha256: str) -> dict:
+def head_record(result, base: dict, source: dict, weights_sha256: str, evaluation: dict | None = None) -> dict:
     """head.json: the base model it applies to, the architecture, how it was trained and validated."""
     cfg = result.config
     return {
         "base_model": base["name"], "base_model_id": base["model_id"], "base_slug": base["slug"],
-        "dim_in": result.dim_in, "hidden": cfg.hidden, "dim_out": cfg.dim_out, "architecture":
-        "Linear(dim_in, hidden) -> GELU -> Linear(hidden, dim_out) -> L2 normalise",
+        "dim_in": result.dim_in, "hidden": cfg.hidden, "dim_out": cfg.out_dim(result.dim_in),
+        "head_type": cfg.head_type, "architecture": ARCHITECTURES[cfg.head_type],
         "loss": cfg.loss, "training": asdict(cfg), "labels": source,
         "counts": {"labels": result.labels, "train_items": result.train_items, "val_items": result.val_items},
-        "validation": {"recall@1": result.val_recall_at_1, "base_recall@1": result.base_val_recall_at_1,
-                       "best_epoch": result.best_epoch, "history": result.history},
+        "validation": validation_record(result, source, evaluation),
         "weights_sha256": weights_sha256, "seconds": result.seconds,
         "created": now_iso(), "imgest_version": imgest.__version__,
     }
 
 
 def save_head(store: Location, result, base: dict, source: dict, queries: list[dict],
-              views: dict[str, bytes] | None = None) -> dict:
+              views: dict[str, bytes] | None = None, evaluation: dict | None = None) -> dict:
     """The trained head as a model of its own (`head:<folder>`), with its record, query set and loss curves."""
     weights = serialise_weights(result.state_dict)
-    config = head_record(result, base, source, hashlib.sha256(weights).hexdigest())
+    config = head_record(result, base, source, hashlib.sha256(weights).hexdigest(), evaluation)
     curves = loss_curves_png(result)
     saved = write_head(store, weights, config, queries, views or {}, curves)
     return {**saved, "config": config, "loss_curves_png": curves}
 
 
-def heldout_views(result, live, used: list[int], views: int, seed: int) -> tuple[list[dict], dict[str, bytes]]:
+def heldout_views(result, live, used: list[int], views: int, seed: int,
+                  names: tuple[str, ...]) -> tuple[list[dict], dict[str, bytes]]:
     """The held-out instances as an eval query set: their augmented views, regenerated from the same seeds
     as PNG files to keep beside the head, each with its original catalogue item as the one relevant."""
     held = {i for i in result.val_item_ids if "#view" not in i}
@@ -133,7 +155,7 @@ def heldout_views(result, live, used: list[int], views: int, seed: int) -> tuple
         image = decode_image(read_url(live.uris[row]))
         for v in range(views):
             buf = io.BytesIO()
-            augment(image, view_rng(seed, row, v)).save(buf, "PNG")
+            augment(image, view_rng(seed, row, v), names).save(buf, "PNG")
             key = f"{HELDOUT_VIEWS}/{hashlib.sha256(f'{item_id}#{v}'.encode()).hexdigest()[:16]}.png"
             images[key] = buf.getvalue()
             queries.append({"query_id": f"{item_id}#view{v}", "image": key, "relevant": [item_id]})

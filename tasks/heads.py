@@ -109,7 +109,8 @@ def proxynca(e, labels, proxies, scale: float = 3.0):
 @dataclass
 class HeadConfig:
     loss: str = "infonce"
-    dim_out: int = 256
+    head_type: str = "residual"  # residual: the identity at initialisation; mlp: a new space of dim_out
+    dim_out: int = 0  # 0: the base model's dimension (a residual head keeps it)
     hidden: int = 1024
     epochs: int = 50
     labels_per_batch: int = 32  # P
@@ -119,6 +120,9 @@ class HeadConfig:
     margin: float = 0.2  # triplet
     temperature: float = 0.1  # infonce
     proxy_scale: float = 3.0  # proxynca
+    keep: float = 1.0  # weight of the term that keeps each item's base neighbourhood (0: off)
+    keep_temperature: float = 0.05
+    hard_negatives: int = 3  # each label drawn into a batch brings up to this many of its base-space neighbours
     val_fraction: float = 0.2
     split: str = "items"  # items: held-out items of every label; labels: held-out labels (unseen classes)
     patience: int = 5
@@ -127,15 +131,28 @@ class HeadConfig:
     def check(self) -> None:
         if self.loss not in LOSSES:
             raise HeadError(f"loss must be one of {', '.join(LOSSES)}; got {self.loss!r}")
+        if self.head_type not in ("residual", "mlp"):
+            raise HeadError(f"head_type must be residual or mlp; got {self.head_type!r}")
         if self.split not in ("items", "labels"):
             raise HeadError(f"split must be items or labels; got {self.split!r}")
         if not 0 < self.val_fraction < 1:
             raise HeadError(f"val_fraction must be in (0, 1); got {self.val_fraction}")
-        for name in ("dim_out", "hidden", "epochs", "labels_per_batch", "patience"):
+        for name in ("hidden", "epochs", "labels_per_batch", "patience"):
             if getattr(self, name) < 1:
                 raise HeadError(f"{name} must be >= 1; got {getattr(self, name)}")
+        for name in ("dim_out", "hard_negatives"):
+            if getattr(self, name) < 0:
+                raise HeadError(f"{name} must be >= 0; got {getattr(self, name)}")
+        if self.keep < 0 or self.keep_temperature <= 0:
+            raise HeadError(f"keep must be >= 0 and keep_temperature > 0; got {self.keep}, {self.keep_temperature}")
         if self.items_per_label < 2:
             raise HeadError(f"items_per_label must be >= 2 (each anchor needs a positive); got {self.items_per_label}")
+
+    def out_dim(self, dim_in: int) -> int:
+        if self.head_type == "residual" and self.dim_out not in (0, dim_in):
+            raise HeadError(f"a residual head keeps the base dimension {dim_in}; got dim_out {self.dim_out} "
+                            "(use head_type mlp for another dimension)")
+        return self.dim_out or dim_in
 
 
 @dataclass
@@ -199,15 +216,47 @@ def recall_at_1(queries: np.ndarray, query_rows: np.ndarray, gallery: np.ndarray
     return hits / max(len(queries), 1)
 
 
-def pk_batches(train_rows: np.ndarray, label_ids: np.ndarray, cfg: HeadConfig, rng) -> list[np.ndarray]:
-    """One epoch of P-labels x K-items batches covering every training item about once."""
+def neighbour_labels(vectors: np.ndarray, label_ids: np.ndarray, rows: np.ndarray, h: int) -> dict[int, list[int]]:
+    """Each label's `h` nearest labels by the cosine of their mean base vectors: the hard negatives a batch
+    draws in with it (an approximate HNSW search past 20,000 labels)."""
+    import faiss
+
+    if h == 0:
+        return {}
+    labs, inverse = np.unique(label_ids[rows], return_inverse=True)
+    centroids = np.zeros((len(labs), vectors.shape[1]), np.float32)
+    np.add.at(centroids, inverse, vectors[rows])
+    centroids /= np.maximum(np.linalg.norm(centroids, axis=1, keepdims=True), 1e-12)
+    index = faiss.IndexFlatIP(centroids.shape[1]) if len(labs) <= 20_000 else \
+        faiss.index_factory(centroids.shape[1], "HNSW32,Flat", faiss.METRIC_INNER_PRODUCT)
+    index.add(centroids)
+    _, near = index.search(centroids, min(h + 1, len(labs)))
+    return {int(labs[i]): [int(labs[j]) for j in near[i] if j >= 0 and j != i][:h] for i in range(len(labs))}
+
+
+def pk_batches(train_rows: np.ndarray, label_ids: np.ndarray, cfg: HeadConfig, rng,
+               neighbours: dict[int, list[int]] | None = None) -> list[np.ndarray]:
+    """One epoch of P-labels x K-items batches covering every training item about once. Labels are drawn in a
+    random order; each brings up to `hard_negatives` of its base-space neighbours into the same batch."""
     by_label: dict[int, list[int]] = {}
     for row in train_rows:
         by_label.setdefault(int(label_ids[row]), []).append(int(row))
     pools = {lab: rng.permutation(rows).tolist() for lab, rows in by_label.items() if len(rows) >= 2}
-    batches = []
+    neighbours = neighbours or {}
+    batches: list[np.ndarray] = []
+    order: list[int] = []
     while len(pools) >= 2:
-        chosen = rng.choice(sorted(pools), size=min(cfg.labels_per_batch, len(pools)), replace=False)
+        want, chosen = min(cfg.labels_per_batch, len(pools)), []
+        while len(chosen) < want:
+            if not order:
+                order = rng.permutation(sorted(pools)).tolist()
+            seed = order.pop()
+            if seed not in pools or seed in chosen:
+                continue
+            chosen.append(seed)
+            for near in neighbours.get(seed, [])[:cfg.hard_negatives]:
+                if len(chosen) < want and near in pools and near not in chosen:
+                    chosen.append(near)
         batch = []
         for lab in chosen:
             pool = pools[lab]
@@ -221,11 +270,25 @@ def pk_batches(train_rows: np.ndarray, label_ids: np.ndarray, cfg: HeadConfig, r
     return batches
 
 
-def train_head(vectors: np.ndarray, item_ids: list[str], labels: list[str], cfg: HeadConfig,
-               log=lambda line: None) -> TrainResult:
+def keep_neighbourhood(e, base, temperature: float):
+    """KL(base || head) of each row's softmax over the batch's other rows: the head may move an item's
+    neighbours only as far as the metric loss gives it reason to."""
     import torch
 
-    from imgest.encoders.head import mlp
+    eye = torch.eye(len(e), dtype=torch.bool, device=e.device)
+    p = torch.softmax((base @ base.T / temperature).masked_fill(eye, -1e9), dim=1)
+    log_q = torch.log_softmax((e @ e.T / temperature).masked_fill(eye, -1e9), dim=1)
+    return torch.nn.functional.kl_div(log_q, p, reduction="batchmean")
+
+
+def train_head(vectors: np.ndarray, item_ids: list[str], labels: list[str], cfg: HeadConfig,
+               log=lambda line: None, scorer=None) -> TrainResult:
+    """Train on `vectors`; keep the best epoch by the held-out split's recall@1, or by `scorer` (a given
+    query set: `scorer.score(project) -> {"recall@1", "recall@10", ...}`) when there is one. A residual head
+    is scored before training too (epoch 0, the base itself), so it is kept only if an epoch beats the base."""
+    import torch
+
+    from imgest.encoders.head import build_module
 
     cfg.check()
     start = time.perf_counter()
@@ -236,30 +299,48 @@ def train_head(vectors: np.ndarray, item_ids: list[str], labels: list[str], cfg:
     label_ids = np.array([index[x] for x in labels])
     train_rows, val_rows = split(item_ids, labels, cfg)
     x = torch.from_numpy(np.ascontiguousarray(vectors, np.float32))
+    base = torch.nn.functional.normalize(x, dim=1)
     y = torch.from_numpy(label_ids)
-    head = mlp(vectors.shape[1], cfg.hidden, cfg.dim_out)
+    dim_out = cfg.out_dim(vectors.shape[1])
+    head = build_module(cfg.head_type, vectors.shape[1], cfg.hidden, dim_out)
     params = [{"params": head.parameters()}]
     proxies = None
     if cfg.loss == "proxynca":
-        proxies = torch.nn.Parameter(torch.randn(len(names), cfg.dim_out) * 0.1)
+        proxies = torch.nn.Parameter(torch.randn(len(names), dim_out) * 0.1)
         params.append({"params": [proxies], "lr": cfg.lr * 10})  # proxies learn faster (as in the paper)
     optimiser = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    neighbours = neighbour_labels(vectors, label_ids, train_rows, cfg.hard_negatives)
 
-    def embed_all() -> np.ndarray:
+    def project(v: np.ndarray) -> np.ndarray:
         head.eval()
         with torch.inference_mode():
-            out = torch.nn.functional.normalize(head(x), dim=1).numpy()
+            out = torch.nn.functional.normalize(head(torch.from_numpy(np.ascontiguousarray(v, np.float32))), dim=1)
         head.train()
-        return out
+        return out.numpy()
+
+    def measure(epoch: int, losses: list[float]) -> tuple:
+        emb = project(vectors)
+        entry = {"epoch": epoch, "train_loss": round(float(np.mean(losses)), 5) if losses else None,
+                 "val_recall@1": round(recall_at_1(emb[val_rows], val_rows, emb, label_ids), 5)}
+        if scorer is not None:
+            got = scorer.score(project)
+            entry.update({f"eval_{k}": round(got[k], 5) for k in ("recall@1", "recall@10")})
+        result.history.append(entry)
+        log(f"epoch {epoch}: loss {entry['train_loss']}, " + ", ".join(f"{k} {v}" for k, v in entry.items()
+                                                                      if "recall" in k))
+        return (entry["eval_recall@1"], entry["eval_recall@10"]) if scorer is not None else (entry["val_recall@1"],)
 
     base_recall = recall_at_1(vectors[val_rows], val_rows, vectors, label_ids)
     result = TrainResult(state_dict={}, config=cfg, dim_in=vectors.shape[1], base_val_recall_at_1=base_recall,
                          train_items=len(train_rows), val_items=len(val_rows), labels=len(names),
                          val_item_ids=[item_ids[i] for i in val_rows])
-    best, since_best = -1.0, 0
+    best, since_best = None, 0
+    if cfg.head_type == "residual":  # epoch 0: the identity, i.e. the base model
+        best = measure(0, [])
+        result.state_dict = {k: v.detach().clone() for k, v in head.state_dict().items()}
     for epoch in range(1, cfg.epochs + 1):
         losses = []
-        for batch in pk_batches(train_rows, label_ids, cfg, rng):
+        for batch in pk_batches(train_rows, label_ids, cfg, rng, neighbours):
             e = torch.nn.functional.normalize(head(x[batch]), dim=1)
             if cfg.loss == "triplet":
                 loss = triplet_semihard(e, y[batch], cfg.margin)
@@ -267,25 +348,25 @@ def train_head(vectors: np.ndarray, item_ids: list[str], labels: list[str], cfg:
                 loss = infonce(e, y[batch], cfg.temperature)
             else:
                 loss = proxynca(e, y[batch], proxies, cfg.proxy_scale)
+            if cfg.keep:
+                loss = loss + cfg.keep * keep_neighbourhood(e, base[batch], cfg.keep_temperature)
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
             losses.append(float(loss.detach()))
-        emb = embed_all()
-        val = recall_at_1(emb[val_rows], val_rows, emb, label_ids)
-        result.history.append({"epoch": epoch, "train_loss": round(float(np.mean(losses)), 5),
-                               "val_recall@1": round(val, 5)})
-        log(f"epoch {epoch}: loss {np.mean(losses):.4f}, val recall@1 {val:.4f} (base {base_recall:.4f})")
-        if val > best:
-            best, since_best, result.best_epoch = val, 0, epoch
+        score = measure(epoch, losses)
+        if best is None or score > best:
+            best, since_best, result.best_epoch = score, 0, epoch
             result.state_dict = {k: v.detach().clone() for k, v in head.state_dict().items()}
         else:
             since_best += 1
             if since_best >= cfg.patience:
-                log(f"no better validation recall@1 for {cfg.patience} epochs: stopping, keeping epoch "
-                    f"{result.best_epoch}")
+                log(f"no better validation for {cfg.patience} epochs: stopping, keeping epoch {result.best_epoch}")
                 break
-    result.val_recall_at_1 = round(best, 5)
+    if result.best_epoch == 0:
+        log("no epoch beat the base model on the validation: the saved head is the identity (the base)")
+    result.val_recall_at_1 = result.history[[h["epoch"] for h in result.history].index(result.best_epoch)][
+        "val_recall@1"]
     result.base_val_recall_at_1 = round(base_recall, 5)
     result.seconds = round(time.perf_counter() - start, 3)
     return result
@@ -301,71 +382,18 @@ def loss_curves_png(result: TrainResult) -> bytes:
 
     epochs = [h["epoch"] for h in result.history]
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    ax.plot(epochs, [h["train_loss"] for h in result.history], "o-", color="tab:blue", label="train loss")
+    loss = [np.nan if h["train_loss"] is None else h["train_loss"] for h in result.history]
+    ax.plot(epochs, loss, "o-", color="tab:blue", label="train loss")
     ax.set_xlabel("epoch")
     ax.set_ylabel(f"{result.config.loss} loss", color="tab:blue")
     ax2 = ax.twinx()
-    ax2.plot(epochs, [h["val_recall@1"] for h in result.history], "s-", color="tab:green", label="val recall@1")
+    ax2.plot(epochs, [h["val_recall@1"] for h in result.history], "s-", color="tab:green", label="held-out recall@1")
+    if result.history and "eval_recall@1" in result.history[-1]:
+        ax2.plot(epochs, [h["eval_recall@1"] for h in result.history], "^-", color="tab:red",
+                 label="eval queries recall@1")
     ax2.axhline(result.base_val_recall_at_1, color="grey", linestyle="--", label="base model")
     ax2.axvline(result.best_epoch, color="tab:green", linestyle=":")
     ax2.set_ylabel("validation recall@1", color="tab:green")
     ax.set_title(f"{result.config.loss} head: best epoch {result.best_epoch}")
     fig.legend(loc="lower right", fontsize=7)
     return _png(fig)
-
-
-# -- no labels: instance pairs from augmented catalogue images ----------------------------------------------
-def augment(image, rng):
-    """A crop, a mirror half of the time, a brightness and colour change: the same product photographed again."""
-    from imgest.tasks.querysets import TRANSFORMS
-
-    image = TRANSFORMS["crop"](image, rng)
-    if rng.random() < 0.5:
-        image = TRANSFORMS["flip"](image, rng)
-    return TRANSFORMS["colour"](image, rng)
-
-
-def view_rng(seed: int, index: int, view: int):
-    return np.random.default_rng([seed, index, view])
-
-
-def augmented_instances(live, base_name: str, views: int, seed: int, max_items: int = 0, device: str = "auto",
-                        log=lambda line: None) -> tuple[np.ndarray, list[str], list[str], list[int]]:
-    """Each live item becomes a label of its own: its stored embedding plus `views` augmented views, each
-    image read and decoded once and encoded once by the base model. Returns vectors, ids (`<item>#view<v>`
-    for views), labels (the item id) and the live rows used."""
-    from imgest import encoders
-    from imgest.storage import read_url
-    from imgest.tasks.decode import DecodeError, decode_image
-
-    if views < 1:
-        raise HeadError(f"views must be >= 1 to make instance pairs without labels; got {views}")
-    rows = list(range(len(live)))
-    if max_items and max_items < len(rows):
-        rows = sorted(np.random.default_rng(seed).choice(len(rows), size=max_items, replace=False).tolist())
-    encoder = encoders.load(encoders.resolve(base_name), device)
-    ids, labels, batch, chunks = [], [], [], []
-    used = []
-    for n, row in enumerate(rows):
-        item_id = live.item_ids[row]
-        try:
-            image = decode_image(read_url(live.uris[row]))
-        except (DecodeError, OSError) as exc:
-            log(f"skipping {item_id}: {exc}")
-            continue
-        used.append(row)
-        for v in range(views):
-            batch.append(encoder.preprocess(augment(image, view_rng(seed, row, v))))
-            ids.append(f"{item_id}#view{v}")
-            labels.append(item_id)
-        if len(batch) >= 64 or n == len(rows) - 1:
-            chunks.append(encoder.encode_images(np.stack(batch)))
-            batch = []
-    if batch:
-        chunks.append(encoder.encode_images(np.stack(batch)))
-    if len(used) < 2:
-        raise HeadError(f"{len(used)} catalogue image(s) could be read: instance pairs need at least 2")
-    originals = [live.item_ids[r] for r in used]
-    vectors = np.vstack([live.vectors[used], *chunks]).astype(np.float32)
-    log(f"{len(used)} items x {views} augmented views encoded by {base_name}")
-    return vectors, originals + ids, originals + labels, used

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from imgest.tasks.head_views import AUGMENTATIONS
 from imgest.tasks.heads import HeadConfig, HeadError, infonce, proxynca, read_labels, train_head, triplet_semihard
 
 # -- losses, no Prefect needed --------------------------------------------------------------------------
@@ -72,8 +73,8 @@ def _toy(seed=0, labels=8, per_label=12, d=16):
 @pytest.mark.parametrize("loss", ["triplet", "infonce", "proxynca"])
 def test_each_loss_decreases_on_a_toy_problem(loss):
     x, ids, labels = _toy()
-    cfg = HeadConfig(loss=loss, dim_out=8, hidden=32, epochs=15, labels_per_batch=8, items_per_label=4,
-                     lr=3e-3, patience=15, seed=0)
+    cfg = HeadConfig(loss=loss, head_type="mlp", dim_out=8, hidden=32, epochs=15, labels_per_batch=8,
+                     items_per_label=4, lr=3e-3, patience=15, seed=0, keep=0.0)
     result = train_head(x, ids, labels, cfg)
     curve = [h["train_loss"] for h in result.history]
     assert len(curve) == 15 and np.mean(curve[-3:]) < 0.7 * np.mean(curve[:3]), curve
@@ -81,6 +82,49 @@ def test_each_loss_decreases_on_a_toy_problem(loss):
     # seeded: the same inputs give the same weights
     again = train_head(x, ids, labels, cfg)
     assert all(torch.equal(result.state_dict[k], again.state_dict[k]) for k in result.state_dict)
+
+
+def test_a_residual_head_starts_as_the_base_and_is_kept_only_if_an_epoch_beats_it():
+    from imgest.encoders.head import load_state, project
+
+    x, ids, labels = _toy()
+    frozen = train_head(x, ids, labels, HeadConfig(hidden=32, epochs=3, labels_per_batch=8, lr=0.0, patience=3))
+    assert [h["epoch"] for h in frozen.history] == [0, 1, 2, 3] and frozen.best_epoch == 0
+    assert frozen.history[0]["val_recall@1"] == frozen.base_val_recall_at_1, "epoch 0 is the base itself"
+    np.testing.assert_allclose(project(load_state(frozen), x), x, atol=1e-6)  # nothing beat it: the identity
+    # labels in 4 of 16 dimensions, noise in the rest: a head that learns to ignore the noise beats the base
+    rng = np.random.default_rng(0)
+    centres = np.zeros((8, 16))
+    centres[:, :4] = rng.standard_normal((8, 4))
+    noisy = np.repeat(centres, 12, 0) + np.hstack([0.3 * rng.standard_normal((96, 4)), rng.standard_normal((96, 12))])
+    noisy = (noisy / np.linalg.norm(noisy, axis=1, keepdims=True)).astype(np.float32)
+    trained = train_head(noisy, ids, labels, HeadConfig(hidden=32, epochs=10, labels_per_batch=8, lr=1e-2,
+                                                        patience=10))
+    assert trained.best_epoch >= 1 and trained.val_recall_at_1 > trained.base_val_recall_at_1
+    with pytest.raises(HeadError, match="a residual head keeps the base dimension 16"):
+        train_head(x, ids, labels, HeadConfig(dim_out=8))
+
+
+def test_hard_negatives_share_a_batch_and_the_keep_term_is_zero_only_at_the_base():
+    from imgest.tasks.heads import keep_neighbourhood, neighbour_labels, pk_batches
+
+    x, ids, labels = _toy(labels=12, per_label=4)
+    label_ids = np.array([int(name[1:]) for name in labels])
+    rows = np.arange(len(x))
+    near = neighbour_labels(x, label_ids, rows, 2)
+    centroids = np.stack([x[label_ids == lab].mean(0) for lab in range(12)])
+    centroids /= np.linalg.norm(centroids, axis=1, keepdims=True)
+    sims = centroids @ centroids.T
+    np.fill_diagonal(sims, -np.inf)
+    assert near[0] == np.argsort(-sims[0])[:2].tolist(), "the two labels nearest in base space"
+    cfg = HeadConfig(labels_per_batch=3, items_per_label=2, hard_negatives=2)
+    first = set(label_ids[pk_batches(rows, label_ids, cfg, np.random.default_rng(0), near)[0]].tolist())
+    assert any(first == {lab, *near[lab]} for lab in first), "the first batch: a label and its two neighbours"
+    base = torch.nn.functional.normalize(torch.from_numpy(x[:16]), dim=1)
+    assert float(keep_neighbourhood(base, base, 0.05)) == pytest.approx(0.0, abs=1e-6)
+    noise = torch.randn(base.shape, generator=torch.Generator().manual_seed(0))
+    moved = torch.nn.functional.normalize(base + 0.5 * noise, dim=1)
+    assert float(keep_neighbourhood(moved, base, 0.05)) > 0.01
 
 
 def test_bad_labels_and_parameters_are_refused_clearly():
@@ -126,7 +170,7 @@ def _train(root, **kw):
     from imgest.flows.train_head import train_head_flow
 
     args = {"store": str(root / "store"), "base_model": "efficientnet-lite0", "labels": str(root / "labels.csv"),
-            "loss": "infonce", "dim_out": 16, "hidden": 64, "epochs": 4, "labels_per_batch": 6,
+            "loss": "infonce", "head_type": "mlp", "dim_out": 16, "hidden": 64, "epochs": 4, "labels_per_batch": 6,
             "items_per_label": 2, "patience": 4} | kw
     return train_head_flow(**args)
 
@@ -261,3 +305,44 @@ def test_without_labels_each_item_is_an_instance_with_augmented_views(labelled):
     assert len(queries) == counts["val_items"] * 2 // 3, "two augmented views per held-out item"
     for q in queries:
         assert q["query_id"].startswith(q["relevant"][0] + "#view") and read_url(q["image"])[:4] == b"\x89PNG"
+    validation = trained["config"]["validation"]
+    assert validation["proxy"] is True and "views made by the training augmentations" in validation["measured_on"]
+    assert "does not show robustness to a shift" in validation["note"]
+    assert source["augmentations"] == list(AUGMENTATIONS) and "quantisation" in source["transforms"]
+    from imgest.tasks.markdown import render_head
+
+    assert "(**a proxy**)" in render_head(trained)
+
+
+def test_eval_queries_select_the_epoch_and_report_base_against_head(labelled):
+    """Real queries (here: catalogue images against the other items of their label) choose the epoch; the
+    report and head.json say what was measured, with base vs head and the paired bootstrap interval."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from imgest.cli import app
+
+    queries = labelled / "eval.jsonl"
+    lines = [{"query_id": f"l{lab}/{n}", "image": str(labelled / "catalogue" / f"l{lab}" / f"{n}.png"),
+              "exclude": [f"l{lab}/{n}.png"], "relevant": [f"l{lab}/{m}.png" for m in range(6) if m != n]}
+             for lab in range(6) for n in (0, 1)] + [{"query_id": "gone", "image": str(labelled / "catalogue" /
+                                                      "l0" / "0.png"), "relevant": ["not/in/store.png"]}]
+    queries.write_text("".join(json.dumps(q) + "\n" for q in lines))
+    trained = _train(labelled, head_type="residual", dim_out=0, epochs=3, eval_queries=str(queries), lr=3e-3)
+    validation = trained["config"]["validation"]
+    e = validation["eval"]
+    assert e["file"] == str(queries) and e["queries"] == 12 and e["dropped_queries"] == 1
+    assert validation["proxy"] is False and str(queries) in validation["measured_on"]
+    history = validation["history"]
+    assert history[0]["epoch"] == 0 and history[0]["eval_recall@1"] == e["base"]["recall@1"], "epoch 0 is the base"
+    best = max(history, key=lambda h: (h["eval_recall@1"], h["eval_recall@10"]))
+    assert validation["best_epoch"] == best["epoch"] and e["head"]["recall@1"] == best["eval_recall@1"]
+    for metric in ("recall@1", "recall@10"):
+        interval = e["bootstrap"][metric]
+        assert interval["low"] <= interval["difference"] <= interval["high"]
+        assert interval["difference"] == pytest.approx(e["head"][metric] - e["base"][metric], abs=1e-4)
+    bad = CliRunner().invoke(app, ["train-head", "--store", str(labelled / "store"), "--augment", "crop,sepia"])
+    assert bad.exit_code == 2 and "unknown augmentation 'sepia'" in bad.output
+    wide = CliRunner().invoke(app, ["train-head", "--store", str(labelled / "store"), "--dim", "16"])
+    assert wide.exit_code == 2 and "a residual head keeps the base dimension" in wide.output

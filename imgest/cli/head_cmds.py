@@ -7,7 +7,7 @@ import json
 import typer
 
 from imgest.cli import _fail, _user_errors, app
-from imgest.defaults import DEFAULT_MODEL, DEFAULT_VIEWS
+from imgest.defaults import DEFAULT_DEVICE, DEFAULT_MODEL, DEFAULT_VIEWS
 from imgest.tasks.heads import HeadConfig
 
 HEAD = HeadConfig()  # the training defaults, declared on HeadConfig
@@ -22,9 +22,21 @@ def train_head_cmd(
     views: int = typer.Option(DEFAULT_VIEWS, help="Without --labels: augmented views per catalogue image "
                                                   "(encoded once)"),
     max_items: int = typer.Option(0, help="Without --labels: at most this many catalogue items (0: all)"),
+    augment: str = typer.Option("all", help="Without --labels: the augmentations making the views: all, or a comma "
+                                            "list of crop, flip, rotate, perspective, colour, contrast, background, "
+                                            "quantise, edges, blur, jpeg, or of the groups geometry, photometry, "
+                                            "rendering"),
+    eval_queries: str = typer.Option(None, help="A labelled query set in `imgest eval`'s format (e.g. real query "
+                                                "photos): epochs are selected on it and the report gives base vs "
+                                                "head on it with a paired bootstrap interval"),
     loss: str = typer.Option(HEAD.loss, help="triplet (semi-hard mining), infonce (NT-Xent) or proxynca"),
-    dim: int = typer.Option(HEAD.dim_out, help="Output dimension of the head"),
-    hidden: int = typer.Option(HEAD.hidden, help="Hidden width of the MLP"),
+    head_type: str = typer.Option(HEAD.head_type, help="residual (starts as the identity: the untrained head is the "
+                                                       "base) or mlp (a new space of --dim dimensions)"),
+    dim: int = typer.Option(HEAD.dim_out, help="Output dimension of an mlp head (0: the base model's)"),
+    hidden: int = typer.Option(HEAD.hidden, help="Hidden width"),
+    keep: float = typer.Option(HEAD.keep, help="Weight of the term keeping each item's base neighbourhood (0: off)"),
+    hard_negatives: int = typer.Option(HEAD.hard_negatives, help="Base-space neighbour labels each label brings "
+                                                                 "into its batch (0: random batches)"),
     epochs: int = typer.Option(HEAD.epochs, help="Most epochs; early stopping on held-out recall@1 usually ends "
                                                  "sooner"),
     labels_per_batch: int = typer.Option(HEAD.labels_per_batch, help="P of the P x K batches"),
@@ -36,6 +48,7 @@ def train_head_cmd(
     margin: float = typer.Option(HEAD.margin, help="Triplet margin (squared distance of unit vectors)"),
     temperature: float = typer.Option(HEAD.temperature, help="InfoNCE temperature"),
     seed: int = typer.Option(HEAD.seed, help="Seed of the split, the batches and the initial weights"),
+    device: str = typer.Option(DEFAULT_DEVICE, help="Where --eval-queries images are encoded: auto, cpu, cuda"),
     as_json: bool = typer.Option(False, "--json", help="Print the training summary as JSON"),
 ) -> None:
     """Train a projection head with a metric loss on frozen base embeddings read from the shards."""
@@ -43,15 +56,16 @@ def train_head_cmd(
     from imgest.flows.train_head import train_head_flow
     from imgest.tasks.markdown import render_head
 
-    training = {"loss": loss, "dim_out": dim, "hidden": hidden, "epochs": epochs, "labels_per_batch": labels_per_batch,
-                "items_per_label": items_per_label, "lr": lr, "val_fraction": val_fraction, "split": split,
-                "patience": patience, "margin": margin, "temperature": temperature, "seed": seed}
+    training = {"loss": loss, "head_type": head_type, "dim_out": dim, "hidden": hidden, "epochs": epochs,
+                "labels_per_batch": labels_per_batch, "items_per_label": items_per_label, "lr": lr,
+                "val_fraction": val_fraction, "split": split, "patience": patience, "margin": margin,
+                "temperature": temperature, "keep": keep, "hard_negatives": hard_negatives, "seed": seed}
     try:
         # before Prefect starts: a bad parameter is one line, exit 2
         TrainHeadConfig(store=store, base_model=base_model, labels=labels, views=views, max_items=max_items,
-                        training=HeadConfig(**training))
+                        augment=augment, eval_queries=eval_queries, training=HeadConfig(**training))
         summary = train_head_flow(store=store, base_model=base_model, labels=labels, views=views, max_items=max_items,
-                                  **training)
+                                  augment=augment, eval_queries=eval_queries, device=device, **training)
     except _user_errors() as exc:
         _fail(exc)
     if as_json:

@@ -24,10 +24,45 @@ CONFIG, WEIGHTS = "head.json", "head.safetensors"
 HELDOUT_QUERIES, HELDOUT_VIEWS, LOSS_CURVES = "heldout-queries.jsonl", "heldout", "loss-curves.png"
 
 
+ARCHITECTURES = {
+    "mlp": "Linear(dim_in, hidden) -> GELU -> Linear(hidden, dim_out) -> L2 normalise",
+    "residual": "x + Linear(hidden, dim_in)(GELU(Linear(dim_in, hidden)(x))) -> L2 normalise; the second layer "
+                "starts at zero, so the untrained head is the identity (equal to the base model)",
+}
+
+
 def mlp(dim_in: int, hidden: int, dim_out: int):
     import torch
 
     return torch.nn.Sequential(torch.nn.Linear(dim_in, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, dim_out))
+
+
+def residual(dim: int, hidden: int):
+    """x + up(GELU(down(x))) with `up` zero at initialisation: before training the head changes nothing."""
+    import torch
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down, self.up = torch.nn.Linear(dim, hidden), torch.nn.Linear(hidden, dim)
+            torch.nn.init.zeros_(self.up.weight)
+            torch.nn.init.zeros_(self.up.bias)
+            self.out_features = dim
+
+        def forward(self, x):
+            return x + self.up(torch.nn.functional.gelu(self.down(x)))
+
+    return Residual()
+
+
+def build_module(architecture: str, dim_in: int, hidden: int, dim_out: int):
+    if architecture == "residual":
+        return residual(dim_in, hidden)
+    return mlp(dim_in, hidden, dim_out)
+
+
+def out_features(module) -> int:
+    return module.out_features if hasattr(module, "out_features") else module[-1].out_features
 
 
 def _read(url: str, name: str) -> bytes:
@@ -71,16 +106,24 @@ def load_module(url: str, config: dict[str, Any], device: str = "cpu", sha256: s
     if sha256 is not None and digest != sha256:
         raise EncoderError(f"head {url}: {WEIGHTS} changed since it was resolved (sha256 {digest[:16]}..., "
                            f"model id pins {sha256[:16]}...): refusing to load other weights under its model id")
-    module = mlp(config["dim_in"], config["hidden"], config["dim_out"])
+    module = build_module(config.get("head_type", "mlp"), config["dim_in"], config["hidden"], config["dim_out"])
     module.load_state_dict(load_tensors(weights))
     return module.to(device).eval()
+
+
+def load_state(result):
+    """The module of a TrainResult (its best epoch's weights), on the CPU, for scoring."""
+    cfg = result.config
+    module = build_module(cfg.head_type, result.dim_in, cfg.hidden, cfg.out_dim(result.dim_in))
+    module.load_state_dict(result.state_dict)
+    return module.eval()
 
 
 def project(module, vectors: np.ndarray, device: str = "cpu", batch: int = 65536) -> np.ndarray:
     """Base embeddings -> head embeddings (L2-normalised float32); no image is decoded."""
     import torch
 
-    out = np.empty((len(vectors), module[-1].out_features), np.float32)
+    out = np.empty((len(vectors), out_features(module)), np.float32)
     with torch.inference_mode():
         for begin in range(0, len(vectors), batch):
             x = torch.from_numpy(np.ascontiguousarray(vectors[begin:begin + batch], np.float32)).to(device)

@@ -1,0 +1,163 @@
+"""Label-free training data: each catalogue item is its own label, its positives views of its image made by
+augmentations that cover what differs between two photographs (or two drawings) of one product.
+
+Each augmentation is applied with probability 1/2 (the crop always), in the order of AUGMENTATIONS, to the
+image shrunk to at most WORK_SIDE pixels (the encoder resizes to its input anyway). Seeded per (item, view).
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image, ImageEnhance, ImageFilter, ImageOps
+
+from imgest.tasks.heads import HeadError
+
+WORK_SIDE = 448
+
+
+def _crop(im, rng):
+    w, h = im.size
+    scale = rng.uniform(0.55, 0.9)
+    cw, ch = int(w * scale), int(h * scale)
+    left, top = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+    return im.crop((left, top, left + cw, top + ch))
+
+
+def _colour(im, rng):
+    return ImageEnhance.Color(ImageEnhance.Brightness(im).enhance(rng.uniform(0.7, 1.3))).enhance(rng.uniform(0.3, 1.7))
+
+
+def _contrast(im, rng):
+    return ImageEnhance.Contrast(im).enhance(rng.uniform(0.5, 1.6))
+
+
+def _blur(im, rng):
+    return im.filter(ImageFilter.GaussianBlur(rng.uniform(0.5, 2.5) * max(im.size) / 256))
+
+
+def _jpeg(im, rng):
+    buffer = io.BytesIO()
+    im.save(buffer, "JPEG", quality=int(rng.integers(10, 50)))
+    return Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+
+
+def _quantise(im, rng):
+    return im.quantize(colors=int(rng.integers(4, 25)), method=Image.Quantize.MEDIANCUT).convert("RGB")
+
+
+def _background(im, rng):
+    """Near-white pixels (a product shot's backdrop) replaced by a random colour or a two-colour gradient."""
+    a = np.asarray(im, np.float32)
+    mask = (a.min(axis=2) > 225)[..., None]
+    top, bottom = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
+    ramp = np.linspace(0, 1, a.shape[0], dtype=np.float32)[:, None, None] if rng.random() < 0.5 else 0.0
+    backdrop = top + (bottom - top) * ramp
+    return Image.fromarray(np.where(mask, backdrop, a).astype(np.uint8))
+
+
+def _rotate(im, rng):
+    return im.rotate(rng.uniform(-12, 12), resample=Image.Resampling.BILINEAR, fillcolor=(255, 255, 255))
+
+
+def _perspective(im, rng):
+    w, h = im.size
+    jitter = rng.uniform(-0.08, 0.08, 8) * np.array([w, h] * 4)
+    corners = np.array([0, 0, w, 0, w, h, 0, h], float) + jitter
+    return im.transform((w, h), Image.Transform.QUAD, corners.tolist(), Image.Resampling.BILINEAR,
+                        fillcolor=(255, 255, 255))
+
+
+def _edges(im, rng):
+    """Line weight: dark strokes thickened (a min filter) or thinned (a max filter)."""
+    size = 3 if max(im.size) < 600 else 5
+    return im.filter(ImageFilter.MinFilter(size) if rng.random() < 0.5 else ImageFilter.MaxFilter(size))
+
+
+AUGMENTATIONS = {
+    "crop": _crop, "flip": lambda im, rng: ImageOps.mirror(im), "rotate": _rotate, "perspective": _perspective,
+    "colour": _colour, "contrast": _contrast, "background": _background, "quantise": _quantise,
+    "edges": _edges, "blur": _blur, "jpeg": _jpeg,
+}
+GROUPS = {  # for the ablation: what each group stands for
+    "geometry": ("crop", "flip", "rotate", "perspective"),
+    "photometry": ("colour", "contrast", "background"),
+    "rendering": ("quantise", "edges", "blur", "jpeg"),
+}
+DESCRIPTION = ("crop 55-90% (always), each other with p=0.5: mirror, rotation +-12 deg, perspective (corners +-8%), "
+               "brightness 0.7-1.3 and colour 0.3-1.7, contrast 0.5-1.6, near-white background replaced by a colour "
+               "or gradient, colour quantisation to 4-24 colours, line weight (min or max filter), Gaussian blur, "
+               "JPEG quality 10-49")
+
+
+def parse_augmentations(text: str | None) -> tuple[str, ...]:
+    """'all', or a comma list of AUGMENTATIONS names and GROUPS names."""
+    if text in (None, "", "all"):
+        return tuple(AUGMENTATIONS)
+    names: list[str] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if part in GROUPS:
+            names.extend(GROUPS[part])
+        elif part in AUGMENTATIONS:
+            names.append(part)
+        else:
+            raise HeadError(f"unknown augmentation {part!r}: use all, or a comma list of "
+                            f"{', '.join(AUGMENTATIONS)} or of the groups {', '.join(GROUPS)}")
+    return tuple(name for name in AUGMENTATIONS if name in names)
+
+
+def augment(image, rng, names: tuple[str, ...] = tuple(AUGMENTATIONS)):
+    image = image.convert("RGB")
+    image.thumbnail((WORK_SIDE, WORK_SIDE))
+    for name in AUGMENTATIONS:
+        if name in names and (name == "crop" or rng.random() < 0.5):
+            image = AUGMENTATIONS[name](image, rng)
+    return image
+
+
+def view_rng(seed: int, index: int, view: int):
+    return np.random.default_rng([seed, index, view])
+
+
+def augmented_instances(live, base_name: str, views: int, seed: int, max_items: int = 0, device: str = "auto",
+                        names: tuple[str, ...] = tuple(AUGMENTATIONS),
+                        log=lambda line: None) -> tuple[np.ndarray, list[str], list[str], list[int]]:
+    """Each live item becomes a label of its own: its stored embedding plus `views` augmented views, each
+    image read and decoded once and encoded once by the base model. Returns vectors, ids (`<item>#view<v>`
+    for views), labels (the item id) and the live rows used."""
+    from imgest import encoders
+    from imgest.storage import read_url
+    from imgest.tasks.decode import DecodeError, decode_image
+
+    if views < 1:
+        raise HeadError(f"views must be >= 1 to make instance pairs without labels; got {views}")
+    rows = list(range(len(live)))
+    if max_items and max_items < len(rows):
+        rows = sorted(np.random.default_rng(seed).choice(len(rows), size=max_items, replace=False).tolist())
+    encoder = encoders.load(encoders.resolve(base_name), device)
+    ids, labels, batch, chunks = [], [], [], []
+    used = []
+    for n, row in enumerate(rows):
+        item_id = live.item_ids[row]
+        try:
+            image = decode_image(read_url(live.uris[row]))
+        except (DecodeError, OSError) as exc:
+            log(f"skipping {item_id}: {exc}")
+            continue
+        used.append(row)
+        for v in range(views):
+            batch.append(encoder.preprocess(augment(image, view_rng(seed, row, v), names)))
+            ids.append(f"{item_id}#view{v}")
+            labels.append(item_id)
+        if len(batch) >= 64 or n == len(rows) - 1:
+            chunks.append(encoder.encode_images(np.stack(batch)))
+            batch = []
+    if batch:
+        chunks.append(encoder.encode_images(np.stack(batch)))
+    if len(used) < 2:
+        raise HeadError(f"{len(used)} catalogue image(s) could be read: instance pairs need at least 2")
+    originals = [live.item_ids[r] for r in used]
+    vectors = np.vstack([live.vectors[used], *chunks]).astype(np.float32)
+    log(f"{len(used)} items x {views} augmented views ({', '.join(names)}) encoded by {base_name}")
+    return vectors, originals + ids, originals + labels, used
