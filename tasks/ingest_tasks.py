@@ -42,8 +42,7 @@ def prepare_state_task(store_url: str, spec_description: dict) -> tuple[Catalogu
     return prepare_state(Location(store_url), spec_description)
 
 
-@task(name="list-catalogue", cache_policy=NO_CACHE, timeout_seconds=LIST_TIMEOUT_S, **IO_RETRIES,
-      task_run_name="list-{folder}")
+@task(name="list-catalogue", cache_policy=NO_CACHE, **IO_RETRIES, task_run_name="list-{folder}")
 def list_part_task(catalogue_url: str, folder: str, maxdepth: int | None = None) -> Listing:
     return list_catalogue(catalogue_url, folder, maxdepth)
 

@@ -20,7 +20,9 @@ IO_RETRIES = {"retries": 3, "retry_delay_seconds": exponential_backoff(backoff_f
 SHARD_RETRIES = {"retries": 2, "retry_delay_seconds": exponential_backoff(backoff_factor=10),
                  "retry_jitter_factor": 0.5, "retry_condition_fn": retry_unless_final}
 # Upper bounds that only a hung store reaches: listing 100M objects takes hours (infra/SCALING.md).
-# Encode-shard has none: it runs in a worker thread (or a Dask worker's thread), where Prefect cannot
-# interrupt it, and a timeout that cannot stop anything would only promise what it does not do.
+# Tasks that run in worker threads have none: encode-shard (a thread, or a Dask worker's thread) and the
+# fanned-out list-catalogue parts, where Prefect cannot interrupt them, and a timeout that cannot stop
+# anything would only promise what it does not do (and Prefect warns on every run). A hung connection there
+# is ended by botocore's own 60 s connect and read timeouts, then retried by IO_RETRIES.
 LIST_TIMEOUT_S = 12 * 3600
 COMMIT_TIMEOUT_S = 3600
