@@ -3,6 +3,9 @@ add the new ones (faiss remove_ids / add_with_ids), keep faiss id = position in 
 the trained quantizer no longer represents the catalogue, so that the version is trained again instead.
 
 Only the new vectors are read from the store; the previous version's id map says which vectors it holds.
+A re-ranking index (PQ codes + float16 vectors, faiss IndexRefine) is updated the same way: its IVF part as
+above, and its re-rank vectors, which faiss numbers by row, rewritten in the new id order (the kept ones'
+float16 codes copied, the new ones encoded).
 HNSW is rebuilt: its graph cannot drop a vector (faiss marks nothing deleted in an HNSW), and searching it with
 deleted ids filtered out loses recall silently as deletions accumulate around the entry points. Flat indexes
 have no training to save: they are rebuilt too (a copy of the vectors, the cost of reading them).
@@ -19,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from imgest.storage import Location
-from imgest.tasks.index_choice import refines
+from imgest.tasks.index_build import refine_of
 from imgest.tasks.shards import embedding_matrix
 from imgest.tasks.state import CatalogueState, shard_key
 
@@ -103,9 +106,33 @@ def _rename_ids(index, remap: np.ndarray) -> None:
             ids[:] = remap[ids]
 
 
+def _renumber_refine_vectors(refine, delta: Delta) -> None:
+    """Rewrite the re-rank vectors (row = faiss id) in the new id order: kept rows copied, added rows encoded."""
+    import faiss
+
+    vectors = faiss.downcast_index(refine.refine_index)
+    if not isinstance(vectors, faiss.IndexFlatCodes):
+        raise NotUpdatable(f"re-rank vectors of type {type(vectors).__name__} cannot be renumbered in place")
+    old = faiss.vector_to_array(vectors.codes).reshape(-1, vectors.code_size)
+    new = np.empty((len(delta.ids), vectors.code_size), np.uint8)
+    kept = delta.remap >= 0
+    new[delta.remap[kept]] = old[kept]
+    if len(delta.added):
+        new[delta.added_ids] = vectors.sa_encode(np.ascontiguousarray(delta.added, np.float32))
+    vectors.reset()
+    vectors.add_sa_codes(new)
+    refine.ntotal = vectors.ntotal
+
+
 def apply_delta(index, delta: Delta):
     """Remove, renumber, add: afterwards faiss id i is row i of `delta.ids`, as in a fresh build."""
     import faiss
+
+    refine = refine_of(index)
+    if refine is not None:  # the codes searched are the base index; the re-rank vectors follow its new ids
+        apply_delta(refine.base_index, delta)
+        _renumber_refine_vectors(refine, delta)
+        return index
 
     removed = np.flatnonzero(delta.remap < 0).astype(np.int64)
     if len(removed):
@@ -126,9 +153,6 @@ def updatable(previous: dict | None, factory: str, has_truth: bool) -> None:
         what = "an HNSW graph cannot remove vectors" if previous["search"]["param"] == "efSearch" else \
             "a flat index has no training to save"
         raise NotUpdatable(f"v{previous['version']:04d} is {previous['factory']}: {what}; built again")
-    if refines(previous["factory"]):
-        raise NotUpdatable(f"v{previous['version']:04d} is {previous['factory']}: its re-rank vectors are numbered "
-                           "by add order and cannot remove; built again")
     if previous["factory"] != factory:
         raise NotUpdatable(f"the rule now picks {factory} for this catalogue; v{previous['version']:04d} was "
                            f"trained as {previous['factory']}")

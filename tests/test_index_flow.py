@@ -302,3 +302,36 @@ def test_a_pq_index_re_ranks_from_a_memory_mapped_file_and_serves(tmp_path):
     searcher = Searcher(store, model=card["slug"], version=card["version"])
     hits = searcher.search([Query("q", image=str(cat / "p" / "007.png"))], k=1)[0]
     assert hits[0].item_id == "p/007.png"
+
+
+def test_a_pq_index_is_carried_forward_the_next_night_with_its_re_rank_vectors(tmp_path):
+    """A night's change to a PQ + re-rank index is applied in place (codes and float16 vectors renumbered to
+    the new item order); the new version serves the new and the kept images, its disk size counts the new N."""
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    cat, store = tmp_path / "catalogue", str(tmp_path / "store")
+
+    def photos(names):
+        return {f"p/{i:03d}.png": png_bytes(Image.fromarray(np.clip(
+            np.asarray(gradient(i % 40, (16, 16)), int) + rng.integers(-40, 40, (16, 16, 3)), 0, 255).astype(np.uint8)))
+            for i in names}
+
+    write_files(str(cat), photos(range(300)))
+    ingest(catalogue=str(cat), store=store, model="raw-pixels", batch_size="64")
+    first = build_index(store=store, model="raw-pixels", kind="ivfpq", alias=None, target_recall=0.9)["card"]
+    for i in range(0, 300, 50):
+        (cat / "p" / f"{i:03d}.png").unlink()
+    write_files(str(cat), photos(range(300, 312)))
+    ingest(catalogue=str(cat), store=store, model="raw-pixels", batch_size="64")
+    card = build_index(store=store, model="raw-pixels", kind="ivfpq", alias=None, target_recall=0.9)["card"]
+
+    line = card["lineage"]
+    assert card["factory"] == first["factory"] and line["method"] == "update", line["why"]
+    assert (line["added"], line["removed"], card["n"]) == (12, 6, 306) and card["recall"]["met"]
+    assert card["footprint"]["disk_bytes"] == 306 * 2 * card["d"]
+    searcher = Searcher(store, model=card["slug"], version=card["version"])
+    for name in ("p/305.png", "p/007.png", "p/299.png"):
+        assert searcher.search([Query("q", image=str(cat / name))], k=1)[0][0].item_id == name
+    hits = searcher.search([Query("q", image=str(cat / "p" / "301.png"))], k=50)[0]
+    assert len(hits) == 50 and not {h.item_id for h in hits} & {f"p/{i:03d}.png" for i in range(0, 300, 50)}

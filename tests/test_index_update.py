@@ -56,11 +56,13 @@ def test_carried_lists_equal_a_fresh_exact_search_for_every_usable_query():
         "a probe whose item left keeps its vector and excludes nothing"
 
 
-def test_an_updated_ivf_index_searches_like_one_filled_afresh_with_the_same_training():
+@pytest.mark.parametrize("factory", ["IVF32,SQ8", "IVF32,PQ8,Refine(SQfp16)", "OPQ8_32,IVF32,PQ8,Refine(SQfp16)"])
+def test_an_updated_ivf_index_searches_like_one_filled_afresh_with_the_same_training(factory):
+    """IVF lists renumbered in place; a re-ranking index's float16 vectors follow the new numbering."""
     import faiss
 
     old = clustered(4000, 32, 0)
-    trained = faiss.index_factory(32, "IVF32,SQ8", faiss.METRIC_INNER_PRODUCT)
+    trained = faiss.index_factory(32, factory, faiss.METRIC_INNER_PRODUCT)
     trained.train(old)
     first = faiss.clone_index(trained)
     first.add(old)
@@ -74,6 +76,9 @@ def test_an_updated_ivf_index_searches_like_one_filled_afresh_with_the_same_trai
     fresh.add(new)
     for index in (updated, fresh):
         faiss.extract_index_ivf(index).nprobe = 4
+        if "Refine" in factory:
+            faiss.downcast_index(index).k_factor = 4
+    assert updated.ntotal == fresh.ntotal == len(new)
     (du, iu), (df, if_) = updated.search(new[::50], 10), fresh.search(new[::50], 10)
     np.testing.assert_allclose(du, df, rtol=1e-5, atol=1e-5)
     for a, b, dist in zip(iu, if_, df):
