@@ -3,11 +3,20 @@ augmentations that cover what differs between two photographs (or two drawings) 
 
 Each augmentation is applied with probability 1/2 (the crop always), in the order of AUGMENTATIONS, to the
 image shrunk to at most WORK_SIDE pixels (the encoder resizes to its input anyway). Seeded per (item, view).
+
+Encoding the views is most of a label-free training run (decode, augment and the base model, per view), so the
+encoded views are kept in a local cache (VIEW_CACHE, plain .npz read without pickle), keyed by everything that
+makes them: the base model id (weights hash included), views, seed, augmentations, this module's source, and
+each item's row, id and content hash. A second head trained on the same catalogue (another loss, keep weight,
+learning rate) reuses them; a changed item, model or augmentation makes a new key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
+import os
 
 import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
@@ -15,6 +24,7 @@ from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 from imgest.tasks.heads import HeadError
 
 WORK_SIDE = 448
+VIEW_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "imgest", "views")
 
 
 def _crop(im, rng):
@@ -120,44 +130,84 @@ def view_rng(seed: int, index: int, view: int):
     return np.random.default_rng([seed, index, view])
 
 
+def views_key(live, rows: list[int], model_id: str, views: int, seed: int, names: tuple[str, ...]) -> str:
+    h = hashlib.sha256(json.dumps({"model": model_id, "views": views, "seed": seed, "augmentations": list(names),
+                                   "work_side": WORK_SIDE}).encode())
+    with open(__file__, "rb") as fh:
+        h.update(fh.read())
+    for row in rows:
+        h.update(f"{row}\0{live.item_ids[row]}\0{live.content_hashes[row]}\n".encode())
+    return h.hexdigest()
+
+
+def _read_cached(path: str) -> tuple[list[int], np.ndarray] | None:
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            return saved["used"].tolist(), saved["views"]
+    except (OSError, KeyError, ValueError):
+        return None  # absent or unreadable: encoded again
+
+
+def _write_cached(path: str, used: list[int], views: np.ndarray) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path}.{os.getpid()}.partial.npz"
+    np.savez(partial, used=np.asarray(used, np.int64), views=views)
+    os.replace(partial, path)  # a reader sees the whole file or none
+
+
 def augmented_instances(live, base_name: str, views: int, seed: int, max_items: int = 0, device: str = "auto",
-                        names: tuple[str, ...] = tuple(AUGMENTATIONS),
-                        log=lambda line: None) -> tuple[np.ndarray, list[str], list[str], list[int]]:
+                        names: tuple[str, ...] = tuple(AUGMENTATIONS), log=lambda line: None,
+                        cache_dir: str | None = VIEW_CACHE) -> tuple[np.ndarray, list[str], list[str], list[int]]:
     """Each live item becomes a label of its own: its stored embedding plus `views` augmented views, each
-    image read and decoded once and encoded once by the base model. Returns vectors, ids (`<item>#view<v>`
-    for views), labels (the item id) and the live rows used."""
+    image read and decoded once and encoded once by the base model (or read from `cache_dir`, see above).
+    Returns vectors, ids (`<item>#view<v>` for views), labels (the item id) and the live rows used."""
     from imgest import encoders
-    from imgest.storage import read_url
-    from imgest.tasks.decode import DecodeError, decode_image
 
     if views < 1:
         raise HeadError(f"views must be >= 1 to make instance pairs without labels; got {views}")
     rows = list(range(len(live)))
     if max_items and max_items < len(rows):
         rows = sorted(np.random.default_rng(seed).choice(len(rows), size=max_items, replace=False).tolist())
-    encoder = encoders.load(encoders.resolve(base_name), device)
-    ids, labels, batch, chunks = [], [], [], []
-    used = []
+    spec = encoders.resolve(base_name)
+    path = cached = None
+    if cache_dir:
+        path = os.path.join(cache_dir, f"{views_key(live, rows, spec.model_id, views, seed, names)}.npz")
+        cached = _read_cached(path)
+    if cached is not None:
+        used, encoded = cached
+        log(f"{len(used)} items x {views} augmented views read from the cache {path}")
+    else:
+        used, encoded = _encode_views(live, rows, encoders.load(spec, device), views, seed, names, log)
+        if path:
+            _write_cached(path, used, encoded)
+    if len(used) < 2:
+        raise HeadError(f"{len(used)} catalogue image(s) could be read: instance pairs need at least 2")
+    originals = [live.item_ids[r] for r in used]
+    ids = [f"{item}#view{v}" for item in originals for v in range(views)]
+    labels = [item for item in originals for _ in range(views)]
+    vectors = np.vstack([live.vectors[used], encoded]).astype(np.float32)
+    log(f"{len(used)} items x {views} augmented views ({', '.join(names)}) by {base_name}")
+    return vectors, originals + ids, originals + labels, used
+
+
+def _encode_views(live, rows: list[int], encoder, views: int, seed: int, names: tuple[str, ...],
+                  log) -> tuple[list[int], np.ndarray]:
+    from imgest.storage import read_url
+    from imgest.tasks.decode import DecodeError, decode_image
+
+    batch, chunks, used = [], [], []
     for n, row in enumerate(rows):
-        item_id = live.item_ids[row]
         try:
             image = decode_image(read_url(live.uris[row]))
         except (DecodeError, OSError) as exc:
-            log(f"skipping {item_id}: {exc}")
+            log(f"skipping {live.item_ids[row]}: {exc}")
             continue
         used.append(row)
-        for v in range(views):
-            batch.append(encoder.preprocess(augment(image, view_rng(seed, row, v), names)))
-            ids.append(f"{item_id}#view{v}")
-            labels.append(item_id)
+        batch.extend(encoder.preprocess(augment(image, view_rng(seed, row, v), names)) for v in range(views))
         if len(batch) >= 64 or n == len(rows) - 1:
             chunks.append(encoder.encode_images(np.stack(batch)))
             batch = []
     if batch:
         chunks.append(encoder.encode_images(np.stack(batch)))
-    if len(used) < 2:
-        raise HeadError(f"{len(used)} catalogue image(s) could be read: instance pairs need at least 2")
-    originals = [live.item_ids[r] for r in used]
-    vectors = np.vstack([live.vectors[used], *chunks]).astype(np.float32)
-    log(f"{len(used)} items x {views} augmented views ({', '.join(names)}) encoded by {base_name}")
-    return vectors, originals + ids, originals + labels, used
+    dim = int(live.vectors.shape[1])
+    return used, (np.vstack(chunks).astype(np.float32) if chunks else np.empty((0, dim), np.float32))

@@ -346,3 +346,31 @@ def test_eval_queries_select_the_epoch_and_report_base_against_head(labelled):
     assert bad.exit_code == 2 and "unknown augmentation 'sepia'" in bad.output
     wide = CliRunner().invoke(app, ["train-head", "--store", str(labelled / "store"), "--dim", "16"])
     assert wide.exit_code == 2 and "a residual head keeps the base dimension" in wide.output
+
+
+def test_encoded_views_are_cached_by_what_makes_them(labelled, tmp_path):
+    """A second head on the same catalogue reads the encoded views instead of decoding and encoding again;
+    another augmentation set, or an item whose content changed, is encoded afresh."""
+    from dataclasses import replace
+
+    from imgest.storage import Location
+    from imgest.tasks.head_views import augmented_instances
+    from imgest.tasks.live import load_live_vectors
+    from imgest.tasks.models import find_model
+
+    loc = Location(str(labelled / "store"))
+    base = find_model(loc, "efficientnet-lite0")
+    live = load_live_vectors(loc, base["slug"], int(base["dim"]))
+    cache, lines = str(tmp_path / "views"), []
+    first = augmented_instances(live, base["name"], 2, 0, max_items=8, cache_dir=cache, log=lines.append)
+    again = augmented_instances(live, base["name"], 2, 0, max_items=8, cache_dir=cache, log=lines.append)
+    assert len(os.listdir(cache)) == 1 and "read from the cache" in lines[-2] and "cache" not in lines[0]
+    np.testing.assert_array_equal(first[0], again[0])
+    assert first[1:] == again[1:]
+    other = augmented_instances(live, base["name"], 2, 0, max_items=8, cache_dir=cache, names=("crop", "flip"))
+    assert len(os.listdir(cache)) == 2 and not np.array_equal(other[0][8:], first[0][8:])
+    hashes = list(live.content_hashes)
+    hashes[first[3][0]] = "changed"  # one of the items used
+    changed = replace(live, content_hashes=hashes)
+    augmented_instances(changed, base["name"], 2, 0, max_items=8, cache_dir=cache)
+    assert len(os.listdir(cache)) == 3
