@@ -198,7 +198,9 @@ def _encode_views(live, rows: list[int], encoder, views: int, seed: int, names: 
     batch, chunks, used = [], [], []
     for n, row in enumerate(rows):
         try:
-            image = decode_image(read_url(live.uris[row]))
+            # decoded at reduced scale (libjpeg's DCT scaling) and shrunk once; each view starts from it
+            image = decode_image(read_url(live.uris[row]), min_side=WORK_SIDE // 2)
+            image.thumbnail((WORK_SIDE, WORK_SIDE))
         except (DecodeError, OSError) as exc:
             log(f"skipping {live.item_ids[row]}: {exc}")
             continue
