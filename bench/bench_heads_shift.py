@@ -115,9 +115,9 @@ VARIANTS = [  # (name, train-head parameters); label-free unless labels
     ("ablation: without rendering", {"augment": "geometry,photometry"}),
     ("ablation: without the keep term", {"keep": 0.0}),
     ("ablation: without hard negatives", {"hard_negatives": 0}),
-    ("labelled (dev items' two drawings), residual, infonce", {"labels": True}),
-    ("labelled, residual, triplet", {"labels": True, "loss": "triplet"}),
-    ("labelled, residual, proxynca", {"labels": True, "loss": "proxynca"}),
+    ("labelled (dev items' two drawings), residual, infonce", {"labels": True, "split": "labels"}),
+    ("labelled, residual, triplet", {"labels": True, "loss": "triplet", "split": "labels"}),
+    ("labelled, residual, proxynca", {"labels": True, "loss": "proxynca", "split": "labels"}),
 ]
 
 

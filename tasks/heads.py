@@ -201,7 +201,8 @@ def split(item_ids: list[str], labels: list[str], cfg: HeadConfig) -> tuple[np.n
             val.extend(idx[:n_val])
             train.extend(idx[n_val:])
     if not val:
-        raise HeadError("no validation items: give more items per label or a larger val_fraction")
+        raise HeadError("no validation items: split=items holds out items only of labels with 4 or more; "
+                        "for instance labels (2-3 images each) hold out whole labels (--split labels)")
     return np.array(sorted(train)), np.array(sorted(val))
 
 
