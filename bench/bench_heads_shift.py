@@ -157,8 +157,8 @@ def main() -> None:
         test = query_scorer(os.path.join(work, "test.jsonl"), live, base["name"])
         print(f"test: {len(test.query_ids)} Twitter queries against {len(live)} Google items "
               f"(base {base['model_id']})\n", flush=True)
-        base_hits = test.hits(None)
-        rows = [("base model", {k: float(v.mean()) for k, v in base_hits.items()}, None, "-", "-")]
+        rows = [("base model", test.score(None), None, "-", "-")]
+        print("base", json.dumps(rows[0][1]), flush=True)
         chosen = {int(n) for n in args.only.split(",")} if args.only else set(range(1, len(VARIANTS) + 1))
         for number, (name, params) in enumerate(VARIANTS, 1):
             if number not in chosen:
