@@ -143,7 +143,7 @@ def test_serving_vs_shadow_evaluation_is_recorded_in_the_open_window(tmp_path):
     record_evaluation(store, report)
     evaluation = read_window(store)["evaluation"]
     assert (evaluation["serving"], evaluation["shadow"], evaluation["queries"]) == (0.8, 0.85, 40)
-    assert evaluation["interval"] == {"low": 0.01, "high": 0.09}
+    assert evaluation["interval"] == {"of": "shadow - serving", "low": 0.01, "high": 0.09}
     other = {**report, "b": {"alias": "pixels", "metrics": {"recall@10": 0.1}}}
     record_evaluation(store, other)  # not serving vs shadow: the window keeps the last relevant result
     assert read_window(store)["evaluation"]["shadow"] == 0.85
