@@ -179,7 +179,10 @@ def augmented_instances(live, base_name: str, views: int, seed: int, max_items: 
     else:
         used, encoded = _encode_views(live, rows, encoders.load(spec, device), views, seed, names, log)
         if path:
-            _write_cached(path, used, encoded)
+            try:
+                _write_cached(path, used, encoded)
+            except OSError as exc:  # a cache that cannot be written costs the next run time, not this one
+                log(f"views not cached ({exc}): the next head encodes them again")
     if len(used) < 2:
         raise HeadError(f"{len(used)} catalogue image(s) could be read: instance pairs need at least 2")
     originals = [live.item_ids[r] for r in used]

@@ -367,6 +367,12 @@ def test_encoded_views_are_cached_by_what_makes_them(labelled, tmp_path):
     assert len(os.listdir(cache)) == 1 and "read from the cache" in lines[-2] and "cache" not in lines[0]
     np.testing.assert_array_equal(first[0], again[0])
     assert first[1:] == again[1:]
+    (cached,) = os.listdir(cache)
+    with open(os.path.join(cache, cached), "wb") as fh:  # a damaged cache file is encoded again, never trusted
+        fh.write(b"not an npz")
+    repaired = augmented_instances(live, base["name"], 2, 0, max_items=8, cache_dir=cache, log=lines.append)
+    np.testing.assert_allclose(repaired[0], first[0], atol=1e-5)
+    assert "cache" not in lines[-2]
     other = augmented_instances(live, base["name"], 2, 0, max_items=8, cache_dir=cache, names=("crop", "flip"))
     assert len(os.listdir(cache)) == 2 and not np.array_equal(other[0][8:], first[0][8:])
     hashes = list(live.content_hashes)
