@@ -151,8 +151,12 @@ def _read_cached(path: str) -> tuple[list[int], np.ndarray] | None:
 def _write_cached(path: str, used: list[int], views: np.ndarray) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     partial = f"{path}.{os.getpid()}.partial.npz"
-    np.savez(partial, used=np.asarray(used, np.int64), views=views)
-    os.replace(partial, path)  # a reader sees the whole file or none
+    try:
+        np.savez(partial, used=np.asarray(used, np.int64), views=views)
+        os.replace(partial, path)  # a reader sees the whole file or none
+    finally:
+        if os.path.exists(partial):  # a failed write (disk full) leaves nothing behind
+            os.remove(partial)
 
 
 def augmented_instances(live, base_name: str, views: int, seed: int, max_items: int = 0, device: str = "auto",

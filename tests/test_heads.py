@@ -348,7 +348,7 @@ def test_eval_queries_select_the_epoch_and_report_base_against_head(labelled):
     assert wide.exit_code == 2 and "a residual head keeps the base dimension" in wide.output
 
 
-def test_encoded_views_are_cached_by_what_makes_them(labelled, tmp_path):
+def test_encoded_views_are_cached_by_what_makes_them(labelled, tmp_path, monkeypatch):
     """A second head on the same catalogue reads the encoded views instead of decoding and encoding again;
     another augmentation set, or an item whose content changed, is encoded afresh."""
     from dataclasses import replace
@@ -373,6 +373,12 @@ def test_encoded_views_are_cached_by_what_makes_them(labelled, tmp_path):
     repaired = augmented_instances(live, base["name"], 2, 0, max_items=8, cache_dir=cache, log=lines.append)
     np.testing.assert_allclose(repaired[0], first[0], atol=1e-5)
     assert "cache" not in lines[-2]
+    with monkeypatch.context() as patch:  # a cache that cannot be written (disk full): logged, training goes on
+        patch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        unwritten = augmented_instances(live, base["name"], 2, 0, max_items=8, cache_dir=cache,
+                                        names=("crop", "rotate"), log=lines.append)
+    assert "views not cached" in lines[-2] and len(unwritten[1]) == len(first[1])
+    assert os.listdir(cache) == [cached], "no partial file is left behind"
     other = augmented_instances(live, base["name"], 2, 0, max_items=8, cache_dir=cache, names=("crop", "flip"))
     assert len(os.listdir(cache)) == 2 and not np.array_equal(other[0][8:], first[0][8:])
     hashes = list(live.content_hashes)
