@@ -2,30 +2,160 @@
 
 from __future__ import annotations
 
+import configparser
 import os
 import re
+import threading
+from urllib.parse import quote, quote_plus, unquote
 
+# A URL's scheme wherever one starts in a text (also inside fsspec chains: simplecache::s3://...).
+_SCHEME = re.compile(r"(?<![A-Za-z0-9+.-])(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)")
+# What can follow a scheme before the URL ends in a message: no whitespace, quotes or angle brackets.
+_RUN = re.compile(r"[^\s'\"`<>]*")
+# Object-store schemes name a bucket or container after `//`: never a port, so `x:digits/` is a password there.
+_NO_PORT = {"s3", "s3a", "s3n", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "b2", "hf"}
+# Kept for callers that import it (imgest.storage): a URL starting with a user name and an `@`.
 USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
-# The query string of an http(s) URL: presigned S3 signatures, Azure SAS tokens, GCS signed URLs.
+
+# Query parameters that are secrets themselves or sign a request (AWS SigV4 and V2, GCS V4 and V2, Azure SAS,
+# bearer tokens): a URL carrying one is refused as a parameter, and their values are masked in any text.
+SECRET_PARAMETERS = (
+    "X-Amz-Signature", "X-Amz-Credential", "X-Amz-Security-Token", "AWSAccessKeyId", "Signature",
+    "X-Goog-Signature", "X-Goog-Credential", "GoogleAccessId", "sig", "skoid", "sktid", "skt", "ske", "sks", "skv",
+    "token", "access_token", "id_token", "refresh_token", "security_token", "sessiontoken", "api_key", "apikey",
+    "password", "passwd", "secret", "client_secret",
+)
+# The other parameters of a SAS token (version, expiry, permissions, ...): not secret alone, masked with it.
+_SAS_PARAMETERS = ("sv", "se", "st", "sp", "spr", "sr", "srt", "ss", "si", "sdd", "ses")
+_SECRET_NAMES = {name.lower() for name in SECRET_PARAMETERS}
+_SIGNING = re.compile(
+    r"(?<![\w.-])(?P<name>" + "|".join(re.escape(n) for n in SECRET_PARAMETERS + _SAS_PARAMETERS) + r")"
+    r"(?P<eq>=|%3D)(?:(?!%26)[^&\s'\"`<>])*", re.IGNORECASE)
+# The query string of an http(s) URL: presigned S3 signatures, Azure SAS tokens, GCS signed URLs, whatever else.
 _HTTP_QUERY = re.compile(r"(?P<url>https?://[^\s?#'\"]*)\?[^\s#'\"]*", re.IGNORECASE)
-# Signing parameters wherever they appear (another scheme, a bare query string in a message).
-_SIGNING = re.compile(r"(?P<name>X-Amz-(?:Signature|Credential|Security-Token)|X-Goog-(?:Signature|Credential)|"
-                      r"sig|signature|se|st|sv|skoid|sktid|token|access_token)=[^&\s'\"]*", re.IGNORECASE)
-_CREDENTIAL_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AZURE_STORAGE_KEY",
-                    "AZURE_STORAGE_SAS_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS")
+
+# Environment variables whose values are secrets (or name where one is), masked wherever they appear.
+CREDENTIAL_VARIABLES = (
+    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN", "AZURE_STORAGE_KEY", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN",
+    "AZURE_STORAGE_CONNECTION_STRING", "AZURE_CLIENT_SECRET", "GOOGLE_APPLICATION_CREDENTIALS", "PREFECT_API_KEY",
+    "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
+)
+# Keys of an AWS shared credentials or config file whose values are secrets.
+_PROFILE_KEYS = ("aws_secret_access_key", "aws_session_token", "aws_security_token", "aws_access_key_id")
+_MIN_SECRET = 4  # shorter values would mask ordinary words
+
+_registered: set[str] = set()
+_profiles: dict[str, tuple[tuple[int, int], frozenset[str]]] = {}
+_lock = threading.Lock()
 
 
+# -- finding what is secret in a URL ---------------------------------------------------------------------------
+def _userinfo_end(scheme: str, run: str) -> int:
+    """Where the credentials of a URL end in ``run`` (the text after ``scheme://``): the index of their closing
+    ``@``, or -1 when the URL names no user.
+
+    urllib is no help here: AWS secret keys hold ``/`` and ``+``, so ``s3://KEY:ab/cd@bucket/x`` parses as host
+    ``KEY:ab``. The rules: ``user:`` before the first ``/?#`` opens a password that runs to the LAST ``@`` of the
+    URL, whatever it holds (a key with an ``@`` in its path is masked too: masking too much is the safe side);
+    ``user@`` with no ``:`` before it is a user name (a token) alone. ``host:8080/...`` is a port, except under
+    object-store schemes, whose authority is a bucket."""
+    authority = re.split(r"[/?#]", run, maxsplit=1)[0]
+    colon, at = authority.find(":"), authority.find("@")
+    if colon != -1 and (at == -1 or colon < at):
+        port = re.match(r"\d{1,5}(?=[/?#]|$)", run[colon + 1:])
+        if port and at == -1 and scheme.lower() not in _NO_PORT:
+            return -1
+        return run.rfind("@")
+    return at
+
+
+def _credential_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each URL's credentials in ``text``, the ``@`` excluded."""
+    spans, pos = [], 0
+    while (match := _SCHEME.search(text, pos)) is not None:
+        start = match.end()
+        run = _RUN.match(text, start).group()
+        end = _userinfo_end(match.group("scheme")[:-3], run)
+        if end > 0:
+            spans.append((start, start + end))
+            pos = start + end + 1
+        else:
+            pos = start
+    return spans
+
+
+def url_secrets(url: str) -> list[str]:
+    """What in ``url`` is secret, in words (empty: nothing): credentials before the host, presigned or SAS
+    signatures and tokens in the query string, whatever the secret's characters (``/ + = @ :``)."""
+    url = str(url).strip()
+    found = []
+    if _credential_spans(url):
+        found.append("credentials in the URL")
+    query = url.split("?", 1)[1].split("#", 1)[0] if "?" in url else ""
+    for pair in re.split(r"[&;]", query):
+        name = unquote(pair.split("=", 1)[0]).strip()
+        if name.lower() in _SECRET_NAMES:
+            found.append(f"the secret query parameter {name}")
+    return list(dict.fromkeys(found))
+
+
+# -- secrets known by value --------------------------------------------------------------------------------------
+def register_secret(value: str | None) -> None:
+    """Mask ``value`` in every message from now on (credentials loaded at run time, e.g. from a Prefect block)."""
+    if value and len(value) >= _MIN_SECRET:
+        with _lock:
+            _registered.add(value)
+
+
+def _profile_secrets() -> set[str]:
+    """The credentials of every profile in the AWS shared credentials and config files botocore reads,
+    re-read when a file changes."""
+    found: set[str] = set()
+    for path in (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials",
+                 os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config"):
+        path = os.path.expanduser(path)
+        try:
+            stat = os.stat(path)
+        except OSError:
+            continue
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        cached = _profiles.get(path)
+        if cached is None or cached[0] != stamp:
+            parser = configparser.RawConfigParser(strict=False)
+            try:
+                parser.read(path, encoding="utf-8")
+                values = frozenset(parser.get(s, k).strip() for s in parser.sections() for k in _PROFILE_KEYS
+                                   if parser.has_option(s, k))
+            except (configparser.Error, UnicodeDecodeError, OSError):
+                values = frozenset()
+            cached = _profiles[path] = (stamp, values)
+        found |= cached[1]
+    return found
+
+
+def _known_secrets() -> list[str]:
+    values = {os.environ.get(var, "").strip() for var in CREDENTIAL_VARIABLES} | _profile_secrets() | _registered
+    forms = set()
+    for value in values:
+        if len(value) >= _MIN_SECRET:
+            forms |= {value, quote(value, safe=""), quote_plus(value, safe="")}
+    return sorted(forms, key=len, reverse=True)  # a longer form first: its masking cannot leave a shorter one
+
+
+# -- masking ---------------------------------------------------------------------------------------------------------
 def redact(text: str) -> str:
-    """Remove what could be a secret from a message: credentials embedded in URLs (``s3://KEY:SECRET@b``),
-    the query strings of http(s) URLs (presigned signatures, SAS tokens), signing parameters anywhere, and
-    the values of the usual credential variables."""
-    text = USERINFO.sub(r"\g<scheme>***@", str(text))
+    """Remove what could be a secret from a message: credentials embedded in URLs (``s3://KEY:SECRET@b``, the
+    secret holding any of ``/ + = @ :``), the query strings of http(s) URLs (presigned signatures, SAS tokens),
+    signing and token parameters anywhere, and the values of credential variables and AWS profiles (also
+    percent-encoded)."""
+    text = str(text)
+    for start, end in reversed(_credential_spans(text)):
+        text = f"{text[:start]}***{text[end:]}"
     text = _HTTP_QUERY.sub(r"\g<url>?***", text)
-    text = _SIGNING.sub(r"\g<name>=***", text)
-    for var in _CREDENTIAL_VARS:
-        secret = os.environ.get(var)
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, "***")
+    text = _SIGNING.sub(r"\g<name>\g<eq>***", text)
+    for secret in _known_secrets():
+        text = text.replace(secret, "***")
     return text
 
 

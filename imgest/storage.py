@@ -20,11 +20,16 @@ from imgest.redact import USERINFO, one_line, redact  # noqa: F401  (callers imp
 
 TEMP_PREFIX = ".tmp-"  # a local atomic write's file before its rename (see Location.write_bytes)
 def check_no_credentials(url: str, what: str = "URL") -> None:
-    """Credentials never travel in a URL (they would land in run parameters, logs and artifacts)."""
-    if USERINFO.match(str(url).strip()):
-        raise StorageError(f"{what} {redact(url)} carries credentials in the URL; they are refused (they would be "
-                           "stored with the run's parameters): use the standard variables AWS_ACCESS_KEY_ID and "
-                           "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) instead")
+    """Credentials never travel in a URL (they would land in run parameters, logs and artifacts): neither in
+    its user part, whatever the secret holds (``s3://KEY:ab/c+d@bucket``), nor as a presigned or SAS query."""
+    from imgest.redact import url_secrets
+
+    found = url_secrets(url)
+    if found:
+        raise StorageError(f"{what} {redact(url)} is refused: it carries {', '.join(found)}, which Prefect would "
+                           "store with the run's parameters; give the plain URL, and credentials through "
+                           "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or a role, or a Prefect "
+                           "AwsCredentials block named in IMGEST_AWS_CREDENTIALS_BLOCK")
 
 
 class StorageError(RuntimeError):
