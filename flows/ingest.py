@@ -70,11 +70,11 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
     spec = encoders.resolve(cfg.model)
     device = encoders.resolve_device(cfg.device)
     store_loc = open_location(cfg.store)
-    catalogue_loc = open_location(cfg.catalogue, must_exist=True, what="catalogue")
+    catalogue_loc = open_location(cfg.catalogue, must_exist=True, what="catalogue", follow_links=True)
     check_apart(catalogue_loc, store_loc)
     catalogue_url = catalogue_loc.url
     with tags(f"model:{spec.slug}"), StoreLock(store_loc, owner=f"ingest@{socket.gethostname()}:{os.getpid()}") as lock:
-        state, orphans = prepare_state_task(store_loc.url, spec.describe())
+        state, orphans = prepare_state_task(store_loc.url, spec.describe(), catalogue_loc.url)
         run_id = new_run_id(state.seq + 1)
         summary = new_summary(spec, run_id, catalogue_url, store_loc.url, cfg.to_dict())
         listing = read_inventory_task(cfg.inventory, catalogue_url) if cfg.inventory else \

@@ -29,7 +29,7 @@ def train_head_flow(store: str, base_model: str = DEFAULT_MODEL, labels: str | N
                     margin: float = HEAD.margin, temperature: float = HEAD.temperature, keep: float = HEAD.keep,
                     hard_negatives: int = HEAD.hard_negatives, seed: int = HEAD.seed, views: int = DEFAULT_VIEWS,
                     max_items: int = 0, augment: str = "all", eval_queries: str | None = None,
-                    device: str = DEFAULT_DEVICE) -> dict:
+                    device: str = DEFAULT_DEVICE, catalogue: str | None = None) -> dict:
     """With `labels`: items and their labels. Without: each catalogue item is its own label, with `views`
     augmented views of its image as positives; held-out items are unseen instances (a proxy). With
     `eval_queries` (a labelled query set in `imgest eval`'s format), epochs are selected on it and the report
@@ -39,11 +39,12 @@ def train_head_flow(store: str, base_model: str = DEFAULT_MODEL, labels: str | N
                        val_fraction=val_fraction, split=split if labels else "labels", patience=patience,
                        margin=margin, temperature=temperature, keep=keep, hard_negatives=hard_negatives, seed=seed)
     cfg = TrainHeadConfig(store=store, base_model=base_model, labels=labels, views=views, max_items=max_items,
-                          augment=augment, eval_queries=eval_queries, training=training)
+                          augment=augment, eval_queries=eval_queries, catalogue=catalogue, training=training)
     store_loc = open_location(cfg.store, must_exist=True, what="store")
     base = find_model(store_loc, cfg.base_model)
     training.out_dim(int(base["dim"]))  # a residual head of another dimension: refused before any work
     live = load_live_vectors(store_loc, base["slug"], int(base["dim"]))
+    live.catalogue = cfg.catalogue  # images are read only under it (or the root recorded at ingest)
     if cfg.labels:
         data = labelled_set(live, cfg.labels, base["model_id"])
     else:

@@ -339,13 +339,14 @@ class TrainHeadConfig:
     max_items: int = 0
     augment: str = "all"
     eval_queries: str | None = None
+    catalogue: str | None = None
     training: HeadConfig = field(default_factory=HeadConfig)
 
     def __post_init__(self) -> None:
         from imgest.tasks.head_views import parse_augmentations
 
         check_not_empty(store=self.store, base_model=self.base_model)
-        check_urls(store=self.store, labels=self.labels, eval_queries=self.eval_queries)
+        check_urls(store=self.store, labels=self.labels, eval_queries=self.eval_queries, catalogue=self.catalogue)
         check_at_least(1, views=self.views)
         check_at_least(0, max_items=self.max_items)
         parse_augmentations(self.augment)

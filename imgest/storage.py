@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,6 +18,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from imgest.records import MAX_RECORD_BYTES, RecordError, parse_record  # noqa: F401  (callers import them here)
 from imgest.redact import USERINFO, one_line, redact  # noqa: F401  (callers import them from here)
 
 TEMP_PREFIX = ".tmp-"  # a local atomic write's file before its rename (see Location.write_bytes)
@@ -34,6 +37,22 @@ def check_no_credentials(url: str, what: str = "URL") -> None:
 
 class StorageError(RuntimeError):
     """An object store could not be reached or used; the message names the URL (redacted)."""
+
+
+class ContainmentError(StorageError, ValueError):
+    """A key or path (usually read from a store record) that would leave the store: refused, never opened."""
+
+
+MAX_KEY_CHARS = 1024
+_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+
+
+def _contained(key: str, field: str = "key") -> str:
+    """``key`` with its outer slashes removed, refused when a segment would climb out (``..``) or is odd."""
+    key = str(key).strip("/")
+    if "\x00" in key or any(part in (".", "..") for part in key.split("/")):
+        raise ContainmentError(f"{field}: {key[:200]!r} climbs out of its location ('..' or '.'): refused")
+    return key
 
 
 # Faults of the moment, worth another try later: by exception class anywhere in the cause chain (builtins,
@@ -127,11 +146,15 @@ def _io(verb: str) -> Callable:
 class Location:
     """A root URL on some filesystem; keys below it are '/'-separated relative paths."""
 
-    def __init__(self, url: str, **storage_options: Any):
+    def __init__(self, url: str, *, follow_links: bool = False, **storage_options: Any):
         self.url = _normalise(url)
         self.fs, self.root = _url_to_fs(self.url, **storage_options)
         self.root = self.root.rstrip("/") or "/"
         self.is_local = "file" in _protocols(self.fs)
+        # A store never follows a link out of its root; a local catalogue's links are the operator's (only a
+        # shell on the host makes them), followed like the files they name.
+        self.follow_links = follow_links
+        self._real_root = os.path.realpath(self.root) if self.is_local else None
 
     def __repr__(self) -> str:
         return f"Location({redact(self.url)!r})"
@@ -141,10 +164,41 @@ class Location:
 
     # -- paths -------------------------------------------------------------------------------
     def path(self, key: str = "") -> str:
-        key = key.strip("/")
+        """The filesystem path of ``key``: the one place a key becomes a path, so the one place containment is
+        enforced. No ``..`` or ``.`` segment, no NUL; on a local store, no link that resolves outside the root."""
+        key = _contained(key)
         if not key:
             return self.root
-        return f"{self.root}/{key}" if self.root != "/" else f"/{key}"
+        path = f"{self.root}/{key}" if self.root != "/" else f"/{key}"
+        if self._real_root is not None and not self.follow_links:
+            real = os.path.realpath(path)
+            if real != self._real_root and not real.startswith(self._real_root.rstrip("/") + "/"):
+                raise ContainmentError(f"{self.url}: {key!r} resolves to {real!r}, outside the store (a link out "
+                                       "of it): refused")
+        return path
+
+    def resolve(self, value: Any, field: str) -> str:
+        """A key named by a record (a card's file, a retirement's slug, a head's folder), validated against the
+        key grammar and checked inside this location; anything else is refused with a line naming the field.
+
+        Accepts a relative key (``indexes/model=x/v0001/index.faiss``) or this location's own full URL of one
+        (``s3://bucket/store/heads/h``, ``/abs/store/heads/h``); never ``..``, another scheme, bucket or root."""
+        if not isinstance(value, str) or not value or len(value) > MAX_KEY_CHARS:
+            raise ContainmentError(f"{field}: expected a key inside {redact(self.url)}, got "
+                                   f"{type(value).__name__} {str(value)[:80]!r}")
+        text = value.strip()
+        for root in {self.uri(), self.url, self.root}:
+            if text == root or text.startswith(root.rstrip("/") + "/"):
+                text = text[len(root.rstrip("/")):].lstrip("/")
+                break
+        else:
+            if "://" in text or text.startswith(("/", "\\")) or _SCHEME.match(text):
+                raise ContainmentError(f"{field}: {redact(value)[:200]!r} is not inside {redact(self.url)}: refused")
+        if not text or "\\" in text or any(ord(c) < 32 for c in text):
+            raise ContainmentError(f"{field}: {redact(value)[:200]!r} is not a key of the store: refused")
+        _contained(text, field)
+        self.path(text)  # links out of a local store
+        return text
 
     def uri(self, key: str = "") -> str:
         """Full URL of a key, as users see it (``s3://bucket/prefix/key`` or an absolute path)."""
@@ -235,11 +289,16 @@ class Location:
 
     # -- reading -----------------------------------------------------------------------------
     @_io("reading")
-    def read_bytes(self, key: str) -> bytes:
-        return self.fs.cat_file(self.path(key))
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
+        """The object's bytes; with ``limit``, at most that many (the caller refuses a longer object)."""
+        if limit is None:
+            return self.fs.cat_file(self.path(key))
+        with self.fs.open(self.path(key), "rb", block_size=min(limit, 5 << 20)) as fh:
+            return fh.read(limit)
 
     def read_json(self, key: str) -> Any:
-        return json.loads(self.read_bytes(key))
+        """A JSON record, read at most to its size limit and checked for nesting (RecordError otherwise)."""
+        return parse_record(self.read_bytes(key, limit=MAX_RECORD_BYTES + 1), f"{redact(self.url)}: {key}")
 
     @_io("reading")
     def read_table(self, key: str, columns: list[str] | None = None) -> pa.Table:
@@ -334,15 +393,153 @@ class Location:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         return self.fs.open(path, "wb")
 
+    # -- conditional writes: compare-and-swap of records replaced in place ----------------------
+    # A version token is opaque to callers: the ETag on an object store, a digest of the bytes on a local disk.
+    # Both name the content, so a record that must never come back to an earlier version carries something
+    # that only grows (a history, an event list). The local swap holds an flock on the record's folder across
+    # compare and rename: writers on one machine exclude each other; NFS and other network disks are not
+    # supported (their flock may not be shared between clients).
+    @_io("reading")
+    def read_versioned(self, key: str) -> tuple[bytes | None, str | None]:
+        """``key``'s bytes and their version token for `write_if` / `delete_if`; (None, None) when it does not
+        exist. On an object store both come from one GET, so the token is the version of these very bytes."""
+        path = self.path(key)
+        if self.is_local:
+            try:
+                with open(path, "rb") as fh:
+                    data = fh.read()
+            except FileNotFoundError:
+                return None, None
+            return data, self._digest(data)
+        from fsspec.asyn import sync
+
+        bucket, name, _ = self.fs.split_path(path)
+
+        async def get() -> tuple[bytes | None, str | None]:
+            try:
+                response = await self.fs._call_s3("get_object", Bucket=bucket, Key=name)
+            except FileNotFoundError:
+                return None, None
+            try:
+                return await response["Body"].read(), response["ETag"]
+            finally:
+                response["Body"].close()
+
+        return sync(self.fs.loop, get)
+
+    @_io("writing")
+    def write_if(self, key: str, data: bytes, token: str | None) -> str | None:
+        """Write ``data`` only if ``key`` is still the version `token` names (None: only if it does not exist);
+        S3: `If-Match` / `If-None-Match: *` on the PUT. Returns the new version's token, or None when the record
+        changed since it was read, and then nothing was written. Of writers holding one token, one succeeds."""
+        path = self.path(key)
+        if self.is_local:
+            return self._digest(data) if self._local_swap(path, data, token) else None
+        bucket, name, _ = self.fs.split_path(path)
+        condition = {"IfNoneMatch": "*"} if token is None else {"IfMatch": token}
+        try:
+            response = self.fs.call_s3("put_object", Bucket=bucket, Key=name, Body=data, **condition)
+        except (FileExistsError, FileNotFoundError):  # If-None-Match met an object; If-Match met none
+            return None
+        except OSError as exc:
+            if self._precondition_failed(exc):
+                return None
+            raise
+        finally:
+            self.fs.invalidate_cache(path)
+        return response["ETag"]
+
+    @_io("deleting")
+    def delete_if(self, key: str, token: str) -> bool:
+        """Delete ``key`` only if it is still the version `token` names; False when it changed or is gone.
+        (S3: `If-Match` on the DELETE; an S3-compatible server that ignores it deletes unconditionally.)"""
+        path = self.path(key)
+        if self.is_local:
+            return self._local_swap(path, None, token)
+        bucket, name, _ = self.fs.split_path(path)
+        try:
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=token)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if self._precondition_failed(exc):
+                return False
+            raise
+        finally:
+            self.fs.invalidate_cache(path)
+        return True
+
+    def write_json_if(self, key: str, obj: Any, token: str | None) -> str | None:
+        """`write_if` of a JSON record, laid out as `write_json` lays it out."""
+        return self.write_if(key, json.dumps(obj, indent=2, sort_keys=True, default=str).encode(), token)
+
+    def _local_swap(self, path: str, data: bytes | None, token: str | None) -> bool:
+        """If the file is still the version `token` names, put ``data`` in its place (None: delete it).
+        The new bytes go to a fsynced temp file first; only the compare and the rename hold the flock."""
+        import fcntl  # POSIX
+
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = None
+        if data is not None:
+            tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{os.path.basename(path)}")
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        lock = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
+            try:
+                with open(path, "rb") as fh:
+                    current = self._digest(fh.read())
+            except FileNotFoundError:
+                current = None
+            if current != token:
+                return False
+            if tmp is None:
+                os.remove(path)
+            elif token is None:
+                try:
+                    os.link(tmp, path)  # never over a file made meanwhile by a writer that takes no flock
+                except FileExistsError:
+                    return False
+            else:
+                os.replace(tmp, path)
+            os.fsync(lock)  # the rename itself survives a crash
+            return True
+        finally:
+            os.close(lock)
+            if tmp is not None and os.path.exists(tmp):
+                os.remove(tmp)
+
+    @staticmethod
+    def _digest(data: bytes) -> str:
+        import hashlib
+
+        return "sha256:" + hashlib.sha256(data).hexdigest()
+
+    @staticmethod
+    def _precondition_failed(exc: BaseException) -> bool:
+        """S3 answered 412 (the version changed) or 409 (a concurrent conditional write won): nothing landed."""
+        while exc is not None:
+            response = getattr(exc, "response", None)  # botocore's ClientError, s3fs's cause
+            if isinstance(response, dict) and str(response.get("Error", {}).get("Code", "")) in (
+                    "PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                return True
+            exc = exc.__cause__
+        return False
+
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     proto = fs.protocol
     return (proto,) if isinstance(proto, str) else tuple(proto)
 
 
-def open_location(url: str, *, must_exist: bool = False, what: str = "location") -> Location:
+def open_location(url: str, *, must_exist: bool = False, what: str = "location",
+                  follow_links: bool = False) -> Location:
     """Open ``url`` and, when asked, check it is reachable, turning client errors into one clear line."""
-    loc = Location(url)
+    loc = Location(url, follow_links=follow_links)
     if not must_exist:
         return loc
 
@@ -370,14 +567,19 @@ def read_url(url: str) -> bytes:
         raise StorageError(f"reading {redact(url)} failed: {one_line(exc)}") from exc
 
 
-def local_copy(loc: Location, key: str, cache_dir: str, name: str) -> str:
-    """A local file path for ``key``: the file itself on a disk, else a download cached under ``name``."""
+def local_copy(loc: Location, key: str, cache_dir: str, checksum: str, suffix: str = "") -> str:
+    """A local file path for ``key``: the file itself on a disk, else a download cached under a name hashed
+    from the location, the key and the checksum the caller expects (never a record's text as a file name)."""
     if loc.is_local:
         return loc.path(key)
     os.makedirs(cache_dir, exist_ok=True)
-    target = os.path.join(cache_dir, name)
+    digest = hashlib.sha256(f"{loc.uri(key)}\n{checksum}".encode()).hexdigest()
+    target = os.path.join(cache_dir, digest + (suffix if _SUFFIX.match(suffix) else ""))
     if not os.path.exists(target):
         tmp = f"{target}.{uuid.uuid4().hex}.part"
         loc.fs.get_file(loc.path(key), tmp)
         os.replace(tmp, target)
     return target
+
+
+_SUFFIX = re.compile(r"^(\.[a-z0-9]{1,8})?$")

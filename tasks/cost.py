@@ -35,7 +35,7 @@ def cost_report(store_url: str, corpus_size: int, gpu_hour_price: float | None =
     if serving is None:
         raise IndexNotFoundError(f"no serving alias in {store.url}: run `imgest nightly` first")
     card = read_card(store, serving["slug"], serving["version"])
-    spec = encoders.resolve(card["model_name"])
+    spec = encoders.resolve_recorded(card.get("model_name"), store, f"{store.url}: index card of model={card['slug']}")
     encoder = encoders.load(spec, device)
     tuning = tune_batch_size(encoder, min_seconds=min_seconds)
     best = tuning.measured[tuning.batch_size]

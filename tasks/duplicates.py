@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,7 +21,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from imgest.lock import Fence
-from imgest.storage import Location, read_url
+from imgest.storage import Location, StorageError
+from imgest.tasks.catalogue_images import CatalogueImages, CatalogueRootError
 from imgest.tasks.state import now_iso
 
 NEIGHBOURS = 16  # candidates per item; a group larger than this still joins up through its members
@@ -123,8 +125,9 @@ def write_report(store: Location, report: DuplicateReport, uris: dict[str, str],
     return report.key
 
 
-def thumbnail_strip(uris: list[str], side: int = 96) -> bytes:
-    """One PNG of the group's images side by side (the artifact shows what was grouped)."""
+def thumbnail_strip(uris: list[str], read=None, side: int = 96) -> bytes:
+    """One PNG of the group's images side by side (the artifact shows what was grouped); ``read`` gives an
+    image's bytes (`CatalogueImages.read`: only under the model's catalogue root)."""
     from PIL import Image
 
     from imgest.tasks.decode import decode_image
@@ -132,7 +135,7 @@ def thumbnail_strip(uris: list[str], side: int = 96) -> bytes:
     tiles = []
     for uri in uris[:6]:
         try:
-            image = decode_image(read_url(uri), min_side=side)
+            image = decode_image(read(uri), min_side=side)
         except Exception:  # noqa: BLE001 - a thumbnail that cannot be made is left out, the report stands
             continue
         image.thumbnail((side, side))
@@ -195,7 +198,13 @@ def find_and_report(store_url: str, alias: str | None, model: str | None, thresh
     if fence is not None:
         fence.check(store)
     write_report(store, report, uris, datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f"))
-    thumbnails = {n: thumbnail_strip([uris[i] for i in g["items"]]) for n, g in enumerate(report.groups[:10])}
+    try:
+        read = CatalogueImages(store, report.slug).read
+    except (CatalogueRootError, StorageError) as exc:  # the report stands without its pictures
+        logging.getLogger("imgest").warning("duplicate groups shown without thumbnails: %s", exc)
+        read = None
+    thumbnails = {n: thumbnail_strip([uris[i] for i in g["items"]], read) for n, g in enumerate(report.groups[:10])
+                  if read is not None}
     return {**report.to_dict(), "markdown": render_duplicates(report, thumbnails)}
 
 

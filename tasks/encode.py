@@ -136,7 +136,7 @@ def plan_decode(encoder: Encoder, decode_workers: int, to_read: int, gpu_jpeg: b
 
 @functools.lru_cache(maxsize=8)
 def _catalogue(url: str) -> Location:
-    return Location(url)
+    return Location(url, follow_links=True)
 
 
 def _prepare_in_process(catalogue_url: str, item: WorkItem, preprocess: Callable, max_pixels: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -13,8 +14,8 @@ from prefect.cache_policies import NO_CACHE
 
 import imgest
 from imgest.encoders.head import ARCHITECTURES, HELDOUT_VIEWS, serialise_weights, write_head
-from imgest.storage import Location, read_url
-from imgest.tasks.decode import decode_image
+from imgest.storage import Location, StorageError, read_url
+from imgest.tasks.decode import DecodeError, decode_image
 from imgest.tasks.head_views import DESCRIPTION, augment, augmented_instances, view_rng
 from imgest.tasks.heads import HeadConfig, HeadError, loss_curves_png, read_labels, train_head
 from imgest.tasks.live import LiveVectors
@@ -152,7 +153,11 @@ def heldout_views(result, live, used: list[int], views: int, seed: int,
         item_id = live.item_ids[row]
         if item_id not in held:
             continue
-        image = decode_image(read_url(live.uris[row]))
+        try:
+            image = decode_image(live.read_image(row))
+        except (DecodeError, OSError, StorageError) as exc:  # one image's fault: that query is left out
+            logging.getLogger("imgest").warning("held-out view of %s not made: %s", item_id, exc)
+            continue
         for v in range(views):
             buf = io.BytesIO()
             augment(image, view_rng(seed, row, v), names).save(buf, "PNG")

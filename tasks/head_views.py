@@ -199,16 +199,16 @@ def augmented_instances(live, base_name: str, views: int, seed: int, max_items: 
 
 def _encode_views(live, rows: list[int], encoder, views: int, seed: int, names: tuple[str, ...],
                   log) -> tuple[list[int], np.ndarray]:
-    from imgest.storage import read_url
+    from imgest.storage import StorageError
     from imgest.tasks.decode import DecodeError, decode_image
 
     batch, chunks, used = [], [], []
     for n, row in enumerate(rows):
         try:
             # decoded at reduced scale (libjpeg's DCT scaling) and shrunk once; each view starts from it
-            image = decode_image(read_url(live.uris[row]), min_side=WORK_SIDE // 2)
+            image = decode_image(live.read_image(row), min_side=WORK_SIDE // 2)
             image.thumbnail((WORK_SIDE, WORK_SIDE))
-        except (DecodeError, OSError) as exc:
+        except (DecodeError, OSError, StorageError) as exc:  # one image's fault (a row outside the catalogue too)
             log(f"skipping {live.item_ids[row]}: {exc}")
             continue
         used.append(row)

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from imgest import records
 from imgest.lock import Fence
 from imgest.storage import Location, local_copy
 from imgest.tasks.aliases import list_aliases, read_alias
@@ -34,8 +35,12 @@ class IndexNotFoundError(LookupError):
     """No such alias, model index or version; the message lists what exists."""
 
 
+# A version's files have fixed names in its folder: a card that names another place is refused, never followed.
+FILES = {"index_file": "index.faiss", "ids_file": "ids.parquet", "truth_file": "truth.parquet"}
+
+
 def index_prefix(slug: str) -> str:
-    return f"indexes/model={slug}"
+    return f"indexes/model={records.slug(slug, 'index model')}"
 
 
 def version_prefix(slug: str, version: int) -> str:
@@ -87,12 +92,33 @@ def version_exists(store: Location, card: dict) -> bool:
     return store.exists(key) and store.read_json(key).get("sha256") == card.get("sha256")
 
 
+def version_file(card: dict, name: str) -> str:
+    """The key of a version's file (``index_file``, ``ids_file``, ``truth_file``): its fixed place in the
+    version's folder. A card naming any other place was not written by imgest: refused."""
+    key = f"{version_prefix(card['slug'], card['version'])}/{FILES[name]}"
+    if card.get(name) != key:
+        raise IndexIntegrityError(f"card of model={card['slug']} v{card['version']:04d}: {name} "
+                                  f"{str(card.get(name))[:120]!r} is not the version's own {FILES[name]}: refused")
+    return key
+
+
 def read_card(store: Location, slug: str, version: int) -> dict:
+    """A version's card, checked to describe that version: its slug, version and checksums well-formed and
+    its files in its own folder (a planted card cannot point a search at another file)."""
     key = f"{version_prefix(slug, version)}/card.json"
     if not store.exists(key):
         have = ", ".join(f"v{v:04d}" for v in list_versions(store, slug)) or "none"
         raise IndexNotFoundError(f"no index version {version} for model={slug}; complete versions: {have}")
-    return store.read_json(key)
+    card = store.read_json(key)
+    where = f"{store.url}: {key}"
+    if records.field(card, "slug", str, where) != slug or records.version(card.get("version"), where) != version:
+        raise IndexIntegrityError(f"{where} describes model={str(card.get('slug'))[:80]} "
+                                  f"v{str(card.get('version'))[:12]}, not the version it is stored as: refused")
+    for name, checksum in (("index_file", "sha256"), ("ids_file", "ids_sha256"), ("truth_file", "truth_sha256")):
+        if name != "truth_file" or card.get(name) is not None:
+            version_file(card, name)
+            records.sha256(card.get(checksum), f"{where}: {checksum}")
+    return card
 
 
 def _verified_bytes(store: Location, key: str, sha256: str) -> bytes:
@@ -103,21 +129,22 @@ def _verified_bytes(store: Location, key: str, sha256: str) -> bytes:
 
 
 def read_ids(store: Location, card: dict) -> pa.Table:
-    return pq.read_table(pa.BufferReader(_verified_bytes(store, card["ids_file"], card["ids_sha256"])))
+    return pq.read_table(pa.BufferReader(_verified_bytes(store, version_file(card, "ids_file"), card["ids_sha256"])))
 
 
 def read_truth(store: Location, card: dict) -> pa.Table | None:
     """The exact neighbour lists stored with a version (None for versions built before they were kept)."""
     if not card.get("truth_file"):
         return None
-    return pq.read_table(pa.BufferReader(_verified_bytes(store, card["truth_file"], card["truth_sha256"])))
+    return pq.read_table(pa.BufferReader(_verified_bytes(store, version_file(card, "truth_file"),
+                                                         card["truth_sha256"])))
 
 
 def read_index_for_update(store: Location, card: dict, cache_dir: str = DEFAULT_CACHE):
     """The version's index read whole into memory (its lists writable), checksum verified."""
     import faiss
 
-    path = local_copy(store, card["index_file"], cache_dir, f"{card['sha256']}.faiss")
+    path = local_copy(store, version_file(card, "index_file"), cache_dir, card["sha256"], ".faiss")
     if _file_sha256(path) != card["sha256"]:
         raise IndexIntegrityError(f"{card['index_file']} does not match the checksum in its card: refusing to use it")
     return faiss.read_index(path)
@@ -150,7 +177,7 @@ def resolve_target(store: Location, alias: str | None, slug: str | None, version
         if entry is None:
             have = ", ".join(sorted(list_aliases(store))) or "none"
             raise IndexNotFoundError(f"no alias {alias or 'serving'!r} in {store.url}; aliases: {have}")
-        return entry["slug"], int(entry["version"])
+        return entry["slug"], entry["version"]
     if version is None:
         versions = list_versions(store, slug)
         if not versions:
@@ -182,7 +209,7 @@ def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAUL
     from imgest.tasks.recall_tuning import set_param
 
     card = read_card(store, slug, version)
-    path = local_copy(store, card["index_file"], cache_dir, f"{card['sha256']}.faiss")
+    path = local_copy(store, version_file(card, "index_file"), cache_dir, card["sha256"], ".faiss")
     actual = _file_sha256(path)
     if actual != card["sha256"]:
         raise IndexIntegrityError(f"{card['index_file']} has sha256 {actual[:16]}..., its card says "

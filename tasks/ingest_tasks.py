@@ -16,6 +16,7 @@ from imgest.encoders import EncoderSpec
 from imgest.lock import Fence
 from imgest.storage import Location
 from imgest.tasks.batch_size import choose_batch_size
+from imgest.tasks.catalogue_images import record_root
 from imgest.tasks.commit import RunSummary, commit_run
 from imgest.tasks.encode import encode_shard
 from imgest.tasks.encode_text import encode_text_shard, text_listing, text_of
@@ -38,8 +39,12 @@ choose_batch_size_task = task(choose_batch_size, name="tune-batch-size", cache_p
 
 
 @task(name="load-state", cache_policy=NO_CACHE, **IO_RETRIES)
-def prepare_state_task(store_url: str, spec_description: dict) -> tuple[CatalogueState, list[str]]:
-    return prepare_state(Location(store_url), spec_description)
+def prepare_state_task(store_url: str, spec_description: dict, catalogue_url: str) -> tuple[CatalogueState, list[str]]:
+    store = Location(store_url)
+    prepared = prepare_state(store, spec_description)
+    # readers of the rows' image uris (train-head, duplicates' thumbnails) read only under this root
+    record_root(store, spec_description["slug"], Location(catalogue_url, follow_links=True))
+    return prepared
 
 
 @task(name="list-catalogue", cache_policy=NO_CACHE, **IO_RETRIES, task_run_name="list-{folder}")
@@ -159,5 +164,5 @@ def encode_shard_task(plan: ShardPlan, spec: EncoderSpec, device: str, catalogue
             store = Location(store_url)
             texts = text_of(store.read_table(snapshot_key(metadata_seq)), spec, {item.item_id for item in plan.items})
             return encode_text_shard(plan, encoder, texts, store, batch_size, fence, dtype)
-        return encode_shard(plan, encoder, Location(catalogue_url), Location(store_url), batch_size,
+        return encode_shard(plan, encoder, Location(catalogue_url, follow_links=True), Location(store_url), batch_size,
                             decode_workers, max_pixels, fence, dtype)

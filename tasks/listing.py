@@ -117,7 +117,7 @@ def is_image_key(key: str) -> bool:
 def list_catalogue(catalogue_url: str, folder: str = "", maxdepth: int | None = None) -> Listing:
     """Every image object below the catalogue root (or below `folder` in it, `maxdepth` levels down); the item
     id is its key relative to the root."""
-    loc: Location = open_location(catalogue_url, must_exist=True, what="catalogue")
+    loc: Location = open_location(catalogue_url, must_exist=True, what="catalogue", follow_links=True)
     listing = Listing(catalogue=loc.url, spill=[SpillFolder()])
     above = f"{folder}/" if folder else ""
 
@@ -141,7 +141,7 @@ def list_catalogue(catalogue_url: str, folder: str = "", maxdepth: int | None = 
 
 def catalogue_parts(catalogue_url: str) -> list[str]:
     """How a listing fans out: one part per top-level folder (one LIST each, run side by side)."""
-    return open_location(catalogue_url, must_exist=True, what="catalogue").folders()
+    return open_location(catalogue_url, must_exist=True, what="catalogue", follow_links=True).folders()
 
 
 def merge_listings(parts: list[Listing]) -> Listing:

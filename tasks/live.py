@@ -7,7 +7,7 @@ import json
 import logging
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -54,9 +54,22 @@ class LiveVectors:
     vectors: np.ndarray  # (N, d) float32, L2-normalised
     snapshot: int
     shard_codes: np.ndarray | None = None  # (N,) which shard each row came from (a code per shard name)
+    store_url: str = ""
+    slug: str = ""
+    catalogue: str | None = None  # the operator's catalogue for reading images, when the run has one
+    _images: object = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.item_ids)
+
+    def read_image(self, row: int) -> bytes:
+        """The bytes of a row's image, read only under the model's catalogue root (a row's uri is a record:
+        see tasks/catalogue_images.py)."""
+        from imgest.tasks.catalogue_images import CatalogueImages
+
+        if self._images is None:
+            self._images = CatalogueImages(Location(self.store_url), self.slug, self.catalogue)
+        return self._images.read(self.uris[row])
 
 
 def live_fingerprint(store: Location, slug: str) -> str:
@@ -107,4 +120,4 @@ def load_live_vectors(store: Location, slug: str, dim: int) -> LiveVectors:
                                             "indexing the other %d", slug, len(missing), missing[:3], len(found))
         item_ids, uris, hashes = [item_ids[n] for n in found], [uris[n] for n in found], [hashes[n] for n in found]
         vectors, codes = np.ascontiguousarray(vectors[found]), codes[found]
-    return LiveVectors(item_ids, uris, hashes, vectors, state.seq, codes)
+    return LiveVectors(item_ids, uris, hashes, vectors, state.seq, codes, store.url, slug)

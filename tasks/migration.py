@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import getpass
 import json
+import logging
 import secrets
 import socket
 from datetime import UTC, datetime, timedelta
 
-from imgest.lock import Fence
-from imgest.storage import Location
-from imgest.tasks.aliases import list_aliases, read_alias, set_alias
+from imgest import records
+from imgest.lock import Fence, RecordChangedError, fenced_delete, fenced_write
+from imgest.storage import Location, RecordError
+from imgest.tasks.aliases import delete_alias, list_aliases, read_alias, set_alias
 from imgest.tasks.index_store import index_prefix, list_versions, open_index, read_card
 from imgest.tasks.models import find_model
 from imgest.tasks.state import embeddings_prefix, latest_snapshot_seq, load_state, now_iso, state_prefix
@@ -37,9 +39,25 @@ def _check(store: Location, fence: Fence | None) -> None:
         fence.check(store)
 
 
+def _stored_version(store: Location, window: dict, fence: Fence | None) -> str:
+    """The version token of the window record, which must still be ``window`` (the same id): a window finished
+    or replaced since this step read it is never written back."""
+    data, token = store.read_versioned(WINDOW_KEY)
+    try:
+        stored = json.loads(data) if data is not None else None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        stored = None
+    if not isinstance(stored, dict) or stored.get("id") != window["id"]:
+        _check(store, fence)  # when a successor finished or replaced it, say that
+        raise RecordChangedError(f"store {store.url}: the migration window {window['id']} is no longer the open "
+                                 "one (finished or replaced since this step read it); nothing was recorded")
+    return token
+
+
 def _save(store: Location, window: dict, fence: Fence | None = None) -> dict:
-    _check(store, fence)
-    store.write_json(WINDOW_KEY, window)
+    """Replace the window record: a compare-and-swap on the version read here, after the fence check, so a
+    writer paused between its check and its write cannot overwrite what its successor recorded."""
+    fenced_write(store, WINDOW_KEY, window, _stored_version(store, window, fence), fence)
     return window
 
 
@@ -71,8 +89,10 @@ def open_window(store: Location, serving_slug: str, target: dict, catalogue: str
         "status": "open",
         "events": [],
     }
-    _check(store, fence)
-    if not store.create_exclusive(WINDOW_KEY, json.dumps(window, indent=2).encode()):
+    try:
+        fenced_write(store, WINDOW_KEY, window, None, fence)  # only where no window is: never over another
+    except RecordChangedError:
+        _check(store, fence)
         return open_window(store, serving_slug, target, catalogue, fence)  # another start won the race
     store.delete(f"migration/retire/{target['slug']}.json")  # migrating back to a retired model revives it
     return window
@@ -281,16 +301,16 @@ def finish(store: Location, retain_days: float = 7.0, fence: Fence | None = None
     serving = read_alias(store, "serving")
     keep = serving["slug"] if serving else window["to"]["slug"]
     drop = window["from"] if keep == window["to"]["slug"] else window["to"]
-    for name in ("previous", "shadow"):  # window-only aliases: rollback is no longer possible after finish
-        store.delete(f"aliases/{name}.json")
     retire_at = (datetime.now(UTC) + timedelta(days=retain_days)).isoformat(timespec="seconds")
+    window["status"], window["closed_at"], window["retired"] = "finished", now_iso(), drop
+    # the commit: a writer that lost the lock (even one paused after its check) stops here having changed nothing
+    record(store, window, "finished", fence, keep=keep, retire=drop["slug"], retire_after=retire_at)
+    for name in ("previous", "shadow"):  # window-only aliases: rollback is no longer possible after finish
+        delete_alias(store, name, fence)
     store.write_json(f"migration/retire/{drop['slug']}.json", {**drop, "retire_after": retire_at,
                                                                "window": window["id"]})
-    window["status"], window["closed_at"], window["retired"] = "finished", now_iso(), drop
-    record(store, window, "finished", fence, keep=keep, retire=drop["slug"], retire_after=retire_at)
     store.write_json(f"migration/history/{window['id']}.json", window)
-    _check(store, fence)
-    store.delete(WINDOW_KEY)
+    fenced_delete(store, WINDOW_KEY, _stored_version(store, window, fence), fence)
     return {"window": window, "deleted": collect_retired(store, fence)}
 
 
@@ -303,34 +323,57 @@ def needed_slugs(store: Location) -> set[str]:
         key = f"{state_prefix(slug)}/model.json"
         base = store.read_json(key).get("base") if store.exists(key) else None
         if base:
-            needed.add(base["slug"])
+            needed.add(records.slug(records.field(base, "slug", str, f"{key}: base"), f"{key}: base slug"))
     return needed
 
 
-def collect_retired(store: Location, fence: Fence | None = None) -> list[str]:
-    """Delete retired models past their date, never while an alias needs them (directly or as a head's base)."""
+def retirement(store: Location, name: str) -> dict:
+    """A retirement record checked before it can delete anything: its slug is the one its key names (a model
+    slug, so never a path), its date a date with a timezone."""
+    key = f"migration/retire/{name}"
+    where = f"{store.url}: {key}"
+    entry = store.read_json(key)
+    slug = records.slug(records.field(entry, "slug", str, where), f"{where}: slug")
+    if f"{slug}.json" != name:
+        raise RecordError(f"{where}: names model={slug[:80]}, not the model its key names: refused")
+    due = datetime.fromisoformat(records.field(entry, "retire_after", str, where))
+    if due.tzinfo is None:
+        raise RecordError(f"{where}: retire_after {entry['retire_after']!r} has no timezone")
+    return {**entry, "due": due}
+
+
+def collect_retired(store: Location, fence: Fence | None = None, now: datetime | None = None) -> list[str]:
+    """Delete retired models past their date, never while an alias needs them (directly or as a head's base).
+    A malformed retirement record deletes nothing: it is skipped with a warning, for a person to look at."""
     deleted = []
+    now = now or datetime.now(UTC)
     pointed = needed_slugs(store)
-    for name in store.list_names("migration/retire"):
-        entry = store.read_json(f"migration/retire/{name}")
-        due = datetime.fromisoformat(entry["retire_after"]) <= datetime.now(UTC)
-        if not due or entry["slug"] in pointed:
+    for name in retired_names(store):
+        try:
+            entry = retirement(store, name)
+        except (RecordError, ValueError) as exc:
+            logging.getLogger("imgest").warning("retention: skipped %s: %s", name, exc)
             continue
-        if entry.get("deleted_at"):
+        if entry["due"] > now or entry["slug"] in pointed or entry.get("deleted_at"):
             continue
         _check(store, fence)
         for prefix in (embeddings_prefix(entry["slug"]), index_prefix(entry["slug"]), state_prefix(entry["slug"]),
                        f"tuning/model={entry['slug']}"):
             store.delete_tree(prefix)
         # the record stays: a retired model is never ingested again unless a new window migrates to it
+        entry.pop("due")
         store.write_json(f"migration/retire/{name}", {**entry, "deleted_at": now_iso()})
         deleted.append(entry["slug"])
     return deleted
 
 
+def retired_names(store: Location) -> list[str]:
+    return [n for n in store.list_names("migration/retire") if n.endswith(".json") and records.SLUG.match(n[:-5])]
+
+
 def retired_slugs(store: Location) -> set[str]:
     """Models a finished window retired (their data deleted or due to be): never ingested again by a nightly."""
-    return {name.removesuffix(".json") for name in store.list_names("migration/retire") if name.endswith(".json")}
+    return {name.removesuffix(".json") for name in retired_names(store)}
 
 
 def nightly_models(store: Location, model: str | None = None) -> tuple[list[tuple[str, str | None]], list[str]]:
@@ -345,13 +388,17 @@ def nightly_models(store: Location, model: str | None = None) -> tuple[list[tupl
 
     window = read_window(store)
     if window is not None:
-        pairs = [(window["from"]["name"], window["from"]["slug"]), (window["to"]["name"], window["to"]["slug"])]
+        pairs = [(encoders.recorded(records.field(window[side], "name", str, f"{WINDOW_KEY}: {side}"), store,
+                                    f"{store.url}: {WINDOW_KEY}: {side}"),
+                  records.slug(window[side]["slug"], f"{WINDOW_KEY}: {side}")) for side in ("from", "to")]
     else:
         pairs = []
         for _, alias in sorted(list_aliases(store).items(), key=lambda kv: (kv[0] != "serving", kv[0])):
             key = f"{state_prefix(alias['slug'])}/model.json"
             if store.exists(key) and alias["slug"] not in {slug for _, slug in pairs}:
-                pairs.append((store.read_json(key)["name"], alias["slug"]))
+                # a model named by a record: only one this installation has, never a URL or a hub download
+                name = encoders.recorded(store.read_json(key).get("name"), store, f"{store.url}: {key}")
+                pairs.append((name, alias["slug"]))
     left_out = []
     if model:
         slug = encoders.resolve(model).slug

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from imgest.storage import Location
+import logging
+
+from imgest import encoders, records
+from imgest.storage import Location, RecordError
 
 
 class ModelNotFoundError(LookupError):
@@ -25,10 +28,25 @@ def find_model(store: Location, model: str) -> dict:
 
 
 def list_models(store: Location) -> list[dict]:
+    """The models of the store whose model.json is well-formed: its slug the folder's, its name one this
+    installation has (`encoders.recorded`). Any other is left out with a warning: never a URL to open."""
     models = []
     for name in store.list_names("state"):
         if name.startswith("model="):
             key = f"state/{name}/model.json"
             if store.exists(key):
-                models.append(store.read_json(key))
+                try:
+                    models.append(checked_model(store, key, name.removeprefix("model=")))
+                except (RecordError, encoders.EncoderError) as exc:
+                    logging.getLogger("imgest").warning("model %s left out: %s", key, exc)
     return models
+
+
+def checked_model(store: Location, key: str, slug: str) -> dict:
+    where = f"{store.url}: {key}"
+    model = store.read_json(key)
+    if records.slug(records.field(model, "slug", str, where), where) != slug:
+        raise RecordError(f"{where}: describes model={model['slug']}, not the folder it is in")
+    records.field(model, "model_id", str, where)
+    model["name"] = encoders.recorded(model.get("name"), store, where)
+    return model

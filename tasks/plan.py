@@ -149,7 +149,7 @@ def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     plan = Plan(run_id=run_id, listed=0, skipped=listing.skipped, not_regular=listing.not_regular)
-    catalogue = Location(listing.catalogue)
+    catalogue = Location(listing.catalogue, follow_links=True)
     listed = listing.source if listing_source is None else listing_source
     with _plan_connection(state, isinstance(state, str) or isinstance(listed, (str, list))) as con:
         _relation(con, "listing", listed)

@@ -84,7 +84,7 @@ def build_class_queries(catalogue_url: str, out: str, per_class: int = 10, seed:
     ``catalogue_url`` must be the root the store was ingested from (item ids are keys below it);
     ``prefix`` keeps only the keys under it (e.g. ``fashion/``)."""
     listing = list_catalogue(catalogue_url)
-    catalogue = Location(listing.catalogue)
+    catalogue = Location(listing.catalogue, follow_links=True)
     by_class: dict[str, list[str]] = {}
     for obj in listing.objects:
         if not obj.key.startswith(prefix):
@@ -127,7 +127,7 @@ def build_instance_queries(catalogue_url: str, out_dir: str, prefix: str = "", s
     """Instance-level set: each catalogue image under ``prefix`` is cropped, flipped and colour-shifted
     into new query images (not in the catalogue); the one relevant item is the original."""
     listing = list_catalogue(catalogue_url)
-    catalogue = Location(listing.catalogue)
+    catalogue = Location(listing.catalogue, follow_links=True)
     target = Location(out_dir)
     rng = np.random.default_rng(seed)
     queries = []

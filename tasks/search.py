@@ -64,7 +64,8 @@ class Searcher:
         slug, version = resolve_target(self.store, None if slug else alias, slug, version)
         self.opened: OpenIndex = open_index(self.store, slug, version)
         card = self.opened.card
-        spec = encoders.resolve(card["model_name"])
+        spec = encoders.resolve_recorded(card.get("model_name"), self.store, f"{self.store.url}: index card of "
+                                         f"model={slug} v{version}")
         if spec.model_id != card["model_id"]:
             raise SearchError(f"index v{version} of model={slug} was built by {card['model_id']}, but "
                               f"{card['model_name']} here is {spec.model_id}: queries would be embedded by a "

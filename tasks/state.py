@@ -225,7 +225,7 @@ def load_state(store: Location, slug: str) -> CatalogueState:
     wanted = [(seq, delta) for seq, delta in snapshots if seq >= full and (delta or seq == full)]
     base = StateBase()  # its folder caches the downloads; the table is made from them below
     keys = [snapshot_key(slug, seq, delta) for seq, delta in wanted]
-    paths = [local_copy(store, key, base.folder, os.path.basename(key)) for key in keys]
+    paths = [local_copy(store, key, base.folder, checksum="", suffix=".parquet") for key in keys]
     counts = [pq.read_metadata(path).num_rows for path in paths]
     seq = latest_snapshot_seq(store, slug)
     state = CatalogueState(slug=slug, seq=seq, base=base.load(paths))

@@ -61,6 +61,14 @@ def s3_endpoint():
         os.environ["AWS_ENDPOINT_URL"] = previous
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_dirs(tmp_path_factory):
+    """The tests' local model folders (tiny random transformers under pytest's temp root) are the ones an
+    operator listed: store records may name them (imgest.encoders.recorded)."""
+    os.environ["IMGEST_MODEL_DIRS"] = str(tmp_path_factory.getbasetemp())
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """Tiny random CLIP, SigLIP and DINOv2 saved as local transformers folders: the hf: path, offline."""

@@ -26,7 +26,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from imgest.config import ConfigError
     from imgest.encoders import EncoderError
     from imgest.lock import StoreLockedError
+    from imgest.records import RecordError
     from imgest.storage import StorageError
+    from imgest.tasks.aliases import AliasError
+    from imgest.tasks.catalogue_images import CatalogueRootError
     from imgest.tasks.heads import HeadError
     from imgest.tasks.index_choice import IndexChoiceError
     from imgest.tasks.index_store import IndexIntegrityError, IndexNotFoundError
@@ -40,7 +43,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     return (ConfigError, EncoderError, StoreLockedError, StorageError, ModelNotFoundError, FileNotFoundError,
             IndexChoiceError, IndexIntegrityError, IndexNotFoundError, SearchError, MigrationError, QuerySetError,
-            HeadError, MassDeleteError, MetadataError, InventoryError)
+            HeadError, MassDeleteError, MetadataError, InventoryError, AliasError,
+            CatalogueRootError, RecordError)
 
 
 # Registers the commands on `app` (each module imports it from here).

@@ -22,6 +22,9 @@ def train_head_cmd(
     views: int = typer.Option(DEFAULT_VIEWS, help="Without --labels: augmented views per catalogue image "
                                                   "(encoded once)"),
     max_items: int = typer.Option(0, help="Without --labels: at most this many catalogue items (0: all)"),
+    catalogue: str = typer.Option(None, help="The catalogue the base model was ingested from (checked against the "
+                                             "one recorded at ingest); images are read only under it. Default: "
+                                             "the recorded one, when it is on the store's kind of storage"),
     augment: str = typer.Option("all", help="Without --labels: the augmentations making the views: all, or a comma "
                                             "list of crop, flip, rotate, perspective, colour, contrast, background, "
                                             "quantise, edges, blur, jpeg, or of the groups geometry, photometry, "
@@ -63,9 +66,11 @@ def train_head_cmd(
     try:
         # before Prefect starts: a bad parameter is one line, exit 2
         TrainHeadConfig(store=store, base_model=base_model, labels=labels, views=views, max_items=max_items,
-                        augment=augment, eval_queries=eval_queries, training=HeadConfig(**training))
+                        augment=augment, eval_queries=eval_queries, catalogue=catalogue,
+                        training=HeadConfig(**training))
         summary = train_head_flow(store=store, base_model=base_model, labels=labels, views=views, max_items=max_items,
-                                  augment=augment, eval_queries=eval_queries, device=device, **training)
+                                  augment=augment, eval_queries=eval_queries, device=device, catalogue=catalogue,
+                                  **training)
     except _user_errors() as exc:
         _fail(exc)
     if as_json:

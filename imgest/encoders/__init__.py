@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import re
 import threading
 
 from imgest.defaults import DEFAULT_MODEL
@@ -40,6 +42,55 @@ def resolve(name: str) -> EncoderSpec:
     return REGISTRY[_family(name)][0](name)
 
 
+# Operators list the local folders whose models a store record may name (hf:<folder>), separated like PATH.
+MODEL_DIRS_ENV = "IMGEST_MODEL_DIRS"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?(@[A-Za-z0-9_.-]{1,64})?$")
+
+
+def model_dirs() -> list[str]:
+    return [os.path.realpath(d) for d in os.environ.get(MODEL_DIRS_ENV, "").split(os.pathsep) if d.strip()]
+
+
+def recorded(name: object, store, where: str) -> str:
+    """A model name read from a store record (a card, model.json, a window, head.json), allowed only when it
+    names a model this installation already has: a built-in, a head folder inside ``store``, a hub id already
+    in the local Hugging Face cache, or a folder under IMGEST_MODEL_DIRS. A record never makes imgest open a
+    URL, download from the hub or read a folder the operator did not list. Returns the name to resolve."""
+    if not isinstance(name, str) or not name.strip() or len(name) > 1024:
+        raise EncoderError(f"{where}: model name {str(name)[:80]!r} is not a model name")
+    name = name.strip()
+    family = _family(name)
+    if family == "head":
+        if store is None:
+            raise EncoderError(f"{where}: {name[:200]!r}: a head's base model cannot be another head")
+        from imgest.storage import ContainmentError
+
+        try:
+            folder = store.resolve(name[len(head.PREFIX):], f"{where}: head folder")
+        except ContainmentError as exc:
+            raise EncoderError(f"{where}: a head named by a record must lie inside the store: {exc}") from exc
+        return f"{head.PREFIX}{store.uri(folder)}"
+    if family == "hf":
+        target = name[len(hf.PREFIX):]
+        if _HUB_ID.match(target) and not os.path.isdir(target):
+            repo_id, _, rev = target.partition("@")
+            hf.cached(repo_id, rev or None, where)  # never a download
+            return name
+        real = os.path.realpath(target)
+        if not any(real == d or real.startswith(d.rstrip("/") + "/") for d in model_dirs()):
+            raise EncoderError(f"{where}: {name[:200]!r} names a local folder outside the model folders the operator "
+                               f"listed in {MODEL_DIRS_ENV} ({os.pathsep.join(model_dirs()) or 'none'}): refused")
+    return name
+
+
+def resolve_recorded(name: object, store, where: str) -> EncoderSpec:
+    """``resolve`` for a name read from a store record, after `recorded` allowed it."""
+    allowed = recorded(name, store, where)
+    if allowed.startswith(head.PREFIX):
+        return head.resolve(allowed, base_resolve=lambda base: resolve(recorded(base, None, f"{where}: base")))
+    return resolve(allowed)
+
+
 _loaded: dict[tuple[str, str, str], Encoder] = {}
 _lock = threading.RLock()  # re-entrant: a head loads its base model inside load()
 
@@ -55,4 +106,4 @@ def load(spec: EncoderSpec, device: str = "auto") -> Encoder:
 
 
 __all__ = ["DEFAULT_MODEL", "Encoder", "EncoderError", "EncoderSpec", "REGISTRY", "device_key", "load",
-           "resolve", "resolve_device"]
+           "recorded", "resolve", "resolve_device", "resolve_recorded"]

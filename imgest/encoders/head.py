@@ -81,13 +81,24 @@ def resolve(name: str, base_resolve=None) -> EncoderSpec:
     url = name[len(PREFIX):].strip()
     if not url:
         raise EncoderError("head: needs a folder or URL, e.g. head:store/heads/<id>")
-    config = json.loads(_read(url, CONFIG))
+    from imgest.storage import RecordError, parse_record
+
+    try:
+        config = parse_record(_read(url, CONFIG), f"head {url}: {CONFIG}")
+        for key, kind in (("base_model", str), ("base_model_id", str), ("dim_in", int), ("hidden", int),
+                          ("dim_out", int)):
+            if not isinstance(config.get(key) if isinstance(config, dict) else None, kind):
+                raise RecordError(f"head {url}: {CONFIG} has no valid {key!r}")
+    except RecordError as exc:
+        raise EncoderError(str(exc)) from exc
     weights = _read(url, WEIGHTS)
     digest = hashlib.sha256(weights).hexdigest()
     if config.get("weights_sha256") not in (None, digest):
         raise EncoderError(f"head {url}: {WEIGHTS} has sha256 {digest[:16]}..., {CONFIG} says "
                            f"{str(config['weights_sha256'])[:16]}...: refusing a head whose weights were replaced")
-    base = (base_resolve or encoders.resolve)(config["base_model"])
+    # head.json is a record like any other: its base is only a model this installation has (never a URL)
+    base = (base_resolve or (lambda n: encoders.resolve(encoders.recorded(n, None, f"head {url}: base_model"))))(
+        config["base_model"])
     if base.model_id != config["base_model_id"]:
         raise EncoderError(f"head {url} was trained on {config['base_model_id']}, but {config['base_model']} now "
                            f"resolves to {base.model_id}: its weights or preprocessing changed; train the head again")

@@ -45,6 +45,18 @@ def _fetch(repo_id: str, revision: str | None) -> str:
         ) from exc
 
 
+def cached(repo_id: str, revision: str | None, where: str) -> str:
+    """The local snapshot of a hub model, or EncoderError: a record may name only what is already here."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, revision=revision, local_files_only=True,
+                                 allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+    except Exception as exc:
+        raise EncoderError(f"{where}: hf:{repo_id} is not in this machine's Hugging Face cache, and a store record "
+                           "never makes imgest download a model: name it on the command line to fetch it") from exc
+
+
 def resolve(name: str) -> EncoderSpec:
     target = name[len(PREFIX):]
     if not target:
