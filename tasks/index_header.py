@@ -44,9 +44,13 @@ class _Walk:
         if not ok:
             raise IndexHeaderError(f"{self.path}: {field} is {value}, allowed {allowed}")
 
+    def fits(self, field: str, nbytes: int, verb: str = "claims") -> None:
+        if nbytes > self.left():
+            raise IndexHeaderError(f"{self.path}: {field} {verb} {nbytes} bytes, the file has {self.left()} left")
+
     def scalars(self, fmt: str, field: str) -> tuple:
         need = struct.calcsize("<" + fmt)
-        self.check(field, f"{need} bytes", need <= self.left(), f"the {self.left()} bytes left in the file")
+        self.fits(field, need, "needs")
         return struct.unpack("<" + fmt, self.fh.read(need))
 
     def one(self, fmt: str, field: str):
@@ -62,7 +66,7 @@ class _Walk:
 
     def payload(self, field: str, nbytes: int, mappable: bool = False) -> int:
         """Seek past `nbytes` of data (never read them); the offset where they start."""
-        self.check(f"{field} size", f"{nbytes} bytes", nbytes <= self.left(), f"the {self.left()} bytes left in the file")
+        self.fits(field, nbytes)
         start = self.fh.tell()
         self.fh.seek(nbytes, os.SEEK_CUR)
         if mappable:
@@ -114,7 +118,7 @@ def _same(w: _Walk, kind: str, outer: dict, inner: dict, role: str, ntotal: bool
 def _flat(w: _Walk, kind: str) -> dict:
     h = _header(w, kind)
     floats, _ = w.vector(f"{kind} codes", 4, mappable=w.ifc)  # counted in floats (an old layout faiss keeps)
-    w.check(f"{kind} ntotal", h["ntotal"], floats == h["ntotal"] * h["d"], f"{floats // h['d']} as its codes hold")
+    w.check(f"{kind} ntotal", h["ntotal"], floats == h["ntotal"] * h["d"], f"{floats // h['d']} (its codes)")
     return h
 
 
@@ -134,7 +138,7 @@ def _sq_flat(w: _Walk, kind: str) -> dict:
     h = _header(w, kind)
     code_size = _sq(w, kind, h["d"])
     nbytes, _ = w.vector(f"{kind} codes", 1, mappable=w.ifc)
-    w.check(f"{kind} ntotal", h["ntotal"], nbytes == h["ntotal"] * code_size, f"{nbytes // code_size} as its codes hold")
+    w.check(f"{kind} ntotal", h["ntotal"], nbytes == h["ntotal"] * code_size, f"{nbytes // code_size} (its codes)")
     return h
 
 
