@@ -399,29 +399,41 @@ class Location:
     # that only grows (a history, an event list). The local swap holds an flock on the record's folder across
     # compare and rename: writers on one machine exclude each other; NFS and other network disks are not
     # supported (their flock may not be shared between clients).
-    @_io("reading")
-    def read_versioned(self, key: str) -> tuple[bytes | None, str | None]:
+    def read_versioned(self, key: str, limit: int = MAX_RECORD_BYTES) -> tuple[bytes | None, str | None]:
         """``key``'s bytes and their version token for `write_if` / `delete_if`; (None, None) when it does not
-        exist. On an object store both come from one GET, so the token is the version of these very bytes."""
+        exist; RecordError when it is over ``limit`` bytes (refused before it is read). On an object store both
+        come from one GET, so the token is the version of these very bytes."""
+        data, token, size = self._read_versioned(key, limit)
+        if size > limit:
+            raise RecordError(f"{redact(self.url)}: {key}: {size:,} bytes or more, over the {limit:,}-byte limit "
+                              "of a record")
+        return data, token
+
+    @_io("reading")
+    def _read_versioned(self, key: str, limit: int) -> tuple[bytes | None, str | None, int]:
         path = self.path(key)
         if self.is_local:
             try:
                 with open(path, "rb") as fh:
-                    data = fh.read()
+                    data = fh.read(limit + 1)
             except FileNotFoundError:
-                return None, None
-            return data, self._digest(data)
+                return None, None, 0
+            return data, self._digest(data), len(data)
         from fsspec.asyn import sync
 
         bucket, name, _ = self.fs.split_path(path)
 
-        async def get() -> tuple[bytes | None, str | None]:
+        async def get() -> tuple[bytes | None, str | None, int]:
             try:
                 response = await self.fs._call_s3("get_object", Bucket=bucket, Key=name)
             except FileNotFoundError:
-                return None, None
+                return None, None, 0
             try:
-                return await response["Body"].read(), response["ETag"]
+                size = int(response.get("ContentLength") or 0)
+                if size > limit:
+                    return None, response["ETag"], size
+                data = await response["Body"].read()
+                return data, response["ETag"], len(data)
             finally:
                 response["Body"].close()
 

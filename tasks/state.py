@@ -338,7 +338,7 @@ def remove_orphan_shards(store: Location, state: CatalogueState) -> list[str]:
 def write_model_card(store: Location, spec_description: dict) -> None:
     key = f"{state_prefix(spec_description['slug'])}/model.json"
     if not store.exists(key):
-        store.write_json(key, {**spec_description, "first_seen": now_iso()})
+        store.write_json_if(key, {**spec_description, "first_seen": now_iso()}, None)  # a racing writer's stands
 
 
 def prepare_state(store: Location, spec_description: dict) -> tuple[CatalogueState, list[str]]:

@@ -21,7 +21,7 @@ from imgest.lock import (
     generation_key,
     generations,
 )
-from imgest.storage import Location
+from imgest.storage import Location, RecordError
 from imgest.tasks import migration
 from imgest.tasks.aliases import delete_alias, read_alias, set_alias
 
@@ -217,6 +217,9 @@ def test_two_writers_from_the_same_read_one_wins(store_url):
     assert two.delete_if("aliases/x.json", new) and not two.exists("aliases/x.json")
     assert two.write_if("aliases/x.json", b"v3", new) is None, "a version that is gone matches nothing"
     assert not two.exists("aliases/x.json")
+    one.write_bytes("aliases/big.json", b"x" * 100)
+    with pytest.raises(RecordError, match="100 bytes or more, over the 99-byte limit"):
+        one.read_versioned("aliases/big.json", limit=99)  # refused before it is read
 
 
 def test_racing_local_writers_from_the_same_read_exactly_one_wins(tmp_path):
