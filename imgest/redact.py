@@ -12,8 +12,6 @@ from urllib.parse import quote, quote_plus, unquote
 _SCHEME = re.compile(r"(?<![A-Za-z0-9+.-])(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)")
 # What can follow a scheme before the URL ends in a message: no whitespace, quotes or angle brackets.
 _RUN = re.compile(r"[^\s'\"`<>]*")
-# Object-store schemes name a bucket or container after `//`: never a port, so `x:digits/` is a password there.
-_NO_PORT = {"s3", "s3a", "s3n", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "b2", "hf"}
 # Kept for callers that import it (imgest.storage): a URL starting with a user name and an `@`.
 USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
 
@@ -51,21 +49,18 @@ _lock = threading.Lock()
 
 
 # -- finding what is secret in a URL ---------------------------------------------------------------------------
-def _userinfo_end(scheme: str, run: str) -> int:
+def _userinfo_end(run: str) -> int:
     """Where the credentials of a URL end in ``run`` (the text after ``scheme://``): the index of their closing
     ``@``, or -1 when the URL names no user.
 
     urllib is no help here: AWS secret keys hold ``/`` and ``+``, so ``s3://KEY:ab/cd@bucket/x`` parses as host
     ``KEY:ab``. The rules: ``user:`` before the first ``/?#`` opens a password that runs to the LAST ``@`` of the
-    URL, whatever it holds (a key with an ``@`` in its path is masked too: masking too much is the safe side);
-    ``user@`` with no ``:`` before it is a user name (a token) alone. ``host:8080/...`` is a port, except under
-    object-store schemes, whose authority is a bucket."""
+    URL, whatever it holds; ``user@`` with no ``:`` before it is a user name (a token) alone. Erring on the safe
+    side, ``host:port/...`` followed by an ``@`` anywhere is read as ``user:password@`` too (``http://h:9000/a@b``
+    is refused; ``%40`` spells an ``@`` in a path)."""
     authority = re.split(r"[/?#]", run, maxsplit=1)[0]
     colon, at = authority.find(":"), authority.find("@")
     if colon != -1 and (at == -1 or colon < at):
-        port = re.match(r"\d{1,5}(?=[/?#]|$)", run[colon + 1:])
-        if port and at == -1 and scheme.lower() not in _NO_PORT:
-            return -1
         return run.rfind("@")
     return at
 
@@ -76,7 +71,7 @@ def _credential_spans(text: str) -> list[tuple[int, int]]:
     while (match := _SCHEME.search(text, pos)) is not None:
         start = match.end()
         run = _RUN.match(text, start).group()
-        end = _userinfo_end(match.group("scheme")[:-3], run)
+        end = _userinfo_end(run)
         if end > 0:
             spans.append((start, start + end))
             pos = start + end + 1
@@ -85,15 +80,16 @@ def _credential_spans(text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def url_secrets(url: str) -> list[str]:
-    """What in ``url`` is secret, in words (empty: nothing): credentials before the host, presigned or SAS
-    signatures and tokens in the query string, whatever the secret's characters (``/ + = @ :``)."""
+def url_secrets(url: str, *, query: bool = True) -> list[str]:
+    """What in ``url`` is secret, in words (empty: nothing): credentials before the host and, unless ``query``
+    is False, presigned or SAS signatures and tokens in the query string, whatever the secret's characters
+    (``/ + = @ :``)."""
     url = str(url).strip()
     found = []
     if _credential_spans(url):
         found.append("credentials in the URL")
-    query = url.split("?", 1)[1].split("#", 1)[0] if "?" in url else ""
-    for pair in re.split(r"[&;]", query):
+    string = url.split("?", 1)[1].split("#", 1)[0] if query and "?" in url else ""
+    for pair in re.split(r"[&;]", string):
         name = unquote(pair.split("=", 1)[0]).strip()
         if name.lower() in _SECRET_NAMES:
             found.append(f"the secret query parameter {name}")

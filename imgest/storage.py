@@ -22,12 +22,13 @@ from imgest.records import MAX_RECORD_BYTES, RecordError, parse_record  # noqa: 
 from imgest.redact import USERINFO, one_line, redact  # noqa: F401  (callers import them from here)
 
 TEMP_PREFIX = ".tmp-"  # a local atomic write's file before its rename (see Location.write_bytes)
-def check_no_credentials(url: str, what: str = "URL") -> None:
+def check_no_credentials(url: str, what: str = "URL", *, signed_ok: bool = False) -> None:
     """Credentials never travel in a URL (they would land in run parameters, logs and artifacts): neither in
-    its user part, whatever the secret holds (``s3://KEY:ab/c+d@bucket``), nor as a presigned or SAS query."""
+    its user part, whatever the secret holds (``s3://KEY:ab/c+d@bucket``), nor as a presigned or SAS query
+    (``signed_ok``: accepted where the URL is read and never stored, e.g. a query image of a query set)."""
     from imgest.redact import url_secrets
 
-    found = url_secrets(url)
+    found = url_secrets(url, query=not signed_ok)
     if found:
         raise StorageError(f"{what} {redact(url)} is refused: it carries {', '.join(found)}, which Prefect would "
                            "store with the run's parameters; give the plain URL, and credentials through "

@@ -119,6 +119,16 @@ def test_ordinary_urls_are_neither_refused_nor_masked(url):
         assert redact(f"reading {url} failed") == f"reading {url} failed"
 
 
+def test_a_signed_url_read_once_may_be_allowed_but_never_a_password():
+    """signed_ok: a presigned query image read once is fine; credentials before the host never are."""
+    presigned = "https://b.s3.amazonaws.com/q.jpg?X-Amz-Credential=AKIA%2F2026&X-Amz-Signature=" + quote(SECRET, "")
+    check_no_credentials(presigned, signed_ok=True)
+    with pytest.raises(StorageError, match="X-Amz-Credential, the secret query parameter X-Amz-Signature"):
+        check_no_credentials(presigned)
+    with pytest.raises(StorageError, match="credentials in the URL"):
+        check_no_credentials(f"s3://{KEY_ID}:{SECRET}@bucket/q.jpg", signed_ok=True)
+
+
 def test_an_at_after_a_port_is_read_as_a_password():
     """`http://AKIA:7/abc@host/x` and `http://host:7/abc@2x.png` are the same text: the safe reading wins."""
     assert url_secrets("http://127.0.0.1:9000/bucket/me@2x.png") == ["credentials in the URL"]
