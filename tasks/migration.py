@@ -19,7 +19,7 @@ from imgest.lock import Fence, RecordChangedError, fenced_delete, fenced_write
 from imgest.storage import Location, RecordError
 from imgest.tasks.aliases import delete_alias, list_aliases, read_alias, set_alias
 from imgest.tasks.index_store import index_prefix, list_versions, open_index, read_card
-from imgest.tasks.models import find_model
+from imgest.tasks.models import find_model, read_model
 from imgest.tasks.state import embeddings_prefix, latest_snapshot_seq, load_state, now_iso, state_prefix
 
 WINDOW_KEY = "migration/window.json"
@@ -31,7 +31,17 @@ class MigrationError(RuntimeError):
 
 
 def read_window(store: Location) -> dict | None:
-    return store.read_json(WINDOW_KEY) if store.exists(WINDOW_KEY) else None
+    """The open window, its two sides checked (a model name and slug each) before anything uses them."""
+    if not store.exists(WINDOW_KEY):
+        return None
+    window, where = store.read_json(WINDOW_KEY), f"{store.url}: {WINDOW_KEY}"
+    for side in ("from", "to"):
+        records.field(window, side, dict, where)
+        records.field(window[side], "name", str, f"{where}: {side}")
+        records.slug(window[side].get("slug"), f"{where}: {side}.slug")
+    for name in ("id", "status"):
+        records.field(window, name, str, where)
+    return window
 
 
 def _check(store: Location, fence: Fence | None) -> None:
@@ -320,10 +330,9 @@ def needed_slugs(store: Location) -> set[str]:
     pointed = {a["slug"] for a in list_aliases(store).values()}
     needed = set(pointed)
     for slug in pointed:
-        key = f"{state_prefix(slug)}/model.json"
-        base = store.read_json(key).get("base") if store.exists(key) else None
-        if base:
-            needed.add(records.slug(records.field(base, "slug", str, f"{key}: base"), f"{key}: base slug"))
+        model = read_model(store, slug)
+        if model and model.get("base"):
+            needed.add(model["base"]["slug"])
     return needed
 
 
@@ -388,17 +397,15 @@ def nightly_models(store: Location, model: str | None = None) -> tuple[list[tupl
 
     window = read_window(store)
     if window is not None:
-        pairs = [(encoders.recorded(records.field(window[side], "name", str, f"{WINDOW_KEY}: {side}"), store,
-                                    f"{store.url}: {WINDOW_KEY}: {side}"),
-                  records.slug(window[side]["slug"], f"{WINDOW_KEY}: {side}")) for side in ("from", "to")]
+        pairs = [(encoders.recorded(window[side]["name"], store, f"{store.url}: {WINDOW_KEY}: {side}"),
+                  window[side]["slug"]) for side in ("from", "to")]
     else:
         pairs = []
         for _, alias in sorted(list_aliases(store).items(), key=lambda kv: (kv[0] != "serving", kv[0])):
-            key = f"{state_prefix(alias['slug'])}/model.json"
-            if store.exists(key) and alias["slug"] not in {slug for _, slug in pairs}:
-                # a model named by a record: only one this installation has, never a URL or a hub download
-                name = encoders.recorded(store.read_json(key).get("name"), store, f"{store.url}: {key}")
-                pairs.append((name, alias["slug"]))
+            # a model named by a record: only one this installation has, never a URL or a hub download
+            record = read_model(store, alias["slug"]) if alias["slug"] not in {s for _, s in pairs} else None
+            if record is not None:
+                pairs.append((record["name"], alias["slug"]))
     left_out = []
     if model:
         slug = encoders.resolve(model).slug

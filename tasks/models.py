@@ -42,11 +42,21 @@ def list_models(store: Location) -> list[dict]:
     return models
 
 
+def read_model(store: Location, slug: str) -> dict | None:
+    """A model's record (None when the store has none), checked like `list_models` checks it."""
+    key = f"state/model={slug}/model.json"
+    return checked_model(store, key, slug) if store.exists(key) else None
+
+
 def checked_model(store: Location, key: str, slug: str) -> dict:
+    """model.json with its slug the folder's and its name one this installation has (RecordError or
+    EncoderError otherwise); a head's base, when it has one, a well-formed slug."""
     where = f"{store.url}: {key}"
     model = store.read_json(key)
     if records.slug(records.field(model, "slug", str, where), where) != slug:
         raise RecordError(f"{where}: describes model={model['slug']}, not the folder it is in")
     records.field(model, "model_id", str, where)
     model["name"] = encoders.recorded(model.get("name"), store, where)
+    if model.get("base") is not None:
+        records.slug(records.field(records.field(model, "base", dict, where), "slug", str, where), f"{where}: base")
     return model
