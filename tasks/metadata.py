@@ -5,6 +5,12 @@ snapshots `metadata/snapshots/<seq>.parquet`: a new one is written only when a r
 carries the hash of its content), so the nightly costs nothing when the table did not move. Rows for
 items the catalogue does not have, and items without a row, are counted and reported, never fatal; a
 malformed file is one error naming its line. Nothing read is executed: CSV and JSON are parsed as data.
+
+The file is untrusted and its size is checked before it costs memory: at most MAX_METADATA_BYTES are
+read (a longer file is refused without reading the rest), then MAX_METADATA_COLUMNS columns (a CSV's
+header line, a Parquet footer, each JSONL line's keys), MAX_METADATA_CELLS rows x columns (what the
+Python rows cost: ~250 bytes a cell, measured), MAX_CELL_CHARS characters a cell, MAX_LINE_CHARS a JSONL
+line and MAX_JSON_DEPTH levels of nesting in a JSONL value; each limit is one error naming it.
 """
 
 from __future__ import annotations
@@ -19,13 +25,19 @@ from dataclasses import asdict, dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from imgest.storage import Location, read_url, redact
+from imgest.storage import Location, redact
 from imgest.tasks.state import now_iso
 
 SNAPSHOTS = "metadata/snapshots"
 TEXT_COLUMNS = ("title", "caption", "description")
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl",
            ".json": "jsonl"}
+MAX_METADATA_BYTES = 512 << 20  # the file; for Parquet also its data uncompressed and its text decoded
+MAX_METADATA_COLUMNS = 1_000
+MAX_METADATA_CELLS = 20_000_000  # rows x columns: 2M items x 10 columns, ~5 GB as Python rows
+MAX_CELL_CHARS = 131_072  # a title or a description; also the csv module's own default field limit
+MAX_LINE_CHARS = 1 << 20  # one JSONL line: one item
+MAX_JSON_DEPTH = 32  # a JSONL value's nesting (lists and objects); Python's parser recurses
 
 
 class MetadataError(ValueError):
@@ -88,6 +100,7 @@ def _rows_from_csv(data: bytes, url: str) -> list[dict]:
         raise MetadataError(f"{redact(url)}: empty file, expected a header line") from exc
     except csv.Error as exc:
         raise MetadataError(f"{redact(url)} line 1: {exc}") from exc
+    _check_columns(len(header), url, "line 1: the header has")
     rows = []
     try:
         for cells in reader:
@@ -96,6 +109,12 @@ def _rows_from_csv(data: bytes, url: str) -> list[dict]:
             if len(cells) != len(header):
                 raise MetadataError(f"{redact(url)} line {reader.line_num}: {len(cells)} fields, the header has "
                                     f"{len(header)}")
+            if (len(rows) + 1) * len(header) > MAX_METADATA_CELLS:
+                _too_many_cells(url, f"line {reader.line_num}")
+            longest = max(map(len, cells))
+            if longest > MAX_CELL_CHARS:
+                raise MetadataError(f"{redact(url)} line {reader.line_num}: a field of {longest} characters; the "
+                                    f"limit is {MAX_CELL_CHARS} (MAX_CELL_CHARS)")
             rows.append(dict(zip(header, cells)) | {"_line": reader.line_num})
     except csv.Error as exc:
         raise MetadataError(f"{redact(url)} line {reader.line_num}: {exc}") from exc
@@ -108,31 +127,128 @@ def _rows_from_csv(data: bytes, url: str) -> list[dict]:
     return rows
 
 
+def _depth(value) -> int:
+    """Nesting of a parsed JSON value (a scalar is 0), without recursion."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, dict | list):
+            level += 1
+            deepest = max(deepest, level)
+            if deepest > MAX_JSON_DEPTH:
+                break
+            todo.extend((v, level) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def _rows_from_jsonl(data: bytes, url: str) -> list[dict]:
-    rows = []
-    for number, line in enumerate(data.decode("utf-8-sig", errors="strict").splitlines(), 1):
+    rows, names, cells = [], set(), 0
+    try:
+        text = data.decode("utf-8-sig", errors="strict")
+    except UnicodeDecodeError as exc:
+        raise MetadataError(f"{redact(url)}: not UTF-8 text ({exc})") from exc
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        if len(line) > MAX_LINE_CHARS:
+            raise MetadataError(f"{redact(url)} line {number}: {len(line)} characters; the limit is "
+                                f"{MAX_LINE_CHARS} (MAX_LINE_CHARS)")
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise MetadataError(f"{redact(url)} line {number}: not JSON ({exc.msg})") from exc
+        except RecursionError as exc:  # deeper than Python's parser goes: deeper than MAX_JSON_DEPTH too
+            raise MetadataError(f"{redact(url)} line {number}: nested deeper than {MAX_JSON_DEPTH} levels "
+                                "(MAX_JSON_DEPTH)") from exc
         if not isinstance(obj, dict):
             raise MetadataError(f"{redact(url)} line {number}: expected one JSON object per line")
+        if _depth(obj) > MAX_JSON_DEPTH:
+            raise MetadataError(f"{redact(url)} line {number}: nested deeper than {MAX_JSON_DEPTH} levels "
+                                "(MAX_JSON_DEPTH)")
+        names.update(obj)
+        _check_columns(len(names), url, f"line {number}: the lines so far have")
+        cells += len(obj)
+        if cells > MAX_METADATA_CELLS:
+            _too_many_cells(url, f"line {number}")
         rows.append(obj | {"_line": number})
     return rows
+
+
+def _check_columns(count: int, url: str, where: str) -> None:
+    if count > MAX_METADATA_COLUMNS:
+        raise MetadataError(f"{redact(url)} {where} {count} columns; the limit is {MAX_METADATA_COLUMNS} "
+                            "(MAX_METADATA_COLUMNS)")
+
+
+def _too_many_cells(url: str, where: str) -> None:
+    raise MetadataError(f"{redact(url)} {where}: more than {MAX_METADATA_CELLS} cells (rows x columns; the limit "
+                        "is MAX_METADATA_CELLS)")
+
+
+def _read_file(url: str) -> bytes:
+    """The file's bytes, reading at most one byte past MAX_METADATA_BYTES: a longer file is refused unread."""
+    try:
+        data = Location(url).read_bytes("", limit=MAX_METADATA_BYTES + 1)
+    except (FileNotFoundError, IsADirectoryError) as exc:
+        raise MetadataError(f"{redact(url)} does not exist (or is not a file)") from exc
+    if len(data) > MAX_METADATA_BYTES:
+        raise MetadataError(f"{redact(url)}: larger than the limit of {MAX_METADATA_BYTES} bytes "
+                            "(MAX_METADATA_BYTES)")
+    return data
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    return (pa.types.is_string(kind) or pa.types.is_binary(kind) or pa.types.is_large_string(kind)
+            or pa.types.is_large_binary(kind))
+
+
+def _parquet_table(data: bytes, url: str) -> pa.Table:
+    """A Parquet file's table, its footer checked first (columns, cells, uncompressed size); text columns
+    read as dictionaries and their decoded size checked before a cell becomes a Python string."""
+    import pyarrow.compute as pc
+
+    try:
+        file = pq.ParquetFile(io.BytesIO(data))
+        meta, schema = file.metadata, file.schema_arrow
+    except Exception as exc:  # noqa: BLE001 - pyarrow's many error types: one message
+        raise MetadataError(f"{redact(url)}: not a readable Parquet file ({exc})") from exc
+    _check_columns(max(meta.num_columns, len(schema.names)), url, "has")
+    if meta.num_rows * len(schema.names) > MAX_METADATA_CELLS:
+        _too_many_cells(url, f"has {meta.num_rows} rows x {len(schema.names)} columns")
+    unpacked = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
+    if unpacked > MAX_METADATA_BYTES:
+        raise MetadataError(f"{redact(url)}: {unpacked} bytes of data uncompressed; the limit is "
+                            f"{MAX_METADATA_BYTES} (MAX_METADATA_BYTES)")
+    text = [f.name for f in schema if _is_text(f.type.value_type if pa.types.is_dictionary(f.type) else f.type)]
+    try:
+        table = pq.read_table(io.BytesIO(data), read_dictionary=text)  # each distinct string once, however often
+    except Exception as exc:  # noqa: BLE001
+        raise MetadataError(f"{redact(url)}: not a readable Parquet file ({exc})") from exc
+    decoded = table.nbytes
+    for name in text:
+        for chunk in table.column(name).chunks:
+            coded = pa.types.is_dictionary(chunk.type)
+            lengths = pc.binary_length(chunk.dictionary if coded else chunk)
+            longest = pc.max(lengths).as_py() or 0
+            if longest > MAX_CELL_CHARS:
+                raise MetadataError(f"{redact(url)}: column {name!r} has a value of {longest} bytes; the limit is "
+                                    f"{MAX_CELL_CHARS} (MAX_CELL_CHARS)")
+            if coded:  # what the repeated strings cost once each row has its own
+                decoded += pc.sum(pc.take(lengths, chunk.indices)).as_py() or 0
+    if decoded > MAX_METADATA_BYTES:
+        raise MetadataError(f"{redact(url)}: {decoded} bytes decoded; the limit is {MAX_METADATA_BYTES} "
+                            "(MAX_METADATA_BYTES)")
+    return table
 
 
 def read_metadata(url: str) -> pa.Table:
     """The metadata table, checked: item_id present, non-empty and unique; text columns as strings; a
     row_hash of each row's content. Raises MetadataError naming the line of the first problem."""
     fmt = _format(url)
-    data = read_url(url)
+    data = _read_file(url)
     if fmt == "parquet":
-        try:
-            table = pq.read_table(io.BytesIO(data))
-        except Exception as exc:  # noqa: BLE001 - pyarrow's many error types: one message
-            raise MetadataError(f"{redact(url)}: not a readable Parquet file ({exc})") from exc
+        table = _parquet_table(data, url)
+        del data
         rows = [r | {"_line": n} for n, r in enumerate(table.to_pylist(), 1)]
         where = "row"
     else:

@@ -1,0 +1,157 @@
+"""A --metadata file is untrusted: its bytes, columns, cells, cell length, JSONL line length and nesting are
+limited, each refusal one MetadataError naming the limit, found before the rows cost memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from imgest.tasks import metadata
+from imgest.tasks.metadata import (
+    MAX_CELL_CHARS,
+    MAX_JSON_DEPTH,
+    MAX_LINE_CHARS,
+    MAX_METADATA_BYTES,
+    MAX_METADATA_COLUMNS,
+    MetadataError,
+    read_metadata,
+)
+
+
+# In a subprocess that imports only imgest.tasks.metadata: the refusal and the peak RSS it added.
+PROBE = """
+import json, resource, sys
+from imgest.tasks.metadata import MetadataError, read_metadata
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    read_metadata(sys.argv[1])
+    said = None
+except MetadataError as exc:
+    said = str(exc)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"error": said, "added_mb": (after - before) / 1024}))
+"""
+
+
+def _refused_in_subprocess(path) -> dict:
+    env = {**os.environ, "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "Haswell")}
+    done = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_100000_column_csv_is_refused_from_its_header(tmp_path):
+    """Accepted before at a 1.1 GB peak; now refused after the header line, adding under 30 MB of RSS (the
+    file itself, 1.3 MB, is read and decoded once)."""
+    columns = [f"c{n}" for n in range(100_000)]
+    path = tmp_path / "wide.csv"
+    path.write_text(",".join(["item_id", *columns]) + "\n"
+                    + "".join(",".join([f"p/{r}.jpg"] + ["1"] * len(columns)) + "\n" for r in range(3)))
+    result = _refused_in_subprocess(path)
+    assert result["error"] == (f"{path} line 1: the header has 100001 columns; the limit is {MAX_METADATA_COLUMNS} "
+                               "(MAX_METADATA_COLUMNS)")
+    assert result["added_mb"] < 30, result
+
+
+def test_jsonl_columns_count_across_lines(tmp_path):
+    half = MAX_METADATA_COLUMNS // 2 + 100
+    lines = [{"item_id": "a", **{f"x{n}": 1 for n in range(half)}}, {"item_id": "b", **{f"y{n}": 1 for n in range(half)}}]
+    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    with pytest.raises(MetadataError, match=rf"m.jsonl line 2: the lines so far have {2 * half + 1} columns; the "
+                                            rf"limit is {MAX_METADATA_COLUMNS}"):
+        read_metadata(str(tmp_path / "m.jsonl"))
+
+
+def test_a_parquet_file_with_too_many_columns_is_refused_from_its_footer(tmp_path):
+    table = pa.table({"item_id": ["a"], **{f"c{n}": [n] for n in range(MAX_METADATA_COLUMNS)}})
+    pq.write_table(table, tmp_path / "wide.parquet")
+    with pytest.raises(MetadataError, match=rf"wide.parquet has {MAX_METADATA_COLUMNS + 1} columns; the limit is "
+                                            rf"{MAX_METADATA_COLUMNS} \(MAX_METADATA_COLUMNS\)"):
+        read_metadata(str(tmp_path / "wide.parquet"))
+
+
+def test_a_file_over_the_byte_limit_is_refused_unread(tmp_path, monkeypatch):
+    """The limit itself is 512 MB; lowered here so the test writes kilobytes. read_bytes(limit=...) reads
+    one byte past it, never the rest of the file."""
+    monkeypatch.setattr(metadata, "MAX_METADATA_BYTES", 1_000)
+    body = "item_id,title\n" + "".join(f"p/{n}.jpg,title {n}\n" for n in range(5_000))
+    for name in ("big.csv", "big.jsonl"):
+        (tmp_path / name).write_text(body)
+        with pytest.raises(MetadataError, match=rf"{name}: larger than the limit of 1000 bytes \(MAX_METADATA_BYTES\)"):
+            read_metadata(str(tmp_path / name))
+    assert MAX_METADATA_BYTES == 512 << 20
+
+
+def test_more_cells_than_the_limit_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(metadata, "MAX_METADATA_CELLS", 100)  # 20M by default; lowered to keep the file small
+    (tmp_path / "m.csv").write_text("item_id,title\n" + "".join(f"p/{n}.jpg,t\n" for n in range(60)))
+    with pytest.raises(MetadataError, match=r"m.csv line 52: more than 100 cells \(rows x columns; the limit is "
+                                            r"MAX_METADATA_CELLS\)"):
+        read_metadata(str(tmp_path / "m.csv"))
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps({"item_id": f"p/{n}", "t": 1}) + "\n" for n in range(60)))
+    with pytest.raises(MetadataError, match=r"m.jsonl line 51: more than 100 cells"):
+        read_metadata(str(tmp_path / "m.jsonl"))
+    pq.write_table(pa.table({"item_id": [f"p/{n}" for n in range(60)], "t": [1] * 60}), tmp_path / "m.parquet")
+    with pytest.raises(MetadataError, match=r"m.parquet has 60 rows x 2 columns: more than 100 cells"):
+        read_metadata(str(tmp_path / "m.parquet"))
+
+
+def test_a_cell_longer_than_the_limit_is_refused(tmp_path):
+    long = "x" * (MAX_CELL_CHARS + 1)
+    (tmp_path / "m.csv").write_text(f"item_id,title\np/1.jpg,short\np/2.jpg,{long}\n")
+    with pytest.raises(MetadataError, match=rf"m.csv line 3: .*{MAX_CELL_CHARS}"):  # the csv module's own field limit
+        read_metadata(str(tmp_path / "m.csv"))
+    pq.write_table(pa.table({"item_id": ["p/1.jpg", "p/2.jpg"], "title": ["short", long]}), tmp_path / "m.parquet")
+    with pytest.raises(MetadataError, match=rf"column 'title' has a value of {MAX_CELL_CHARS + 1} bytes; the limit "
+                                            rf"is {MAX_CELL_CHARS} \(MAX_CELL_CHARS\)"):
+        read_metadata(str(tmp_path / "m.parquet"))
+
+
+@pytest.mark.parametrize("arrow_schema", [True, False])  # without it, Parquet's own dictionary encoding
+def test_a_parquet_dictionary_bomb_is_refused_before_it_is_expanded(tmp_path, arrow_schema):
+    """One 100 KB title referenced by 20,000 rows: a 140 KB file that decodes to 2 GB of strings (and more
+    as Python objects). Read as a dictionary, its decoded size is counted without expanding it."""
+    title = "t" * 100_000
+    titles = pa.DictionaryArray.from_arrays(pa.array([0] * 20_000, pa.int32()), pa.array([title]))
+    path = tmp_path / "bomb.parquet"
+    pq.write_table(pa.table({"item_id": [f"p/{n}" for n in range(20_000)], "title": titles}), path,
+                   store_schema=arrow_schema)
+    assert path.stat().st_size < 1_000_000
+    result = _refused_in_subprocess(path)
+    assert result["error"].startswith(f"{path}: 2000") and result["error"].endswith(
+        f"bytes decoded; the limit is {MAX_METADATA_BYTES} (MAX_METADATA_BYTES)"), result
+    assert result["added_mb"] < 50, result
+
+
+def test_a_jsonl_line_longer_than_the_limit_is_refused(tmp_path):
+    line = json.dumps({"item_id": "a", "title": "x" * MAX_LINE_CHARS})
+    (tmp_path / "m.jsonl").write_text('{"item_id": "b"}\n' + line + "\n")
+    with pytest.raises(MetadataError, match=rf"m.jsonl line 2: {len(line)} characters; the limit is {MAX_LINE_CHARS} "
+                                            r"\(MAX_LINE_CHARS\)"):
+        read_metadata(str(tmp_path / "m.jsonl"))
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 100_000])  # the second is past Python's own parser
+def test_jsonl_nested_deeper_than_the_limit_is_refused(tmp_path, depth):
+    (tmp_path / "m.jsonl").write_text('{"item_id": "a", "x": ' + "[" * depth + "]" * depth + "}\n")
+    with pytest.raises(MetadataError, match=rf"m.jsonl line 1: nested deeper than {MAX_JSON_DEPTH} levels "
+                                            r"\(MAX_JSON_DEPTH\)"):
+        read_metadata(str(tmp_path / "m.jsonl"))
+
+
+def test_a_jsonl_line_at_the_depth_limit_is_read(tmp_path):
+    nested = "[" * (MAX_JSON_DEPTH - 1) + "1" + "]" * (MAX_JSON_DEPTH - 1)  # the row object is one level
+    (tmp_path / "m.jsonl").write_text('{"item_id": "a", "x": ' + nested + "}\n")
+    assert read_metadata(str(tmp_path / "m.jsonl")).num_rows == 1
+
+
+def test_a_missing_file_is_one_line(tmp_path):
+    with pytest.raises(MetadataError, match=r"nope.csv does not exist"):
+        read_metadata(str(tmp_path / "nope.csv"))
