@@ -62,7 +62,8 @@ def test_a_100000_column_csv_is_refused_from_its_header(tmp_path):
 
 def test_jsonl_columns_count_across_lines(tmp_path):
     half = MAX_METADATA_COLUMNS // 2 + 100
-    lines = [{"item_id": "a", **{f"x{n}": 1 for n in range(half)}}, {"item_id": "b", **{f"y{n}": 1 for n in range(half)}}]
+    lines = [{"item_id": "a", **{f"x{n}": 1 for n in range(half)}},
+             {"item_id": "b", **{f"y{n}": 1 for n in range(half)}}]
     (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     with pytest.raises(MetadataError, match=rf"m.jsonl line 2: the lines so far have {2 * half + 1} columns; the "
                                             rf"limit is {MAX_METADATA_COLUMNS}"):
