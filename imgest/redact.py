@@ -10,8 +10,9 @@ from urllib.parse import quote, quote_plus, unquote
 
 # A URL's scheme wherever one starts in a text (also inside fsspec chains: simplecache::s3://...).
 _SCHEME = re.compile(r"(?<![A-Za-z0-9+.-])(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)")
-# What can follow a scheme before the URL ends in a message: no whitespace, quotes or angle brackets.
-_RUN = re.compile(r"[^\s'\"`<>]*")
+# Where a URL ends in a message: at whitespace only, since a password may hold quotes, brackets or backticks
+# (a quote closing the URL is masked with it only when an `@` follows before the next space: too much, never less).
+_RUN = re.compile(r"\S*")
 # Kept for callers that import it (imgest.storage): a URL starting with a user name and an `@`.
 USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
 
@@ -65,12 +66,13 @@ def _userinfo_end(run: str) -> int:
     return at
 
 
-def _credential_spans(text: str) -> list[tuple[int, int]]:
-    """(start, end) of each URL's credentials in ``text``, the ``@`` excluded."""
+def _credential_spans(text: str, whole: bool = False) -> list[tuple[int, int]]:
+    """(start, end) of each URL's credentials in ``text``, the ``@`` excluded; ``whole``: text is one URL, whose
+    password may even hold whitespace."""
     spans, pos = [], 0
     while (match := _SCHEME.search(text, pos)) is not None:
         start = match.end()
-        run = _RUN.match(text, start).group()
+        run = text[start:] if whole else _RUN.match(text, start).group()
         end = _userinfo_end(run)
         if end > 0:
             spans.append((start, start + end))
@@ -86,7 +88,7 @@ def url_secrets(url: str, *, query: bool = True) -> list[str]:
     (``/ + = @ :``)."""
     url = str(url).strip()
     found = []
-    if _credential_spans(url):
+    if _credential_spans(url, whole=True):
         found.append("credentials in the URL")
     string = url.split("?", 1)[1].split("#", 1)[0] if query and "?" in url else ""
     for pair in re.split(r"[&;]", string):
@@ -153,6 +155,14 @@ def redact(text: str) -> str:
     for secret in _known_secrets():
         text = text.replace(secret, "***")
     return text
+
+
+def redact_url(url: str) -> str:
+    """One URL given alone (a parameter) with what could be secret masked, a password holding whitespace too."""
+    url = str(url)
+    for start, end in reversed(_credential_spans(url, whole=True)):
+        url = f"{url[:start]}***{url[end:]}"
+    return redact(url)
 
 
 def one_line(exc: BaseException) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import string
 import subprocess
@@ -27,8 +28,8 @@ KEY_ID = "AKIAIMGESTLEAKTEST01"
 
 
 def forms(secret: str) -> tuple[str, ...]:
-    """A secret as typed, percent-encoded and form-encoded: any of them on the page is a leak."""
-    return secret, quote(secret, safe=""), quote_plus(secret, safe="")
+    """A secret as typed, percent-encoded, form-encoded, escaped in JSON or a repr: any of them is a leak."""
+    return secret, quote(secret, safe=""), quote_plus(secret, safe=""), json.dumps(secret)[1:-1], repr(secret)[1:-1]
 
 
 def assert_absent(text: str, *secrets: str, where: str) -> None:
@@ -40,7 +41,8 @@ def assert_absent(text: str, *secrets: str, where: str) -> None:
 # -- detection and masking, whatever the secret holds ----------------------------------------------------------
 AWS_ALPHABET = string.ascii_letters + string.digits + "/+"  # AWS secret access keys
 aws_secrets = st.text(AWS_ALPHABET, min_size=16, max_size=64)  # 16+: never a substring of the rest of a message
-any_secrets = st.text(AWS_ALPHABET + "=@:", min_size=16, max_size=64).filter(lambda s: not s.startswith("@"))
+symbols = st.text(AWS_ALPHABET + "=@:?#'\"`<>", min_size=16, max_size=64)  # other passwords: any symbol
+printable = st.text(string.printable.replace("\n", "").replace("\r", ""), min_size=16, max_size=64)
 
 # (URL with {s} for the secret as typed, {e} percent-encoded; what must still be readable once redacted)
 IN_USERINFO = [
@@ -95,11 +97,21 @@ def test_an_aws_secret_is_found_and_masked_in_every_position(secret, case, conte
 
 
 @settings(max_examples=200, deadline=None)
-@given(secret=any_secrets, template=st.sampled_from([t for t, _ in IN_USERINFO[:5]]), context=st.sampled_from(IN_TEXT))
-def test_a_password_holding_equals_at_or_colon_is_masked_too(secret, template, context):
+@given(secret=symbols, template=st.sampled_from([t for t, _ in IN_USERINFO[:5]]), context=st.sampled_from(IN_TEXT))
+def test_a_password_holding_any_symbol_is_masked_too(secret, template, context):
     url = template.format(s=secret)
-    assert url_secrets(url) == ["credentials in the URL"]
+    assert "credentials in the URL" in url_secrets(url)
     assert_absent(redact(_message(context, url)), secret, where=url)
+
+
+@settings(max_examples=200, deadline=None)
+@given(secret=printable, template=st.sampled_from([t for t, _ in IN_USERINFO[:5]]))
+def test_a_url_parameter_is_refused_without_its_password_even_one_holding_spaces(secret, template):
+    url = template.format(s=secret)
+    with pytest.raises(StorageError) as refused:
+        check_no_credentials(url, "store")
+    masked = re.sub(r"[^/:]+:\{s\}", "***", template)  # s3://***@bucket/shoes/1.jpg
+    assert str(refused.value).startswith(f"store {masked} is refused: it carries credentials in the URL, ")
 
 
 @pytest.mark.parametrize("url", [
