@@ -27,9 +27,10 @@ SECRET_PARAMETERS = (
 # The other parameters of a SAS token (version, expiry, permissions, ...): not secret alone, masked with it.
 _SAS_PARAMETERS = ("sv", "se", "st", "sp", "spr", "sr", "srt", "ss", "si", "sdd", "ses")
 _SECRET_NAMES = {name.lower() for name in SECRET_PARAMETERS}
+# A parameter starts a word, or follows an encoded `?` or `&` (a URL inside another URL's query string).
 _SIGNING = re.compile(
-    r"(?<![\w.-])(?P<name>" + "|".join(re.escape(n) for n in SECRET_PARAMETERS + _SAS_PARAMETERS) + r")"
-    r"(?P<eq>=|%3D)(?:(?!%26)[^&\s'\"`<>])*", re.IGNORECASE)
+    r"(?:(?<![\w.-])|(?<=%3F)|(?<=%26))(?P<name>" + "|".join(map(re.escape, SECRET_PARAMETERS + _SAS_PARAMETERS))
+    + r")(?P<eq>=|%3D)(?:(?!%26)[^&\s'\"`<>])*", re.IGNORECASE)
 # The query string of an http(s) URL: presigned S3 signatures, Azure SAS tokens, GCS signed URLs, whatever else.
 _HTTP_QUERY = re.compile(r"(?P<url>https?://[^\s?#'\"]*)\?[^\s#'\"]*", re.IGNORECASE)
 

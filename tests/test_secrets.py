@@ -131,6 +131,13 @@ def test_ordinary_urls_are_neither_refused_nor_masked(url):
         assert redact(f"reading {url} failed") == f"reading {url} failed"
 
 
+def test_a_presigned_url_inside_another_urls_query_is_masked():
+    inner = f"s3://bucket/k.jpg?X-Amz-Credential={KEY_ID}%2F2026&X-Amz-Signature={quote(SECRET, safe='')}"
+    text = redact(f"redirect to az://c/x?next={quote(inner, safe='')} failed")
+    assert "XUtnFEMI" not in text and KEY_ID not in text, text
+    assert text.startswith("redirect to az://c/x?next=s3%3A%2F%2Fbucket%2Fk.jpg%3FX-Amz-Credential%3D***%26"), text
+
+
 def test_a_signed_url_read_once_may_be_allowed_but_never_a_password():
     """signed_ok: a presigned query image read once is fine; credentials before the host never are."""
     presigned = "https://b.s3.amazonaws.com/q.jpg?X-Amz-Credential=AKIA%2F2026&X-Amz-Signature=" + quote(SECRET, "")
