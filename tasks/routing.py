@@ -12,21 +12,30 @@ calibration of each query comes from the other folds (5-fold cross-fitting by qu
 Routing: per query class, the candidate (A, B, RRF of both, calibrated fusion) with the best mean of the
 metric; its paired-bootstrap interval against A says whether the difference is real. The traffic gain is
 the seed's arithmetic: share of traffic x per-class gain of the route over A, summed.
+
+Reading: a routing table (`routing_file`'s shape, what `imgest search --route` serves) and a traffic file
+are untrusted; each is read to at most MAX_ROUTING_BYTES / MAX_TRAFFIC_BYTES (a longer one is refused
+unread), parsed without NaN or Infinity, and checked field by field: every problem is one RoutingError
+line naming the file and the field.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter, defaultdict
 
 import numpy as np
 
-from imgest.storage import read_url
+from imgest.storage import Location, redact
 from imgest.tasks.fusion import rrf
 from imgest.tasks.metrics import paired_bootstrap, per_query
 
 CANDIDATES = ("a", "b", "rrf", "calibrated")
 FOLDS = 5
+MAX_ROUTING_BYTES = 1 << 20  # a routing table: a few hundred classes take kilobytes
+MAX_TRAFFIC_BYTES = 64 << 20  # a query log: about a million JSONL lines
+MAX_NAME_CHARS = 1024  # an alias, a class, a metric, a model id (a local model folder's path)
 
 
 class RoutingError(ValueError):
@@ -113,26 +122,140 @@ def routing_table(runs: dict, qrels: dict, classes: dict[str, str | None], metri
     return table
 
 
+def _read(url: str, limit: int, what: str) -> str:
+    """The text of `url`, reading at most one byte past `limit`: a longer file is refused unread."""
+    try:
+        data = Location(url).read_bytes("", limit=limit + 1)
+    except (FileNotFoundError, IsADirectoryError) as exc:
+        raise RoutingError(f"{redact(url)}: no such {what} file") from exc
+    if len(data) > limit:
+        raise RoutingError(f"{redact(url)}: larger than the limit of {limit} bytes for a {what} file")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise RoutingError(f"{redact(url)}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _json(text: str):
+    """json.loads without NaN/Infinity; a nesting too deep for Python's parser is a ValueError like the rest."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _name(value, field: str, url: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
+        raise RoutingError(f"{redact(url)}: {field} must be a non-empty string of at most {MAX_NAME_CHARS} "
+                           f"characters, got {_shown(value)}")
+    return value
+
+
+def _route(value, field: str, url: str) -> str:
+    if value not in CANDIDATES or not isinstance(value, str):
+        raise RoutingError(f"{redact(url)}: {field} must be one of {', '.join(CANDIDATES)}, got {_shown(value)}")
+    return value
+
+
+def _shown(value) -> str:
+    """A value as an error quotes it: its JSON type, and a short excerpt (never a deep or long structure)."""
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+    kind = kinds.get(type(value), "a number")
+    return kind if isinstance(value, dict | list) else f"{kind} {str(value)[:60]!r}"
+
+
+def read_routing(url: str) -> dict:
+    """A routing table written by `imgest eval --compare ... --out DIR` (routing.json), checked field by field
+    against `routing_file`'s shape: what `imgest search --route` may rely on. Raises RoutingError, one line."""
+    try:
+        route = _json(_read(url, MAX_ROUTING_BYTES, "routing table"))
+    except ValueError as exc:
+        raise RoutingError(f"{redact(url)}: not JSON ({str(exc).splitlines()[0][:200]})") from exc
+    if not isinstance(route, dict):
+        raise RoutingError(f"{redact(url)}: a routing table is a JSON object (written by imgest eval --compare "
+                           f"--out), got {_shown(route)}")
+    missing = [key for key in ("a", "b", "classes", "default") if key not in route]
+    if missing:
+        raise RoutingError(f"{redact(url)}: not a routing table written by imgest eval: no {', '.join(missing)}")
+    _name(route["a"], "a (the first retriever's alias)", url)
+    _name(route["b"], "b (the second retriever's alias)", url)
+    classes = route["classes"]
+    if not isinstance(classes, dict):
+        raise RoutingError(f"{redact(url)}: classes must be an object {{class: route}}, got {_shown(classes)}")
+    for cls, chosen in classes.items():
+        _name(cls, "a class name", url)
+        _route(chosen, f"classes[{cls!r}]", url)
+    _route(route["default"], "default", url)
+    if "metric" in route:
+        _name(route["metric"], "metric", url)
+    if route.get("query_set") is not None and not isinstance(route["query_set"], str):
+        raise RoutingError(f"{redact(url)}: query_set must be a string or null, got {_shown(route['query_set'])}")
+    models = route.get("models", {})
+    if not isinstance(models, dict):
+        raise RoutingError(f"{redact(url)}: models must be an object {{a: model id, b: model id}}, got "
+                           f"{_shown(models)}")
+    for side, model in models.items():
+        _name(model, f"models[{str(side)[:60]!r}]", url)
+    if "calibrated" in (route["default"], *classes.values()) or "calibration" in route:
+        _calibration(route.get("calibration"), url)
+    return route
+
+
+def _calibration(calibration, url: str) -> None:
+    """Platt parameters of each retriever: [slope, intercept], finite numbers."""
+    if not isinstance(calibration, dict):
+        raise RoutingError(f"{redact(url)}: calibration must be an object {{a: [slope, intercept], b: [slope, "
+                           f"intercept]}} (a route is 'calibrated'), got {_shown(calibration)}")
+    if calibration.get("method", "platt") != "platt":
+        raise RoutingError(f"{redact(url)}: calibration.method must be 'platt' (the only one served), got "
+                           f"{_shown(calibration['method'])}")
+    for side in ("a", "b"):
+        params = calibration.get(side)
+        if not isinstance(params, list) or len(params) != 2 or not all(_finite(p) for p in params):
+            raise RoutingError(f"{redact(url)}: calibration.{side} must be [slope, intercept], two finite numbers, "
+                               f"got {_shown(params)}")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value, cls: str, url: str) -> float:
+    if not _finite(value) or value < 0:
+        raise RoutingError(f"{redact(url)}: the count of class {cls[:60]!r} must be a number >= 0, got "
+                           f"{_shown(value)}")
+    return float(value)
+
+
 def read_traffic(url: str) -> dict[str, float]:
     """Class shares of a query log: JSON {class: count} or JSONL lines with a "class" field."""
-    text = read_url(url).decode()
+    text = _read(url, MAX_TRAFFIC_BYTES, "traffic")
     try:
-        counts = json.loads(text)
-        if isinstance(counts, dict):
-            counts = {str(k): float(v) for k, v in counts.items()}
-        else:
-            raise ValueError
+        counts = _json(text)
     except ValueError:
+        counts = None
+    if isinstance(counts, dict) and _finite(counts.get("class", 0)):
+        # {class: count}; a one-line log ({"class": "text", ...}) is a JSON object too, read below as a log
+        counts = {_name(cls, "a class name", url): _count(n, cls, url) for cls, n in counts.items()}
+    else:
         counts = Counter()
         for number, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
-                    counts[str(json.loads(line)["class"])] += 1
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise RoutingError(f"{url} line {number}: expected a JSON object with a 'class'") from exc
+                    cls = _json(line)["class"]
+                    if not isinstance(cls, str | int) or isinstance(cls, bool):
+                        raise TypeError
+                except (ValueError, KeyError, TypeError, IndexError) as exc:
+                    raise RoutingError(f"{redact(url)} line {number}: expected a JSON object with a 'class' "
+                                       "(a string)") from exc
+                counts[_name(str(cls), f"line {number}: class", url)] += 1
     total = sum(counts.values())
     if total <= 0:
-        raise RoutingError(f"{url}: no traffic counted")
+        raise RoutingError(f"{redact(url)}: no traffic counted")
     return {cls: n / total for cls, n in counts.items()}
 
 

@@ -239,14 +239,14 @@ def _fused(store_url: str, queries: list[Query], k: int, aliases: tuple[str, ...
 
 
 def read_route(url: str) -> dict:
-    """A routing table written by `imgest eval --compare ... --out DIR` (routing.json)."""
+    """A routing table written by `imgest eval --compare ... --out DIR` (routing.json), size-limited and checked
+    field by field (routing.read_routing)."""
+    from imgest.tasks.routing import RoutingError, read_routing
+
     try:
-        route = json.loads(read_url(url))
-        route["a"], route["b"], route["classes"], route["default"]  # noqa: B018 - the keys it must have
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SearchError(f"{url} is not a routing table written by imgest eval ({type(exc).__name__}: {exc})") \
-            from exc
-    return route
+        return read_routing(url)
+    except RoutingError as exc:
+        raise SearchError(str(exc)) from exc
 
 
 def routed_search(store_url: str, queries: list[Query], k: int, route_url: str, query_class: str | None,
