@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import logging
 import os
 import re
 import threading
@@ -169,3 +170,26 @@ def redact_url(url: str) -> str:
 def one_line(exc: BaseException) -> str:
     """An exception as one redacted line: its type and message, whitespace collapsed."""
     return redact(" ".join(f"{type(exc).__name__}: {exc}".split()))
+
+
+class RedactingFilter(logging.Filter):
+    """Masks a log record before any handler formats it: its message, and its traceback with the text of every
+    chained exception (a library's error may quote a URL raw; Prefect sends tracebacks to its API)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact(record.getMessage()), None
+        if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+# Where Prefect's engine logs runs (their records go to the API): a logger's filters see the records made on it.
+RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs", "prefect")
+
+
+def redact_logging(names: tuple[str, ...] = RUN_LOGGERS) -> None:
+    """Mask every record made on these loggers (idempotent)."""
+    for name in names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactingFilter) for f in logger.filters):
+            logger.addFilter(RedactingFilter())

@@ -174,6 +174,33 @@ def test_credential_variables_and_profiles_are_masked_in_every_encoding(tmp_path
     assert redact("rotated/Key+value0123 leaked") == "*** leaked"
 
 
+def test_a_traceback_logged_by_a_run_logger_is_masked_with_its_chained_exceptions():
+    import io
+    import logging
+
+    from imgest.redact import redact_logging
+
+    logger = logging.getLogger("prefect.task_runs.imgest-test")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    url = f"https://bucket.s3.amazonaws.com/q.jpg?X-Amz-Signature={quote(SECRET, safe='')}"
+    try:
+        redact_logging(("prefect.task_runs.imgest-test",))
+        try:
+            try:
+                raise OSError(f"404, message='Not Found', url='{url}'")  # what aiohttp says
+            except OSError as exc:
+                raise StorageError(f"reading {redact(url)} failed") from exc
+        except StorageError:
+            logger.exception("Task run failed with exception %r", url)
+    finally:
+        logger.removeHandler(handler)
+    logged = stream.getvalue()
+    assert "404, message='Not Found'" in logged and "bucket.s3.amazonaws.com/q.jpg" in logged, logged
+    assert_absent(logged, SECRET, where=logged)
+
+
 # -- every URL a flow takes is refused before Prefect sees it ------------------------------------------------------
 def _configs():
     from imgest import config
