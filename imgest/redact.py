@@ -177,7 +177,10 @@ class RedactingFilter(logging.Filter):
     chained exception (a library's error may quote a URL raw; Prefect sends tracebacks to its API)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.msg, record.args = redact(record.getMessage()), None
+        try:
+            record.msg, record.args = redact(record.getMessage()), None
+        except Exception:  # a malformed record (arguments that do not fit): logging reports it, unmasked text never
+            record.msg, record.args = redact(str(record.msg)), None
         if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
             record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
         return True
