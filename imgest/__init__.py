@@ -6,8 +6,14 @@ reached through `imgest.flows` (Prefect flows), `imgest.tasks` (their stages) an
 
 from __future__ import annotations
 
+from imgest.redact import redact_logging
+
 __version__ = "0.1.0"
 __all__ = ["Query", "Searcher", "__version__", "search"]
+
+# Every process that imports imgest (the CLI, workers, Dask) masks secrets in Prefect's log records, tracebacks
+# included, before they reach its database.
+redact_logging()
 
 
 def __getattr__(name: str):

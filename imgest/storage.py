@@ -18,6 +18,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from imgest.credentials import storage_options as credential_options
 from imgest.records import MAX_RECORD_BYTES, RecordError, parse_record  # noqa: F401  (callers import them here)
 from imgest.redact import USERINFO, one_line, redact  # noqa: F401  (callers import them from here)
 
@@ -116,6 +117,7 @@ def _etag(info: dict[str, Any]) -> str | None:
 def _url_to_fs(url: str, **storage_options: Any):
     """fsspec's url_to_fs, with the S3 endpoint made explicit so fsspec's instance cache is keyed on it
     (botocore also reads AWS_ENDPOINT_URL, but a cached filesystem would keep an old endpoint)."""
+    storage_options = {**credential_options(url), **storage_options}  # a named Prefect block, when set
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if url.startswith(("s3://", "s3a://")) and endpoint and "endpoint_url" not in storage_options:
         storage_options["endpoint_url"] = endpoint

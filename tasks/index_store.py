@@ -140,14 +140,41 @@ def read_truth(store: Location, card: dict) -> pa.Table | None:
                                                          card["truth_sha256"])))
 
 
+def memory_budget() -> int:
+    """What reading one index may allocate: IMGEST_INDEX_MEMORY (e.g. 24G), else half the machine's memory.
+    The operator's figure, never the card's: a card is as forgeable as the file it describes."""
+    from imgest.tasks.index_choice import parse_memory
+
+    if value := os.environ.get("IMGEST_INDEX_MEMORY"):
+        return parse_memory(value)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def verified_file(store: Location, card: dict, cache_dir: str, io_flags: int = 0) -> str:
+    """The version's index file on local disk, checked before faiss reads a byte of it: the sizes its header
+    claims fit the file, agree with the card's d and n and fit the memory budget (under the flags it will be
+    read with); then its checksum matches the card's."""
+    from imgest.tasks.index_header import IndexHeaderError, check_index_file
+
+    key = version_file(card, "index_file")
+    path = local_copy(store, key, cache_dir, card["sha256"], ".faiss")
+    try:
+        claims = {"dim": records.field(card, "d", int, key), "ntotal": records.field(card, "n", int, key)}
+        check_index_file(path, memory_budget=memory_budget(), io_flags=io_flags, expect=claims)
+    except (IndexHeaderError, records.RecordError) as exc:
+        raise IndexIntegrityError(f"{key}: refused before reading it: {exc} (limit: IMGEST_INDEX_MEMORY)") from exc
+    actual = _file_sha256(path)
+    if actual != card["sha256"]:
+        raise IndexIntegrityError(f"{key} has sha256 {actual[:16]}..., its card says {card['sha256'][:16]}...: "
+                                  "refusing to use a corrupted index")
+    return path
+
+
 def read_index_for_update(store: Location, card: dict, cache_dir: str = DEFAULT_CACHE):
-    """The version's index read whole into memory (its lists writable), checksum verified."""
+    """The version's index read whole into memory (its lists writable), checked first (`verified_file`)."""
     import faiss
 
-    path = local_copy(store, version_file(card, "index_file"), cache_dir, card["sha256"], ".faiss")
-    if _file_sha256(path) != card["sha256"]:
-        raise IndexIntegrityError(f"{card['index_file']} does not match the checksum in its card: refusing to use it")
-    return faiss.read_index(path)
+    return faiss.read_index(verified_file(store, card, cache_dir))
 
 
 # -- opening ---------------------------------------------------------------------------------------
@@ -186,6 +213,14 @@ def resolve_target(store: Location, alias: str | None, slug: str | None, version
     return slug, int(version)
 
 
+def served_flags(kind: str, refine: str | None) -> int:
+    import faiss
+
+    if refine == "disk":
+        return faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY
+    return faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if kind in ("ivfsq8", "ivfpq") else 0
+
+
 def read_served(path: str, kind: str, refine: str | None) -> tuple[object, tuple]:
     """An index file read for serving, and the faiss objects it points at without owning them. A re-ranking
     index with its vectors on disk keeps them memory-mapped and copies its PQ part to RAM; IVF indexes are
@@ -193,9 +228,8 @@ def read_served(path: str, kind: str, refine: str | None) -> tuple[object, tuple
     import faiss
 
     if refine != "disk":
-        flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if kind in ("ivfsq8", "ivfpq") else 0
-        return faiss.read_index(path, flags), ()
-    index = faiss.read_index(path, faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY)
+        return faiss.read_index(path, served_flags(kind, refine)), ()
+    index = faiss.read_index(path, served_flags(kind, refine))
     inner = faiss.downcast_index(index)
     # clone_index would keep viewing the mapped lists; a serialised round trip owns its copy
     inner.base_index = faiss.deserialize_index(faiss.serialize_index(inner.base_index))
@@ -209,12 +243,9 @@ def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAUL
     from imgest.tasks.recall_tuning import set_param
 
     card = read_card(store, slug, version)
-    path = local_copy(store, version_file(card, "index_file"), cache_dir, card["sha256"], ".faiss")
-    actual = _file_sha256(path)
-    if actual != card["sha256"]:
-        raise IndexIntegrityError(f"{card['index_file']} has sha256 {actual[:16]}..., its card says "
-                                  f"{card['sha256'][:16]}...: refusing to serve a corrupted index")
-    index, held = read_served(path, card["kind"], (card.get("footprint") or {}).get("refine"))
+    footprint = card.get("footprint") if isinstance(card.get("footprint"), dict) else {}
+    kind, refine = records.field(card, "kind", str, slug), footprint.get("refine")
+    index, held = read_served(verified_file(store, card, cache_dir, served_flags(kind, refine)), kind, refine)
     set_param(index, card["search"]["param"], card["search"]["value"], card["search"].get("k_factor"))
     ids = read_ids(store, card)
     return OpenIndex(card, index, ids["item_id"].to_pylist(), ids["uri"].to_pylist(), held)

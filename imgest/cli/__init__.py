@@ -39,12 +39,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from imgest.tasks.models import ModelNotFoundError
     from imgest.tasks.plan import MassDeleteError
     from imgest.tasks.querysets import QuerySetError
+    from imgest.tasks.routing import RoutingError
     from imgest.tasks.search import SearchError
 
     return (ConfigError, EncoderError, StoreLockedError, StorageError, ModelNotFoundError, FileNotFoundError,
             IndexChoiceError, IndexIntegrityError, IndexNotFoundError, SearchError, MigrationError, QuerySetError,
             HeadError, MassDeleteError, MetadataError, InventoryError, AliasError,
-            CatalogueRootError, RecordError)
+            CatalogueRootError, RecordError, RoutingError)
 
 
 # Registers the commands on `app` (each module imports it from here).

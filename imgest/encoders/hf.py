@@ -113,7 +113,12 @@ class HFEncoder:
 
         self.spec, self.device = spec, device
         self.model_type = spec.extra["model_type"]
-        self.model = AutoModel.from_pretrained(spec.source).eval().to(device)
+        try:  # safetensors only (never a pickled .bin), and never a model's own code (trust_remote_code stays off)
+            self.model = AutoModel.from_pretrained(spec.source, use_safetensors=True,
+                                                   trust_remote_code=False).eval().to(device)
+        except (OSError, ValueError) as exc:
+            raise EncoderError(f"{spec.name}: cannot load its weights as safetensors without running the model's own "
+                               f"code ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
         self.processor = AutoImageProcessor.from_pretrained(spec.source)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.source) if "text" in spec.modalities else None
         self.input_shape = tuple(self.preprocess(_blank()).shape)
