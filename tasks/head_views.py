@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import os
+import zipfile
 
 import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
@@ -140,11 +141,26 @@ def views_key(live, rows: list[int], model_id: str, views: int, seed: int, names
     return h.hexdigest()
 
 
-def _read_cached(path: str) -> tuple[list[int], np.ndarray] | None:
+def _npy_shape(archive: zipfile.ZipFile, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    with archive.open(name) as fh:
+        major, _ = np.lib.format.read_magic(fh)
+        read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(fh)
+    return shape, dtype
+
+
+def _read_cached(path: str, rows: int, views: int, dim: int) -> tuple[list[int], np.ndarray] | None:
+    """The cached views, or None when absent, damaged, truncated or not the shape these rows make: the shapes
+    are read from the arrays' headers first, so a damaged file never makes numpy allocate what it claims."""
     try:
+        with zipfile.ZipFile(path) as archive:
+            (used,), used_type = _npy_shape(archive, "used.npy")
+            shape, views_type = _npy_shape(archive, "views.npy")
+        if used > rows or shape != (used * views, dim) or used_type != np.int64 or views_type != np.float32:
+            return None
         with np.load(path, allow_pickle=False) as saved:
             return saved["used"].tolist(), saved["views"]
-    except (OSError, KeyError, ValueError):
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
         return None  # absent or unreadable: encoded again
 
 
@@ -176,7 +192,7 @@ def augmented_instances(live, base_name: str, views: int, seed: int, max_items: 
     path = cached = None
     if cache_dir:
         path = os.path.join(cache_dir, f"{views_key(live, rows, spec.model_id, views, seed, names)}.npz")
-        cached = _read_cached(path)
+        cached = _read_cached(path, len(rows), views, int(live.vectors.shape[1]))
     if cached is not None:
         used, encoded = cached
         log(f"{len(used)} items x {views} augmented views read from the cache {path}")

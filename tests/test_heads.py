@@ -373,6 +373,15 @@ def test_encoded_views_are_cached_by_what_makes_them(labelled, tmp_path, monkeyp
     repaired = augmented_instances(live, base["name"], 2, 0, max_items=8, cache_dir=cache, log=lines.append)
     np.testing.assert_allclose(repaired[0], first[0], atol=1e-5)
     assert "cache" not in lines[-2]
+    path = os.path.join(cache, cached)
+    whole = open(path, "rb").read()
+    # truncated, and a header claiming another shape than these rows make: encoded again, never a failure
+    for damaged in (whole[:len(whole) // 2], whole.replace(b"'shape': (16, ", b"'shape': (96, ", 1)):
+        with open(path, "wb") as fh:
+            fh.write(damaged)
+        again = augmented_instances(live, base["name"], 2, 0, max_items=8, cache_dir=cache, log=lines.append)
+        np.testing.assert_allclose(again[0], first[0], atol=1e-5)
+        assert "cache" not in lines[-2]
     with monkeypatch.context() as patch:  # a cache that cannot be written (disk full): logged, training goes on
         patch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
         unwritten = augmented_instances(live, base["name"], 2, 0, max_items=8, cache_dir=cache,

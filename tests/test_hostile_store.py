@@ -248,3 +248,27 @@ def test_mutated_records_end_in_a_clear_error_or_are_ignored(built, tmp_path_fac
             pass  # a clear, one-line error
     assert untouched(store) and sorted(os.listdir(root)) == before
     assert Recorder.seen == []
+
+
+def test_forged_index_header_is_refused_before_faiss_allocates(store):
+    """A small index file whose header claims 16 GiB of vectors, with a card whose checksum matches it: refused
+    in well under a second and 50 MB, naming the field, before FAISS reads it."""
+    import hashlib
+    import struct
+    import time
+    import tracemalloc
+
+    slug, version, card_key = serving(store)
+    path = store.path(f"indexes/model={slug}/v{version:04d}/index.faiss")
+    data = bytearray(open(path, "rb").read())
+    assert data[:4] == b"IxFI", "a flat index (12 items)"
+    struct.pack_into("<Q", data, 37, 1 << 34)  # the codes' length prefix: 16 GiB in a file of a few KB
+    open(path, "wb").write(bytes(data))
+    edit(store, card_key, lambda card: card.update(sha256=hashlib.sha256(bytes(data)).hexdigest()))
+    tracemalloc.start()
+    started = time.monotonic()
+    with pytest.raises(IndexIntegrityError, match="refused before reading it: .*codes claims 17179869184 bytes"):
+        Searcher(store.url)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert time.monotonic() - started < 5 and peak < 50 << 20
