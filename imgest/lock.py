@@ -38,6 +38,7 @@ LOCK_DIR = "locks/writer"
 LOCK_WAIT_S = 600.0  # short writes (a window record, an evaluation) wait this long for a running writer
 _GENERATION = re.compile(r"^(\d{12})\.json$")
 _MAX_PID = 2**31 - 1  # what kill(2) takes: a larger number names no process
+_MAX_LOCK_BYTES = 1 << 16  # a lock file is a few hundred bytes; a longer one is read cut off, so malformed
 
 
 class StoreLockedError(RuntimeError):
@@ -87,7 +88,7 @@ def read_holder(store: Location, generation: int) -> dict | None:
     """The lock file's content, or None when it is empty, unreadable or not a JSON object (a create killed
     half-way, or a file imgest did not write)."""
     try:
-        holder = json.loads(store.read_bytes(generation_key(generation)))
+        holder = json.loads(store.read_bytes(generation_key(generation), limit=_MAX_LOCK_BYTES))
     except (FileNotFoundError, ValueError, UnicodeDecodeError, RecursionError):
         return None
     return holder if isinstance(holder, dict) else None

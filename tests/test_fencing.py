@@ -261,6 +261,7 @@ GARBAGE = {
     "released as text": {**GOOD, "released": "no"},
     "owner a list": {**GOOD, "owner": ["a", "b"]},
     "no fields": {},
+    "a huge file": {**GOOD, "owner": "x" * 100_000},
     "a list": [1, 2, 3],
 }
 
