@@ -199,9 +199,9 @@ def _changed(store: Location, key: str, fence: Fence | None) -> RecordChangedErr
 
 
 class StoreLock:
-    """Context manager. Stale means: holder on this host with a dead pid, or no heartbeat for ``ttl`` s (a
-    malformed lock file: not written for ``ttl`` s). ``clock`` gives the time (tests move it instead of
-    sleeping)."""
+    """Context manager. Stale means: holder on this host with a dead pid, or no heartbeat for ``ttl`` s. A
+    malformed lock file is stale once not written for ``ttl`` s, unless it names a live process on this host.
+    ``clock`` gives the time (tests move it instead of sleeping)."""
 
     def __init__(self, store: Location, owner: str, ttl: float | None = None, heartbeat: float | None = None,
                  wait: float = 0.0, clock: Callable[[], float] = time.time):
@@ -234,6 +234,11 @@ class StoreLock:
             return (f"run {_text(holder['owner'])} (host {_text(holder['host'])}, pid {holder['pid']}, started "
                     f"{_text(holder['started'])})")
         key = generation_key(generation)
+        host, pid = (holder or {}).get("host"), (holder or {}).get("pid")
+        if host == socket.gethostname() and isinstance(pid, int) and not isinstance(pid, bool) \
+                and 0 < pid <= _MAX_PID and _pid_alive(pid):
+            return (f"a process alive on this host (pid {pid}) whose lock file {key} is malformed ({problem}); it "
+                    "is not taken over while that process runs: stop it, or delete the file if it is not imgest")
         mtime = self.store.modified(key)  # judged by when it was last written, like a file never finished
         if mtime is None or now - mtime > self.ttl:
             return None

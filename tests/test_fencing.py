@@ -303,6 +303,14 @@ def test_a_fresh_lock_of_a_live_local_process_is_never_taken_over(tmp_path):
     holder.release()
 
 
+def test_a_malformed_lock_file_of_a_live_local_process_is_never_taken_over(tmp_path):
+    store, clock = Location(str(tmp_path / "store")), Clock()
+    plant(store, {**GARBAGE["text heartbeat"], "host": "THIS", "pid": os.getpid()})
+    clock.now += 10 * TTL
+    with pytest.raises(StoreLockedError, match=f"alive on this host \\(pid {os.getpid()}\\).*not taken over"):
+        StoreLock(store, owner="next@x:1", ttl=TTL, clock=clock).acquire()
+
+
 def test_status_with_a_garbage_lock_exits_cleanly(tmp_path):
     from typer.testing import CliRunner
 
