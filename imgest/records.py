@@ -55,7 +55,7 @@ def parse_record(data: bytes, where: str, *, max_bytes: int = MAX_RECORD_BYTES,
 
 
 # What EncoderSpec.slug makes: a readable name and a digest, folder-safe, no dots at either end.
-SLUG = re.compile(r"^[a-z0-9][a-z0-9._-]{0,126}[a-z0-9]$")
+SLUG = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{0,126}[a-z0-9])?$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 MAX_VERSION = 10**9
 

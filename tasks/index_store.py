@@ -166,7 +166,7 @@ def verified_file(store: Location, card: dict, cache_dir: str, io_flags: int = 0
     actual = _file_sha256(path)
     if actual != card["sha256"]:
         raise IndexIntegrityError(f"{key} has sha256 {actual[:16]}..., its card says {card['sha256'][:16]}...: "
-                                  "refusing to use a corrupted index")
+                                  "refusing to serve a corrupted index")
     return path
 
 

@@ -25,7 +25,7 @@ def _fail(exc: BaseException) -> None:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from imgest.config import ConfigError
     from imgest.encoders import EncoderError
-    from imgest.lock import StoreLockedError
+    from imgest.lock import LockLostError, StoreLockedError
     from imgest.records import RecordError
     from imgest.storage import StorageError
     from imgest.tasks.aliases import AliasError
@@ -45,7 +45,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, EncoderError, StoreLockedError, StorageError, ModelNotFoundError, FileNotFoundError,
             IndexChoiceError, IndexIntegrityError, IndexNotFoundError, SearchError, MigrationError, QuerySetError,
             HeadError, MassDeleteError, MetadataError, InventoryError, AliasError,
-            CatalogueRootError, RecordError, RoutingError)
+            CatalogueRootError, RecordError, RoutingError, LockLostError)
 
 
 # Registers the commands on `app` (each module imports it from here).
