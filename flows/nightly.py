@@ -35,7 +35,8 @@ from imgest.flows.ingest import ingest
 from imgest.lock import StoreLock
 from imgest.storage import open_location
 from imgest.tasks.markdown import render_nightly
-from imgest.tasks.migration import check_window_model, collect_retired, nightly_models
+from imgest.tasks.migration import check_window_model, nightly_models
+from imgest.tasks.retention import collect_retired
 from imgest.tasks.run_names import run_name
 
 

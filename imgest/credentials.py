@@ -97,3 +97,18 @@ def _options(block: Any) -> dict[str, Any]:
     if client_kwargs:
         options["client_kwargs"] = client_kwargs
     return options
+
+
+def check_no_credentials(url: str, what: str = "URL", *, signed_ok: bool = False) -> None:
+    """Credentials never travel in a URL (they would land in run parameters, logs and artifacts): neither in
+    its user part, whatever the secret holds (``s3://KEY:ab/c+d@bucket``), nor as a presigned or SAS query
+    (``signed_ok``: accepted where the URL is read and never stored, e.g. a query image of a query set)."""
+    from imgest.redact import redact_url, url_secrets
+    from imgest.storage import StorageError
+
+    found = url_secrets(url, query=not signed_ok)
+    if found:
+        raise StorageError(f"{what} {redact_url(url)} is refused: it carries {', '.join(found)}, which Prefect "
+                           "would store with the run's parameters; give the plain URL, and credentials through "
+                           "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or a role, or a Prefect "
+                           "AwsCredentials block named in IMGEST_AWS_CREDENTIALS_BLOCK")

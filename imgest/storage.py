@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
 import os
@@ -18,23 +17,12 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from imgest.conditional import TEMP_PREFIX, ConditionalWrites  # noqa: F401  (callers import TEMP_PREFIX here)
+from imgest.credentials import check_no_credentials  # noqa: F401  (callers import it from here)
 from imgest.credentials import storage_options as credential_options
+from imgest.faults import is_transient  # noqa: F401  (callers import it from here)
 from imgest.records import MAX_RECORD_BYTES, RecordError, parse_record  # noqa: F401  (callers import them here)
 from imgest.redact import USERINFO, one_line, redact  # noqa: F401  (callers import them from here)
-
-TEMP_PREFIX = ".tmp-"  # a local atomic write's file before its rename (see Location.write_bytes)
-def check_no_credentials(url: str, what: str = "URL", *, signed_ok: bool = False) -> None:
-    """Credentials never travel in a URL (they would land in run parameters, logs and artifacts): neither in
-    its user part, whatever the secret holds (``s3://KEY:ab/c+d@bucket``), nor as a presigned or SAS query
-    (``signed_ok``: accepted where the URL is read and never stored, e.g. a query image of a query set)."""
-    from imgest.redact import redact_url, url_secrets
-
-    found = url_secrets(url, query=not signed_ok)
-    if found:
-        raise StorageError(f"{what} {redact_url(url)} is refused: it carries {', '.join(found)}, which Prefect "
-                           "would store with the run's parameters; give the plain URL, and credentials through "
-                           "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or a role, or a Prefect "
-                           "AwsCredentials block named in IMGEST_AWS_CREDENTIALS_BLOCK")
 
 
 class StorageError(RuntimeError):
@@ -55,29 +43,6 @@ def _contained(key: str, field: str = "key") -> str:
     if "\x00" in key or any(part in (".", "..") for part in key.split("/")):
         raise ContainmentError(f"{field}: {key[:200]!r} climbs out of its location ('..' or '.'): refused")
     return key
-
-
-# Faults of the moment, worth another try later: by exception class anywhere in the cause chain (builtins,
-# botocore, aiohttp), or by the throttling and server-error codes S3 answers with.
-_TRANSIENT_TYPES = {"TimeoutError", "ConnectionError", "MemoryError", "ReadTimeoutError", "ConnectTimeoutError",
-                    "EndpointConnectionError", "ClientConnectionError", "ServerTimeoutError",
-                    "ServerDisconnectedError", "IncompleteReadError", "ResponseStreamingError"}
-_TRANSIENT_CODES = ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded",
-                    "ServiceUnavailable", "InternalError", "503", "500")
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether a failure may go away by itself (timeout, throttling, a dropped connection, memory)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if {t.__name__ for t in type(exc).__mro__} & _TRANSIENT_TYPES:
-            return True
-        response = getattr(exc, "response", None)  # botocore's ClientError
-        if isinstance(response, dict) and str(response.get("Error", {}).get("Code", "")) in _TRANSIENT_CODES:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 @dataclass(frozen=True)
@@ -146,7 +111,7 @@ def _io(verb: str) -> Callable:
     return wrap
 
 
-class Location:
+class Location(ConditionalWrites):
     """A root URL on some filesystem; keys below it are '/'-separated relative paths."""
 
     def __init__(self, url: str, *, follow_links: bool = False, **storage_options: Any):
@@ -396,155 +361,6 @@ class Location:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         return self.fs.open(path, "wb")
 
-    # -- conditional writes: compare-and-swap of records replaced in place ----------------------
-    # A version token is opaque to callers: the ETag on an object store, a digest of the bytes on a local disk.
-    # Both name the content, so a record that must never come back to an earlier version carries something
-    # that only grows (a history, an event list). The local swap holds an flock on the record's folder across
-    # compare and rename: writers on one machine exclude each other; NFS and other network disks are not
-    # supported (their flock may not be shared between clients).
-    def read_versioned(self, key: str, limit: int = MAX_RECORD_BYTES) -> tuple[bytes | None, str | None]:
-        """``key``'s bytes and their version token for `write_if` / `delete_if`; (None, None) when it does not
-        exist; RecordError when it is over ``limit`` bytes (refused before it is read). On an object store both
-        come from one GET, so the token is the version of these very bytes."""
-        data, token, size = self._read_versioned(key, limit)
-        if size > limit:
-            raise RecordError(f"{redact(self.url)}: {key}: {size:,} bytes or more, over the {limit:,}-byte limit "
-                              "of a record")
-        return data, token
-
-    @_io("reading")
-    def _read_versioned(self, key: str, limit: int) -> tuple[bytes | None, str | None, int]:
-        path = self.path(key)
-        if self.is_local:
-            try:
-                with open(path, "rb") as fh:
-                    data = fh.read(limit + 1)
-            except FileNotFoundError:
-                return None, None, 0
-            return data, self._digest(data), len(data)
-        from fsspec.asyn import sync
-
-        bucket, name, _ = self.fs.split_path(path)
-
-        async def get() -> tuple[bytes | None, str | None, int]:
-            try:
-                response = await self.fs._call_s3("get_object", Bucket=bucket, Key=name)
-            except FileNotFoundError:
-                return None, None, 0
-            try:
-                size = int(response.get("ContentLength") or 0)
-                if size > limit:
-                    return None, response["ETag"], size
-                data = await response["Body"].read()
-                return data, response["ETag"], len(data)
-            finally:
-                response["Body"].close()
-
-        return sync(self.fs.loop, get)
-
-    @_io("writing")
-    def write_if(self, key: str, data: bytes, token: str | None) -> str | None:
-        """Write ``data`` only if ``key`` is still the version `token` names (None: only if it does not exist);
-        S3: `If-Match` / `If-None-Match: *` on the PUT. Returns the new version's token, or None when the record
-        changed since it was read, and then nothing was written. Of writers holding one token, one succeeds."""
-        path = self.path(key)
-        if self.is_local:
-            return self._digest(data) if self._local_swap(path, data, token) else None
-        bucket, name, _ = self.fs.split_path(path)
-        condition = {"IfNoneMatch": "*"} if token is None else {"IfMatch": token}
-        try:
-            response = self.fs.call_s3("put_object", Bucket=bucket, Key=name, Body=data, **condition)
-        except (FileExistsError, FileNotFoundError):  # If-None-Match met an object; If-Match met none
-            return None
-        except OSError as exc:
-            if self._precondition_failed(exc):
-                return None
-            raise
-        finally:
-            self.fs.invalidate_cache(path)
-        return response["ETag"]
-
-    @_io("deleting")
-    def delete_if(self, key: str, token: str) -> bool:
-        """Delete ``key`` only if it is still the version `token` names; False when it changed or is gone.
-        (S3: `If-Match` on the DELETE; an S3-compatible server that ignores it deletes unconditionally.)"""
-        path = self.path(key)
-        if self.is_local:
-            return self._local_swap(path, None, token)
-        bucket, name, _ = self.fs.split_path(path)
-        try:
-            self.fs.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=token)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            if self._precondition_failed(exc):
-                return False
-            raise
-        finally:
-            self.fs.invalidate_cache(path)
-        return True
-
-    def write_json_if(self, key: str, obj: Any, token: str | None) -> str | None:
-        """`write_if` of a JSON record, laid out as `write_json` lays it out."""
-        return self.write_if(key, json.dumps(obj, indent=2, sort_keys=True, default=str).encode(), token)
-
-    def _local_swap(self, path: str, data: bytes | None, token: str | None) -> bool:
-        """If the file is still the version `token` names, put ``data`` in its place (None: delete it).
-        The new bytes go to a fsynced temp file first; only the compare and the rename hold the flock."""
-        import fcntl  # POSIX
-
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = None
-        if data is not None:
-            tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{os.path.basename(path)}")
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-        lock = os.open(folder, os.O_RDONLY)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
-            try:
-                with open(path, "rb") as fh:
-                    current = self._digest(fh.read())
-            except FileNotFoundError:
-                current = None
-            if current != token:
-                return False
-            if tmp is None:
-                os.remove(path)
-            elif token is None:
-                try:
-                    os.link(tmp, path)  # never over a file made meanwhile by a writer that takes no flock
-                except FileExistsError:
-                    return False
-            else:
-                os.replace(tmp, path)
-            os.fsync(lock)  # the rename itself survives a crash
-            return True
-        finally:
-            os.close(lock)
-            if tmp is not None and os.path.exists(tmp):
-                os.remove(tmp)
-
-    @staticmethod
-    def _digest(data: bytes) -> str:
-        import hashlib
-
-        return "sha256:" + hashlib.sha256(data).hexdigest()
-
-    @staticmethod
-    def _precondition_failed(exc: BaseException) -> bool:
-        """S3 answered 412 (the version changed) or 409 (a concurrent conditional write won): nothing landed."""
-        while exc is not None:
-            response = getattr(exc, "response", None)  # botocore's ClientError, s3fs's cause
-            if isinstance(response, dict) and str(response.get("Error", {}).get("Code", "")) in (
-                    "PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
-                return True
-            exc = exc.__cause__
-        return False
-
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     proto = fs.protocol
@@ -580,21 +396,3 @@ def read_url(url: str) -> bytes:
         raise StorageError(f"{redact(url)} does not exist") from exc
     except Exception as exc:  # denied, expired signature, unreachable: one line, nothing secret in it
         raise StorageError(f"reading {redact(url)} failed: {one_line(exc)}") from exc
-
-
-def local_copy(loc: Location, key: str, cache_dir: str, checksum: str, suffix: str = "") -> str:
-    """A local file path for ``key``: the file itself on a disk, else a download cached under a name hashed
-    from the location, the key and the checksum the caller expects (never a record's text as a file name)."""
-    if loc.is_local:
-        return loc.path(key)
-    os.makedirs(cache_dir, exist_ok=True)
-    digest = hashlib.sha256(f"{loc.uri(key)}\n{checksum}".encode()).hexdigest()
-    target = os.path.join(cache_dir, digest + (suffix if _SUFFIX.match(suffix) else ""))
-    if not os.path.exists(target):
-        tmp = f"{target}.{uuid.uuid4().hex}.part"
-        loc.fs.get_file(loc.path(key), tmp)
-        os.replace(tmp, target)
-    return target
-
-
-_SUFFIX = re.compile(r"^(\.[a-z0-9]{1,8})?$")

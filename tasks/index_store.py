@@ -19,8 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from imgest import records
+from imgest.cache import local_copy
 from imgest.lock import Fence
-from imgest.storage import Location, local_copy
+from imgest.storage import Location
 from imgest.tasks.aliases import list_aliases, read_alias
 from imgest.tasks.state import now_iso
 

@@ -24,7 +24,8 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from imgest.storage import TEMP_PREFIX, Location, StorageError, local_copy
+from imgest.cache import local_copy
+from imgest.storage import TEMP_PREFIX, Location, StorageError
 from imgest.tasks.state_base import STATE_SCHEMA, StateBase, write_rows
 
 # live: a current embedding; rejected: this content cannot be used (retried when the object changes);

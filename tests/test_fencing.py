@@ -231,7 +231,7 @@ def test_racing_local_writers_from_the_same_read_exactly_one_wins(tmp_path):
         _, token = Location(str(tmp_path / "store")).read_versioned(key)
         barrier, results = threading.Barrier(4), []
 
-        def write(n: int) -> None:
+        def write(n: int, barrier=barrier, results=results, token=token) -> None:
             store = Location(str(tmp_path / "store"))
             barrier.wait()
             results.append((n, store.write_if(key, b"writer %d" % n, token)))

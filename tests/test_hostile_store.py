@@ -21,8 +21,9 @@ from imgest.tasks.aliases import list_aliases, read_alias
 from imgest.tasks.catalogue_images import CatalogueImages
 from imgest.tasks.index_store import IndexIntegrityError, open_index, resolve_target
 from imgest.tasks.live import load_live_vectors
-from imgest.tasks.migration import collect_retired, nightly_models
+from imgest.tasks.migration import nightly_models
 from imgest.tasks.models import list_models
+from imgest.tasks.retention import collect_retired
 from imgest.tasks.search import Searcher
 from imgest.tasks.status import store_status
 from tests.helpers import gradient, jpeg_bytes, write_files
@@ -267,7 +268,8 @@ def test_forged_index_header_is_refused_before_faiss_allocates(store):
     edit(store, card_key, lambda card: card.update(sha256=hashlib.sha256(bytes(data)).hexdigest()))
     tracemalloc.start()
     started = time.monotonic()
-    with pytest.raises(IndexIntegrityError, match=r"refused before reading it: .*codes claims \d{11} bytes, the file has \d+ left"):
+    refused = r"refused before reading it: .*codes claims \d{11} bytes, the file has \d+ left"
+    with pytest.raises(IndexIntegrityError, match=refused):
         Searcher(store.url)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
@@ -278,7 +280,7 @@ def test_forged_index_header_is_refused_before_faiss_allocates(store):
 def test_cache_names_are_hashed_never_a_records_text(tmp_path, checksum):
     """An object store's index is downloaded into the local cache under a name hashed from the location, the
     key and the checksum: a card's checksum of `../..` or an absolute path cannot place a file elsewhere."""
-    from imgest.storage import local_copy
+    from imgest.cache import local_copy
 
     remote = Location(f"memory://hostile-{tmp_path.name}")
     remote.write_bytes("indexes/model=m-1a2b3c4d/v0001/index.faiss", b"faiss bytes")

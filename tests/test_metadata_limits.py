@@ -23,7 +23,6 @@ from imgest.tasks.metadata import (
     read_metadata,
 )
 
-
 # In a subprocess that imports only imgest.tasks.metadata: the refusal and the peak RSS it added.
 PROBE = """
 import json, resource, sys
