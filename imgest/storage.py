@@ -141,8 +141,8 @@ class Location(ConditionalWrites):
         if self._real_root is not None and not self.follow_links:
             real = os.path.realpath(path)
             if real != self._real_root and not real.startswith(self._real_root.rstrip("/") + "/"):
-                raise ContainmentError(f"{self.url}: {key!r} resolves to {real!r}, outside the store (a link out "
-                                       "of it): refused")
+                raise ContainmentError(f"{redact(self.url)}: {key!r} resolves to {real!r}, outside the store (a "
+                                       "link out of it): refused")
         return path
 
     def resolve(self, value: Any, field: str) -> str:
@@ -259,10 +259,8 @@ class Location(ConditionalWrites):
     @_io("reading")
     def read_bytes(self, key: str, limit: int | None = None) -> bytes:
         """The object's bytes; with ``limit``, at most that many (the caller refuses a longer object)."""
-        if limit is None:
-            return self.fs.cat_file(self.path(key))
-        with self.fs.open(self.path(key), "rb", block_size=min(limit, 5 << 20)) as fh:
-            return fh.read(limit)
+        # one (ranged) GET on an object store, as without a limit
+        return self.fs.cat_file(self.path(key), start=None if limit is None else 0, end=limit)
 
     def read_json(self, key: str) -> Any:
         """A JSON record, read at most to its size limit and checked for nesting (RecordError otherwise)."""
