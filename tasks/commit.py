@@ -12,7 +12,7 @@ from imgest.lock import Fence
 from imgest.storage import Location
 from imgest.tasks.plan import Plan
 from imgest.tasks.shards import ShardResult
-from imgest.tasks.state import CatalogueState, commit_key, now_iso, write_snapshot
+from imgest.tasks.state import CatalogueState, now_iso, read_marker, write_snapshot
 
 
 @dataclass
@@ -92,7 +92,7 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
     """Shards are durable (their markers exist) before this runs; the snapshot is written last."""
     resumed = len(state.pending)
     for result in results:
-        state.apply_commit(store.read_json(commit_key(state.slug, result.shard)))
+        state.apply_commit(read_marker(store, state.slug, result.shard))
     state.delete(plan.deleted, plan.run_id, now_iso())
     touched = sum(r.unchanged for r in results)
     summary.listed, summary.skipped, summary.new = plan.listed, plan.skipped, plan.new

@@ -24,6 +24,7 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from imgest import records
 from imgest.cache import local_copy
 from imgest.storage import TEMP_PREFIX, Location, StorageError
 from imgest.tasks.state_base import STATE_SCHEMA, StateBase, write_rows
@@ -50,7 +51,7 @@ class ItemState:
 
 
 def embeddings_prefix(slug: str) -> str:
-    return f"embeddings/model={slug}"
+    return f"embeddings/model={records.slug(slug, 'model')}"
 
 
 def shard_key(slug: str, shard: str) -> str:
@@ -58,11 +59,41 @@ def shard_key(slug: str, shard: str) -> str:
 
 
 def state_prefix(slug: str) -> str:
-    return f"state/model={slug}"
+    return f"state/model={records.slug(slug, 'model')}"
 
 
 def commit_key(slug: str, shard: str) -> str:
     return f"{state_prefix(slug)}/commits/{shard}.json"
+
+
+# What each part of a commit marker's rows holds (tasks/shards.py writes them), and the types of the fields.
+_OBJECT = {"item_id", "uri", "etag", "size", "mtime", "content_hash"}
+_ROW_FIELDS = {"encoded": _OBJECT, "unchanged": _OBJECT, "revived": _OBJECT | {"shard"},
+               "rejected": _OBJECT | {"reason", "transient"}}
+_TYPES = {"item_id": str, "uri": str, "etag": (str, type(None)), "size": int, "mtime": (int, float, type(None)),
+          "content_hash": (str, type(None)), "shard": str, "reason": str, "transient": bool}
+
+
+def _row_ok(row: object, allowed: set[str]) -> bool:
+    return isinstance(row, dict) and "item_id" in row and row.keys() <= allowed and \
+        all(isinstance(value, _TYPES[name]) for name, value in row.items())
+
+
+def read_marker(store: Location, slug: str, shard: str) -> dict:
+    """A shard's commit marker, checked before it changes the state: it names its own shard, and its rows are
+    objects of ItemState's fields with a string item_id (a planted marker stops the run; nothing changes)."""
+    key = commit_key(slug, shard)
+    marker, where = store.read_json(key), f"{store.url}: {key}"
+    if records.field(marker, "shard", str, where) != shard:
+        raise records.RecordError(f"{where}: names shard {marker['shard'][:80]!r}, not its own")
+    for name in ("run_id", "created"):
+        records.field(marker, name, str, where)
+    for part, allowed in _ROW_FIELDS.items():
+        rows = marker.get(part, [])
+        if not isinstance(rows, list) or not all(_row_ok(row, allowed) for row in rows):
+            raise records.RecordError(f"{where}: {part} must be a list of rows with an item_id and only "
+                                      f"{', '.join(sorted(allowed))}")
+    return marker
 
 
 def snapshot_key(slug: str, seq: int, delta: bool = False) -> str:
@@ -158,7 +189,7 @@ class CatalogueState:
         return [item for item in self.items.values() if item.status == LIVE]
 
     def apply_commit(self, marker: dict) -> None:
-        """Fold one shard commit marker into the state (idempotent for the same marker)."""
+        """Fold one shard commit marker into the state (idempotent for the same marker); `checked_marker` first."""
         for row in marker.get("encoded", []):
             self.overlay[row["item_id"]] = ItemState(status=LIVE, shard=marker["shard"], run_id=marker["run_id"],
                                                      updated_at=marker["created"], **row)
@@ -234,7 +265,7 @@ def load_state(store: Location, slug: str) -> CatalogueState:
     state.delta_rows = sum(n for (_, delta), n in zip(wanted, counts) if delta)
     for shard in sorted(list_commits(store, slug)):
         if run_seq(shard_run_id(shard)) > seq:
-            state.apply_commit(store.read_json(commit_key(slug, shard)))
+            state.apply_commit(read_marker(store, slug, shard))
             state.pending.append(shard)
     return state
 

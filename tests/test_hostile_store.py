@@ -25,6 +25,7 @@ from imgest.tasks.migration import nightly_models
 from imgest.tasks.models import list_models
 from imgest.tasks.retention import collect_retired
 from imgest.tasks.search import Searcher
+from imgest.tasks.state import load_state
 from imgest.tasks.status import store_status
 from tests.helpers import gradient, jpeg_bytes, write_files
 
@@ -186,18 +187,23 @@ HOSTILE = st.one_of(
     st.text(max_size=40), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.none(),
                                                                              max_size=2),
 )
-RECORDS = ["alias", "card", "model", "retire", "window"]
+RECORDS = ["alias", "card", "model", "retire", "window", "marker"]
+SHARD = "part-r99999999-20990101T000000-ffffff-00000"  # a commit newer than any snapshot: folded on load
 
 
 def _plant(store: Location, record: str, field: str | None, value) -> str:
     slug, version, card_key = serving(store)
     keys = {"alias": "aliases/serving.json", "card": card_key, "model": f"state/model={slug}/model.json",
-            "retire": f"migration/retire/{slug}.json", "window": "migration/window.json"}
+            "retire": f"migration/retire/{slug}.json", "window": "migration/window.json",
+            "marker": f"state/model={slug}/commits/{SHARD}.json"}
     key = keys[record]
     base = store.read_json(key) if store.exists(key) else {
         "retire": {"slug": slug, "retire_after": "2000-01-01T00:00:00+00:00"},
         "window": {"from": {"name": "raw-pixels", "slug": slug}, "to": {"name": "raw-pixels", "slug": slug},
-                   "id": "w-1", "status": "open", "opened_at": "2026-01-01T00:00:00+00:00"}}[record]
+                   "id": "w-1", "status": "open", "opened_at": "2026-01-01T00:00:00+00:00"},
+        "marker": {"shard": SHARD, "run_id": SHARD[5:-6], "created": "2099-01-01T00:00:00+00:00",
+                   "encoded": [{"item_id": "p/x.jpg", "uri": "/x.jpg", "etag": None, "size": 1, "mtime": 1.0,
+                                "content_hash": "0" * 64}]}}[record]
     if field is None:
         data = value if isinstance(value, bytes) else json.dumps(value, default=str).encode()
     else:
@@ -215,7 +221,8 @@ FIELDS = {"alias": ["slug", "version", "sha256", "model_id", None],
           "card": ["slug", "version", "sha256", "index_file", "ids_file", "ids_sha256", "model_name", "kind", None],
           "model": ["slug", "name", "dim", "model_id", None],
           "retire": ["slug", "retire_after", None],
-          "window": ["from.name", "from.slug", "to.name", "to.slug", None]}
+          "window": ["from.name", "from.slug", "to.name", "to.slug", None],
+          "marker": ["shard", "run_id", "encoded", "rejected", "revived", None]}
 
 
 def readers(store: Location):
@@ -226,6 +233,7 @@ def readers(store: Location):
     yield lambda: nightly_models(store)
     yield lambda: list_models(store)
     yield lambda: collect_retired(store, now=FUTURE)
+    yield lambda: load_state(store, serving(store)[0])
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
