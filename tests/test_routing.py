@@ -182,6 +182,20 @@ def test_a_malformed_traffic_file_is_one_routing_error(tmp_path, content, messag
     assert "\n" not in str(err.value)
 
 
+def test_eval_refuses_a_malformed_traffic_file_before_a_run_starts(tmp_path):
+    from typer.testing import CliRunner
+
+    from imgest.cli import app
+
+    (tmp_path / "q.jsonl").write_text('{"query_id": "q1", "text": "red", "relevant": ["a.jpg"]}\n')
+    (tmp_path / "traffic.json").write_text("[1, 2]")
+    result = CliRunner().invoke(app, ["eval", "--store", str(tmp_path / "store"), "--queries",
+                                      str(tmp_path / "q.jsonl"), "--compare", "captions", "--traffic",
+                                      str(tmp_path / "traffic.json")])
+    assert result.exit_code == 2, result.output
+    assert "expected a JSON object with a 'class'" in result.output and "Traceback" not in result.output
+
+
 def test_a_one_line_log_and_a_class_named_class_still_read(tmp_path):
     (tmp_path / "one.jsonl").write_text('{"class": "text", "query": "red shoes"}\n')
     assert read_traffic(str(tmp_path / "one.jsonl")) == {"text": 1.0}

@@ -41,6 +41,10 @@ def eval_cmd(
         EvalConfig(store=store, queries=queries, alias=alias, compare=compare, ks=tuple(ks), resamples=resamples,
                    seed=seed, out=out, traffic=traffic)
         read_query_set(queries)
+        if traffic:
+            from imgest.tasks.routing import read_traffic
+
+            read_traffic(traffic)
         from imgest.flows.evaluate import evaluate
         from imgest.tasks.evaluate import dumps
 
