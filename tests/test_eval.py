@@ -135,7 +135,9 @@ def test_serving_vs_shadow_evaluation_is_recorded_in_the_open_window(tmp_path):
     from imgest.tasks.migration import read_window, record_evaluation
 
     store = Location(str(tmp_path))
-    store.write_json("migration/window.json", {"id": "w-1", "status": "open", "events": []})
+    store.write_json("migration/window.json", {"id": "w-1", "status": "open", "events": [],
+                                               "from": {"name": "raw-pixels", "slug": "raw-pixels-1a2b3c4d"},
+                                               "to": {"name": "efficientnet-lite0", "slug": "lite0-5e6f7a8b"}})
     report = {"metric": "recall@10", "queries": 40,
               "a": {"alias": "serving", "metrics": {"recall@10": 0.8}},
               "b": {"alias": "shadow", "metrics": {"recall@10": 0.85}},

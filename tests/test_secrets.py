@@ -366,7 +366,7 @@ def test_credentials_from_a_named_aws_credentials_block(s3_endpoint, monkeypatch
     assert credentials.storage_options(f"s3://{bucket}/x") == {}, "no block named: botocore's own chain"
     monkeypatch.setenv(credentials.BLOCK_VARIABLE, name)
     assert credentials.storage_options("/local/folder") == {}
-    now = [0.0]
+    now = [time.monotonic()]  # the store below asks with the real clock too: the test's clock starts from it
     options = credentials.storage_options(f"s3://{bucket}/x", clock=lambda: now[0])
     assert options["secret"] == block_secret and options["endpoint_url"] == s3_endpoint
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")  # the block's keys, not the environment's, open the store

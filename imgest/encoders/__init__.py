@@ -42,13 +42,23 @@ def resolve(name: str) -> EncoderSpec:
     return REGISTRY[_family(name)][0](name)
 
 
-# Operators list the local folders whose models a store record may name (hf:<folder>), separated like PATH.
+# Operators list the places whose models a store record may name (hf:<folder>, a head trained in another store),
+# separated like PATH: local folders, or URL prefixes (s3://bucket/heads).
 MODEL_DIRS_ENV = "IMGEST_MODEL_DIRS"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?(@[A-Za-z0-9_.-]{1,64})?$")
 
 
 def model_dirs() -> list[str]:
-    return [os.path.realpath(d) for d in os.environ.get(MODEL_DIRS_ENV, "").split(os.pathsep) if d.strip()]
+    entries = [d.strip() for d in os.environ.get(MODEL_DIRS_ENV, "").split(os.pathsep) if d.strip()]
+    return [d.rstrip("/") if "://" in d else os.path.realpath(d) for d in entries]
+
+
+def _listed(target: str) -> bool:
+    """Whether a local folder or a URL lies under one of the places the operator listed (never via '..')."""
+    if "://" in target:
+        return ".." not in target.split("/") and any(target.startswith(d + "/") for d in model_dirs() if "://" in d)
+    real = os.path.realpath(target)
+    return any(real == d or real.startswith(d.rstrip("/") + "/") for d in model_dirs() if "://" not in d)
 
 
 def recorded(name: object, store, where: str) -> str:
@@ -65,10 +75,14 @@ def recorded(name: object, store, where: str) -> str:
             raise EncoderError(f"{where}: {name[:200]!r}: a head's base model cannot be another head")
         from imgest.storage import ContainmentError
 
+        folder = name[len(head.PREFIX):].strip()
+        if _listed(folder):  # a head kept elsewhere (trained in another store) that the operator listed
+            return name
         try:
-            folder = store.resolve(name[len(head.PREFIX):], f"{where}: head folder")
+            folder = store.resolve(folder, f"{where}: head folder")
         except ContainmentError as exc:
-            raise EncoderError(f"{where}: a head named by a record must lie inside the store: {exc}") from exc
+            raise EncoderError(f"{where}: a head named by a record must lie inside the store or under "
+                               f"{MODEL_DIRS_ENV}: {exc}") from exc
         return f"{head.PREFIX}{store.uri(folder)}"
     if family == "hf":
         target = name[len(hf.PREFIX):]
@@ -76,8 +90,7 @@ def recorded(name: object, store, where: str) -> str:
             repo_id, _, rev = target.partition("@")
             hf.cached(repo_id, rev or None, where)  # never a download
             return name
-        real = os.path.realpath(target)
-        if not any(real == d or real.startswith(d.rstrip("/") + "/") for d in model_dirs()):
+        if not _listed(target):
             raise EncoderError(f"{where}: {name[:200]!r} names a local folder outside the model folders the operator "
                                f"listed in {MODEL_DIRS_ENV} ({os.pathsep.join(model_dirs()) or 'none'}): refused")
     return name
