@@ -22,18 +22,18 @@ class RecordError(ValueError):
     """A store record that is not one imgest wrote: too large, too deep, not JSON, or a field out of grammar."""
 
 
-def _depth(obj: Any, limit: int) -> int:
-    """Nesting depth of a parsed JSON value, iteratively (a record nested 100,000 deep must not recurse)."""
-    deepest, stack = 0, [(obj, 1)]
-    while stack:
-        value, level = stack.pop()
-        deepest = max(deepest, level)
-        if deepest > limit:
-            return deepest
-        if isinstance(value, dict):
-            stack.extend((v, level + 1) for v in value.values())
-        elif isinstance(value, list):
-            stack.extend((v, level + 1) for v in value)
+def depth(value: Any, limit: int) -> int:
+    """Nesting of a parsed JSON value (a scalar is 0, ``[]`` is 1), without recursion; counting stops past
+    ``limit`` (a value nested 100,000 deep costs no more than one nested limit + 1)."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, dict | list):
+            level += 1
+            deepest = max(deepest, level)
+            if deepest > limit:
+                break
+            todo.extend((v, level) for v in (item.values() if isinstance(item, dict) else item))
     return deepest
 
 
@@ -48,7 +48,7 @@ def parse_record(data: bytes, where: str, *, max_bytes: int = MAX_RECORD_BYTES,
         raise RecordError(f"{where}: nested deeper than {max_depth} levels (the limit of a JSON record)") from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise RecordError(f"{where}: not a JSON record ({one_line(exc)[:160]})") from exc
-    if _depth(obj, max_depth) > max_depth:
+    if depth(obj, max_depth) > max_depth:
         raise RecordError(f"{where}: nested deeper than {max_depth} levels (the limit of a JSON record)")
     return obj
 

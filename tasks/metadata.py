@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from imgest.records import depth
 from imgest.storage import Location, redact
 from imgest.tasks.state import now_iso
 
@@ -127,20 +128,6 @@ def _rows_from_csv(data: bytes, url: str) -> list[dict]:
     return rows
 
 
-def _depth(value) -> int:
-    """Nesting of a parsed JSON value (a scalar is 0), without recursion."""
-    deepest, todo = 0, [(value, 0)]
-    while todo:
-        item, level = todo.pop()
-        if isinstance(item, dict | list):
-            level += 1
-            deepest = max(deepest, level)
-            if deepest > MAX_JSON_DEPTH:
-                break
-            todo.extend((v, level) for v in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
 def _rows_from_jsonl(data: bytes, url: str) -> list[dict]:
     rows, names, cells = [], set(), 0
     try:
@@ -162,7 +149,7 @@ def _rows_from_jsonl(data: bytes, url: str) -> list[dict]:
                                 "(MAX_JSON_DEPTH)") from exc
         if not isinstance(obj, dict):
             raise MetadataError(f"{redact(url)} line {number}: expected one JSON object per line")
-        if _depth(obj) > MAX_JSON_DEPTH:
+        if depth(obj, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
             raise MetadataError(f"{redact(url)} line {number}: nested deeper than {MAX_JSON_DEPTH} levels "
                                 "(MAX_JSON_DEPTH)")
         names.update(obj)
