@@ -296,3 +296,18 @@ def test_cache_names_are_hashed_never_a_records_text(tmp_path, checksum):
     path = local_copy(remote, "indexes/model=m-1a2b3c4d/v0001/index.faiss", str(cache), checksum, ".faiss")
     assert os.path.dirname(path) == str(cache) and open(path, "rb").read() == b"faiss bytes"
     assert sorted(os.listdir(tmp_path)) == ["cache"] and not os.path.exists("/tmp/escaped.faiss")
+
+
+@pytest.mark.parametrize("base", ["head:{listener}/h", "hf:attacker/planted", "hf:/etc", "{listener}/model", 7, None])
+def test_a_head_record_naming_its_base_elsewhere_is_refused(store, listener, base):
+    """head.json is a record too: its base model is only one this installation has, never a URL."""
+    from imgest import encoders
+
+    Recorder.seen.clear()
+    folder = "heads/head-planted"
+    store.write_bytes(f"{folder}/head.safetensors", b"not weights")
+    store.write_json(f"{folder}/head.json", {"base_model": base.format(listener=listener) if isinstance(base, str)
+                                             else base, "base_model_id": "x", "dim_in": 4, "hidden": 4, "dim_out": 4})
+    with pytest.raises(encoders.EncoderError):
+        encoders.resolve.__wrapped__(f"head:{store.uri(folder)}")
+    assert Recorder.seen == []
