@@ -104,7 +104,7 @@ def test_alias_switch_is_seen_atomically_by_a_concurrent_reader(lite0_store, tmp
             except Exception as exc:  # a torn read would show up here
                 errors.append(exc)
 
-    thread = threading.Thread(target=reader)
+    thread = threading.Thread(target=reader, daemon=True)  # a failed assertion must not hang the session
     thread.start()
     for i in range(200):
         set_alias(store, "serving", cards[i % 2], f"switch {i}")
