@@ -1,6 +1,6 @@
 """imgest: object storage -> decoded images -> batched encoder -> Parquet shards -> FAISS indexes.
 
-The Python API is `from imgest import search, Searcher, Query` (see the README); everything else is
+The Python API is `from imgest import search, Searcher, Query` (see docs/indexes-and-search.md); everything else is
 reached through `imgest.flows` (Prefect flows), `imgest.tasks` (their stages) and the `imgest` command.
 """
 

@@ -41,7 +41,7 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: in
     DCT domain (libjpeg's scaled decode, Pillow's `draft`) while its shorter side stays at least twice
     `min_side` (Pillow's own `reducing_gap=2` for thumbnails): 1.3-1.5x faster decode + preprocessing on
     product photos, and the encoder sees the same picture (cosine >= 0.999 on real photos, tested; 0.997
-    at worst on dense fine textures such as gravel; stopping at 1x `min_side` fell to 0.98: see README).
+    at worst on dense fine textures such as gravel; stopping at 1x `min_side` fell to 0.98: see docs/ingest.md).
     A 16-bit or float image is box-averaged by the same rule (an integer factor, the shorter side kept at
     least twice `min_side`) while it is scaled to 8 bits.
 

@@ -1,4 +1,4 @@
-"""Choose a FAISS index from N, d and a memory budget; the rule is stated here, in the README and the card.
+"""Choose a FAISS index from N, d and a memory budget; stated here, in docs/indexes-and-search.md, on the card.
 
 The rule, first that fits the budget wins (autofaiss-style):
   1. Flat (exact)            when N <= 50,000: exact search is fast enough and needs no tuning.

@@ -1,4 +1,4 @@
-"""The layout a newcomer relies on: flows only wire, modules stay small, the README's map is true, and
+"""The layout a newcomer relies on: flows only wire, modules stay small, the architecture page's map is true, and
 the flows, the configurations and the command line share one set of defaults."""
 
 from __future__ import annotations
@@ -67,9 +67,8 @@ def test_layers_import_downwards_only():
                     assert not name.startswith(forbidden), f"{path.relative_to(ROOT)} imports {name}"
 
 
-def _readme_table_paths() -> set[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+def _architecture_table_paths() -> set[str]:
+    section = (ROOT / "docs" / "architecture.md").read_text()
     paths = set()
     for row in section.splitlines():
         if row.startswith("| `"):
@@ -77,11 +76,11 @@ def _readme_table_paths() -> set[str]:
     return paths
 
 
-def test_readme_architecture_table_lists_every_module_and_only_real_ones():
-    listed = _readme_table_paths()
-    assert listed, "README has no architecture table"
+def test_architecture_table_lists_every_module_and_only_real_ones():
+    listed = _architecture_table_paths()
+    assert listed, "docs/architecture.md has no architecture table"
     for path in listed:
-        assert (ROOT / path).exists(), f"README's architecture table names {path}, which does not exist"
+        assert (ROOT / path).exists(), f"the architecture table names {path}, which does not exist"
     covered = {p for p in listed if p.endswith(".py")}
     folders = {p.rstrip("/") for p in listed if p.endswith("/")}
     for path in _modules():
@@ -89,7 +88,7 @@ def test_readme_architecture_table_lists_every_module_and_only_real_ones():
         if path.name == "__init__.py" and rel.split("/")[0] in ("flows", "tasks"):
             continue
         assert rel in covered or str(path.parent.relative_to(ROOT)) in folders, \
-            f"{rel} is missing from the README's architecture table"
+            f"{rel} is missing from the architecture table (docs/architecture.md)"
 
 
 def _flow_defaults(fn) -> dict:

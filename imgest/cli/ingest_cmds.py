@@ -106,7 +106,7 @@ def ingest(
 @app.command()
 def status(
     store: str = typer.Option(..., help="Folder or URL of the store"),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output (keys in the README)"),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output (keys in docs/evaluation.md)"),
 ) -> None:
     """Per model: live items, shards, rejected items with reasons, tombstones, last run."""
     from imgest.tasks.status import store_status
