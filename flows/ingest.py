@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 from prefect import flow, tags, unmapped
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
@@ -49,6 +48,7 @@ from imgest.tasks.markdown import progress_line, render_summary
 from imgest.tasks.run_names import run_name
 from imgest.tasks.runners import shard_runner
 from imgest.tasks.state import new_run_id
+from imgest.timing import Stopwatch
 
 
 # Listing, planning and commit run in the flow's process; encode-shard tasks run on `runner`
@@ -102,7 +102,7 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
                                                 description=f"{len(plan.shards)} shard(s) to encode")
             report(spec.slug, 0, plan.to_read)  # a terminal's progress bar, when the CLI runs this flow
             with shard_runner(cfg.runner, cfg.workers) as shard_tasks:
-                started = time.perf_counter()  # after a local cluster has started
+                encoding = Stopwatch()  # after a local cluster has started
                 futures = shard_tasks.map(encode_shard_task, {
                     "plan": plan.shards, "spec": unmapped(spec), "device": unmapped(device),
                     "catalogue_url": unmapped(catalogue_url), "store_url": unmapped(store_loc.url),
@@ -119,7 +119,7 @@ def ingest(catalogue: str, store: str, model: str = DEFAULT_MODEL, batch_size: s
                     update_progress_artifact(progress, 100.0 * len(results) / len(plan.shards),
                                              description=progress_line(results, plan))
                     report(spec.slug, sum(len(s.items) for s in plan.shards[:len(results)]), plan.to_read)
-                summary.encode_wall_seconds = round(time.perf_counter() - started, 3)
+                summary.encode_wall_seconds = encoding.seconds
         summary.batch_size, summary.batch_size_source, summary.device = batch, source, device
         summary.removed_orphans = orphans
         summary = commit_run_task(store_loc.url, quote(state), quote(plan), quote(results), summary, lock.fence)

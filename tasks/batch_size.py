@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -10,6 +9,7 @@ import numpy as np
 from imgest.encoders import Encoder, device_key
 from imgest.storage import Location
 from imgest.tasks.state import now_iso
+from imgest.timing import Stopwatch
 
 CPU_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 CUDA_CANDIDATES = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -41,11 +41,11 @@ def measure(encoder: Encoder, batch_size: int, min_seconds: float = 1.0, min_bat
     sample = encoder.preprocess(Image.fromarray(noise))
     batch = np.repeat(sample[None], batch_size, axis=0)
     encoder.encode_images(batch)  # warm-up: allocator, kernels, autotuning
-    done, start = 0, time.perf_counter()
-    while done < min_batches or time.perf_counter() - start < min_seconds:
+    done, running = 0, Stopwatch()
+    while done < min_batches or running.elapsed < min_seconds:
         encoder.encode_images(batch)
         done += 1
-    return batch_size * done / (time.perf_counter() - start)
+    return batch_size * done / running.elapsed
 
 
 def tune_batch_size(encoder: Encoder, candidates: tuple[int, ...] | None = None,

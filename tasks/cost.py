@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from imgest import encoders
@@ -13,14 +11,15 @@ from imgest.tasks.batch_size import tune_batch_size
 from imgest.tasks.index_choice import HNSW_M, choose_index, parse_memory
 from imgest.tasks.index_store import IndexNotFoundError, read_card
 from imgest.tasks.models import list_models
+from imgest.timing import Stopwatch
 
 
 def _latency_ms(fn, repeats: int = 5) -> float:
     fn()  # warm-up
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return round((time.perf_counter() - t0) * 1000 / repeats, 2)
+    with Stopwatch() as calls:
+        for _ in range(repeats):
+            fn()
+    return round(calls.elapsed * 1000 / repeats, 2)
 
 
 def storage_per_vector(d: int, pq_m: int = 64) -> dict[str, float]:

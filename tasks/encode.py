@@ -36,6 +36,7 @@ from imgest.tasks.gpu_decode import BatchJpegDecoder, plain_jpeg
 from imgest.tasks.plan import ShardPlan, WorkItem
 from imgest.tasks.shards import ShardResult, ShardWriter, embedding_matrix
 from imgest.tasks.state import shard_key
+from imgest.timing import Stopwatch
 
 
 class ShardFailedError(RuntimeError):
@@ -284,17 +285,19 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
                  jpeg_decoder: BatchJpegDecoder | None | str = "auto") -> ShardResult:
     """Encode one shard's objects and commit it. `jpeg_decoder`: "auto" decodes JPEGs on the GPU when the
     encoder runs on CUDA and torchvision is installed (BatchJpegDecoder.for_encoder); None: Pillow only."""
-    start = time.perf_counter()
+    total, encoding, waiting = Stopwatch(), Stopwatch(running=False), Stopwatch(running=False)
     if jpeg_decoder == "auto":
         jpeg_decoder = BatchJpegDecoder.for_encoder(encoder, max_pixels)
     writer = ShardWriter(store, encoder.spec, plan, fence, dtype)
     writer.result.worker, writer.result.started = f"{socket.gethostname()}:{os.getpid()}", _now()
     batch: list[Prepared] = []
-    encode_seconds = wait_seconds = 0.0
 
     def flush_batch() -> None:
-        nonlocal encode_seconds
-        t0 = time.perf_counter()
+        with encoding:
+            encode_batch()
+        batch.clear()
+
+    def encode_batch() -> None:
         ready = batch
         if jpegs := [p for p in batch if p.jpeg is not None]:
             for p, pixels in zip(jpegs, jpeg_decoder.decode([p.jpeg for p in jpegs])):
@@ -307,8 +310,6 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
         if ready:
             vectors = encoder.encode_images(stack_pixels([p.pixels for p in ready]))
             writer.add([(p.item, p.content_hash) for p in ready], vectors)
-        encode_seconds += time.perf_counter() - t0
-        batch.clear()
 
     to_read = derive_from_base(plan.items, encoder, store, writer) if encoder.spec.base is not None else plan.items
     decode_side = getattr(encoder, "decode_side", None)  # JPEGs decode at reduced size down to this
@@ -324,9 +325,8 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     stream = read_ahead(to_read, fn, functools.partial(decode_pool, where), max(2 * batch_size, 4 * where.workers))
     with torch_threads(where.torch_threads), contextlib.closing(stream):
         while True:
-            t0 = time.perf_counter()
-            prepared = next(stream, None)
-            wait_seconds += time.perf_counter() - t0
+            with waiting:
+                prepared = next(stream, None)
             if prepared is None:
                 break
             if prepared.vanished:
@@ -344,6 +344,5 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
         if batch:
             flush_batch()
     result = writer.flush()
-    result.seconds = round(time.perf_counter() - start, 3)
-    result.encode_seconds, result.wait_seconds = round(encode_seconds, 3), round(wait_seconds, 3)
+    result.seconds, result.encode_seconds, result.wait_seconds = total.seconds, encoding.seconds, waiting.seconds
     return result

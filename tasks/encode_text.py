@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import time
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -24,6 +23,7 @@ from imgest.storage import Location, ObjectInfo
 from imgest.tasks.listing import Listing, listing_table
 from imgest.tasks.plan import ShardPlan, WorkItem
 from imgest.tasks.shards import ShardResult, ShardWriter
+from imgest.timing import Stopwatch
 
 
 def text_of(table: pa.Table, spec: EncoderSpec, items: set[str] | None = None) -> dict[str, str]:
@@ -59,18 +59,15 @@ def encode_text_shard(plan: ShardPlan, encoder: Encoder, texts: dict[str, str], 
     """Encode one shard of texts in batches and commit it (the same writer, marker and result as images)."""
     from datetime import UTC, datetime
 
-    start = time.perf_counter()
+    total, encoding = Stopwatch(), Stopwatch(running=False)
     writer = ShardWriter(store, encoder.spec, plan, fence, dtype)
     writer.result.worker = f"{socket.gethostname()}:{os.getpid()}"
     writer.result.started = datetime.now(UTC).isoformat(timespec="microseconds")
     batch: list[tuple[WorkItem, str, str]] = []
-    encode_seconds = 0.0
 
     def flush_batch() -> None:
-        nonlocal encode_seconds
-        t0 = time.perf_counter()
-        vectors = encoder.encode_texts([text for _, _, text in batch])
-        encode_seconds += time.perf_counter() - t0
+        with encoding:
+            vectors = encoder.encode_texts([text for _, _, text in batch])
         writer.add([(item, digest) for item, digest, _ in batch], vectors)
         batch.clear()
 
@@ -89,6 +86,5 @@ def encode_text_shard(plan: ShardPlan, encoder: Encoder, texts: dict[str, str], 
     if batch:
         flush_batch()
     result = writer.flush()
-    result.seconds = round(time.perf_counter() - start, 3)
-    result.encode_seconds = round(encode_seconds, 3)
+    result.seconds, result.encode_seconds = total.seconds, encoding.seconds
     return result

@@ -19,7 +19,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -290,9 +289,10 @@ def train_head(vectors: np.ndarray, item_ids: list[str], labels: list[str], cfg:
     import torch
 
     from imgest.encoders.head import build_module
+    from imgest.timing import Stopwatch
 
     cfg.check()
-    start = time.perf_counter()
+    total = Stopwatch()
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     names = sorted(set(labels))
@@ -369,7 +369,7 @@ def train_head(vectors: np.ndarray, item_ids: list[str], labels: list[str], cfg:
     result.val_recall_at_1 = result.history[[h["epoch"] for h in result.history].index(result.best_epoch)][
         "val_recall@1"]
     result.base_val_recall_at_1 = round(base_recall, 5)
-    result.seconds = round(time.perf_counter() - start, 3)
+    result.seconds = total.seconds
     return result
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from imgest.tasks.index_choice import OPQ_NITER, OPQ_TRAIN, IndexChoice
+from imgest.timing import Stopwatch
 
 
 @dataclass
@@ -96,13 +96,12 @@ def add_in_blocks(index, vectors: np.ndarray, block: int = 65536, on_added: Call
 def build(vectors: np.ndarray, choice: IndexChoice, seed: int = 0, on_added: Callable[[int], None] | None = None,
           rows: np.ndarray | None = None):
     """Train (on `rows`, default a seeded sample) and add in this process; returns (index, times)."""
-    start = time.perf_counter()
-    index = train(vectors, choice, seed, rows)
-    times = BuildTimes(train_seconds=round(time.perf_counter() - start, 3))
-    t0 = time.perf_counter()
-    add_in_blocks(index, vectors, on_added=on_added)
-    times.add_seconds = round(time.perf_counter() - t0, 3)
-    times.total_seconds = round(time.perf_counter() - start, 3)
+    total = Stopwatch()
+    with Stopwatch() as training:
+        index = train(vectors, choice, seed, rows)
+    with Stopwatch() as adding:
+        add_in_blocks(index, vectors, on_added=on_added)
+    times = BuildTimes(training.seconds, adding.seconds, total.seconds)
     return index, times
 
 

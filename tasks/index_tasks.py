@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 
 import faiss
 import numpy as np
@@ -65,6 +64,7 @@ from imgest.tasks.policy import IO_RETRIES
 from imgest.tasks.recall_tuning import TRUTH_DEPTH_PER_K, Tuned, tune_with_truth
 from imgest.tasks.runners import shard_runner
 from imgest.tasks.state import LIVE, load_state
+from imgest.timing import Stopwatch
 
 MIN_USABLE_PROBES = 0.8  # below this share of probes with a known exact top-k, the recall is measured afresh
 
@@ -137,7 +137,7 @@ def update_task(store_url: str, model: dict, previous: dict | None, kind: str, m
 
 def update_version(store_url: str, model: dict, previous: dict | None, kind: str, memory: str, target_recall: float,
                    k: int, retrain_share: float, disk: str = DEFAULT_DISK) -> dict:
-    start = time.perf_counter()
+    total = Stopwatch()
     store, slug, d = Location(store_url), model["slug"], int(model["dim"])
     state = load_state(store, slug)
     choice = choose_index(state.count(LIVE), d, memory, kind, disk)
@@ -150,16 +150,15 @@ def update_version(store_url: str, model: dict, previous: dict | None, kind: str
     line = updated_lineage(previous, len(delta.added), delta.removed, retrain_share)
     check_drift(line)
     index = read_index_for_update(store, previous)
-    t0 = time.perf_counter()
-    apply_delta(index, delta)
-    add_seconds = round(time.perf_counter() - t0, 3)
+    with Stopwatch() as adding:
+        apply_delta(index, delta)
     truth = carry_truth(Truth.from_table(truth_table), delta.remap, delta.added_ids, delta.added)
     usable = float(truth.usable(k).mean())
     if usable < MIN_USABLE_PROBES:
         raise NotUpdatable(f"only {usable:.0%} of the recall probes still have an exact top-{k}: measured afresh")
     tuned = tune_with_truth(index, truth, target_recall, k)
     check_served(line, tuned)
-    times = BuildTimes(0.0, add_seconds, round(time.perf_counter() - start, 3))
+    times = BuildTimes(0.0, adding.seconds, total.seconds)
     card = make_card(model, len(delta.ids), d, state.seq, choice, memory, times, tuned, line, index, disk)
     card["build"] = {"parts": 1, "runner": "local", "method": "updated in place: faiss remove_ids, ids renumbered "
                                                               "to item_id order, add_with_ids of the new vectors"}
@@ -190,15 +189,15 @@ def build_in_parts(vectors: np.ndarray, choice: IndexChoice, parts: int, runner:
     """Train once here; add `parts` contiguous slices in parallel on the runner (local threads or a Dask
     cluster); merge them in id order with faiss's own merge. Same index as one build (tested)."""
     logger = get_run_logger()
-    start = time.perf_counter()
-    trained = train_task(vectors, choice, rows)
-    train_seconds = round(time.perf_counter() - start, 3)
+    total = Stopwatch()
+    with Stopwatch() as training:
+        trained = train_task(vectors, choice, rows)
     ranges = part_ranges(len(vectors), parts)
     if not mergeable(faiss.deserialize_index(np.frombuffer(trained, np.uint8))):
         logger.info("%s does not merge (an HNSW graph is one structure): adding in this process, where faiss "
                     "already uses every core", choice.factory)
         ranges = [(0, len(vectors))]
-    t0 = time.perf_counter()
+    adding = Stopwatch()
     with shard_runner(runner, workers) as part_runner:
         futures = part_runner.map(add_part_task, {"trained": unmapped(trained),
                                                   "vectors": [vectors[a:b] for a, b in ranges],
@@ -209,8 +208,7 @@ def build_in_parts(vectors: np.ndarray, choice: IndexChoice, parts: int, runner:
             if on_added is not None:
                 on_added(stop)
         index = merge_parts(trained, added)
-    add_seconds = round(time.perf_counter() - t0, 3)
-    times = BuildTimes(train_seconds, add_seconds, round(time.perf_counter() - start, 3))
+    times = BuildTimes(training.seconds, adding.seconds, total.seconds)
     return index, times, len(ranges)
 
 
@@ -218,7 +216,7 @@ def build_from_store(store_url: str, model: dict, live: pa.Table, choice: IndexC
                      workers: int, queries: int, depth: int, on_added: AddProgress | None = None):
     """An IVF build whose vectors never gather on this node (see tasks/index_parts.py): the training rows
     (whole shards) and the probes among them read here; each part reads its own shards on the runner."""
-    start = time.perf_counter()
+    total = Stopwatch()
     store, slug, d = Location(store_url), model["slug"], int(model["dim"])
     codes = pc.dictionary_encode(live["shard"].combine_chunks()).indices.to_numpy()
     rows = training_rows(codes, choice.train_size)
@@ -227,9 +225,9 @@ def build_from_store(store_url: str, model: dict, live: pa.Table, choice: IndexC
     sample = read_rows(store, slug, d, live, at)
     trained = train_task(sample, choice, np.searchsorted(at, rows))
     probes = np.ascontiguousarray(sample[np.searchsorted(at, probes_at)])
-    train_seconds = round(time.perf_counter() - start, 3)
+    train_seconds = total.seconds  # reading the training rows is part of training here
     specs = plan_parts(store_url, slug, d, live, parts)
-    t0, results, done = time.perf_counter(), [], 0
+    adding, results, done = Stopwatch(), [], 0
     with shard_runner(runner, workers) as part_runner:
         futures = part_runner.map(add_store_part_task, {"trained": unmapped(trained), "spec": specs,
                                                         "probes": unmapped(probes), "depth": unmapped(depth),
@@ -241,7 +239,7 @@ def build_from_store(store_url: str, model: dict, live: pa.Table, choice: IndexC
                 on_added(done)
     index = merge_id_parts(trained, [r["index"] for r in results])
     truth = merge_truth(probes, probes_at, results, len(live), depth)
-    times = BuildTimes(train_seconds, round(time.perf_counter() - t0, 3), round(time.perf_counter() - start, 3))
+    times = BuildTimes(train_seconds, adding.seconds, total.seconds)
     return index, times, len(specs), truth
 
 

@@ -3,13 +3,13 @@ measured recall@k against exact search."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
 from imgest.tasks.ground_truth import Truth, exact_truth, truth_recall
 from imgest.tasks.index_build import has_ivf, refine_of
+from imgest.timing import Stopwatch
 
 EF_SEARCH = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 K_FACTORS = (1, 2, 4, 8, 16, 32, 64)  # re-rank k x k_factor candidates from the PQ search
@@ -137,9 +137,9 @@ def tune_with_truth(index, truth: Truth, target: float, k: int) -> Tuned:
         before = -1.0
         for value in candidates(index, name):
             set_param(index, name, value, factor)
-            t0 = time.perf_counter()
-            _, ids = index.search(queries, k + 1)
-            ms = (time.perf_counter() - t0) * 1000 / max(len(rows), 1)
+            with Stopwatch() as searching:
+                _, ids = index.search(queries, k + 1)
+            ms = searching.elapsed * 1000 / max(len(rows), 1)
             found = np.full((len(truth.query_ids), k + 1), -1, np.int64)
             found[rows] = ids
             sweep.append(RecallPoint(value, round(truth_recall(found, truth, k, rows), 4), round(ms, 4), factor))
