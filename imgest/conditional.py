@@ -94,19 +94,9 @@ class ConditionalWrites:
         path = self.path(key)
         if self.is_local:
             return self._digest(data) if self._local_swap(path, data, token) else None
-        bucket, name, _ = self.fs.split_path(path)
         condition = {"IfNoneMatch": "*"} if token is None else {"IfMatch": token}
-        try:
-            response = self.fs.call_s3("put_object", Bucket=bucket, Key=name, Body=data, **condition)
-        except (FileExistsError, FileNotFoundError):  # If-None-Match met an object; If-Match met none
-            return None
-        except OSError as exc:
-            if self._precondition_failed(exc):
-                return None
-            raise
-        finally:
-            self.fs.invalidate_cache(path)
-        return response["ETag"]
+        response = self._s3_if(path, "put_object", Body=data, **condition)
+        return None if response is None else response["ETag"]
 
     @_io("deleting")
     def delete_if(self, key: str, token: str) -> bool:
@@ -115,18 +105,22 @@ class ConditionalWrites:
         path = self.path(key)
         if self.is_local:
             return self._local_swap(path, None, token)
+        return self._s3_if(path, "delete_object", IfMatch=token) is not None
+
+    def _s3_if(self, path: str, operation: str, **kwargs: Any) -> dict | None:
+        """One conditional S3 call; None when its condition failed (412, or 409 when a concurrent conditional
+        write won; If-None-Match meeting an object, If-Match meeting none), and then nothing changed."""
         bucket, name, _ = self.fs.split_path(path)
         try:
-            self.fs.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=token)
-        except FileNotFoundError:
-            return False
+            return self.fs.call_s3(operation, Bucket=bucket, Key=name, **kwargs)
+        except (FileExistsError, FileNotFoundError):
+            return None
         except OSError as exc:
             if self._precondition_failed(exc):
-                return False
+                return None
             raise
         finally:
             self.fs.invalidate_cache(path)
-        return True
 
     def write_json_if(self, key: str, obj: Any, token: str | None) -> str | None:
         """`write_if` of a JSON record, laid out as `write_json` lays it out."""
