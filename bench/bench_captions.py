@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+from imgest.config import IndexConfig, IngestConfig
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 WORDS = {"t-shirt": "t-shirt", "trouser": "trousers", "pullover": "sweater", "dress": "dress", "coat": "jacket",
@@ -58,9 +60,9 @@ def main() -> None:
     from imgest.demo import FASHION_CLASSES, product_metadata, read_fashion_mnist
     from imgest.flows.build_index import build_index
     from imgest.flows.ingest import ingest
-    from imgest.tasks.evaluate import run_evaluation
-    from imgest.tasks.querysets import LabelledQuery
-    from imgest.tasks.routing import traffic_gain
+    from imgest.tasks.evaluate.querysets import LabelledQuery
+    from imgest.tasks.evaluate.retrievers import run_evaluation
+    from imgest.tasks.evaluate.routing import traffic_gain
 
     rng = np.random.default_rng(0)
     train, train_labels = read_fashion_mnist("train")
@@ -78,10 +80,11 @@ def main() -> None:
         fh.writelines(json.dumps(r) + "\n" for r in rows)
 
     t0 = time.perf_counter()
-    ingest(catalogue=cat, store=store, model="efficientnet-lite0", metadata=os.path.join(root, "metadata.jsonl"))
-    build_index(store=store, model="efficientnet-lite0", alias="serving")
-    ingest(catalogue=cat, store=store, model="minilm-l6")
-    build_index(store=store, model="minilm-l6", alias="captions")
+    ingest(IngestConfig(catalogue=cat, store=store, model="efficientnet-lite0", metadata=os.path.join(root,
+                                                                                                      "metadata.jsonl")))
+    build_index(IndexConfig(store=store, model="efficientnet-lite0", alias="serving"))
+    ingest(IngestConfig(catalogue=cat, store=store, model="minilm-l6"))
+    build_index(IndexConfig(store=store, model="minilm-l6", alias="captions"))
     print(f"catalogue: {len(labels)} items ({args.per_class} per class); both retrievers ingested and indexed "
           f"in {time.perf_counter() - t0:.0f} s")
 

@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 
+from imgest.config import EvalConfig, IndexConfig, IngestConfig, NightlyConfig
+
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -34,8 +36,8 @@ def main() -> None:
     from imgest.flows.evaluate import evaluate
     from imgest.flows.ingest import ingest
     from imgest.flows.nightly import nightly
-    from imgest.tasks.markdown import render_eval
-    from imgest.tasks.querysets import build_class_queries, build_instance_queries
+    from imgest.tasks.evaluate.querysets import build_class_queries, build_instance_queries
+    from imgest.tasks.reports.evaluation import render_eval
 
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-eval-")
     cat, store = os.path.join(work, "catalogue"), os.path.join(work, "store")
@@ -43,16 +45,17 @@ def main() -> None:
         build_demo_catalogue(cat, fashion_per_class=args.per_class)
     print(f"# imgest evaluation benchmark ({time.strftime('%Y-%m-%d')})\n")
     with prefect_test_harness(server_startup_timeout=90):
-        nightly(catalogue=cat, store=store)
-        ingest(catalogue=cat, store=store, model="raw-pixels", batch_size="64")
-        build_index(store=store, model="raw-pixels", alias="pixels")
+        nightly(NightlyConfig(catalogue=cat, store=store))
+        ingest(IngestConfig(catalogue=cat, store=store, model="raw-pixels", batch_size="64"))
+        build_index(IndexConfig(store=store, model="raw-pixels", alias="pixels"))
         class_file = os.path.join(work, "class.jsonl")
         build_class_queries(cat, class_file, args.queries_per_class, seed=0, prefix="fashion/")
         instance = build_instance_queries(cat, os.path.join(work, "instance"), prefix="photos/", seed=0)
         for title, queries in (("Class level: Fashion-MNIST, 10 classes", class_file),
                                ("Instance level: scikit-image photos under crop / flip / colour", instance["file"])):
-            report = evaluate(store=store, queries=queries, alias="serving", compare="pixels", ks=[1, 5, 10],
-                              out=os.path.join(work, title.split(":")[0].lower().replace(" ", "-")))
+            out = os.path.join(work, title.split(":")[0].lower().replace(" ", "-"))
+            report = evaluate(EvalConfig(store=store, queries=queries, alias="serving", compare="pixels", ks=(1, 5, 10),
+                                         out=out))
             print(f"# {title}\n\nA = efficientnet-lite0 (serving), B = raw-pixels\n")
             print(render_eval(report))
 

@@ -34,8 +34,8 @@ def main() -> None:
     import faiss
     import pyarrow as pa
 
-    from imgest.tasks.filters import filtered_search, matching_items, positions
-    from imgest.tasks.recall_tuning import candidates, set_param
+    from imgest.tasks.index.tuning import candidates, set_param
+    from imgest.tasks.search.filters import filtered_search, matching_items, positions
 
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()

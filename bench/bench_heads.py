@@ -17,6 +17,8 @@ import sys
 import tempfile
 import time
 
+from imgest.config import HeadConfig, IngestConfig, TrainHeadConfig
+
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -49,9 +51,9 @@ def main() -> None:
     from imgest.flows.ingest import ingest
     from imgest.flows.train_head import train_head_flow
     from imgest.storage import Location
-    from imgest.tasks.live import load_live_vectors
-    from imgest.tasks.metrics import paired_bootstrap
-    from imgest.tasks.models import find_model
+    from imgest.tasks.evaluate.metrics import paired_bootstrap
+    from imgest.tasks.state.live import load_live_vectors
+    from imgest.tasks.state.models import find_model
 
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-heads-")
     cat, store = os.path.join(work, "catalogue"), os.path.join(work, "store")
@@ -66,7 +68,7 @@ def main() -> None:
     print(f"# imgest head benchmark ({time.strftime('%Y-%m-%d %H:%M')}), {os.cpu_count()} cores\n")
     with prefect_test_harness(server_startup_timeout=90):
         t0 = time.perf_counter()
-        base_run = ingest(catalogue=cat, store=store, batch_size="4")
+        base_run = ingest(IngestConfig(catalogue=cat, store=store, batch_size="4"))
         base_seconds = time.perf_counter() - t0
         loc = Location(store)
         base = find_model(loc, "efficientnet-lite0")
@@ -86,9 +88,9 @@ def main() -> None:
             [(loss, False) for loss in ("triplet", "infonce")]
         for loss, labelled in runs:
             t0 = time.perf_counter()
-            trained = train_head_flow(store=store, base_model="efficientnet-lite0",
-                                      labels=labels_file if labelled else None, loss=loss, epochs=args.epochs,
-                                      seed=0)
+            trained = train_head_flow(TrainHeadConfig(store=store, base_model="efficientnet-lite0",
+                                                      labels=labels_file if labelled else None,
+                                                      training=HeadConfig(loss=loss, epochs=args.epochs, seed=0)))
             seconds = time.perf_counter() - t0
             name = f"head, {loss}, " + ("labels" if labelled else "no labels")
             heads[name] = trained
@@ -121,10 +123,11 @@ def main() -> None:
         best = max(rows_out[1:], key=lambda r: r[1][1].mean())[0]
         head = heads[best]["head"]
         t0 = time.perf_counter()
-        derived = ingest(catalogue=cat, store=store, model=head, batch_size="4")
+        derived = ingest(IngestConfig(catalogue=cat, store=store, model=head, batch_size="4"))
         derive_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
-        full = ingest(catalogue=cat, store=os.path.join(work, "reencode-store"), model=head, batch_size="4")
+        full = ingest(IngestConfig(catalogue=cat, store=os.path.join(work, "reencode-store"), model=head,
+                                   batch_size="4"))
         full_seconds = time.perf_counter() - t0
         print(f"\nShards for the {best} head over the whole catalogue ({derived['encoded']} items):")
         print(f"- derived from stored base embeddings: {derive_seconds:.1f} s wall ({derived['derived']} derived, "

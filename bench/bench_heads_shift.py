@@ -28,6 +28,9 @@ import time
 
 import numpy as np
 
+from imgest.config import IngestConfig, TrainHeadConfig
+from imgest.flow_params import gather_flat
+
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -135,9 +138,9 @@ def main() -> None:
     from imgest.flows.ingest import ingest
     from imgest.flows.train_head import train_head_flow
     from imgest.storage import Location
-    from imgest.tasks.head_eval import query_scorer
-    from imgest.tasks.live import load_live_vectors
-    from imgest.tasks.models import find_model
+    from imgest.tasks.heads.evaluate import query_scorer
+    from imgest.tasks.state.live import load_live_vectors
+    from imgest.tasks.state.models import find_model
 
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-heads-shift-")
     if not os.path.exists(os.path.join(work, "test.jsonl")):
@@ -148,7 +151,7 @@ def main() -> None:
     with prefect_test_harness(server_startup_timeout=90):
         for key, cat in (("free", "catalogue"), ("labelled", "catalogue-labelled")):
             t0 = time.perf_counter()
-            run = ingest(catalogue=os.path.join(work, cat), store=stores[key], batch_size="32")
+            run = ingest(IngestConfig(catalogue=os.path.join(work, cat), store=stores[key], batch_size="32"))
             print(f"{key} store: {run['listed']} images, {run['encoded']} encoded in "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
         loc = Location(stores["free"])
@@ -168,9 +171,10 @@ def main() -> None:
             if params.get("eval_queries"):
                 params["eval_queries"] = os.path.join(work, f"{params['eval_queries']}.jsonl")
             t0 = time.perf_counter()
-            trained = train_head_flow(store=stores["labelled" if labelled else "free"], base_model=base["name"],
-                                      labels=os.path.join(work, "labels.csv") if labelled else None,
-                                      epochs=args.epochs, **params)
+            flat = {"store": stores["labelled" if labelled else "free"], "base_model": base["name"],
+                    "labels": os.path.join(work, "labels.csv") if labelled else None, **params, "epochs": args.epochs}
+            config = TrainHeadConfig.model_validate(gather_flat(TrainHeadConfig, flat)[0]["config"])
+            trained = train_head_flow(config)
             seconds = time.perf_counter() - t0
             module = load_module(trained["folder"], trained["config"])
             report = test.report(lambda v, m=module: project(m, v), seed=0)

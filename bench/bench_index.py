@@ -25,9 +25,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from imgest.tasks.index_build import build  # noqa: E402
-from imgest.tasks.index_choice import choose_index, parse_memory  # noqa: E402
-from imgest.tasks.recall_tuning import exact_neighbours, knn_recall, sample_queries, tune_search  # noqa: E402
+from imgest.tasks.index.build import build  # noqa: E402
+from imgest.tasks.index.choice import choose_index, parse_memory  # noqa: E402
+from imgest.tasks.index.tuning import exact_neighbours, knn_recall, sample_queries, tune_search  # noqa: E402
 
 
 def clustered(n: int, d: int, clusters: int = 2000, noise: float = 0.6, seed: int = 0) -> np.ndarray:
@@ -176,8 +176,8 @@ def main() -> None:
     kinds = args.kinds.split(",")
     if args.real_store:
         from imgest.storage import Location
-        from imgest.tasks.live import load_live_vectors
-        from imgest.tasks.models import find_model
+        from imgest.tasks.state.live import load_live_vectors
+        from imgest.tasks.state.models import find_model
 
         store = Location(args.real_store)
         card = find_model(store, "efficientnet-lite0")

@@ -27,13 +27,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.bench_index import clustered  # noqa: E402
+from imgest.config import IndexConfig  # noqa: E402
 
 MODEL = {"slug": "synthetic-512", "model_id": "synthetic/clustered-512@bench", "name": "synthetic-512",
          "family": "synthetic"}
 
 
 def write_shard(store, name: str, ids: list[str], vectors: np.ndarray, hashes: list[str]) -> None:
-    from imgest.tasks.state import shard_key
+    from imgest.tasks.state.committed import shard_key
 
     d = vectors.shape[1]
     table = pa.table({"item_id": ids, "uri": [f"s3://catalogue/{i}" for i in ids], "content_hash": hashes,
@@ -42,7 +43,14 @@ def write_shard(store, name: str, ids: list[str], vectors: np.ndarray, hashes: l
 
 
 def seed_store(store, x: np.ndarray, shard_rows: int = 50_000) -> None:
-    from imgest.tasks.state import LIVE, CatalogueState, ItemState, new_run_id, write_model_card, write_snapshot
+    from imgest.tasks.state.committed import (
+        LIVE,
+        CatalogueState,
+        ItemState,
+        new_run_id,
+        write_model_card,
+        write_snapshot,
+    )
 
     write_model_card(store, {**MODEL, "dim": x.shape[1]})
     run = new_run_id(1)
@@ -59,7 +67,7 @@ def seed_store(store, x: np.ndarray, shard_rows: int = 50_000) -> None:
 
 def night(store, rng, pool: np.ndarray, used: int, seq: int, n_next: int) -> tuple[int, int, dict]:
     """One night's churn committed as one run: returns (pool rows used, next new item number, counts)."""
-    from imgest.tasks.state import DELETED, LIVE, ItemState, load_state, new_run_id, write_snapshot
+    from imgest.tasks.state.committed import DELETED, LIVE, ItemState, load_state, new_run_id, write_snapshot
 
     state = load_state(store, MODEL["slug"])
     live = sorted(k for k, v in state.items.items() if v.status == LIVE)
@@ -83,9 +91,9 @@ def night(store, rng, pool: np.ndarray, used: int, seq: int, n_next: int) -> tup
 
 def common_recall(stores, cards: list[dict], queries: int = 1000) -> list[float]:
     """recall@10 of each version at its served nprobe, on one probe set of the current live vectors."""
-    from imgest.tasks.index_store import open_index
-    from imgest.tasks.live import load_live_vectors
-    from imgest.tasks.recall_tuning import exact_neighbours, knn_recall, sample_queries
+    from imgest.tasks.index.store import open_index
+    from imgest.tasks.index.tuning import exact_neighbours, knn_recall, sample_queries
+    from imgest.tasks.state.live import load_live_vectors
 
     live = load_live_vectors(stores[0], MODEL["slug"], cards[0]["d"])
     qids = sample_queries(len(live), queries, seed=42)
@@ -121,7 +129,7 @@ def main() -> None:
     common = {"store": store.url, "model": MODEL["slug"], "memory": args.memory, "alias": None}
 
     t0 = time.perf_counter()
-    first = build_index(**common)["card"]
+    first = build_index(IndexConfig(**common))["card"]
     full0 = time.perf_counter() - t0
     print(f"v{first['version']} {first['factory']}: full build {full0:.1f} s (card: train "
           f"{first['times']['train_seconds']} s, add {first['times']['add_seconds']} s), nprobe "
@@ -132,7 +140,7 @@ def main() -> None:
     for night_no in range(1, args.nights + 1):
         used, n_next, counts = night(store, rng, x, used, night_no + 1, n_next)
         t0 = time.perf_counter()
-        card = build_index(**common)["card"]
+        card = build_index(IndexConfig(**common))["card"]
         update_s = time.perf_counter() - t0
         row = {"night": night_no, **counts, "n": card["n"], "method": card["lineage"]["method"],
                "why": card["lineage"]["why"], "seconds": round(update_s, 1), "nprobe": card["search"]["value"],
@@ -145,7 +153,7 @@ def main() -> None:
             twin = Location(os.path.join(work, f"rebuilt-{night_no}"))
             subprocess.run(["cp", "-al", store.path(), twin.path()], check=True)
             t0 = time.perf_counter()
-            fresh = build_index(**{**common, "store": twin.url}, rebuild=True)["card"]
+            fresh = build_index(IndexConfig(**{**common, "store": twin.url}, rebuild=True))["card"]
             row["rebuild_seconds"] = round(time.perf_counter() - t0, 1)
             row["rebuild_nprobe"], row["rebuild_card_recall"] = fresh["search"]["value"], fresh["recall"]["recall@10"]
             cards.append(fresh)

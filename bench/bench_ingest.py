@@ -27,7 +27,7 @@ CHILD = """
 import json, resource, sys, time
 from imgest.flows.ingest import ingest
 from imgest import encoders
-from imgest.tasks.batch_size import measure
+from imgest.tasks.ingest.batch_size import measure
 t0 = time.perf_counter()
 summary = ingest(catalogue=sys.argv[1], store=sys.argv[2], batch_size=sys.argv[3], device=sys.argv[4])
 summary["wall_seconds"] = round(time.perf_counter() - t0, 2)
@@ -73,7 +73,7 @@ def main() -> None:
     from threadpoolctl import threadpool_info
 
     from imgest import encoders
-    from imgest.tasks.batch_size import tune_batch_size
+    from imgest.tasks.ingest.batch_size import tune_batch_size
 
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-bench-")
     print(f"# imgest ingest benchmark ({time.strftime('%Y-%m-%d')})")

@@ -1,5 +1,5 @@
 """Planning at catalogue scale: a listing of N objects against an N-item snapshot (1% changed, 0.5% new,
-0.5% deleted), planned by the per-item planner imgest had before (tasks/plan.py at a29ef69, loaded from git:
+0.5% deleted), planned by the per-item planner imgest had before (tasks/ingest/plan.py at a29ef69, loaded from git:
 a Python object per item for the state and the listing), by today's columnar one alone (DuckDB joining the
 listing and snapshot Parquet files on disk), and along the flow's whole state path with its own functions
 (`prepare_state` on a store holding the snapshot, `plan_ingest` over the listing's file, the night's commit
@@ -30,8 +30,8 @@ OLD = "a29ef69"  # the last commit with the per-item planner
 
 def write_inputs(n: int, work: str, seed: int = 0) -> dict:
     """snapshot.parquet (STATE_SCHEMA, n live items) and listing.parquet (LISTING_SCHEMA) after one night."""
-    from imgest.tasks.listing import LISTING_SCHEMA
-    from imgest.tasks.state import STATE_SCHEMA
+    from imgest.tasks.ingest.listing import LISTING_SCHEMA
+    from imgest.tasks.state.committed import STATE_SCHEMA
 
     rng = np.random.default_rng(seed)
     ids = np.array([f"catalogue/{i % 997:03d}/item-{i:09d}.jpg" for i in range(n)], dtype=object)
@@ -74,11 +74,11 @@ def peak_rss_mib() -> int:
 
 
 def old_planner():
-    source = subprocess.run(["git", "-C", ROOT, "show", f"{OLD}:tasks/plan.py"], capture_output=True, text=True,
+    source = subprocess.run(["git", "-C", ROOT, "show", f"{OLD}:tasks/ingest/plan.py"], capture_output=True, text=True,
                             check=True).stdout
     module = types.ModuleType("plan_before")
     sys.modules["plan_before"] = module  # its dataclasses look their module up
-    exec(compile(source, f"{OLD}:tasks/plan.py", "exec"), module.__dict__)  # our own code, from our own history
+    exec(compile(source, f"{OLD}:tasks/ingest/plan.py", "exec"), module.__dict__)  # our own code, from our own history
     return module.plan_ingest
 
 
@@ -87,9 +87,9 @@ def flow_path(work: str):
     file read in place by DuckDB), plan against the listing file as the listing task leaves it, fold one commit
     marker per shard of the work (every object re-encoded), tombstone the unlisted, write the next snapshot."""
     from imgest.storage import Location
-    from imgest.tasks.listing import Listing
-    from imgest.tasks.plan import plan_ingest
-    from imgest.tasks.state import now_iso, prepare_state, write_snapshot
+    from imgest.tasks.ingest.listing import Listing
+    from imgest.tasks.ingest.plan import plan_ingest
+    from imgest.tasks.state.committed import now_iso, prepare_state, write_snapshot
 
     store = Location(os.path.join(work, "store"))
     state, _ = prepare_state(store, {"slug": "m", "model_id": "bench"})
@@ -107,9 +107,9 @@ def flow_path(work: str):
 
 def child(kind: str, work: str) -> None:
     from imgest.storage import ObjectInfo
-    from imgest.tasks.listing import LISTING_SCHEMA, Listing
-    from imgest.tasks.plan import plan_ingest
-    from imgest.tasks.state import CatalogueState, ItemState
+    from imgest.tasks.ingest.listing import LISTING_SCHEMA, Listing
+    from imgest.tasks.ingest.plan import plan_ingest
+    from imgest.tasks.state.committed import CatalogueState, ItemState
 
     start = time.perf_counter()
     if kind == "old":  # what the flow did: the state as a dict of ItemState, the listing as ObjectInfo objects

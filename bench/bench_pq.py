@@ -42,8 +42,8 @@ def rss_anon_mib() -> float:
 def vectors(args) -> np.ndarray:
     if args.real_store:
         from imgest.storage import Location
-        from imgest.tasks.live import load_live_vectors
-        from imgest.tasks.models import find_model
+        from imgest.tasks.state.live import load_live_vectors
+        from imgest.tasks.state.models import find_model
 
         store = Location(args.real_store)
         card = find_model(store, "efficientnet-lite0")
@@ -56,10 +56,10 @@ def vectors(args) -> np.ndarray:
 def child(args) -> None:
     import faiss
 
-    from imgest.tasks.index_build import build
-    from imgest.tasks.index_card import footprint
-    from imgest.tasks.index_choice import choose_index
-    from imgest.tasks.recall_tuning import exact_neighbours, knn_recall, sample_queries, tune_search
+    from imgest.tasks.index.build import build
+    from imgest.tasks.index.card import footprint
+    from imgest.tasks.index.choice import choose_index
+    from imgest.tasks.index.tuning import exact_neighbours, knn_recall, sample_queries, tune_search
 
     x = vectors(args)
     n, d = x.shape
@@ -104,9 +104,9 @@ def child(args) -> None:
 def serve(path: str, params: dict) -> None:
     """Open the index as `imgest search` does, in a process of its own (so the memory it adds is its own), and
     search the saved queries: k+1 ids each (the query item is among them), once to warm the page cache."""
-    from imgest.tasks.index_build import refine_of
-    from imgest.tasks.index_store import read_served
-    from imgest.tasks.recall_tuning import set_param
+    from imgest.tasks.index.build import refine_of
+    from imgest.tasks.index.store import read_served
+    from imgest.tasks.index.tuning import set_param
 
     queries = np.load(path + ".queries.npy")
     before = rss_anon_mib()
@@ -129,7 +129,7 @@ def autofaiss_at(args, fraction: int, work: str) -> dict:
     """autofaiss at the same RAM budget (its max_index_memory_usage), measured on the same held-out queries."""
     from bench_index import autofaiss_run
 
-    from imgest.tasks.recall_tuning import exact_neighbours, sample_queries
+    from imgest.tasks.index.tuning import exact_neighbours, sample_queries
 
     x = vectors(args)
     n, d = x.shape

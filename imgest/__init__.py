@@ -6,9 +6,10 @@ reached through `imgest.flows` (Prefect flows), `imgest.tasks` (their stages) an
 
 from __future__ import annotations
 
+from imgest.names import VERSION
 from imgest.redact import redact_logging
 
-__version__ = "0.1.0"
+__version__ = VERSION
 __all__ = ["Query", "Searcher", "__version__", "search"]
 
 # Every process that imports imgest (the CLI, workers, Dask) masks secrets in Prefect's log records, tracebacks
@@ -19,7 +20,7 @@ redact_logging()
 def __getattr__(name: str):
     # Lazy: `import imgest` (the CLI, every worker) must not pay for faiss, torch and Prefect up front.
     if name in ("Query", "Searcher", "search"):
-        from imgest.tasks import search as module
+        from imgest.tasks.search import query as module
 
         return getattr(module, name)
     raise AttributeError(f"module 'imgest' has no attribute {name!r}")

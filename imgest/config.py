@@ -1,17 +1,61 @@
-"""Each flow's configuration, typed and validated before any work starts; every default is declared here once.
+"""One configuration model per flow: each field's type, default, help and check written once.
 
-Flows, the command line and the deployments take their defaults from these names, so a deployment run
-and a CLI run with the same values do the same thing, and a bad value fails on the flow's first line
-with one line naming the field and what is allowed.
+A flow takes its model as its one parameter (Prefect renders it as a form and validates it at the API); the
+command line derives its options from the same models (`imgest/cli/options.py`); the deployments set only
+what differs from these defaults; docs/configuration.md is generated from them. A bad value fails before
+any work with one line naming the field and what is allowed. Credentials are never a field: a URL carrying
+one is refused here, before it can reach run parameters, logs or artifacts.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
-from dataclasses import asdict, dataclass, field
+from typing import Annotated, Self
 
-from imgest.defaults import (
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+
+from imgest.fields import (
+    BatchSize,
+    Catalogue,
+    Cli,
+    DecodeWorkers,
+    Device,
+    Disk,
+    Dtype,
+    Kind,
+    MaxPixels,
+    Memory,
+    Model,
+    OptionalUrl,
+    RecallK,
+    Runner,
+    ShardSize,
+    Store,
+    TargetRecall,
+    Workers,
+    alias_name,
+    at_least,
+    augmentations,
+    comma_ints,
+    cut_offs,
+    encode_limit_name,
+    fraction,
+    no_credentials,
+    non_negative,
+    not_empty,
+    one_of,
+    parse_batch_size,
+)
+from imgest.names import (
+    ACTIONS,
+    AUGMENTATIONS,
     DEFAULT_ALIAS,
     DEFAULT_BATCH_SIZE,
     DEFAULT_DECODE_WORKERS,
@@ -38,201 +82,161 @@ from imgest.defaults import (
     DEFAULT_TARGET_RECALL,
     DEFAULT_VIEWS,
     DEFAULT_WORKERS,
+    LOSSES,
 )
-from imgest.storage import check_no_credentials
-from imgest.tasks.aliases import ALIAS_NAME
-from imgest.tasks.heads import HeadConfig
-from imgest.tasks.index_choice import KINDS, IndexChoiceError, parse_disk, parse_memory
-from imgest.tasks.migration import ACTIONS
-from imgest.tasks.shards import DTYPES
-
-HEAD = HeadConfig()  # train-head's defaults (loss, dimensions, P x K batches, early stopping)
-
-RUNNERS = "local, dask, or a Dask scheduler address (tcp://host:8786, tls://...)"
 
 
 class ConfigError(ValueError):
     """A parameter is out of range; the message names it and says what is allowed."""
 
 
-# -- checks shared by the configurations ---------------------------------------------------------------
-def parse_batch_size(value: str | int) -> int | None:
-    """'auto' -> None (measure); a positive integer -> itself."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return None
+def describe(exc: ValidationError) -> str:
+    """A model's validation errors as one line: 'memory must look like 4G, ...; shard_size: ...'."""
+    parts = []
+    for error in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(p) for p in error["loc"])
+        message = error["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        parts.append(message if not where or message.startswith(where.rsplit(".", 1)[-1]) else f"{where}: {message}")
+    return "; ".join(parts)
+
+
+def build(model: type[BaseModel], values: dict) -> BaseModel:
+    """The model from plain values, a bad one raising ConfigError with describe()'s one line."""
     try:
-        size = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"batch_size must be 'auto' or a positive integer, got {value!r}") from None
-    if size < 1:
-        raise ConfigError(f"batch_size must be 'auto' or a positive integer, got {value!r}")
-    return size
+        return model.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(describe(exc)) from None
 
 
-def check_runner(runner: str, workers: int) -> None:
-    if runner not in ("local", "dask") and not runner.startswith(("tcp://", "tls://", "ucx://")):
-        raise ConfigError(f"runner must be {RUNNERS}; got {runner!r}")
-    if not isinstance(workers, int) or workers < 0:
-        raise ConfigError(f"workers must be an integer >= 0 (0: one per CPU core); got {workers!r}")
-    if runner != "dask" and workers:
-        raise ConfigError("workers sets the size of a local Dask cluster: use it with runner 'dask'")
+class FlowConfig(BaseModel):
+    """Frozen, no unknown fields: a misspelt parameter fails instead of being ignored."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
-def check_device(device: str) -> None:
-    if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(device)):
-        raise ConfigError(f"device must be one of auto, cpu, cuda, cuda:N; got {device!r}")
-
-
-def check_not_empty(**values: str | None) -> None:
-    for name, value in values.items():
-        if not str(value or "").strip():
-            raise ConfigError(f"{name} must not be empty")
-
-
-def check_urls(**urls: str | None) -> None:
-    """No credentials inside a URL: refused before they reach run parameters, logs or artifacts."""
-    for name, url in urls.items():
-        if url:
-            check_no_credentials(url, what=name)
-
-
-def check_at_least(low: int | float, **values) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ConfigError(f"{name} must be an integer >= {low}; got {value!r}")
-
-
-def check_index(kind: str, memory: str, target_recall: float, disk: str = DEFAULT_DISK) -> None:
-    if kind not in KINDS and not any(t in kind for t in ("Flat", "HNSW", "IVF", "PQ", "SQ")):
-        raise ConfigError(f"kind must be one of {', '.join(KINDS)} or a faiss factory string; got {kind!r}")
-    try:
-        parse_memory(memory)
-        parse_disk(disk)
-    except IndexChoiceError as exc:
-        raise ConfigError(str(exc)) from None
-    if not isinstance(target_recall, int | float) or not 0 < target_recall <= 1:
-        raise ConfigError(f"target_recall must be in (0, 1]; got {target_recall!r}")
-
-
-def check_alias(name: str, alias: str | None) -> None:
-    if alias is not None and not ALIAS_NAME.match(alias):
-        raise ConfigError(f"{name} must be lowercase letters, digits, '-' or '_' (starting with a letter); "
-                          f"got {alias!r}")
+    def to_dict(self) -> dict:
+        return self.model_dump()
 
 
 # -- one configuration per flow ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class IngestConfig:
-    """ingest and reencode."""
+class EncodeConfig(FlowConfig):
+    """What every encode of a catalogue into a store takes (ingest and reencode)."""
 
-    catalogue: str
-    store: str
-    model: str = DEFAULT_MODEL
-    batch_size: str = DEFAULT_BATCH_SIZE
-    device: str = DEFAULT_DEVICE
-    shard_size: int = DEFAULT_SHARD_SIZE
-    decode_workers: int = DEFAULT_DECODE_WORKERS
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    runner: str = DEFAULT_RUNNER
-    workers: int = DEFAULT_WORKERS
-    encode_limit: str = DEFAULT_ENCODE_LIMIT
-    max_bytes: int = DEFAULT_MAX_BYTES  # a larger object is rejected from its listing size, never read
-    max_delete_fraction: float = DEFAULT_MAX_DELETE_FRACTION  # of the live items one run may tombstone
-    allow_mass_delete: bool = False  # the deletions are real: lift max_delete_fraction for this run
-    dtype: str = DEFAULT_DTYPE  # of the vectors in the shards this run writes: float32 or float16
-    metadata: str | None = None  # catalogue metadata (Parquet, CSV, JSONL) stored with the run; text models read it
-    inventory: str | None = None  # an S3 Inventory manifest.json listing the catalogue's bucket, read instead of LIST
+    catalogue: Catalogue
+    store: Store
+    model: Model = DEFAULT_MODEL
+    batch_size: BatchSize = DEFAULT_BATCH_SIZE
+    device: Device = DEFAULT_DEVICE
+    shard_size: ShardSize = DEFAULT_SHARD_SIZE
+    decode_workers: DecodeWorkers = DEFAULT_DECODE_WORKERS
+    max_pixels: MaxPixels = DEFAULT_MAX_PIXELS
+    runner: Runner = DEFAULT_RUNNER
+    workers: Workers = DEFAULT_WORKERS
+    dtype: Dtype = DEFAULT_DTYPE
 
-    def __post_init__(self) -> None:
-        check_not_empty(catalogue=self.catalogue, store=self.store, model=self.model)
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
-        check_urls(catalogue=self.catalogue, store=self.store, metadata=self.metadata, inventory=self.inventory)
-        if self.inventory and not self.catalogue.startswith(("s3://", "s3a://")):
-            raise ConfigError(f"inventory: an S3 Inventory lists an S3 bucket; the catalogue is {self.catalogue}")
-        if self.inventory and not self.inventory.endswith("manifest.json"):
-            raise ConfigError(f"inventory must be the URL of a report's manifest.json; got {self.inventory}")
-        check_runner(self.runner, self.workers)
-        if not re.fullmatch(r"[A-Za-z0-9._:-]+", str(self.encode_limit)):
-            raise ConfigError("encode_limit must be 'auto' (one encode per GPU), 'none' or the name of a Prefect "
-                              f"global concurrency limit (letters, digits, . _ : -); got {self.encode_limit!r}")
-        parse_batch_size(self.batch_size)
-        check_at_least(1, shard_size=self.shard_size, max_pixels=self.max_pixels, max_bytes=self.max_bytes)
-        check_at_least(0, decode_workers=self.decode_workers)
-        check_device(self.device)
-        if isinstance(self.max_delete_fraction, bool) or not isinstance(self.max_delete_fraction, int | float) \
-                or not 0 <= self.max_delete_fraction <= 1:
-            raise ConfigError(f"max_delete_fraction must be in [0, 1]; got {self.max_delete_fraction!r}")
+    @model_validator(mode="after")
+    def _workers_need_dask(self) -> Self:
+        if self.runner != "dask" and self.workers:
+            raise ValueError("workers sets the size of a local Dask cluster: use it with runner 'dask'")
+        return self
 
     @property
     def fixed_batch_size(self) -> int | None:
         return parse_batch_size(self.batch_size)
 
+
+class ReencodeConfig(EncodeConfig):
+    """reencode: the whole catalogue into a new model's namespace (resumable)."""
+
+    model: Annotated[Model, Field(description="The new model: efficientnet-lite0 or hf:<hub id or local folder>")]
+
+
+class IngestConfig(EncodeConfig):
+    """ingest: encode what is new or changed in the catalogue; tombstone what was deleted."""
+
+    encode_limit: Annotated[str, AfterValidator(encode_limit_name), Field(
+        description="Prefect global concurrency limit each encode holds a slot of: auto (one encode per GPU at a "
+                    "time; none on CPU), none, or a name")] = DEFAULT_ENCODE_LIMIT
+    max_bytes: Annotated[int, AfterValidator(at_least(1)), Field(
+        description="Larger objects are rejected from their listing size, never read")] = DEFAULT_MAX_BYTES
+    max_delete_fraction: Annotated[float, AfterValidator(fraction()), Field(
+        description="A run that would tombstone more than this share of the live items stops before writing "
+                    "anything (exit 2)")] = DEFAULT_MAX_DELETE_FRACTION
+    allow_mass_delete: Annotated[bool, Field(
+        description="The deletions are real: lift max_delete_fraction for this run")] = False
+    metadata: Annotated[OptionalUrl, Field(
+        description="Catalogue metadata, one row per item_id (Parquet, CSV or JSONL: item_id, product_id, title, "
+                    "caption, attributes): stored with the run; text models such as minilm-l6 embed its text")] = None
+    inventory: Annotated[OptionalUrl, Field(
+        description="An S3 Inventory report's manifest.json (CSV, Parquet or ORC) to list the catalogue from "
+                    "instead of LIST: s3://inventory-bucket/.../manifest.json")] = None
+
+    @model_validator(mode="after")
+    def _inventory_lists_s3(self) -> Self:
+        if self.inventory and not self.catalogue.startswith(("s3://", "s3a://")):
+            raise ValueError(f"inventory: an S3 Inventory lists an S3 bucket; the catalogue is {self.catalogue}")
+        if self.inventory and not self.inventory.endswith("manifest.json"):
+            raise ValueError(f"inventory must be the URL of a report's manifest.json; got {self.inventory}")
+        return self
+
     @property
     def delete_limit(self) -> float | None:
-        """The fraction of live items a run may tombstone; None when --allow-mass-delete lifts it."""
+        """The fraction of live items a run may tombstone; None when allow_mass_delete lifts it."""
         return None if self.allow_mass_delete else self.max_delete_fraction
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+
+class IndexConfig(FlowConfig):
+    """build-index: a verified index version of one model, its aliases moved."""
+
+    store: Store
+    model: Annotated[Model, Field(description="Model name, model id or slug in the store")] = DEFAULT_MODEL
+    kind: Kind = DEFAULT_KIND
+    memory: Memory = DEFAULT_MEMORY
+    target_recall: TargetRecall = DEFAULT_TARGET_RECALL
+    k: RecallK = DEFAULT_K
+    queries: Annotated[int, AfterValidator(at_least(1)), Field(
+        description="Held-out corpus queries measuring the recall")] = DEFAULT_RECALL_QUERIES
+    disk: Disk = DEFAULT_DISK
+    alias: Annotated[str | None, AfterValidator(alias_name), Field(
+        description="Alias to move once verified: 'auto' moves the aliases already on this model (creating "
+                    "`serving` if the store has none); a name; '' for none")] = DEFAULT_ALIAS
+    parts: Annotated[int, AfterValidator(at_least(1)), Field(
+        description="IVF and flat indexes: train once, add this many slices in parallel on runner, merge "
+                    "(faiss merge_from); 1: one process")] = DEFAULT_INDEX_PARTS
+    runner: Runner = DEFAULT_RUNNER
+    workers: Workers = DEFAULT_WORKERS
+    rebuild: Annotated[bool, Field(
+        description="Train a new version from scratch even when nothing changed since the last one (otherwise "
+                    "it is reused) or an IVF version could be updated in place")] = False
+    retrain_share: Annotated[float, AfterValidator(non_negative(" (0: retrain on any addition)")), Field(
+        description="Update an IVF version in place until this share of its training count was added since; "
+                    "then train anew")] = DEFAULT_RETRAIN_SHARE
+
+    @model_validator(mode="after")
+    def _workers_need_dask(self) -> Self:
+        if self.runner != "dask" and self.workers:
+            raise ValueError("workers sets the size of a local Dask cluster: use it with runner 'dask'")
+        return self
 
 
-@dataclass(frozen=True)
-class IndexConfig:
-    """build-index."""
-
-    store: str
-    model: str = DEFAULT_MODEL
-    kind: str = DEFAULT_KIND
-    memory: str = DEFAULT_MEMORY
-    target_recall: float = DEFAULT_TARGET_RECALL
-    k: int = DEFAULT_K
-    queries: int = DEFAULT_RECALL_QUERIES
-    disk: str = DEFAULT_DISK  # local disk for a PQ index's float16 re-rank vectors ("unlimited", "0", "20G")
-    alias: str | None = DEFAULT_ALIAS  # a name, "auto" (follow the model's aliases) or None (move none)
-    parts: int = DEFAULT_INDEX_PARTS  # >1: train once here, add that many slices in parallel on `runner`, merge
-    runner: str = DEFAULT_RUNNER
-    workers: int = DEFAULT_WORKERS
-    rebuild: bool = False  # train a new version from scratch, even when nothing changed or an update would do
-    retrain_share: float = DEFAULT_RETRAIN_SHARE  # ... and once this share of its training count was added since
-
-    def __post_init__(self) -> None:
-        check_not_empty(store=self.store, model=self.model)
-        check_urls(store=self.store)
-        check_runner(self.runner, self.workers)
-        check_at_least(1, parts=self.parts, k=self.k, queries=self.queries)
-        if isinstance(self.retrain_share, bool) or not isinstance(self.retrain_share, int | float) \
-                or not 0 <= self.retrain_share:
-            raise ConfigError(f"retrain_share must be a number >= 0 (0: retrain on any addition); "
-                              f"got {self.retrain_share!r}")
-        check_index(self.kind, self.memory, self.target_recall, self.disk)
-        if self.alias != "auto":
-            check_alias("alias", self.alias)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
 class NightlyConfig(IngestConfig):
     """nightly: an ingest and an index build per model, both validated before either starts."""
 
-    model: str | None = None  # None: the models the store's aliases point at (DEFAULT_MODEL for a new store)
-    kind: str = DEFAULT_KIND
-    memory: str = DEFAULT_MEMORY
-    target_recall: float = DEFAULT_TARGET_RECALL
-    k: int = DEFAULT_K
-    index_parts: int = DEFAULT_INDEX_PARTS
-    disk: str = DEFAULT_DISK
-    report_duplicates: bool = False  # after the builds: duplicate groups of the serving model, new ones counted
-
-    def __post_init__(self) -> None:
-        self.ingest(self.model or DEFAULT_MODEL)
-        self.index(self.model or DEFAULT_MODEL)
+    model: Annotated[str | None, Field(
+        description="Default: the models the store's aliases point at (serving; both models in a migration "
+                    "window), efficientnet-lite0 for a new store. A model named here is ingested too, unless "
+                    "retired")] = None
+    kind: Kind = DEFAULT_KIND
+    memory: Memory = DEFAULT_MEMORY
+    target_recall: TargetRecall = DEFAULT_TARGET_RECALL
+    k: RecallK = DEFAULT_K
+    index_parts: Annotated[int, AfterValidator(at_least(1)), Field(
+        description="IVF and flat indexes: add this many slices in parallel on runner, merge")] = DEFAULT_INDEX_PARTS
+    disk: Disk = DEFAULT_DISK
+    report_duplicates: Annotated[bool, Field(
+        description="After the builds, report the serving model's duplicate groups and how many are new")] = False
 
     def ingest(self, model: str) -> IngestConfig:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(IngestConfig)}
-        return IngestConfig(**{**fields, "model": model})
+        return IngestConfig(**{**self.model_dump(include=set(IngestConfig.model_fields)), "model": model})
 
     def index(self, model: str) -> IndexConfig:
         # alias "auto": each rebuilt index moves the aliases already on its model (serving, shadow, previous)
@@ -241,113 +245,150 @@ class NightlyConfig(IngestConfig):
                            runner=self.runner, workers=self.workers, disk=self.disk)
 
 
-@dataclass(frozen=True)
-class MigrateConfig:
-    """migrate: one window action; `start` re-encodes and builds the new model's index."""
+class MigrateConfig(FlowConfig):
+    """migrate: one window action; `start` re-encodes and builds the new model's index as `shadow`."""
 
-    store: str
-    action: str
-    to: str | None = None
-    catalogue: str | None = None
-    gate: dict | None = None
-    margin: float = 0.0
-    force: str | None = None
-    retain_days: float = DEFAULT_RETAIN_DAYS
-    batch_size: str = DEFAULT_BATCH_SIZE
-    device: str = DEFAULT_DEVICE
-    kind: str = DEFAULT_KIND
-    memory: str = DEFAULT_MEMORY
-    target_recall: float = DEFAULT_TARGET_RECALL
-    shard_size: int = DEFAULT_SHARD_SIZE
-    disk: str = DEFAULT_DISK
+    store: Store
+    action: Annotated[str, AfterValidator(one_of(ACTIONS)), Field(
+        description=f"The window action: {', '.join(ACTIONS)}")] = "status"
+    to: Annotated[str | None, Field(description="start: the new model")] = None
+    catalogue: Annotated[OptionalUrl, Field(
+        description="start: the catalogue to re-encode; default: the serving model's last one")] = None
+    gate: Annotated[dict | None, Field(
+        description="promote: an `imgest eval --alias serving --compare shadow --json` report made elsewhere; "
+                    "recorded in the window as its evaluation")] = None
+    margin: Annotated[float, AfterValidator(non_negative(" (the drop of the metric allowed)")), Field(
+        description="promote: allowed drop of shadow's metric below serving's")] = 0.0
+    force: Annotated[str | None, Field(
+        description="promote: without (or against) the evaluation; the reason is recorded in the window and the "
+                    "alias history")] = None
+    retain_days: Annotated[float, AfterValidator(non_negative()), Field(
+        description="finish: keep the retired model's data this long")] = DEFAULT_RETAIN_DAYS
+    batch_size: BatchSize = DEFAULT_BATCH_SIZE
+    device: Device = DEFAULT_DEVICE
+    kind: Kind = DEFAULT_KIND
+    memory: Memory = DEFAULT_MEMORY
+    target_recall: TargetRecall = DEFAULT_TARGET_RECALL
+    shard_size: ShardSize = DEFAULT_SHARD_SIZE
+    disk: Disk = DEFAULT_DISK
 
-    def __post_init__(self) -> None:
-        check_not_empty(store=self.store)
-        check_urls(store=self.store, catalogue=self.catalogue)
-        if self.action not in ACTIONS:
-            raise ConfigError(f"action must be one of {', '.join(ACTIONS)}; got {self.action!r}")
-        if self.action == "start":
-            check_not_empty(to=self.to)
-        if self.gate is not None and not isinstance(self.gate, dict):
-            raise ConfigError("gate must be the JSON object `imgest eval --alias serving --compare shadow` writes")
+    @model_validator(mode="after")
+    def _start_needs_a_model(self) -> Self:
+        if self.action == "start" and not (self.to or "").strip():
+            raise ValueError("to must not be empty")
         if self.force is not None and not self.force.strip():
-            raise ConfigError("force needs a reason (it is recorded in the window and the alias history)")
-        if not isinstance(self.margin, int | float) or self.margin < 0:
-            raise ConfigError(f"margin must be a number >= 0 (the drop of the metric allowed); got {self.margin!r}")
-        if not isinstance(self.retain_days, int | float) or self.retain_days < 0:
-            raise ConfigError(f"retain_days must be a number >= 0; got {self.retain_days!r}")
-        parse_batch_size(self.batch_size)
-        check_device(self.device)
-        check_at_least(1, shard_size=self.shard_size)
-        check_index(self.kind, self.memory, self.target_recall, self.disk)
+            raise ValueError("force needs a reason (it is recorded in the window and the alias history)")
+        return self
 
 
-@dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(FlowConfig):
     """eval: a labelled query set against one alias, or two compared."""
 
-    store: str
-    queries: str
-    alias: str = "serving"
-    compare: str | None = None
-    ks: tuple[int, ...] = DEFAULT_KS
-    resamples: int = DEFAULT_RESAMPLES
-    seed: int = 0
-    out: str | None = None
-    device: str = DEFAULT_DEVICE
-    traffic: str | None = None  # a query log's class counts: the traffic-weighted gain of the second retriever
+    store: Store
+    queries: Annotated[str, AfterValidator(not_empty), AfterValidator(no_credentials), Field(
+        description="Query set (JSONL or Parquet): query_id, image|text, relevant, class")]
+    alias: Annotated[str, AfterValidator(alias_name), Field(description="Retriever A (an alias)")] = "serving"
+    compare: Annotated[str | None, AfterValidator(alias_name), Field(
+        description="Retriever B (an alias), for win/loss, bootstrap, fusion")] = None
+    ks: Annotated[tuple[int, ...], BeforeValidator(comma_ints), AfterValidator(cut_offs), Cli("--k", str), Field(
+        description="Cut-offs, e.g. 1,5,10")] = DEFAULT_KS
+    resamples: Annotated[int, AfterValidator(at_least(1)), Field(
+        description="Paired bootstrap resamples (>= 1000 recommended)")] = DEFAULT_RESAMPLES
+    seed: Annotated[int, Field(description="Bootstrap seed")] = 0
+    out: Annotated[OptionalUrl, Field(
+        description="Folder for eval.json, eval.md, PNG plots and, with compare, routing.json (what search "
+                    "--route serves)")] = None
+    device: Device = DEFAULT_DEVICE
+    traffic: Annotated[OptionalUrl, Field(
+        description="A query log's class counts (JSON {class: n} or JSONL with 'class'): the traffic-weighted "
+                    "gain of the compared retriever")] = None
 
-    def __post_init__(self) -> None:
-        check_not_empty(store=self.store, queries=self.queries)
-        check_urls(store=self.store, queries=self.queries, out=self.out, traffic=self.traffic)
+    @model_validator(mode="after")
+    def _traffic_needs_compare(self) -> Self:
         if self.traffic and not self.compare:
-            raise ConfigError("traffic needs compare: the gain is that of adding the compared retriever")
-        check_alias("alias", self.alias)
-        check_alias("compare", self.compare)
-        if not self.ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.ks):
-            raise ConfigError(f"ks must be positive integers (cut-offs such as 1, 5, 10); got {list(self.ks)!r}")
-        check_at_least(1, resamples=self.resamples)
-        check_device(self.device)
+            raise ValueError("traffic needs compare: the gain is that of adding the compared retriever")
+        return self
 
 
-@dataclass(frozen=True)
-class DuplicatesConfig:
+class DuplicatesConfig(FlowConfig):
     """duplicates: exact and near-duplicate groups of one image model's live items."""
 
-    store: str
-    alias: str | None = "serving"
-    model: str | None = None
-    threshold: float = DEFAULT_DUPLICATE_THRESHOLD
-
-    def __post_init__(self) -> None:
-        check_not_empty(store=self.store)
-        check_urls(store=self.store)
-        check_alias("alias", self.alias)
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float) \
-                or not 0 < self.threshold <= 1:
-            raise ConfigError(f"threshold must be a cosine in (0, 1]; got {self.threshold!r}")
+    store: Store
+    alias: Annotated[str | None, AfterValidator(alias_name), Field(
+        description="Alias of the image model whose index is searched")] = "serving"
+    model: Annotated[str | None, Field(description="This model's latest index instead of an alias")] = None
+    threshold: Annotated[float, AfterValidator(fraction(low_open=True)), Field(
+        description="Cosine at or above which two images are near-duplicates")] = DEFAULT_DUPLICATE_THRESHOLD
 
 
-@dataclass(frozen=True)
-class TrainHeadConfig:
+class HeadConfig(FlowConfig):
+    """How a head trains: loss, dimensions, P x K batches, early stopping."""
+
+    loss: Annotated[str, AfterValidator(one_of(LOSSES)), Field(
+        description="triplet (semi-hard mining), infonce (NT-Xent) or proxynca")] = "infonce"
+    head_type: Annotated[str, AfterValidator(one_of(("residual", "mlp"))), Field(
+        description="residual (starts as the identity: the untrained head is the base) or mlp (a new space of "
+                    "dim_out dimensions)")] = "residual"
+    dim_out: Annotated[int, AfterValidator(at_least(0)), Cli("--dim"), Field(
+        description="Output dimension of an mlp head (0: the base model's)")] = 0
+    hidden: Annotated[int, AfterValidator(at_least(1)), Field(description="Hidden width")] = 1024
+    epochs: Annotated[int, AfterValidator(at_least(1)), Field(
+        description="Most epochs; early stopping on held-out recall@1 usually ends sooner")] = 50
+    labels_per_batch: Annotated[int, AfterValidator(at_least(1)), Field(description="P of the P x K batches")] = 32
+    items_per_label: Annotated[int, AfterValidator(at_least(2)), Field(
+        description="K of the P x K batches (>= 2: each anchor needs a positive)")] = 4
+    lr: Annotated[float, Field(ge=0, description="AdamW learning rate (proxies: 10x; 0: the head stays as "
+                                                 "initialised)")] = 1e-3
+    weight_decay: Annotated[float, Field(ge=0, description="AdamW weight decay")] = 1e-4
+    margin: Annotated[float, Field(ge=0, description="Triplet margin (squared distance of unit vectors)")] = 0.2
+    temperature: Annotated[float, Field(gt=0, description="InfoNCE temperature")] = 0.1
+    proxy_scale: Annotated[float, Field(gt=0, description="ProxyNCA distance scale")] = 3.0
+    keep: Annotated[float, AfterValidator(non_negative()), Field(
+        description="Weight of the term keeping each item's base neighbourhood (0: off)")] = 1.0
+    keep_temperature: Annotated[float, Field(gt=0, description="Temperature of the keep term")] = 0.05
+    hard_negatives: Annotated[int, AfterValidator(at_least(0)), Field(
+        description="Base-space neighbour labels each label brings into its batch (0: random batches)")] = 3
+    val_fraction: Annotated[float, Field(gt=0, lt=1, description="Share held out for validation and evaluation")] = 0.2
+    split: Annotated[str, AfterValidator(one_of(("items", "labels"))), Field(
+        description="items: held-out items of every label; labels: held-out labels (unseen classes)")] = "items"
+    patience: Annotated[int, AfterValidator(at_least(1)), Field(
+        description="Epochs without a better held-out recall@1 before stopping")] = 5
+    seed: Annotated[int, Field(description="Seed of the split, the batches and the initial weights")] = 0
+
+    def out_dim(self, dim_in: int) -> int:
+        if self.head_type == "residual" and self.dim_out not in (0, dim_in):
+            raise ConfigError(f"a residual head keeps the base dimension {dim_in}; got dim_out {self.dim_out} "
+                              "(use head_type mlp for another dimension)")
+        return self.dim_out or dim_in
+
+
+class TrainHeadConfig(FlowConfig):
     """train-head: where the base embeddings are, the labels (or augmented views), and the training."""
 
-    store: str
-    base_model: str = DEFAULT_MODEL
-    labels: str | None = None
-    views: int = DEFAULT_VIEWS
-    max_items: int = 0
-    augment: str = "all"
-    eval_queries: str | None = None
-    catalogue: str | None = None
-    training: HeadConfig = field(default_factory=HeadConfig)
+    store: Annotated[Store, Field(description="Folder or URL of the store holding the base model's embeddings")]
+    base_model: Annotated[Model, Field(description="Base model: name, model id or slug in the store")] = DEFAULT_MODEL
+    labels: Annotated[OptionalUrl, Field(
+        description="CSV with header item_id,label (instance or class), or JSONL; without it, each item is its "
+                    "own label with augmented views as positives")] = None
+    views: Annotated[int, AfterValidator(at_least(1)), Field(
+        description="Without labels: augmented views per catalogue image (encoded once)")] = DEFAULT_VIEWS
+    max_items: Annotated[int, AfterValidator(at_least(0)), Field(
+        description="Without labels: at most this many catalogue items (0: all)")] = 0
+    augment: Annotated[str, AfterValidator(augmentations), Field(
+        description="Without labels: the augmentations making the views: all, or a comma list of "
+                    f"{', '.join(AUGMENTATIONS)}, or of the groups geometry, photometry, rendering")] = "all"
+    eval_queries: Annotated[OptionalUrl, Field(
+        description="A labelled query set in `imgest eval`'s format (e.g. real query photos): epochs are selected "
+                    "on it and the report gives base vs head on it with a paired bootstrap interval")] = None
+    catalogue: Annotated[OptionalUrl, Field(
+        description="The catalogue the base model was ingested from (checked against the one recorded at "
+                    "ingest); images are read only under it. Default: the recorded one, when it is on the store's "
+                    "kind of storage")] = None
+    device: Annotated[Device, Field(description="Where eval_queries images are encoded: auto, cpu, cuda")] = \
+        DEFAULT_DEVICE
+    training: HeadConfig = HeadConfig()
 
-    def __post_init__(self) -> None:
-        from imgest.tasks.head_views import parse_augmentations
 
-        check_not_empty(store=self.store, base_model=self.base_model)
-        check_urls(store=self.store, labels=self.labels, eval_queries=self.eval_queries, catalogue=self.catalogue)
-        check_at_least(1, views=self.views)
-        check_at_least(0, max_items=self.max_items)
-        parse_augmentations(self.augment)
-        self.training.check()
+CONFIGS = {"ingest": IngestConfig, "reencode": ReencodeConfig, "build-index": IndexConfig,
+           "nightly": NightlyConfig, "migrate": MigrateConfig, "eval": EvalConfig, "duplicates": DuplicatesConfig,
+           "train-head": TrainHeadConfig}  # flow name -> its model (docs/configuration.md is generated from it)

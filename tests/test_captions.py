@@ -10,12 +10,13 @@ import pyarrow as pa
 import pytest
 
 from imgest import encoders
+from imgest.config import IndexConfig, IngestConfig, NightlyConfig
 from imgest.encoders import EncoderError
 from imgest.encoders.text import compose
 from imgest.storage import Location, ObjectInfo
-from imgest.tasks.encode_text import encode_text_shard, text_listing, text_of
-from imgest.tasks.listing import Listing, listing_table
-from imgest.tasks.plan import ShardPlan, WorkItem
+from imgest.tasks.ingest.encode_text import encode_text_shard, text_listing, text_of
+from imgest.tasks.ingest.listing import Listing, listing_table
+from imgest.tasks.ingest.plan import ShardPlan, WorkItem
 
 RUN = "r00000001-20261130T000000-abcdef"
 
@@ -66,7 +67,7 @@ def test_text_listing_keeps_listed_items_with_text_and_counts_the_rest(minilm, t
 def test_a_text_shard_encodes_changed_text_only(minilm, tmp_path):
     store = Location(str(tmp_path / "store"))
     texts = {"p/1.jpg": "red sneaker", "p/2.jpg": "blue coat"}
-    from imgest.tasks.encode_text import text_hash
+    from imgest.tasks.ingest.encode_text import text_hash
 
     items = (WorkItem("p/1.jpg", "file:///cat/p/1.jpg", 11, None, text_hash("red sneaker"),
                       prev_hash=text_hash("red sneaker")),
@@ -114,7 +115,7 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     from imgest.demo import FASHION_CLASSES, product_metadata, read_fashion_mnist
     from imgest.flows.build_index import build_index
     from imgest.flows.ingest import ingest
-    from imgest.tasks.search import search
+    from imgest.tasks.search.query import search
 
     images, labels = read_fashion_mnist()
     cat, store = tmp_path / "cat", tmp_path / "store"
@@ -131,16 +132,16 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     metadata = tmp_path / "meta.jsonl"
     metadata.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    image_run = ingest(catalogue=str(cat), store=str(store), model=f"hf:{tiny_models['clip']}",
-                       metadata=str(metadata), batch_size="8")
+    image_run = ingest(IngestConfig(catalogue=str(cat), store=str(store), model=f"hf:{tiny_models['clip']}",
+                                    metadata=str(metadata), batch_size="8"))
     assert image_run["metadata"]["rows"] == 40 and image_run["metadata"]["written"]
     assert (image_run["metadata"]["unknown_items"], image_run["metadata"]["without_row"]) == (1, 1)
-    build_index(store=str(store), model=f"hf:{tiny_models['clip']}", alias="serving")
+    build_index(IndexConfig(store=str(store), model=f"hf:{tiny_models['clip']}", alias="serving"))
 
-    text_run = ingest(catalogue=str(cat), store=str(store), model="minilm-l6", shard_size=16)
+    text_run = ingest(IngestConfig(catalogue=str(cat), store=str(store), model="minilm-l6", shard_size=16))
     assert text_run["encoded"] == 39 and text_run["texts"]["rows_for_unlisted_items"] == 1
     assert text_run["texts"]["images_without_text"] == 1 and text_run["metadata"] is None
-    card = build_index(store=str(store), model="minilm-l6", alias="captions")["card"]
+    card = build_index(IndexConfig(store=str(store), model="minilm-l6", alias="captions"))["card"]
     assert card["n"] == 39 and card["model_name"] == "minilm-l6"
 
     hits = search(str(store), text="running shoes", alias="captions", k=4)
@@ -151,10 +152,10 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     rows = [dict(r, title="crimson leather tote") if r["item_id"] == "bag/0.png" else r for r in rows
             if r["item_id"] != "coat/1.png"]
     metadata.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    again = ingest(catalogue=str(cat), store=str(store), model="minilm-l6", metadata=str(metadata))
+    again = ingest(IngestConfig(catalogue=str(cat), store=str(store), model="minilm-l6", metadata=str(metadata)))
     assert (again["new"], again["changed"], again["deleted"], again["encoded"]) == (0, 1, 1, 1)
     assert (again["metadata"]["changed"], again["metadata"]["removed"]) == (1, 1)
-    build_index(store=str(store), model="minilm-l6", alias="captions")
+    build_index(IndexConfig(store=str(store), model="minilm-l6", alias="captions"))
     assert search(str(store), text="crimson leather tote", alias="captions", k=1)[0].item_id == "bag/0.png"
 
     runner = CliRunner()
@@ -180,7 +181,7 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     hits = json.loads(grouped.output)["results"][0]["hits"]
     assert len(hits) == 5 and len({h["group"] for h in hits}) == 5
     assert all(h["group"] == product.get(h["item_id"], h["item_id"]) for h in hits)
-    from imgest.tasks.search import Query, Searcher
+    from imgest.tasks.search.query import Query, Searcher
 
     searcher = Searcher(str(store), alias="captions")
     cheap = [searcher.search([Query("q", text=t)], 3, where="price < 100")[0] for t in ("coat", "boots")]
@@ -198,7 +199,7 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
 
     rows = [dict(r, title="emerald suede chelsea boot") if r["item_id"] == "ankle-boot/2.png" else r for r in rows]
     metadata.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    night = nightly(catalogue=str(cat), store=str(store), metadata=str(metadata))
+    night = nightly(NightlyConfig(catalogue=str(cat), store=str(store), metadata=str(metadata)))
     by_model = {run["ingest"]["model_id"]: run for run in night["models"]}
     assert set(by_model) == {card["model_id"], image_run["model_id"]}
     assert by_model[card["model_id"]]["ingest"]["encoded"] == 1 and by_model[image_run["model_id"]]["ingest"][
@@ -262,7 +263,7 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
 def test_a_query_with_a_photo_and_words_goes_to_each_retriever_as_it_reads():
     from types import SimpleNamespace
 
-    from imgest.tasks.search import Query, Searcher, SearchError
+    from imgest.tasks.search.query import Query, Searcher, SearchError
 
     both = Query("q", image="p.jpg", text="red sneaker")
     caption, lite0, clip = (SimpleNamespace(spec=SimpleNamespace(name=n, modalities=m)) for n, m in

@@ -8,6 +8,8 @@ from datetime import UTC
 import pytest
 import yaml
 
+from imgest.config import CONFIGS, NightlyConfig
+
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +21,7 @@ def prefect_cli(*args, env):
     return out.stdout
 
 
-def test_every_entrypoint_is_a_flow_with_those_parameters():
+def test_every_entrypoint_is_a_flow_taking_its_config_and_the_deployments_set_only_non_defaults():
     from prefect.flows import load_flow_from_entrypoint
 
     spec = yaml.safe_load(open(os.path.join(ROOT, "prefect.yaml")))
@@ -27,14 +29,15 @@ def test_every_entrypoint_is_a_flow_with_those_parameters():
     assert names == {"nightly", "reencode", "migrate", "eval", "train-head"}
     for deployment in spec["deployments"]:
         flow = load_flow_from_entrypoint(deployment["entrypoint"])  # a module path: the installed package
-        flow.validate_parameters({**_required_dummies(flow), **deployment.get("parameters", {})})
-
-
-def _required_dummies(flow) -> dict:
-    import inspect
-
-    sig = inspect.signature(flow.fn)
-    return {n: "x" for n, p in sig.parameters.items() if p.default is inspect.Parameter.empty}
+        model = CONFIGS[flow.name]
+        assert list(flow.parameters.properties) == ["config"], flow.name
+        given = deployment.get("parameters", {}).get("config", {})
+        for name, value in given.items():  # a default written here would go stale when the model's changes
+            assert model.model_fields[name].is_required() or model.model_fields[name].default != value, \
+                f"deployment {deployment['name']} sets {name} to its default"
+        required = {n: "x" for n, f in model.model_fields.items() if f.is_required()}
+        validated = flow.validate_parameters({"config": {**required, **given}})
+        assert isinstance(validated["config"], model)
 
 
 def test_prefect_deploy_all_creates_the_deployments():
@@ -51,7 +54,7 @@ def test_prefect_deploy_all_creates_the_deployments():
     schedule = nightly.schedules[0].schedule
     assert schedule.cron == "0 2 * * *" and schedule.timezone == "Europe/London"
     # no model parameter: the nightly follows the models the aliases point at (a finished migration needs no edit)
-    assert "model" not in nightly.parameters and nightly.work_pool_name == "imgest-process"
+    assert "model" not in nightly.parameters["config"] and nightly.work_pool_name == "imgest-process"
     assert not deployments["reencode"].schedules and not deployments["migrate"].schedules
 
 
@@ -66,8 +69,8 @@ def test_runs_are_named_for_people_and_tagged_by_model(tmp_path):
     from tests.helpers import gradient, png_bytes, task_runs_named, write_files
 
     write_files(str(tmp_path / "cat"), {f"{i}.png": png_bytes(gradient(i)) for i in range(3)})
-    result = nightly(catalogue=str(tmp_path / "cat"), store=str(tmp_path / "store"), model="raw-pixels",
-                     batch_size="4")
+    result = nightly(NightlyConfig(catalogue=str(tmp_path / "cat"), store=str(tmp_path / "store"), model="raw-pixels",
+                                   batch_size="4"))
     today = datetime.now(UTC).strftime("%Y-%m-%d")
     expected = [f"nightly-{today}", f"ingest-{today}-raw-pixels", f"build-index-{today}-{result['ingest']['slug']}"]
     with get_client(sync_client=True) as client:  # filtered by name: the session's server holds many runs

@@ -13,8 +13,9 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from imgest.cli import app
+from imgest.config import NightlyConfig
 from imgest.demo import PHOTOS, photo
-from imgest.tasks.duplicates import find_duplicates
+from imgest.tasks.duplicates.groups import find_duplicates
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -64,7 +65,7 @@ def test_planted_duplicates_are_found_and_new_ones_reported(tmp_path):
                                                                        astronaut.height - 4))))
     from imgest.flows.nightly import nightly
 
-    again = nightly(catalogue=str(cat), store=str(store), batch_size="4", report_duplicates=True)
+    again = nightly(NightlyConfig(catalogue=str(cat), store=str(store), batch_size="4", report_duplicates=True))
     assert again["duplicates"]["new_groups"] == 1  # the astronaut group grew: new; chelsea's is as before
     latest = json.loads(runner.invoke(app, ["duplicates", "--store", str(store), "--json"]).output)
     assert ["p/astronaut-crop.jpg", "p/astronaut.jpg", "p/copy-of-astronaut.jpg"] in \

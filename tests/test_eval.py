@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from imgest.config import EvalConfig, IndexConfig, IngestConfig, NightlyConfig
 from imgest.demo import FASHION_CLASSES, photo, read_fashion_mnist
 from imgest.flows.build_index import build_index
 from imgest.flows.evaluate import evaluate
 from imgest.flows.ingest import ingest
 from imgest.flows.nightly import nightly
-from imgest.tasks.migration import check_gate
-from imgest.tasks.querysets import build_class_queries, build_instance_queries, read_query_set
+from imgest.tasks.evaluate.querysets import build_class_queries, build_instance_queries, read_query_set
+from imgest.tasks.migration.window import check_gate
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera", "coins", "horse", "hubble_deep_field",
@@ -32,13 +33,13 @@ def evaluated(tmp_path_factory):
     (cat / "photos").mkdir()
     for name in PHOTOS:
         photo(name).convert("RGB").save(cat / "photos" / f"{name}.jpg", quality=92)
-    nightly(catalogue=str(cat), store=str(store), batch_size="4", kind="hnsw")
-    ingest(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="16")
-    build_index(store=str(store), model="raw-pixels", alias="pixels")
+    nightly(NightlyConfig(catalogue=str(cat), store=str(store), batch_size="4", kind="hnsw"))
+    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="16"))
+    build_index(IndexConfig(store=str(store), model="raw-pixels", alias="pixels"))
     class_file = root / "class.jsonl"
     meta = build_class_queries(str(cat), str(class_file), per_class=2, seed=1, prefix="fashion/")
-    report = evaluate(store=str(store), queries=str(class_file), alias="serving", compare="pixels",
-                      ks=[1, 5, 10], out=str(root / "out"))
+    report = evaluate(EvalConfig(store=str(store), queries=str(class_file), alias="serving", compare="pixels",
+                                 ks=(1, 5, 10), out=str(root / "out")))
     return {"root": root, "cat": cat, "store": store, "report": report, "meta": meta, "class_file": class_file}
 
 
@@ -85,8 +86,8 @@ def test_served_and_exact_per_class_and_comparison(evaluated):
 def test_instance_queries_find_their_original(evaluated):
     meta = build_instance_queries(str(evaluated["cat"]), str(evaluated["root"] / "instance"), prefix="photos/")
     assert meta["queries"] == 3 * len(PHOTOS)
-    report = evaluate(store=str(evaluated["store"]), queries=meta["file"], alias="serving", compare="pixels",
-                      ks=[1, 5])
+    report = evaluate(EvalConfig(store=str(evaluated["store"]), queries=meta["file"], alias="serving",
+                                 compare="pixels", ks=[1, 5]))
     lite0, pixels = report["a"]["metrics"], report["b"]["metrics"]
     assert set(report["a"]["per_class"]) == {"crop", "flip", "colour"}
     # The learned encoder finds the exact photo under crops, flips and colour shifts; it is measured, not assumed,
@@ -103,13 +104,13 @@ def test_gate_reads_an_eval_report():
 
 
 def test_cost_report_of_the_serving_model(tmp_path, tiny_models):
-    from imgest.tasks.cost import cost_report
-    from imgest.tasks.markdown import render_cost
+    from imgest.tasks.index.cost import cost_report
+    from imgest.tasks.reports.index import render_cost
     from tests.helpers import gradient, png_bytes, write_files
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     write_files(str(cat), {f"{i:02d}.png": png_bytes(gradient(i)) for i in range(8)})
-    nightly(catalogue=str(cat), store=str(store), model=f"hf:{tiny_models['clip']}", batch_size="4")
+    nightly(NightlyConfig(catalogue=str(cat), store=str(store), model=f"hf:{tiny_models['clip']}", batch_size="4"))
     n = 2_000_000
     report = cost_report(str(store), n, gpu_hour_price=2.5, node_memory="1G", min_seconds=0.05)
     best = report["encode_images_per_second"][str(report["best_batch"])]
@@ -122,17 +123,17 @@ def test_cost_report_of_the_serving_model(tmp_path, tiny_models):
 
 
 def test_query_set_for_another_root_is_refused(evaluated, tmp_path):
-    from imgest.tasks.querysets import QuerySetError
+    from imgest.tasks.evaluate.querysets import QuerySetError
 
     wrong = tmp_path / "wrong.jsonl"
     build_class_queries(str(evaluated["cat"] / "fashion"), str(wrong), per_class=1)  # ids relative to fashion/
     with pytest.raises(QuerySetError, match="none of the .* relevant item ids .* another catalogue root"):
-        evaluate(store=str(evaluated["store"]), queries=str(wrong))
+        evaluate(EvalConfig(store=str(evaluated["store"]), queries=str(wrong)))
 
 
 def test_serving_vs_shadow_evaluation_is_recorded_in_the_open_window(tmp_path):
     from imgest.storage import Location
-    from imgest.tasks.migration import read_window, record_evaluation
+    from imgest.tasks.migration.window import read_window, record_evaluation
 
     store = Location(str(tmp_path))
     store.write_json("migration/window.json", {"id": "w-1", "status": "open", "events": [],

@@ -13,11 +13,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from imgest.config import IngestConfig, MigrateConfig, NightlyConfig
 from imgest.flows.ingest import ingest
 from imgest.storage import Location, StorageError, is_transient
-from imgest.tasks.encode import prepare
-from imgest.tasks.plan import MassDeleteError, WorkItem, item_key, plan_ingest
-from imgest.tasks.state import FAILED, LIVE, REJECTED, CatalogueState, ItemState, load_state
+from imgest.tasks.ingest.encode import prepare
+from imgest.tasks.ingest.plan import MassDeleteError, WorkItem, item_key, plan_ingest
+from imgest.tasks.state.committed import FAILED, LIVE, REJECTED, CatalogueState, ItemState, load_state
 from tests.helpers import gradient, png_bytes, write_files
 
 MODEL = "raw-pixels"
@@ -25,7 +26,7 @@ MODEL = "raw-pixels"
 
 def _ingest(cat, store, **kw):
     kw.setdefault("batch_size", "4")
-    return ingest(catalogue=str(cat), store=str(store), model=MODEL, **kw)
+    return ingest(IngestConfig(catalogue=str(cat), store=str(store), model=MODEL, **kw))
 
 
 def _live(store) -> dict[str, tuple[str, bytes]]:
@@ -132,7 +133,7 @@ def test_a_transient_failure_is_retried_next_run_a_permanent_one_only_on_change(
     assert failed.transient and failed.reason.startswith("MemoryError")
     assert not broken.transient and "UnidentifiedImageError" in broken.reason
 
-    from imgest.tasks.listing import list_catalogue
+    from imgest.tasks.ingest.listing import list_catalogue
 
     listing = list_catalogue(str(tmp_path))
     state = CatalogueState("s", {})
@@ -217,21 +218,23 @@ def test_after_a_finished_migration_the_nightly_follows_serving_and_never_reenco
 
     cat, store = tmp_path / "cat", tmp_path / "store"
     write_files(str(cat), _images(12))
-    first = nightly(catalogue=str(cat), store=str(store), batch_size="4")  # a new store: the default model
+    first = nightly(NightlyConfig(catalogue=str(cat), store=str(store),
+                                  batch_size="4"))  # a new store: the default model
     assert [r["ingest"]["model_id"].split("@")[0] for r in first["models"]] == ["efficientnet-lite0"]
     new = f"hf:{tiny_models['dinov2']}"
-    migrate(store=str(store), action="start", to=new, batch_size="4")
-    migrate(store=str(store), action="promote", force="retirement test: no evaluation")
-    migrate(store=str(store), action="finish", retain_days=0)
+    migrate(MigrateConfig(store=str(store), action="start", to=new, batch_size="4"))
+    migrate(MigrateConfig(store=str(store), action="promote", force="retirement test: no evaluation"))
+    migrate(MigrateConfig(store=str(store), action="finish", retain_days=0))
     old_slug, new_slug = first["models"][0]["ingest"]["slug"], resolve(new).slug
     assert not (store / "embeddings" / f"model={old_slug}").exists()
 
     write_files(str(cat), _images(2, offset=500) | {})  # two new images, keys p/000-001 changed
-    night = nightly(catalogue=str(cat), store=str(store), batch_size="4")  # the deployment: no model given
+    night = nightly(NightlyConfig(catalogue=str(cat), store=str(store),
+                                  batch_size="4"))  # the deployment: no model given
     assert [r["ingest"]["slug"] for r in night["models"]] == [new_slug]
     assert night["models"][0]["ingest"]["encoded"] == 2 and night["models"][0]["index"]["card"]["n"] == 12
 
-    old_param = nightly(catalogue=str(cat), store=str(store), model="efficientnet-lite0", batch_size="4")
+    old_param = nightly(NightlyConfig(catalogue=str(cat), store=str(store), model="efficientnet-lite0", batch_size="4"))
     assert [r["ingest"]["slug"] for r in old_param["models"]] == [new_slug]
     assert "retired by a finished migration window" in old_param["left_out"][0]
     assert not (store / "embeddings" / f"model={old_slug}").exists(), "the retired model is not re-encoded"
@@ -269,7 +272,8 @@ def test_urls_with_credentials_are_refused_before_anything_runs(tmp_path):
 @pytest.mark.usefixtures("prefect_harness")
 def test_a_flow_run_given_a_credential_url_fails_on_its_first_line_without_the_secret(tmp_path):
     with pytest.raises(StorageError) as refused:
-        ingest(catalogue="s3://AKIAUSER:TopSecret123@bucket/products", store=str(tmp_path / "store"), model=MODEL)
+        ingest(IngestConfig(catalogue="s3://AKIAUSER:TopSecret123@bucket/products", store=str(tmp_path / "store"),
+                            model=MODEL))
     assert "TopSecret123" not in str(refused.value) and not (tmp_path / "store").exists()
 
 
@@ -304,7 +308,7 @@ def test_a_query_image_behind_a_signed_url_is_named_without_its_signature():
 
 
 def test_the_promote_gate_refuses_evidence_about_other_index_versions():
-    from imgest.tasks.migration import MigrationError, check_gate
+    from imgest.tasks.migration.window import MigrationError, check_gate
 
     gate = {"metric": "recall@10",
             "a": {"alias": "serving", "slug": "old-1", "version": 3, "metrics": {"recall@10": 0.80}},

@@ -22,8 +22,8 @@ from imgest.lock import (
     generations,
 )
 from imgest.storage import Location, RecordError
-from imgest.tasks import migration
-from imgest.tasks.aliases import delete_alias, read_alias, set_alias
+from imgest.tasks.migration import window as migration
+from imgest.tasks.migration.aliases import delete_alias, read_alias, set_alias
 
 TTL = 60.0
 

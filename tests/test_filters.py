@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from imgest.tasks.filters import FilterError, filtered_search, grouped, matching_items, positions
-from imgest.tasks.search import Hit
+from imgest.tasks.search.filters import FilterError, filtered_search, grouped, matching_items, positions
+from imgest.tasks.search.query import Hit
 
 TABLE = pa.table({"item_id": ["a", "b", "c", "d"], "category": ["shoes", "shoes", "coats", None],
                   "price": [39.5, 80.0, 120.0, 10.0], "row_hash": ["1", "2", "3", "4"]})

@@ -1,4 +1,4 @@
-"""The GPU JPEG path (tasks/gpu_decode.py): which objects take it, the encoder's tensor preprocessing, and
+"""The GPU JPEG path (tasks/ingest/gpu_decode.py): which objects take it, the encoder's tensor preprocessing, and
 a batch that mixes GPU-decoded JPEGs, Pillow fallbacks and files neither can read. nvJPEG itself needs a
 GPU (bench/gpu_check.py); here torchvision's decoder runs on the CPU when it is installed, otherwise a
 Pillow decoder with decode_jpeg's contract (a list in, one tensor each, the whole call fails on one bad
@@ -15,11 +15,11 @@ from PIL import Image
 from imgest import encoders
 from imgest.demo import PHOTOS, photo
 from imgest.storage import Location
-from imgest.tasks.decode import decode_image
-from imgest.tasks.encode import encode_shard
-from imgest.tasks.gpu_decode import BatchJpegDecoder, plain_jpeg
-from imgest.tasks.plan import ShardPlan, WorkItem
-from imgest.tasks.shards import embedding_matrix
+from imgest.tasks.ingest.decode import decode_image
+from imgest.tasks.ingest.encode import encode_shard
+from imgest.tasks.ingest.gpu_decode import BatchJpegDecoder, plain_jpeg
+from imgest.tasks.ingest.plan import ShardPlan, WorkItem
+from imgest.tasks.ingest.shards import embedding_matrix
 from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
 
 

@@ -10,8 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from imgest.tasks.head_views import AUGMENTATIONS
-from imgest.tasks.heads import HeadConfig, HeadError, infonce, proxynca, read_labels, train_head, triplet_semihard
+from imgest.config import EvalConfig, HeadConfig, IngestConfig, MigrateConfig, NightlyConfig, TrainHeadConfig
+from imgest.flow_params import gather_flat
+from imgest.tasks.heads.train import HeadError, infonce, proxynca, read_labels, train_head, triplet_semihard
+from imgest.tasks.heads.views import AUGMENTATIONS
 
 # -- losses, no Prefect needed --------------------------------------------------------------------------
 
@@ -101,12 +103,12 @@ def test_a_residual_head_starts_as_the_base_and_is_kept_only_if_an_epoch_beats_i
     trained = train_head(noisy, ids, labels, HeadConfig(hidden=32, epochs=10, labels_per_batch=8, lr=1e-2,
                                                         patience=10))
     assert trained.best_epoch >= 1 and trained.val_recall_at_1 > trained.base_val_recall_at_1
-    with pytest.raises(HeadError, match="a residual head keeps the base dimension 16"):
+    with pytest.raises(ValueError, match="a residual head keeps the base dimension 16"):
         train_head(x, ids, labels, HeadConfig(dim_out=8))
 
 
 def test_hard_negatives_share_a_batch_and_the_keep_term_is_zero_only_at_the_base():
-    from imgest.tasks.heads import keep_neighbourhood, neighbour_labels, pk_batches
+    from imgest.tasks.heads.train import keep_neighbourhood, neighbour_labels, pk_batches
 
     x, ids, labels = _toy(labels=12, per_label=4)
     label_ids = np.array([int(name[1:]) for name in labels])
@@ -131,8 +133,8 @@ def test_bad_labels_and_parameters_are_refused_clearly():
     with pytest.raises(HeadError, match="header `item_id,label`"):
         read_labels(b"id,class\na,b\n", "labels.csv")
     assert read_labels(b'{"item_id": "a.jpg", "label": "x"}\n', "l.jsonl") == {"a.jpg": "x"}
-    with pytest.raises(HeadError, match="loss must be one of triplet, infonce, proxynca"):
-        HeadConfig(loss="arcface").check()
+    with pytest.raises(ValueError, match="loss must be one of triplet, infonce, proxynca"):
+        HeadConfig(loss="arcface")
     x, ids, _ = _toy(labels=2, per_label=2)
     with pytest.raises(HeadError, match="at least 2"):
         train_head(x, ids, ["a", "b", "c", "d"], HeadConfig(epochs=1))
@@ -162,7 +164,7 @@ def labelled(tmp_path_factory, prefect_harness):
             rows.append(f"{key},label-{label}")
     write_files(str(cat), files)
     (root / "labels.csv").write_text("\n".join(rows) + "\n")
-    ingest(catalogue=str(cat), store=str(store), batch_size="8", shard_size=10)
+    ingest(IngestConfig(catalogue=str(cat), store=str(store), batch_size="8", shard_size=10))
     return root
 
 
@@ -172,7 +174,7 @@ def _train(root, **kw):
     args = {"store": str(root / "store"), "base_model": "efficientnet-lite0", "labels": str(root / "labels.csv"),
             "loss": "infonce", "head_type": "mlp", "dim_out": 16, "hidden": 64, "epochs": 4, "labels_per_batch": 6,
             "items_per_label": 2, "patience": 4} | kw
-    return train_head_flow(**args)
+    return train_head_flow(TrainHeadConfig.model_validate(gather_flat(TrainHeadConfig, args)[0]["config"]))
 
 
 def test_head_model_id_follows_the_weights(labelled):
@@ -212,13 +214,15 @@ def test_head_weights_are_checked_against_their_hash_at_resolve_and_at_load(labe
 def test_derived_shards_equal_base_then_head_on_the_same_images(labelled, tmp_path):
     from imgest.flows.ingest import ingest
     from imgest.storage import Location
-    from imgest.tasks.export import export_live
+    from imgest.tasks.state.export import export_live
 
     head = _train(labelled)["head"]
     cat = labelled / "catalogue"
-    derived = ingest(catalogue=str(cat), store=str(labelled / "store"), model=head, batch_size="8", shard_size=10)
+    derived = ingest(IngestConfig(catalogue=str(cat), store=str(labelled / "store"), model=head, batch_size="8",
+                                  shard_size=10))
     assert derived["derived"] == derived["encoded"] == 36 and derived["batch_size_source"].startswith("every item")
-    decoded = ingest(catalogue=str(cat), store=str(tmp_path / "fresh"), model=head, batch_size="8", shard_size=10)
+    decoded = ingest(IngestConfig(catalogue=str(cat), store=str(tmp_path / "fresh"), model=head, batch_size="8",
+                                  shard_size=10))
     assert decoded["derived"] == 0 and decoded["encoded"] == 36, "no base embeddings there: base then head"
 
     def vectors(store, out):
@@ -238,31 +242,31 @@ def test_head_goes_through_the_migration_window(labelled):
     from imgest.flows.migrate import migrate
     from imgest.flows.nightly import nightly
     from imgest.storage import Location
-    from imgest.tasks.aliases import read_alias
+    from imgest.tasks.migration.aliases import read_alias
 
     store = str(labelled / "store")
-    nightly(catalogue=str(labelled / "catalogue"), store=store, batch_size="8")
+    nightly(NightlyConfig(catalogue=str(labelled / "catalogue"), store=store, batch_size="8"))
     base_slug = read_alias(Location(store), "serving")["slug"]
     trained = _train(labelled, loss="proxynca")
-    started = migrate(store=store, action="start", to=trained["head"])
+    started = migrate(MigrateConfig(store=store, action="start", to=trained["head"]))
     assert started["coverage"]["share"] == 1.0
     # base (serving) against head (shadow) on the head's held-out split: win/loss and a bootstrap interval
     from imgest.flows.evaluate import evaluate
 
-    report = evaluate(store=store, queries=trained["queries"], alias="serving", compare="shadow", ks=[1, 5],
-                      resamples=200)
+    report = evaluate(EvalConfig(store=store, queries=trained["queries"], alias="serving", compare="shadow", ks=[1, 5],
+                                 resamples=200))
     assert report["queries"] == trained["config"]["counts"]["val_items"]
     assert set(report["compare"]) >= {"win_loss", "bootstrap"}, sorted(report["compare"])
-    migrate(store=store, action="promote")
+    migrate(MigrateConfig(store=store, action="promote"))
     serving = read_alias(Location(store), "serving")
     assert serving["model_id"].startswith("efficientnet-lite0@") and "+head-" in serving["model_id"]
-    migrate(store=store, action="rollback")
+    migrate(MigrateConfig(store=store, action="rollback"))
     assert read_alias(Location(store), "serving")["slug"] == base_slug
 
     # Promoted again and finished with no retention: the base model is retired but kept, because the
     # serving head is built on its embeddings.
-    migrate(store=store, action="promote")
-    finished = migrate(store=store, action="finish", retain_days=0)["finished"]
+    migrate(MigrateConfig(store=store, action="promote"))
+    finished = migrate(MigrateConfig(store=store, action="finish", retain_days=0))["finished"]
     assert finished["window"]["retired"]["slug"] == base_slug and base_slug not in finished["deleted"]
     assert Location(store).exists(f"state/model={base_slug}/model.json")
 
@@ -279,7 +283,7 @@ def test_nightly_on_a_head_keeps_its_base_current_and_decodes_new_images_once(la
     head = _train(labelled)["head"]
     write_files(str(cat), {f"new/{n}.png": png_bytes(gradient(40 + n, (48, 48))) for n in range(4)})
 
-    run = nightly(catalogue=str(cat), store=str(store), model=head, batch_size="8", shard_size=10)
+    run = nightly(NightlyConfig(catalogue=str(cat), store=str(store), model=head, batch_size="8", shard_size=10))
     (base,) = run["bases"]
     assert base["model_id"] == run["ingest"]["model_id"].split("+head-")[0]
     assert base["new"] == base["encoded"] == 4 and base["unchanged"] >= 36, "the base model encoded the new images"
@@ -309,7 +313,7 @@ def test_without_labels_each_item_is_an_instance_with_augmented_views(labelled):
     assert validation["proxy"] is True and "views made by the training augmentations" in validation["measured_on"]
     assert "does not show robustness to a shift" in validation["note"]
     assert source["augmentations"] == list(AUGMENTATIONS) and "quantisation" in source["transforms"]
-    from imgest.tasks.markdown import render_head
+    from imgest.tasks.reports.heads import render_head
 
     assert "(**a proxy**)" in render_head(trained)
 
@@ -354,9 +358,9 @@ def test_encoded_views_are_cached_by_what_makes_them(labelled, tmp_path, monkeyp
     from dataclasses import replace
 
     from imgest.storage import Location
-    from imgest.tasks.head_views import augmented_instances
-    from imgest.tasks.live import load_live_vectors
-    from imgest.tasks.models import find_model
+    from imgest.tasks.heads.views import augmented_instances
+    from imgest.tasks.state.live import load_live_vectors
+    from imgest.tasks.state.models import find_model
 
     loc = Location(str(labelled / "store"))
     base = find_model(loc, "efficientnet-lite0")
@@ -395,3 +399,10 @@ def test_encoded_views_are_cached_by_what_makes_them(labelled, tmp_path, monkeyp
     changed = replace(live, content_hashes=hashes)
     augmented_instances(changed, base["name"], 2, 0, max_items=8, cache_dir=cache)
     assert len(os.listdir(cache)) == 3
+
+
+def test_every_augmentation_name_has_its_transform():
+    """The config checks `augment` against imgest.names; the views module must apply exactly those names."""
+    from imgest.tasks.heads import views
+
+    assert tuple(views._TRANSFORMS) == AUGMENTATIONS

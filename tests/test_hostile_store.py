@@ -15,18 +15,19 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from imgest.cli import _user_errors, app
+from imgest.config import NightlyConfig
 from imgest.flows.nightly import nightly
 from imgest.storage import ContainmentError, Location
-from imgest.tasks.aliases import list_aliases, read_alias
-from imgest.tasks.catalogue_images import CatalogueImages
-from imgest.tasks.index_store import IndexIntegrityError, open_index, resolve_target
-from imgest.tasks.live import load_live_vectors
-from imgest.tasks.migration import nightly_models
-from imgest.tasks.models import list_models
-from imgest.tasks.retention import collect_retired
-from imgest.tasks.search import Searcher
-from imgest.tasks.state import load_state
-from imgest.tasks.status import store_status
+from imgest.tasks.index.store import IndexIntegrityError, open_index, resolve_target
+from imgest.tasks.migration.aliases import list_aliases, read_alias
+from imgest.tasks.migration.retention import collect_retired
+from imgest.tasks.migration.window import nightly_models
+from imgest.tasks.search.query import Searcher
+from imgest.tasks.state.catalogue_images import CatalogueImages
+from imgest.tasks.state.committed import load_state
+from imgest.tasks.state.live import load_live_vectors
+from imgest.tasks.state.models import list_models
+from imgest.tasks.state.status import store_status
 from tests.helpers import gradient, jpeg_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -62,7 +63,8 @@ def built(tmp_path_factory):
     """A real store: a nightly (ingest, index, `serving`) of 12 catalogue photos with the raw-pixels model."""
     root = tmp_path_factory.mktemp("hostile")
     write_files(str(root / "catalogue"), {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, (160, 120))) for i in range(12)})
-    nightly(catalogue=str(root / "catalogue"), store=str(root / "store"), model="raw-pixels", batch_size="4")
+    nightly(NightlyConfig(catalogue=str(root / "catalogue"), store=str(root / "store"), model="raw-pixels",
+                          batch_size="4"))
     return root
 
 

@@ -5,9 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from imgest.tasks.index_build import build
-from imgest.tasks.index_choice import IndexChoiceError, choose_index, nlist_for, parse_memory
-from imgest.tasks.recall_tuning import knn_recall, tune_search
+from imgest.names import SizeError
+from imgest.tasks.index.build import build
+from imgest.tasks.index.choice import IndexChoiceError, choose_index, nlist_for, parse_memory
+from imgest.tasks.index.tuning import knn_recall, tune_search
 
 
 @pytest.mark.parametrize("text,expected", [("4G", 4 << 30), ("512M", 512 << 20), ("1.5GB", int(1.5 * (1 << 30))),
@@ -17,7 +18,7 @@ def test_parse_memory(text, expected):
 
 
 def test_parse_memory_rejects_nonsense():
-    with pytest.raises(IndexChoiceError, match="memory must look like 4G"):
+    with pytest.raises(SizeError, match="memory must look like 4G"):
         parse_memory("lots")
 
 
@@ -108,7 +109,7 @@ def test_an_hnsw_coarse_quantizer_builds_tunes_and_merges():
     target, and parts added separately merge into the same index."""
     import faiss
 
-    from imgest.tasks.index_build import add_part, merge_parts
+    from imgest.tasks.index.build import add_part, merge_parts
 
     x = clustered()
     choice = choose_index(len(x), x.shape[1], "4G", "IVF64_HNSW32,SQ8")
@@ -143,7 +144,7 @@ def test_unmet_target_is_reported_not_hidden():
 def test_pq_with_a_re_rank_meets_the_target_that_pq_alone_misses():
     """8 bytes of PQ per 64-d vector plateau far below 0.95; the same codes searched for k x k_factor candidates
     re-scored by float16 vectors meet it, and the sweep serves the fastest (nprobe, k_factor) that does."""
-    from imgest.tasks.index_build import refine_of
+    from imgest.tasks.index.build import refine_of
 
     x = clustered(n=8_000, d=64, clusters=80, noise=0.6)
     alone, _ = build(x, choose_index(len(x), 64, "4G", "IVF32,PQ8"))
@@ -168,8 +169,8 @@ def faiss_nprobe(index) -> int:
 def test_the_memory_estimate_matches_the_built_index(factory):
     """RAM: codes and ids, coarse centroids, codebooks (and the OPQ rotation), checked against the built index;
     disk: the float16 vectors, exactly 2d bytes each."""
-    from imgest.tasks.index_card import footprint
-    from imgest.tasks.index_choice import IndexChoice, pq_bytes, refine_bytes
+    from imgest.tasks.index.card import footprint
+    from imgest.tasks.index.choice import IndexChoice, pq_bytes, refine_bytes
 
     x = clustered(n=6_000, d=64)
     m, opq = int(factory.split(",PQ")[1].split(",")[0]), factory.startswith("OPQ")

@@ -12,14 +12,15 @@ import pytest
 from typer.testing import CliRunner
 
 from imgest.cli import app
+from imgest.config import IndexConfig, IngestConfig, NightlyConfig
 from imgest.demo import PHOTOS, photo
 from imgest.flows.build_index import build_index
 from imgest.flows.ingest import ingest
 from imgest.flows.nightly import nightly
 from imgest.storage import Location
-from imgest.tasks.aliases import read_alias, set_alias
-from imgest.tasks.index_store import IndexIntegrityError, open_index
-from imgest.tasks.search import Query, Searcher, SearchError, search
+from imgest.tasks.index.store import IndexIntegrityError, open_index
+from imgest.tasks.migration.aliases import read_alias, set_alias
+from imgest.tasks.search.query import Query, Searcher, SearchError, search
 from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -40,7 +41,7 @@ def lite0_store(tmp_path_factory):
     root = tmp_path_factory.mktemp("indexed")
     cat, store = root / "catalogue", root / "store"
     files = photo_catalogue(cat)
-    result = nightly(catalogue=str(cat), store=str(store), batch_size="4")
+    result = nightly(NightlyConfig(catalogue=str(cat), store=str(store), batch_size="4"))
     return {"root": root, "catalogue": cat, "store": store, "files": files, "result": result}
 
 
@@ -135,7 +136,7 @@ def test_deleted_items_disappear_after_rebuild(lite0_store, tmp_path):
     shutil.copytree(lite0_store["catalogue"], cat)
     shutil.copytree(lite0_store["store"], store)
     (cat / "photos" / "chelsea.jpg").unlink()
-    result = nightly(catalogue=str(cat), store=str(store), batch_size="4")
+    result = nightly(NightlyConfig(catalogue=str(cat), store=str(store), batch_size="4"))
     assert result["ingest"]["deleted"] == 1 and result["index"]["card"]["version"] == 2
     hits = search(str(store), image=str(lite0_store["catalogue"] / "photos" / "chelsea.jpg"), k=50)
     assert "photos/chelsea.jpg" not in {h.item_id for h in hits}
@@ -148,8 +149,8 @@ def test_text_search_through_tiny_clip_and_model_mismatch(tmp_path, tiny_models)
     shutil.copytree(tiny_models["clip"], clip)
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     write_files(str(cat), {f"{i:03d}.png": png_bytes(gradient(i)) for i in range(30)})
-    ingest(catalogue=str(cat), store=str(store), model=f"hf:{clip}", batch_size="8")
-    built = build_index(store=str(store), model=f"hf:{clip}", kind="hnsw")
+    ingest(IngestConfig(catalogue=str(cat), store=str(store), model=f"hf:{clip}", batch_size="8"))
+    built = build_index(IndexConfig(store=str(store), model=f"hf:{clip}", kind="hnsw"))
     assert built["card"]["factory"] == "HNSW32,Flat" and built["card"]["search"]["param"] == "efSearch"
     searcher = Searcher(str(store))
     hits = searcher.search([Query("t", text="a red shoe")], k=5)[0]
@@ -175,7 +176,7 @@ def test_text_search_through_tiny_clip_and_model_mismatch(tmp_path, tiny_models)
 def test_ivf_index_opens_memory_mapped_and_serves(lite0_store, tmp_path):
     store = tmp_path / "store"
     shutil.copytree(lite0_store["store"], store)
-    built = build_index(store=str(store), kind="ivfsq8", alias=None, target_recall=0.9)
+    built = build_index(IndexConfig(store=str(store), kind="ivfsq8", alias=None, target_recall=0.9))
     card = built["card"]
     assert card["kind"] == "ivfsq8" and card["search"]["param"] == "nprobe" and built["aliases"] == []
     assert read_alias(Location(str(store)), "serving")["version"] == 1  # alias=None moves nothing
@@ -197,8 +198,8 @@ def test_unchanged_catalogue_reuses_the_index_through_its_build_record(tmp_path,
         store = str(tmp_path / "store")
     run = {"catalogue": str(cat), "store": store, "model": "raw-pixels", "batch_size": "8", "kind": "hnsw"}
 
-    first = nightly(**run)["index"]
-    again = nightly(**run)["index"]
+    first = nightly(NightlyConfig(**run))["index"]
+    again = nightly(NightlyConfig(**run))["index"]
     assert not first["reused"] and again["reused"], "nothing changed: the version is reused, not rebuilt"
     assert again["card"]["version"] == first["card"]["version"] == 1
     loc = Location(store)
@@ -207,16 +208,16 @@ def test_unchanged_catalogue_reuses_the_index_through_its_build_record(tmp_path,
     alias = read_alias(loc, "serving")
     assert alias["version"] == 1 and alias["history"] == [], "a reused build does not rewrite the alias"
 
-    forced = build_index(store=store, model="raw-pixels", kind="hnsw", rebuild=True)
+    forced = build_index(IndexConfig(store=store, model="raw-pixels", kind="hnsw", rebuild=True))
     assert not forced["reused"] and forced["card"]["version"] == 2
 
     write_files(str(cat), {"p/new.png": png_bytes(gradient(99, (16, 16)))})
-    changed = nightly(**run)["index"]
+    changed = nightly(NightlyConfig(**run))["index"]
     assert not changed["reused"] and changed["card"]["version"] == 3 and changed["card"]["n"] == 31
 
     # The cached version disappears (deleted by hand): the next build notices and builds again.
     loc.delete_tree("indexes/model=" + changed["card"]["slug"] + "/v0003")
-    rebuilt = build_index(store=store, model="raw-pixels", kind="hnsw", alias=None)
+    rebuilt = build_index(IndexConfig(store=store, model="raw-pixels", kind="hnsw", alias=None))
     assert not rebuilt["reused"] and rebuilt["card"]["version"] == 3 and rebuilt["card"]["n"] == 31
 
 
@@ -225,8 +226,8 @@ def test_live_vectors_spill_to_an_unlinked_scratch_map_and_build_the_same_index(
     holds one shard at a time); the vectors, their order and the index built from them are unchanged."""
     import tempfile
 
-    import imgest.tasks.live
-    from imgest.tasks.live import load_live_vectors
+    import imgest.tasks.state.live
+    from imgest.tasks.state.live import load_live_vectors
 
     store = tmp_path / "store"
     shutil.copytree(lite0_store["store"], store)
@@ -235,15 +236,15 @@ def test_live_vectors_spill_to_an_unlinked_scratch_map_and_build_the_same_index(
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    monkeypatch.setattr(imgest.tasks.live, "SPILL_BYTES", 0)
+    monkeypatch.setattr(imgest.tasks.state.live, "SPILL_BYTES", 0)
     spilled = load_live_vectors(Location(str(store)), slug, d)
     assert isinstance(spilled.vectors, np.memmap) and not isinstance(in_memory.vectors, np.memmap)
     assert list(scratch.iterdir()) == [], "the scratch file is unlinked as soon as it is mapped"
     assert spilled.item_ids == in_memory.item_ids and spilled.uris == in_memory.uris
     np.testing.assert_array_equal(np.asarray(spilled.vectors), in_memory.vectors)
 
-    rebuilt = build_index(store=str(store), model=lite0_store["result"]["ingest"]["model_id"].split("@")[0],
-                          rebuild=True)["card"]
+    model = lite0_store["result"]["ingest"]["model_id"].split("@")[0]
+    rebuilt = build_index(IndexConfig(store=str(store), model=model, rebuild=True))["card"]
     assert rebuilt["version"] == 2 and rebuilt["n"] == len(in_memory)
     query = str(lite0_store["catalogue"] / "photos" / "chelsea.jpg")
     old, new = (Searcher(str(store), model=slug, version=v).search([Query("q", image=query)], k=10)[0]
@@ -264,13 +265,13 @@ def test_a_planted_build_record_is_never_unpickled(tmp_path):
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     write_files(str(cat), {f"p/{i:02d}.png": png_bytes(gradient(i, (16, 16))) for i in range(12)})
-    first = nightly(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="8")["index"]
+    first = nightly(NightlyConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="8"))["index"]
     loc = Location(str(store))
     builds = f"indexes/model={first['card']['slug']}/builds"
     for name in loc.list_names(builds):
         loc.write_bytes(f"{builds}/{name}", pickle.dumps(Payload()))
     loc.write_bytes("cache/prefect/planted", pickle.dumps(Payload()))
-    again = build_index(store=str(store), model="raw-pixels")
+    again = build_index(IndexConfig(store=str(store), model="raw-pixels"))
     assert not again["reused"] and again["card"]["version"] == 2, "an unreadable record is a miss: built again"
     assert not pwned.exists()
 
@@ -288,8 +289,8 @@ def test_a_pq_index_re_ranks_from_a_memory_mapped_file_and_serves(tmp_path):
     write_files(str(cat), {f"p/{i:03d}.png": png_bytes(Image.fromarray(np.clip(a, 0, 255).astype(np.uint8)))
                            for i, a in enumerate(noisy)})
     store = str(tmp_path / "store")
-    ingest(catalogue=str(cat), store=store, model="raw-pixels", batch_size="64")
-    built = build_index(store=store, model="raw-pixels", kind="ivfpq", alias=None, target_recall=0.9)
+    ingest(IngestConfig(catalogue=str(cat), store=store, model="raw-pixels", batch_size="64"))
+    built = build_index(IndexConfig(store=store, model="raw-pixels", kind="ivfpq", alias=None, target_recall=0.9))
     card = built["card"]
     assert card["factory"].endswith(",Refine(SQfp16)") and card["recall"]["met"]
     assert card["search"]["param"] == "nprobe" and card["search"]["k_factor"] >= 1
@@ -318,13 +319,15 @@ def test_a_pq_index_is_carried_forward_the_next_night_with_its_re_rank_vectors(t
             for i in names}
 
     write_files(str(cat), photos(range(300)))
-    ingest(catalogue=str(cat), store=store, model="raw-pixels", batch_size="64")
-    first = build_index(store=store, model="raw-pixels", kind="ivfpq", alias=None, target_recall=0.9)["card"]
+    ingest(IngestConfig(catalogue=str(cat), store=store, model="raw-pixels", batch_size="64"))
+    first = build_index(IndexConfig(store=store, model="raw-pixels", kind="ivfpq", alias=None,
+                                    target_recall=0.9))["card"]
     for i in range(0, 300, 50):
         (cat / "p" / f"{i:03d}.png").unlink()
     write_files(str(cat), photos(range(300, 312)))
-    ingest(catalogue=str(cat), store=store, model="raw-pixels", batch_size="64")
-    card = build_index(store=store, model="raw-pixels", kind="ivfpq", alias=None, target_recall=0.9)["card"]
+    ingest(IngestConfig(catalogue=str(cat), store=store, model="raw-pixels", batch_size="64"))
+    card = build_index(IndexConfig(store=store, model="raw-pixels", kind="ivfpq", alias=None,
+                                   target_recall=0.9))["card"]
 
     line = card["lineage"]
     assert card["factory"] == first["factory"] and line["method"] == "update", line["why"]

@@ -15,9 +15,10 @@ import pytest
 from typer.testing import CliRunner
 
 from imgest.cli import app
+from imgest.config import IngestConfig
 from imgest.flows.ingest import ingest
-from imgest.tasks.export import export_live
-from imgest.tasks.status import store_status
+from imgest.tasks.state.export import export_live
+from imgest.tasks.state.status import store_status
 from tests.helpers import (
     HANG_AFTER_FIRST_SHARD,
     gradient,
@@ -37,7 +38,7 @@ def _run(catalogue, store, **kw):
     kw.setdefault("batch_size", "4")
     kw.setdefault("shard_size", 5)
     kw.setdefault("max_pixels", 100_000)
-    return ingest(catalogue=str(catalogue), store=str(store), **kw)
+    return ingest(IngestConfig(catalogue=str(catalogue), store=str(store), **kw))
 
 
 def _export_ids(store, out, model="efficientnet-lite0"):
@@ -209,8 +210,8 @@ def test_a_catalogue_that_drops_mid_run_fails_the_run_naming_the_shard_and_the_o
     shard and the object, nothing committed. One object failing alone is not (tests/test_faults.py)."""
     import s3fs
 
-    import imgest.tasks.ingest_tasks as listing_module  # where the listing task finds list_catalogue
-    from imgest.tasks.encode import ShardFailedError
+    import imgest.tasks.ingest.steps as listing_module  # where the listing task finds list_catalogue
+    from imgest.tasks.ingest.encode import ShardFailedError
     from tests.helpers import TcpProxy
 
     host, port = s3_endpoint.removeprefix("http://").split(":")

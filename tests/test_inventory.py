@@ -14,9 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from imgest.config import IngestConfig
 from imgest.flows.ingest import ingest
-from imgest.tasks.inventory import InventoryError, read_inventory
-from imgest.tasks.listing import list_catalogue
+from imgest.tasks.ingest.inventory import InventoryError, read_inventory
+from imgest.tasks.ingest.listing import list_catalogue
 from tests.helpers import gradient, png_bytes
 
 SCHEMA = ["Bucket", "Key", "VersionId", "IsLatest", "IsDeleteMarker", "Size", "LastModifiedDate", "ETag",
@@ -109,9 +110,9 @@ def test_a_run_from_the_inventory_then_a_list_run_reads_nothing_again(bucket, tm
     manifest = write_report(fs, name, inventory_rows(fs, name), "CSV")
     run = {"catalogue": f"s3://{name}/products", "store": str(tmp_path / "store"), "model": "raw-pixels",
            "batch_size": "8"}
-    first = ingest(**run, inventory=manifest)
+    first = ingest(IngestConfig(**run, inventory=manifest))
     assert first["listed"] == 13 and first["encoded"] == 13
-    again = ingest(**run)
+    again = ingest(IngestConfig(**run))
     assert again["listed"] == 13 and again["unchanged"] == 13 and again["encoded"] == 0
 
 

@@ -1,11 +1,9 @@
-"""The layout a newcomer relies on: flows only wire, modules stay small, the architecture page's map is true, and
-the flows, the configurations and the command line share one set of defaults."""
+"""The layout a newcomer relies on: flows only wire, modules stay small, imports run one way and resolve as files,
+and the architecture page's map is true."""
 
 from __future__ import annotations
 
 import ast
-import dataclasses
-import inspect
 import pathlib
 import re
 
@@ -16,12 +14,15 @@ PACKAGE_DIRS = ("imgest", "flows", "tasks")
 
 
 def _modules() -> list[pathlib.Path]:
-    return sorted(p for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts)
+    """Every module once: imgest/tasks and imgest/flows are links to tasks/ and flows/, walked there."""
+    return sorted(p for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py")
+                  if "__pycache__" not in p.parts and p.relative_to(ROOT).parts[:2] not in
+                  (("imgest", "tasks"), ("imgest", "flows")))
 
 
 def _is_flow_decorator(node: ast.expr) -> bool:
     target = node.func if isinstance(node, ast.Call) else node
-    return isinstance(target, ast.Name) and target.id == "flow"
+    return isinstance(target, ast.Name) and target.id in ("flow", "configured_flow")
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "flows").glob("*.py")), ids=lambda p: p.name)
@@ -55,16 +56,77 @@ def test_no_module_over_400_lines(path):
     assert lines <= 400, f"{path.relative_to(ROOT)} has {lines} lines: split it by concept"
 
 
-def test_layers_import_downwards_only():
-    """tasks/ never imports flows/ or the command line; flows/ never imports the command line."""
-    for directory, forbidden in (("tasks", ("imgest.flows", "imgest.cli")), ("flows", ("imgest.cli",)),
-                                 ("imgest/encoders", ("imgest.flows", "imgest.tasks", "imgest.cli"))):
-        for path in sorted((ROOT / directory).glob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
-                for name in names:
-                    assert not name.startswith(forbidden), f"{path.relative_to(ROOT)} imports {name}"
+# Layers, lowest first: a module imports only its own layer and those below; nothing imports the command line.
+LAYERS = ("names", "core", "tasks", "flows", "cli")
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if module == "imgest.names":
+        return "names"
+    if len(parts) > 1 and parts[1] in ("tasks", "flows", "cli"):
+        return parts[1]
+    if module in ("imgest", "imgest.prefect_stack"):
+        return "cli"  # the package's API facade (imports lazily) and what `imgest serve` starts
+    return "core"  # storage, lock, config, records, encoders, ...
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts) if rel.parts[0] == "imgest" else ["imgest", *rel.parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """Every `imgest.*` module a file imports, at any depth (lazy imports inside functions included)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:  # `from imgest import encoders` imports the module imgest.encoders
+                sub = f"{node.module}.{alias.name}"
+                found.append((node.lineno, sub if _resolves(sub) else node.module))
+    return [(n, m) for n, m in found if m == "imgest" or m.startswith(("imgest.", "tasks", "flows"))]
+
+
+def _resolves(module: str) -> pathlib.Path | None:
+    """Where an editor finds a module in the checkout: a file or package under imgest/ (flows/, tasks/ linked)."""
+    base = ROOT.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def test_every_module_imports_downwards_only():
+    """names <- core (storage, lock, config, encoders) <- tasks <- flows <- cli; checked on every module."""
+    modules = _modules()
+    assert len(modules) > 80 and any(p.parts[-3:-1] == ("tasks", "index") for p in modules)
+    for path in modules:
+        own = _module_name(path)
+        for line, imported in _imports(path):
+            where = f"{path.relative_to(ROOT)}:{line} imports {imported}"
+            assert not imported.startswith(("tasks", "flows")), f"{where}: use imgest.{imported}"
+            if own == "imgest":
+                continue  # the facade: `from imgest import search` loads tasks lazily, on first use
+            assert imported != "imgest", f"{where}: the package root; import the module that holds the name"
+            assert LAYERS.index(_layer(imported)) <= LAYERS.index(_layer(own)), f"{where}, a layer above it"
+            if _layer(imported) == "cli":
+                assert _layer(own) == "cli", f"{where}: nothing imports the command line"
+            if own == "imgest.names":
+                pytest.fail(f"{where}: imgest.names is the leaf, it imports nothing of imgest")
+
+
+def test_every_imgest_import_resolves_to_a_file_an_editor_can_open():
+    """Editors and type checkers resolve `imgest.tasks.index.build` as a path under the checkout: imgest/tasks
+    and imgest/flows are links to the top-level folders, so no import goes through an import hook."""
+    for name in ("tasks", "flows"):
+        link = ROOT / "imgest" / name
+        assert link.is_symlink() and link.resolve() == ROOT / name, f"imgest/{name} must link to {name}/"
+    for path in _modules() + sorted((ROOT / "tests").glob("*.py")):
+        for line, imported in _imports(path):
+            assert _resolves(imported), f"{path.relative_to(ROOT)}:{line}: {imported} is not a file under imgest/"
 
 
 def _architecture_table_paths() -> set[str]:
@@ -91,48 +153,6 @@ def test_architecture_table_lists_every_module_and_only_real_ones():
             f"{rel} is missing from the architecture table (docs/architecture.md)"
 
 
-def _flow_defaults(fn) -> dict:
-    return {name: p.default for name, p in inspect.signature(fn.fn).parameters.items()
-            if p.default is not inspect.Parameter.empty}
-
-
-def test_flows_configs_and_cli_share_their_defaults():
-    """A deployment run and a CLI run with no options do the same thing."""
-    import typer
-
-    from imgest.cli import eval_cmds, index_cmds, ingest_cmds, migrate_cmds
-    from imgest.config import IndexConfig, IngestConfig, MigrateConfig, NightlyConfig
-    from imgest.flows.build_index import build_index
-    from imgest.flows.ingest import ingest
-    from imgest.flows.migrate import migrate
-    from imgest.flows.nightly import nightly
-
-    def config_defaults(cls) -> dict:
-        return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-
-    def cli_defaults(command) -> dict:
-        out = {}
-        for name, p in inspect.signature(command).parameters.items():
-            if isinstance(p.default, typer.models.OptionInfo) and p.default.default is not ...:
-                out[name] = p.default.default
-        return out
-
-    for flow_fn, cls, command in ((ingest, IngestConfig, ingest_cmds.ingest),
-                                  (build_index, IndexConfig, index_cmds.build_index_cmd),
-                                  (nightly, NightlyConfig, ingest_cmds.nightly),
-                                  (migrate, MigrateConfig, migrate_cmds.migrate_start)):
-        flow_d, cfg_d, cli_d = _flow_defaults(flow_fn), config_defaults(cls), cli_defaults(command)
-        assert flow_d == {k: v for k, v in cfg_d.items() if k in flow_d}, flow_fn.name
-        assert set(flow_d) == set(cfg_d), flow_fn.name
-        shared = set(cli_d) & set(flow_d)
-        assert shared, command.__name__
-        assert {k: cli_d[k] for k in shared} == {k: flow_d[k] for k in shared}, command.__name__
-    from imgest.defaults import DEFAULT_KS, DEFAULT_RESAMPLES
-
-    eval_cli = cli_defaults(eval_cmds.eval_cmd)
-    assert eval_cli["k"] == ",".join(map(str, DEFAULT_KS)) and eval_cli["resamples"] == DEFAULT_RESAMPLES
-
-
 def test_the_encode_path_imports_without_prefect_or_faiss():
     """What bench/gpu_check.py relies on: a GPU machine can run decode, tuning and encode_shard with only
     torch, Pillow, pyarrow, fsspec and the model's own wheels."""
@@ -140,6 +160,7 @@ def test_the_encode_path_imports_without_prefect_or_faiss():
     import sys
 
     code = ("import sys; sys.modules['prefect'] = None; sys.modules['faiss'] = None; "
-            "import imgest.encoders, imgest.tasks.encode, imgest.tasks.batch_size, imgest.tasks.decode")
+            "import imgest.encoders, imgest.tasks.ingest.encode, imgest.tasks.ingest.batch_size, "
+            "imgest.tasks.ingest.decode")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

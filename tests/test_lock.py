@@ -91,9 +91,9 @@ def test_an_empty_lock_file_is_stale_after_the_heartbeat_window(tmp_path):
 
 def test_a_writer_that_lost_the_lock_leaves_no_marker(tmp_path):
     from imgest import encoders
-    from imgest.tasks.plan import ShardPlan, WorkItem
-    from imgest.tasks.shards import ShardWriter
-    from imgest.tasks.state import commit_key
+    from imgest.tasks.ingest.plan import ShardPlan, WorkItem
+    from imgest.tasks.ingest.shards import ShardWriter
+    from imgest.tasks.state.committed import commit_key
 
     store = Location(str(tmp_path / "store"))
     lost = StoreLock(store, owner="ingest@paused:1", ttl=0.5, heartbeat=3600)

@@ -13,13 +13,14 @@ import pytest
 from typer.testing import CliRunner
 
 from imgest.cli import app
+from imgest.config import EvalConfig, MigrateConfig, NightlyConfig
 from imgest.flows.evaluate import evaluate
 from imgest.flows.migrate import migrate
 from imgest.flows.nightly import nightly
 from imgest.storage import Location
-from imgest.tasks.aliases import read_alias
-from imgest.tasks.migration import MigrationError, read_window, window_status
-from imgest.tasks.search import Query, Searcher, fused_search
+from imgest.tasks.migration.aliases import read_alias
+from imgest.tasks.migration.window import MigrationError, read_window, window_status
+from imgest.tasks.search.query import Query, Searcher, fused_search
 from tests.helpers import HANG_AFTER_FIRST_SHARD, gradient, jpeg_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -70,12 +71,12 @@ def test_promote_then_finish_with_kill_changes_and_searcher(tmp_path, tiny_model
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     catalogue(cat, 45, size=(320, 240))
     old = f"hf:{tiny_models['clip']}"
-    base = nightly(catalogue=str(cat), store=str(store), model=old, batch_size="8")
+    base = nightly(NightlyConfig(catalogue=str(cat), store=str(store), model=old, batch_size="8"))
     old_id = base["ingest"]["model_id"]
     query = str(cat / "p" / "001.jpg")
 
     with pytest.raises(MigrationError, match="no migration window is open"):
-        migrate(store=str(store), action="promote")
+        migrate(MigrateConfig(store=str(store), action="promote"))
 
     with SearchLoop(store, query) as loop:
         # Kill the start during its re-encode, then rerun the same command: it continues.
@@ -96,9 +97,10 @@ def test_promote_then_finish_with_kill_changes_and_searcher(tmp_path, tiny_model
         assert read_alias(Location(str(store)), "shadow") is None
 
         with pytest.raises(MigrationError, match="already open"):
-            migrate(store=str(store), action="start", to=f"hf:{tiny_models['dinov2']}")
+            migrate(MigrateConfig(store=str(store), action="start", to=f"hf:{tiny_models['dinov2']}"))
 
-        status = migrate(store=str(store), action="start", to="efficientnet-lite0", batch_size="4", shard_size=3)
+        status = migrate(MigrateConfig(store=str(store), action="start", to="efficientnet-lite0", batch_size="4",
+                                       shard_size=3))
         assert status["window"]["id"] == window["id"], "the same window resumed"
         assert status["coverage"]["share"] == 1.0 and status["index"]["to"]["current"]
         assert status["aliases"]["serving"]["slug"] == base["ingest"]["slug"]
@@ -113,7 +115,7 @@ def test_promote_then_finish_with_kill_changes_and_searcher(tmp_path, tiny_model
         write_files(str(cat), {"p/new.jpg": jpeg_bytes(gradient(999, (320, 240))),
                                "p/002.jpg": jpeg_bytes(gradient(555, (320, 240)))})
         os.remove(cat / "p" / "003.jpg")
-        night = nightly(catalogue=str(cat), store=str(store), model=old, batch_size="4")
+        night = nightly(NightlyConfig(catalogue=str(cat), store=str(store), model=old, batch_size="4"))
         assert [r["ingest"]["slug"] for r in night["models"]] == [base["ingest"]["slug"], new_slug]
         for run in night["models"]:
             assert (run["ingest"]["new"], run["ingest"]["changed"], run["ingest"]["deleted"]) == (1, 1, 1)
@@ -133,8 +135,8 @@ def test_promote_then_finish_with_kill_changes_and_searcher(tmp_path, tiny_model
         queries = tmp_path / "queries.jsonl"
         queries.write_text("".join(json.dumps({"query_id": f"q{i}", "image": str(cat / "p" / f"{i:03d}.jpg"),
                                                "relevant": [f"p/{i:03d}.jpg"]}) + "\n" for i in range(4, 12)))
-        report = evaluate(store=str(store), queries=str(queries), alias="serving", compare="shadow", ks=[1, 5],
-                          resamples=200)
+        report = evaluate(EvalConfig(store=str(store), queries=str(queries), alias="serving", compare="shadow",
+                                     ks=(1, 5), resamples=200))
         recorded = read_window(store_loc)["evaluation"]
         assert recorded["query_file"] == str(queries) and recorded["queries"] == 8
         assert recorded["versions"]["shadow"] == {"slug": new_slug, "version": 2}
@@ -147,7 +149,7 @@ def test_promote_then_finish_with_kill_changes_and_searcher(tmp_path, tiny_model
         assert refused.exit_code == 2 and "worse than serving" in refused.output, refused.output
         assert read_window(store_loc)["evaluation"]["source"] == "imgest eval", "a refused gate is not recorded"
 
-        promoted = migrate(store=str(store), action="promote", margin=0.2)
+        promoted = migrate(MigrateConfig(store=str(store), action="promote", margin=0.2))
         assert promoted["aliases"]["serving"]["slug"] == new_slug
         assert promoted["aliases"]["previous"]["slug"] == base["ingest"]["slug"]
         event = [e for e in promoted["events"] if e["event"] == "promoted"][0]
@@ -155,9 +157,9 @@ def test_promote_then_finish_with_kill_changes_and_searcher(tmp_path, tiny_model
         assert f"evaluated on {queries}" in read_alias(store_loc, "serving")["reason"]
 
         # Still in the window: the nightly keeps both current; serving follows the new model.
-        nightly(catalogue=str(cat), store=str(store), model=old, batch_size="4")
+        nightly(NightlyConfig(catalogue=str(cat), store=str(store), model=old, batch_size="4"))
         assert read_alias(store_loc, "serving")["slug"] == new_slug
-        finished = migrate(store=str(store), action="finish", retain_days=0)
+        finished = migrate(MigrateConfig(store=str(store), action="finish", retain_days=0))
         assert base["ingest"]["slug"] in finished["finished"]["deleted"]
     assert not loop.errors, loop.errors[:3]
     assert set(loop.models) == {old_id, status["window"]["to"]["model_id"]}, "both models served, never another"
@@ -172,12 +174,12 @@ def test_promote_then_rollback_and_refusals(tmp_path, tiny_models):
     old, new = f"hf:{tiny_models['clip']}", f"hf:{tiny_models['dinov2']}"
     with pytest.raises(MigrationError, match="nothing is serving yet"):
         (store / "x").mkdir(parents=True)
-        migrate(store=str(store), action="start", to=new)
-    base = nightly(catalogue=str(cat), store=str(store), model=old, batch_size="8")
+        migrate(MigrateConfig(store=str(store), action="start", to=new))
+    base = nightly(NightlyConfig(catalogue=str(cat), store=str(store), model=old, batch_size="8"))
     unknown = CliRunner().invoke(app, ["migrate", "start", "--store", str(store), "--to", "resnet9000"])
     assert unknown.exit_code == 2 and "unknown model 'resnet9000'" in unknown.output
 
-    start = migrate(store=str(store), action="start", to=new, batch_size="8")
+    start = migrate(MigrateConfig(store=str(store), action="start", to=new, batch_size="8"))
     new_slug = start["window"]["to"]["slug"]
     query = str(cat / "p" / "004.jpg")
     refused = CliRunner().invoke(app, ["migrate", "promote", "--store", str(store)])
@@ -190,7 +192,7 @@ def test_promote_then_rollback_and_refusals(tmp_path, tiny_models):
                                           "canary traffic looked fine"])
         assert forced.exit_code == 0, forced.output
         time.sleep(0.5)
-        rolled = migrate(store=str(store), action="rollback")
+        rolled = migrate(MigrateConfig(store=str(store), action="rollback"))
         time.sleep(0.5)
     assert rolled["aliases"]["serving"]["slug"] == base["ingest"]["slug"]
     assert not loop.errors, loop.errors[:3]
@@ -198,7 +200,7 @@ def test_promote_then_rollback_and_refusals(tmp_path, tiny_models):
     assert promoted[0]["forced"] == "canary traffic looked fine" and "no evaluation" in promoted[0]["unproven"]
     history = read_alias(Location(str(store)), "serving")["history"]
     assert "(forced: canary traffic looked fine)" in history[-1]["reason"], history[-1]
-    finished = migrate(store=str(store), action="finish", retain_days=0)
+    finished = migrate(MigrateConfig(store=str(store), action="finish", retain_days=0))
     assert finished["finished"]["window"]["retired"]["slug"] == new_slug
     assert new_slug in finished["finished"]["deleted"]
     assert read_alias(Location(str(store)), "shadow") is None
@@ -212,14 +214,15 @@ def test_promote_rollback_finish_wait_for_the_writer_lock(tmp_path, tiny_models)
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     catalogue(cat, 6)
-    base = nightly(catalogue=str(cat), store=str(store), model=f"hf:{tiny_models['clip']}", batch_size="8")
-    migrate(store=str(store), action="start", to=f"hf:{tiny_models['dinov2']}", batch_size="8")
+    base = nightly(NightlyConfig(catalogue=str(cat), store=str(store), model=f"hf:{tiny_models['clip']}",
+                                 batch_size="8"))
+    migrate(MigrateConfig(store=str(store), action="start", to=f"hf:{tiny_models['dinov2']}", batch_size="8"))
     loc = Location(str(store))
     with StoreLock(loc, owner="build-index@elsewhere:1"):
         for action in ("promote", "rollback", "finish"):
             with pytest.raises(StoreLockedError, match="locked by run build-index@elsewhere:1"):
-                migrate(store=str(store), action=action, force="lock test")
+                migrate(MigrateConfig(store=str(store), action=action, force="lock test"))
         assert read_alias(loc, "serving")["slug"] == base["ingest"]["slug"]
         assert read_window(loc)["status"] == "open"
-    promoted = migrate(store=str(store), action="promote", force="lock test")
+    promoted = migrate(MigrateConfig(store=str(store), action="promote", force="lock test"))
     assert promoted["aliases"]["serving"]["slug"] == promoted["window"]["to"]["slug"]

@@ -86,7 +86,8 @@ def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_pa
     work = tmp_path / "work"  # where serve starts: flow runs start here too, so relative paths resolve here
     write_files(str(work / "catalogue"), {f"p/{i}.jpg": jpeg_bytes(gradient(i, (96, 96))) for i in range(6)})
     port, dead_port = _free_port(), _free_port()  # nothing listens on dead_port: the failing object store
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{dead_port}"}
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{dead_port}"}
     env.pop("PREFECT_API_URL", None)
     env.pop("PYTHONPATH", None)
     served = Served(installed_imgest["imgest"], env, port, str(work))

@@ -17,13 +17,14 @@ import time
 import numpy as np
 import pytest
 
+from imgest.config import IndexConfig, IngestConfig, MigrateConfig, NightlyConfig
 from imgest.encoders import resolve
 from imgest.flows.build_index import build_index
 from imgest.flows.ingest import ingest
 from imgest.lock import generations
 from imgest.storage import Location
-from imgest.tasks.search import Query, Searcher
-from imgest.tasks.state import load_state
+from imgest.tasks.search.query import Query, Searcher
+from imgest.tasks.state.committed import load_state
 from tests.helpers import TcpProxy, gradient, png_bytes
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -40,6 +41,7 @@ while not os.path.exists(sys.argv[4]):
 INGEST = """
 import sys
 from imgest.flows.ingest import ingest
+from imgest.config import IndexConfig, IngestConfig, MigrateConfig, NightlyConfig
 ingest(catalogue=sys.argv[1], store=sys.argv[2], model="raw-pixels", batch_size="2", shard_size=3)
 """
 
@@ -93,7 +95,7 @@ def _live(store_url: str) -> dict[str, tuple[str, bytes]]:
 
 def _reference(s3, catalogue: str) -> dict:
     store = f"s3://{_bucket(s3, 'ref')}/store"
-    ingest(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10)
+    ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
     return _live(store)
 
 
@@ -152,7 +154,8 @@ def test_kill_9_at_random_moments_then_a_clean_rerun(s3, tmp_path):
             survived += 1
         proc.wait()
         assert started or proc.returncode == 0
-        ingest(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10)  # the clean rerun
+        ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4",
+                            shard_size=10))  # the clean rerun
         live, expected = _live(store), _reference(s3, catalogue)
         lost += len(set(expected) - set(live))
         assert live == expected
@@ -179,7 +182,7 @@ def test_the_endpoint_cut_for_20_seconds_mid_run(s3, s3_endpoint, tmp_path):
         proxy.cut()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    ingest(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10)
+    ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
     assert _live(store) == _reference(s3, catalogue)
     _no_secret(log)
     log.seek(0)
@@ -200,7 +203,7 @@ def test_a_paused_lock_holder_cannot_commit_over_its_successor(s3, tmp_path, mon
         os.killpg(proc.pid, signal.SIGSTOP)  # SIGSTOP: every thread of it, the heartbeat too
         time.sleep(4.5)  # past the heartbeat window
         _put_images(s3, bucket, range(60, 64))
-        second = ingest(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10)
+        second = ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
         assert second["snapshot_seq"] >= 1
         os.killpg(proc.pid, signal.SIGCONT)
         proc.wait(timeout=180)
@@ -210,7 +213,7 @@ def test_a_paused_lock_holder_cannot_commit_over_its_successor(s3, tmp_path, mon
     log.seek(0)
     output = log.read().decode(errors="replace")
     assert proc.returncode != 0 and "lost the writer lock" in output, output[-3000:]
-    ingest(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10)
+    ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
     assert _live(store) == _reference(s3, catalogue)
     _no_secret(log)
     FIGURES["lock holder paused past the heartbeat window"] = {
@@ -279,7 +282,7 @@ def test_kills_during_build_index_and_during_promote(s3, tmp_path, tiny_models):
     bucket = _bucket(s3, "index")
     catalogue, store = f"s3://{bucket}/cat", f"s3://{bucket}/store"
     _put_images(s3, bucket, range(40))
-    nightly(catalogue=catalogue, store=store, model=MODEL, batch_size="4")
+    nightly(NightlyConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4"))
     logs, kills = [], 0
     for round_ in range(2):
         log = open(tmp_path / f"build-{round_}.log", "w+b")
@@ -292,11 +295,11 @@ def test_kills_during_build_index_and_during_promote(s3, tmp_path, tiny_models):
             kills += 1
         proc.wait()
         assert _serving_answers(store) == resolve(MODEL).slug  # a half-written version is never served
-    built = build_index(store=store, model=MODEL, kind="hnsw")
+    built = build_index(IndexConfig(store=store, model=MODEL, kind="hnsw"))
     assert built["built"]
 
     new = f"hf:{tiny_models['dinov2']}"
-    migrate(store=store, action="start", to=new, batch_size="4", catalogue=catalogue)
+    migrate(MigrateConfig(store=store, action="start", to=new, batch_size="4", catalogue=catalogue))
     log = open(tmp_path / "promote.log", "w+b")
     logs.append(log)
     proc = _spawn(PROMOTE, store, log=log)
@@ -306,7 +309,7 @@ def test_kills_during_build_index_and_during_promote(s3, tmp_path, tiny_models):
         kills += 1
     proc.wait()
     assert _serving_answers(store) in (resolve(MODEL).slug, resolve(new).slug)  # the old or the new, whole
-    promoted = migrate(store=store, action="promote", force="kill test: no evaluation")
+    promoted = migrate(MigrateConfig(store=store, action="promote", force="kill test: no evaluation"))
     assert promoted["aliases"]["serving"]["slug"] == resolve(new).slug
     assert _serving_answers(store) == resolve(new).slug
     _no_secret(*logs)

@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from imgest.config import IndexConfig, IngestConfig
 from imgest.flows.ingest import ingest
 from tests.helpers import gradient, jpeg_bytes, task_runs_named, write_files
 
@@ -31,9 +32,9 @@ def test_dask_cluster_writes_the_same_shards_as_local_one_encode_per_limit_slot(
     write_files(str(cat), files)
     common = {"catalogue": str(cat), "model": "efficientnet-lite0", "batch_size": "2", "shard_size": 3}
 
-    local = ingest(store=str(tmp_path / "local"), **common)
-    dask = ingest(store=str(tmp_path / "dask"), runner="dask", workers=2, encode_limit="imgest-test-one-encode",
-                  **common)
+    local = ingest(IngestConfig(store=str(tmp_path / "local"), **common))
+    dask = ingest(IngestConfig(store=str(tmp_path / "dask"), runner="dask", workers=2,
+                               encode_limit="imgest-test-one-encode", **common))
 
     assert local["workers"] and len(local["workers"]) == 1
     assert len(dask["workers"]) == 2, "both worker processes encoded shards"
@@ -64,22 +65,22 @@ def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(
 
     from imgest.flows.build_index import build_index
     from imgest.storage import Location
-    from imgest.tasks.index_store import open_index
-    from imgest.tasks.live import load_live_vectors
+    from imgest.tasks.index.store import open_index
+    from imgest.tasks.state.live import load_live_vectors
     from tests.helpers import png_bytes
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     write_files(str(cat), {f"p/{i:04d}.png": png_bytes(gradient(i, (16, 16))) for i in range(600)})
-    ingest(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64", shard_size=200)
+    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64", shard_size=200))
 
     common = {"store": str(store), "model": "raw-pixels", "kind": "IVF16,SQ8", "queries": 100, "alias": None}
-    one = build_index(**common)["card"]
+    one = build_index(IndexConfig(**common))["card"]
 
     def gather_everything(*args, **kwargs):
         raise AssertionError("a build in parts must not load every live vector on the flow's node")
 
-    monkeypatch.setattr("imgest.tasks.index_tasks.load_live_vectors", gather_everything)
-    parts = build_index(**common, parts=3, runner="dask", workers=2, rebuild=True)["card"]
+    monkeypatch.setattr("imgest.tasks.index.steps.load_live_vectors", gather_everything)
+    parts = build_index(IndexConfig(**common, parts=3, runner="dask", workers=2, rebuild=True))["card"]
     assert "each part read its own shards" in parts["build"]["method"]
     assert one["build"]["parts"] == 1 and parts["build"]["parts"] == 3 and parts["build"]["runner"] == "dask"
     assert parts["n"] == one["n"] == 600 and parts["search"] == one["search"]
@@ -98,7 +99,7 @@ def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(
 def test_the_same_flow_runs_on_an_existing_cluster_by_address(tmp_path):
     from distributed import LocalCluster
 
-    from imgest.tasks.runners import _api_url
+    from imgest.tasks.ingest.runners import _api_url
 
     cat = tmp_path / "catalogue"
     write_files(str(cat), {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, (64, 64))) for i in range(6)})
@@ -106,8 +107,8 @@ def test_the_same_flow_runs_on_an_existing_cluster_by_address(tmp_path):
     # workers are configured like any remote worker: with the Prefect API to report to.
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
                       env={"PREFECT_API_URL": _api_url()}) as cluster:
-        run = ingest(catalogue=str(cat), store=str(tmp_path / "store"), model="efficientnet-lite0", batch_size="2",
-                     shard_size=2, runner=cluster.scheduler_address)
+        run = ingest(IngestConfig(catalogue=str(cat), store=str(tmp_path / "store"), model="efficientnet-lite0",
+                                  batch_size="2", shard_size=2, runner=cluster.scheduler_address))
         worker_pids = {w.pid for w in cluster.workers.values() if hasattr(w, "pid")}
     assert run["encoded"] == 6 and run["shards"] == 3
     assert {int(w.rsplit(":", 1)[1]) for w in run["workers"]} <= worker_pids, "encoded by that cluster's workers"

@@ -14,12 +14,12 @@ import pytest
 
 from imgest import encoders
 from imgest.storage import TEMP_PREFIX, Location
-from imgest.tasks.commit import commit_run, new_summary
-from imgest.tasks.decode import decode_image
-from imgest.tasks.encode import encode_shard
-from imgest.tasks.plan import Plan, ShardPlan, WorkItem
-from imgest.tasks.shards import ShardWriter, embedding_matrix
-from imgest.tasks.state import (
+from imgest.tasks.ingest.commit import commit_run, new_summary
+from imgest.tasks.ingest.decode import decode_image
+from imgest.tasks.ingest.encode import encode_shard
+from imgest.tasks.ingest.plan import Plan, ShardPlan, WorkItem
+from imgest.tasks.ingest.shards import ShardWriter, embedding_matrix
+from imgest.tasks.state.committed import (
     LIVE,
     REJECTED,
     CatalogueState,
@@ -166,7 +166,7 @@ def test_a_write_killed_before_its_rename_is_ignored_then_swept(tmp_path, pixels
 def test_decode_processes_write_the_shard_threads_write(tmp_path, monkeypatch):
     """A shard big enough decodes in processes (spawned, the catalogue passed by URL): same rows, same
     vectors, same rejects as decode threads; a small one stays on threads."""
-    import imgest.tasks.encode as encode_module
+    import imgest.tasks.ingest.encode as encode_module
 
     lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
     files = {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, (300, 200))) for i in range(70)}
@@ -197,8 +197,8 @@ KILLED_ENCODER = """
 import sys
 from imgest import encoders
 from imgest.storage import Location
-from imgest.tasks.encode import encode_shard
-from imgest.tasks.plan import ShardPlan, WorkItem
+from imgest.tasks.ingest.encode import encode_shard
+from imgest.tasks.ingest.plan import ShardPlan, WorkItem
 cat = Location(sys.argv[1])
 keys = sorted(o.key for o in cat.walk())
 items = tuple(WorkItem(k, cat.uri(k), 1, None, None, None) for k in keys)

@@ -26,26 +26,27 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from imgest.config import ConfigError
     from imgest.encoders import EncoderError
     from imgest.lock import LockLostError, StoreLockedError
+    from imgest.names import SizeError
     from imgest.records import RecordError
     from imgest.storage import StorageError
-    from imgest.tasks.aliases import AliasError
-    from imgest.tasks.catalogue_images import CatalogueRootError
-    from imgest.tasks.heads import HeadError
-    from imgest.tasks.index_choice import IndexChoiceError
-    from imgest.tasks.index_store import IndexIntegrityError, IndexNotFoundError
-    from imgest.tasks.inventory import InventoryError
-    from imgest.tasks.metadata import MetadataError
-    from imgest.tasks.migration import MigrationError
-    from imgest.tasks.models import ModelNotFoundError
-    from imgest.tasks.plan import MassDeleteError
-    from imgest.tasks.querysets import QuerySetError
-    from imgest.tasks.routing import RoutingError
-    from imgest.tasks.search import SearchError
+    from imgest.tasks.evaluate.querysets import QuerySetError
+    from imgest.tasks.evaluate.routing import RoutingError
+    from imgest.tasks.heads.train import HeadError
+    from imgest.tasks.index.choice import IndexChoiceError
+    from imgest.tasks.index.store import IndexIntegrityError, IndexNotFoundError
+    from imgest.tasks.ingest.inventory import InventoryError
+    from imgest.tasks.ingest.metadata import MetadataError
+    from imgest.tasks.ingest.plan import MassDeleteError
+    from imgest.tasks.migration.aliases import AliasError
+    from imgest.tasks.migration.window import MigrationError
+    from imgest.tasks.search.query import SearchError
+    from imgest.tasks.state.catalogue_images import CatalogueRootError
+    from imgest.tasks.state.models import ModelNotFoundError
 
     return (ConfigError, EncoderError, StoreLockedError, StorageError, ModelNotFoundError, FileNotFoundError,
             IndexChoiceError, IndexIntegrityError, IndexNotFoundError, SearchError, MigrationError, QuerySetError,
             HeadError, MassDeleteError, MetadataError, InventoryError, AliasError,
-            CatalogueRootError, RecordError, RoutingError, LockLostError)
+            CatalogueRootError, RecordError, RoutingError, LockLostError, SizeError)
 
 
 # Registers the commands on `app` (each module imports it from here).

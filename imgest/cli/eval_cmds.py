@@ -8,54 +8,34 @@ from typing import Optional
 import typer
 
 from imgest.cli import _fail, _user_errors, app
-from imgest.defaults import DEFAULT_DEVICE, DEFAULT_KS, DEFAULT_RESAMPLES
+from imgest.cli.options import config_command
+from imgest.config import EvalConfig
+from imgest.names import DEFAULT_DEVICE
 
 
 @app.command("eval")
-def eval_cmd(
-    store: str = typer.Option(..., help="Folder or URL of the store"),
-    queries: str = typer.Option(..., help="Query set (JSONL or Parquet): query_id, image|text, relevant, class"),
-    alias: str = typer.Option("serving", help="Retriever A"),
-    compare: Optional[str] = typer.Option(None, help="Retriever B (an alias), for win/loss, bootstrap, fusion"),
-    k: str = typer.Option(",".join(map(str, DEFAULT_KS)), help="Cut-offs, comma-separated"),
-    resamples: int = typer.Option(DEFAULT_RESAMPLES, help="Paired bootstrap resamples (>= 1000 recommended)"),
-    seed: int = typer.Option(0, help="Bootstrap seed"),
-    out: Optional[str] = typer.Option(None, help="Folder for eval.json, eval.md, PNG plots and, with --compare, "
-                                                 "routing.json (what search --route serves)"),
-    traffic: Optional[str] = typer.Option(None, help="A query log's class counts (JSON {class: n} or JSONL with "
-                                                     "'class'): prints the traffic-weighted gain of --compare"),
-    as_json: bool = typer.Option(False, "--json"),
-) -> None:
+@config_command(EvalConfig)
+def eval_cmd(config: EvalConfig, as_json: bool = typer.Option(False, "--json")) -> None:
     """recall@K, precision@K, MRR, mAP at the served parameters and exact, per class; A vs B when compared."""
     try:
-        ks = [int(x) for x in k.split(",") if x.strip()]
-        if not ks or min(ks) < 1:
-            raise ValueError
-    except ValueError:
-        _fail(ValueError(f"--k must be positive integers separated by commas, got {k!r}"))
-    try:
-        from imgest.config import EvalConfig
-        from imgest.tasks.querysets import read_query_set
+        from imgest.tasks.evaluate.querysets import read_query_set
 
-        # a bad parameter or a malformed set fails before Prefect starts
-        EvalConfig(store=store, queries=queries, alias=alias, compare=compare, ks=tuple(ks), resamples=resamples,
-                   seed=seed, out=out, traffic=traffic)
-        read_query_set(queries)
-        if traffic:
-            from imgest.tasks.routing import read_traffic
+        # a malformed set or traffic file fails before Prefect starts
+        read_query_set(config.queries)
+        if config.traffic:
+            from imgest.tasks.evaluate.routing import read_traffic
 
-            read_traffic(traffic)
+            read_traffic(config.traffic)
         from imgest.flows.evaluate import evaluate
-        from imgest.tasks.evaluate import dumps
+        from imgest.tasks.evaluate.retrievers import dumps
 
-        report = evaluate(store=store, queries=queries, alias=alias, compare=compare, ks=ks, resamples=resamples,
-                          seed=seed, out=out, traffic=traffic)
+        report = evaluate(config)
     except _user_errors() as exc:
         _fail(exc)
     if as_json:
         typer.echo(dumps(report))
     else:
-        from imgest.tasks.markdown import render_eval
+        from imgest.tasks.reports.evaluation import render_eval
 
         typer.echo(render_eval(report))
 
@@ -73,7 +53,7 @@ def queries_class(
     seed: int = typer.Option(0, help="Seed of the draw"),
 ) -> None:
     """A blind class-level set: held-out catalogue items as queries, their class as relevant, self excluded."""
-    from imgest.tasks.querysets import build_class_queries
+    from imgest.tasks.evaluate.querysets import build_class_queries
 
     try:
         meta = build_class_queries(catalogue, out, per_class, seed, prefix)
@@ -90,7 +70,7 @@ def queries_instance(
     seed: int = typer.Option(0, help="Seed of the transforms"),
 ) -> None:
     """An instance-level set: crops, flips and colour changes of catalogue images, each finding its original."""
-    from imgest.tasks.querysets import build_instance_queries
+    from imgest.tasks.evaluate.querysets import build_instance_queries
 
     try:
         meta = build_instance_queries(catalogue, out, prefix, seed)
@@ -114,8 +94,8 @@ def report_cost(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Encode throughput and hours, re-encode cost, query encode time, storage, index fit, dual-window storage."""
-    from imgest.tasks.cost import cost_report
-    from imgest.tasks.markdown import render_cost
+    from imgest.tasks.index.cost import cost_report
+    from imgest.tasks.reports.index import render_cost
 
     try:
         report = cost_report(store, corpus_size, gpu_hour_price, node_memory, device, node_disk=node_disk)

@@ -8,69 +8,31 @@ from typing import Optional
 import typer
 
 from imgest.cli import _fail, _user_errors, app
-from imgest.defaults import (
-    DEFAULT_ALIAS,
-    DEFAULT_DEVICE,
-    DEFAULT_DISK,
-    DEFAULT_DUPLICATE_THRESHOLD,
-    DEFAULT_INDEX_PARTS,
-    DEFAULT_K,
-    DEFAULT_KIND,
-    DEFAULT_MEMORY,
-    DEFAULT_MODEL,
-    DEFAULT_RECALL_QUERIES,
-    DEFAULT_RETRAIN_SHARE,
-    DEFAULT_RUNNER,
-    DEFAULT_TARGET_RECALL,
-    DEFAULT_WORKERS,
-)
-from imgest.tasks.fusion import RRF_K
+from imgest.cli.options import config_command
+from imgest.config import DuplicatesConfig, IndexConfig
+from imgest.names import DEFAULT_DEVICE
+from imgest.tasks.evaluate.fusion import RRF_K
 
 
 @app.command("build-index")
+@config_command(IndexConfig)
 def build_index_cmd(
-    store: str = typer.Option(..., help="Folder or URL of the store"),
-    model: str = typer.Option(DEFAULT_MODEL, help="Model name, model id or slug in the store"),
-    kind: str = typer.Option(DEFAULT_KIND, help="auto, flat, hnsw, ivfsq8, ivfpq or a faiss factory string"),
-    memory: str = typer.Option(DEFAULT_MEMORY, help="Memory budget for the index, e.g. 512M, 4G"),
-    disk: str = typer.Option(DEFAULT_DISK, help="Local disk for a PQ index's float16 re-rank vectors "
-                                              "(memory-mapped when served): 'unlimited', 0 (none: PQ alone) "
-                                              "or e.g. 20G"),
-    target_recall: float = typer.Option(DEFAULT_TARGET_RECALL, help="recall@k against exact search the served "
-                                                                    "parameters must meet"),
-    k: int = typer.Option(DEFAULT_K, help="k of the recall target"),
-    queries: int = typer.Option(DEFAULT_RECALL_QUERIES, help="Held-out corpus queries used to measure recall"),
-    alias: str = typer.Option(DEFAULT_ALIAS, help="Alias to move once verified: 'auto' moves the aliases already on "
-                              "this model (creating `serving` if the store has none); a name; '' for none"),
-    parts: int = typer.Option(DEFAULT_INDEX_PARTS, help="IVF and flat indexes: train once, add this many slices "
-                                                        "in parallel on --runner, merge (faiss merge_from); 1: one "
-                                                        "process"),
-    runner: str = typer.Option(DEFAULT_RUNNER, help="Where parts are added: local, dask (a local cluster) or tcp://..."),
-    workers: int = typer.Option(DEFAULT_WORKERS, help="Worker processes of a local Dask cluster; 0: one per CPU core"),
-    rebuild: bool = typer.Option(False, "--rebuild", help="Train a new version from scratch even when nothing "
-                                 "changed since the last one (otherwise it is reused) or an IVF version could be "
-                                 "updated in place"),
-    retrain_share: float = typer.Option(DEFAULT_RETRAIN_SHARE, help="Update an IVF version in place until "
-                                        "this share of its training count was added since; then train anew"),
+    config: IndexConfig,
     as_json: bool = typer.Option(False, "--json", help="Print the index card as JSON"),
 ) -> None:
     """Build a new immutable index version from the live embeddings and move an alias to it."""
     try:
-        from imgest.config import IndexConfig
         from imgest.storage import open_location
-        from imgest.tasks.models import find_model
+        from imgest.tasks.state.models import find_model
 
-        cfg = IndexConfig(store=store, model=model, kind=kind, memory=memory, target_recall=target_recall, k=k,
-                          queries=queries, alias=alias or None, parts=parts, runner=runner, workers=workers,
-                          rebuild=rebuild, retrain_share=retrain_share, disk=disk)
-        find_model(open_location(cfg.store, must_exist=True, what="store"), cfg.model)
+        find_model(open_location(config.store, must_exist=True, what="store"), config.model)
 
         from imgest.flows.build_index import build_index
         from imgest.progress import reporting
-        from imgest.tasks.markdown import render_card
+        from imgest.tasks.reports.index import render_card
 
         with reporting():
-            result = build_index(**cfg.to_dict())
+            result = build_index(config)
     except _user_errors() as exc:
         _fail(exc)
     if not result["built"]:
@@ -114,7 +76,7 @@ def search_cmd(
     from dataclasses import asdict
 
     try:
-        from imgest.tasks.search import Query, Searcher, SearchError, read_queries
+        from imgest.tasks.search.query import Query, Searcher, SearchError, read_queries
 
         given = [x for x in (image, text, queries) if x is not None]
         if len(given) != 1:
@@ -122,7 +84,7 @@ def search_cmd(
         batch = read_queries(queries) if queries else [Query("query", image, text)]
         aliases = tuple(dict.fromkeys(alias))
         if route is not None:
-            from imgest.tasks.search import routed_search
+            from imgest.tasks.search.query import routed_search
 
             results, how = routed_search(store, batch, k, route, query_class, device, where, group_by, per_group)
             card = {"model_id": f"route {how['route']} ({', '.join(how['aliases'])}; {how['from']})",
@@ -130,7 +92,7 @@ def search_cmd(
         elif fuse is not None:
             if fuse != "rrf":
                 raise SearchError(f"unknown fusion {fuse!r}; allowed: rrf")
-            from imgest.tasks.search import fused_search
+            from imgest.tasks.search.query import fused_search
 
             aliases = aliases if len(aliases) > 1 else ("serving", "shadow")
             results = fused_search(store, batch, k, aliases, rrf_k, device, where, group_by, per_group)
@@ -148,7 +110,7 @@ def search_cmd(
         typer.echo(json.dumps({"model_id": card["model_id"], "version": card["version"], "results": payload},
                               indent=2))
         return
-    from imgest.tasks.markdown import served_parameters
+    from imgest.tasks.reports.index import served_parameters
 
     if route is not None:
         typer.echo(card["model_id"])
@@ -164,24 +126,16 @@ def search_cmd(
 
 
 @app.command("duplicates")
+@config_command(DuplicatesConfig)
 def duplicates_cmd(
-    store: str = typer.Option(..., help="Folder or URL of the store"),
-    threshold: float = typer.Option(DEFAULT_DUPLICATE_THRESHOLD, help="Cosine at or above which two images are "
-                                                                      "near-duplicates"),
-    alias: str = typer.Option("serving", help="Alias of the image model whose index is searched"),
-    model: Optional[str] = typer.Option(None, help="This model's latest index instead of an alias"),
+    config: DuplicatesConfig,
     as_json: bool = typer.Option(False, "--json", help="Print the groups as JSON"),
 ) -> None:
     """Exact duplicates (same bytes, different keys) and near-duplicate groups; a Parquet report in the store."""
     try:
-        from dataclasses import asdict
-
-        from imgest.config import DuplicatesConfig
-
-        cfg = DuplicatesConfig(store=store, alias=alias, model=model, threshold=threshold)
         from imgest.flows.duplicates import duplicates
 
-        report = duplicates(**asdict(cfg))
+        report = duplicates(config)
     except _user_errors() as exc:
         _fail(exc)
     if as_json:

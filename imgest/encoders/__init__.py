@@ -7,9 +7,9 @@ import os
 import re
 import threading
 
-from imgest.defaults import DEFAULT_MODEL
 from imgest.encoders import efficientnet, head, hf, pixels, text
 from imgest.encoders.base import Encoder, EncoderError, EncoderSpec, device_key, resolve_device
+from imgest.names import DEFAULT_MODEL
 
 # family -> (resolve name -> spec, load spec on device -> encoder)
 REGISTRY = {

@@ -83,7 +83,7 @@ class EfficientNetLite0:
 
     decode_side = PREPROCESSING["resize_shorter"]
 
-    preprocess_fn = staticmethod(preprocess)  # picklable: decode processes call it (tasks/encode.py)
+    preprocess_fn = staticmethod(preprocess)  # picklable: decode processes call it (tasks/ingest/encode.py)
 
     def preprocess(self, image) -> np.ndarray:
         return preprocess(image)

@@ -1,0 +1,201 @@
+"""Field types the configuration models share: each one's type, check and help written once.
+
+A check raises ValueError with a message that starts with the field's name and says what is allowed;
+pydantic gathers them and `imgest.config.build` turns them into one line.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo
+
+from imgest.credentials import check_no_credentials
+from imgest.names import (
+    ALIAS_NAME,
+    DTYPES,
+    KINDS,
+    RUNNERS,
+    parse_augmentations,
+    parse_disk,
+    parse_memory,
+)
+from imgest.storage import StorageError
+
+
+class Cli:
+    """Field metadata for the command line, where its flag is not the field's name (a contract older than the
+    model): `Annotated[tuple[int, ...], Cli("--k", str)]` takes `--k 1,5,10` and lets the model parse it."""
+
+    def __init__(self, flag: str, type_: type | None = None):
+        self.flag, self.type = flag, type_
+
+
+# -- checks, each reused by the fields that share it --------------------------------------------------
+def not_empty(value: str, info: ValidationInfo) -> str:
+    if not str(value or "").strip():
+        raise ValueError(f"{info.field_name} must not be empty")
+    return value
+
+
+def no_credentials(value: str | None, info: ValidationInfo) -> str | None:
+    if value:
+        try:
+            check_no_credentials(value, what=info.field_name)
+        except StorageError as exc:
+            raise ValueError(str(exc)) from None  # the message masks the secret; the input is never echoed
+    return value
+
+
+def at_least(low: int):
+    def check(value: int, info: ValidationInfo) -> int:
+        if isinstance(value, bool) or value < low:
+            raise ValueError(f"{info.field_name} must be an integer >= {low}; got {value!r}")
+        return value
+    return check
+
+
+def fraction(low_open: bool = False):
+    def check(value: float, info: ValidationInfo) -> float:
+        if isinstance(value, bool) or not (0 < value <= 1 if low_open else 0 <= value <= 1):
+            interval = "(0, 1]" if low_open else "[0, 1]"
+            raise ValueError(f"{info.field_name} must be in {interval}; got {value!r}")
+        return value
+    return check
+
+
+def non_negative(meaning: str = ""):
+    def check(value: float, info: ValidationInfo) -> float:
+        if isinstance(value, bool) or value < 0:
+            raise ValueError(f"{info.field_name} must be a number >= 0{meaning}; got {value!r}")
+        return value
+    return check
+
+
+def _batch_size(value: str | int) -> str:
+    parse_batch_size(value)
+    return str(value)
+
+
+def parse_batch_size(value: str | int) -> int | None:
+    """'auto' -> None (measure); a positive integer -> itself."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"batch_size must be 'auto' or a positive integer, got {value!r}") from None
+    if size < 1:
+        raise ValueError(f"batch_size must be 'auto' or a positive integer, got {value!r}")
+    return size
+
+
+def _device(value: str) -> str:
+    if value not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(value)):
+        raise ValueError(f"device must be one of auto, cpu, cuda, cuda:N; got {value!r}")
+    return value
+
+
+def _runner(value: str) -> str:
+    if value not in ("local", "dask") and not value.startswith(("tcp://", "tls://", "ucx://")):
+        raise ValueError(f"runner must be {RUNNERS}; got {value!r}")
+    return value
+
+
+def _kind(value: str) -> str:
+    if value not in KINDS and not any(t in value for t in ("Flat", "HNSW", "IVF", "PQ", "SQ")):
+        raise ValueError(f"kind must be one of {', '.join(KINDS)} or a faiss factory string; got {value!r}")
+    return value
+
+
+def _size(parse):
+    def check(value: str) -> str:
+        parse(value)
+        return value
+    return check
+
+
+def alias_name(value: str | None, info: ValidationInfo) -> str | None:
+    if value == "":
+        return None  # `--alias ''`: move none
+    if value is not None and value != "auto" and not ALIAS_NAME.match(value):
+        raise ValueError(f"{info.field_name} must be lowercase letters, digits, '-' or '_' (starting with a letter); "
+                         f"got {value!r}")
+    return value
+
+
+def one_of(allowed: tuple[str, ...]):
+    def check(value: str, info: ValidationInfo) -> str:
+        if value not in allowed:
+            raise ValueError(f"{info.field_name} must be one of {', '.join(allowed)}; got {value!r}")
+        return value
+    return check
+
+
+def comma_ints(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"ks (--k) must be positive integers separated by commas; got {value!r}") from None
+
+
+def cut_offs(value: tuple[int, ...]) -> tuple[int, ...]:
+    if not value or any(isinstance(k, bool) or k < 1 for k in value):
+        raise ValueError(f"ks must be positive integers (cut-offs such as 1, 5, 10); got {list(value)!r}")
+    return value
+
+
+def augmentations(value: str) -> str:
+    parse_augmentations(value)
+    return value
+
+
+def encode_limit_name(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9._:-]+", str(value)):
+        raise ValueError("encode_limit must be 'auto' (one encode per GPU), 'none' or the name of a Prefect global "
+                         f"concurrency limit (letters, digits, . _ : -); got {value!r}")
+    return value
+
+
+# -- fields shared by several flows: type, check and help written once ----------------------------------
+Store = Annotated[str, AfterValidator(not_empty), AfterValidator(no_credentials),
+                  Field(description="Folder or URL where shards, state and indexes are kept: /path, file://, "
+                                    "s3://bucket/prefix")]
+Catalogue = Annotated[str, AfterValidator(not_empty), AfterValidator(no_credentials),
+                      Field(description="Folder or URL of the catalogue: /path, file://, s3://bucket/prefix")]
+OptionalUrl = Annotated[str | None, AfterValidator(no_credentials)]
+Model = Annotated[str, AfterValidator(not_empty),
+                  Field(description="efficientnet-lite0, minilm-l6, raw-pixels, hf:<hub id or local folder>, "
+                                    "head:<name>; or a model the store holds, by name, model id or slug")]
+BatchSize = Annotated[str, BeforeValidator(_batch_size),
+                      Field(description="'auto' (measured, cached per model and device) or N")]
+Device = Annotated[str, AfterValidator(_device), Field(description="auto, cpu, cuda or cuda:N")]
+ShardSize = Annotated[int, AfterValidator(at_least(1)),
+                      Field(description="Images per shard (one Prefect task, one Parquet file)")]
+DecodeWorkers = Annotated[int, AfterValidator(at_least(0)),
+                          Field(description="Workers reading and decoding ahead of the encoder; 0: sized from the "
+                                            "cores left to it")]
+MaxPixels = Annotated[int, AfterValidator(at_least(1)),
+                      Field(description="Larger images are rejected as decompression bombs")]
+Runner = Annotated[str, AfterValidator(_runner),
+                   Field(description="Where shards encode and index parts are added: local (this process), dask "
+                                     "(a local Dask cluster of worker processes) or a Dask scheduler address "
+                                     "tcp://host:8786")]
+Workers = Annotated[int, AfterValidator(at_least(0)),
+                    Field(description="Worker processes of a local Dask cluster (runner dask); 0: one per CPU core")]
+Dtype = Annotated[str, AfterValidator(one_of(DTYPES)),
+                  Field(description="Vectors in the shards this run writes: float32 or float16 (half the bytes; "
+                                    "indexes, export, eval and heads read both)")]
+Kind = Annotated[str, AfterValidator(_kind),
+                 Field(description=f"Index kind: {', '.join(KINDS)} or a faiss factory string")]
+Memory = Annotated[str, AfterValidator(_size(parse_memory)),
+                   Field(description="Memory budget of the index, e.g. 512M, 4G")]
+Disk = Annotated[str, AfterValidator(_size(parse_disk)),
+                 Field(description="Local disk for a PQ index's float16 re-rank vectors (memory-mapped when "
+                                   "served): 'unlimited', 0 (none: PQ alone) or e.g. 20G")]
+TargetRecall = Annotated[float, AfterValidator(fraction(low_open=True)),
+                         Field(description="recall@k against exact search the served search parameters must meet")]
+RecallK = Annotated[int, AfterValidator(at_least(1)), Field(description="k of the recall target")]

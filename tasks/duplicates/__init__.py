@@ -1,0 +1,1 @@
+"""Duplicate images: exact (same bytes) and near (embeddings above a cosine threshold)."""

@@ -1,0 +1,1 @@
+"""Retrieval evaluation: query sets, metrics, served-vs-exact and two-retriever comparisons, fusion and routing."""

@@ -1,0 +1,229 @@
+"""Evaluate retrievers on a labelled query set: served vs exact, per class, win/loss, bootstrap, fusion."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from imgest.storage import Location
+from imgest.tasks.evaluate.fusion import max_score, rrf
+from imgest.tasks.evaluate.metrics import evaluate, paired_bootstrap, per_query, win_loss
+from imgest.tasks.evaluate.querysets import LabelledQuery, QuerySetError
+from imgest.tasks.evaluate.routing import (
+    FOLDS,
+    candidate_runs,
+    fit_calibration,
+    read_traffic,
+    routing_file,
+    routing_table,
+    traffic_gain,
+)
+from imgest.tasks.index.store import read_card
+from imgest.tasks.migration.aliases import read_alias
+from imgest.tasks.reports.index import served_parameters
+from imgest.tasks.reports.plots import bootstrap_png, recall_sweep_png
+from imgest.tasks.search.query import Query, Searcher
+from imgest.tasks.state.live import load_live_vectors
+
+EMBED_CHUNK = 64
+
+
+def metric_names(ks: list[int]) -> list[str]:
+    return [f"recall@{k}" for k in ks] + [f"precision@{k}" for k in ks] + ["mrr", "map"]
+
+
+def embed(searcher: Searcher, queries: list[LabelledQuery]) -> np.ndarray:
+    chunks = [searcher.embed([Query(q.query_id, q.image, q.text) for q in queries[i:i + EMBED_CHUNK]])
+              for i in range(0, len(queries), EMBED_CHUNK)]
+    return np.concatenate(chunks) if chunks else np.zeros((0, searcher.spec.dim), np.float32)
+
+
+def _ranked(queries, scores, ids, id_map, depth) -> tuple[dict, dict]:
+    run, score_run = {}, {}
+    for q, srow, irow in zip(queries, scores, ids):
+        drop = set(q.exclude)
+        pairs = [(id_map[i], float(s)) for s, i in zip(srow, irow) if i >= 0 and id_map[i] not in drop][:depth]
+        run[q.query_id] = [p[0] for p in pairs]
+        score_run[q.query_id] = pairs
+    return run, score_run
+
+
+def served_and_exact(store: Location, searcher: Searcher, queries: list[LabelledQuery], depth: int) -> dict:
+    """The same query vectors through the served index (its served parameters) and through exact search
+    over the same items' vectors."""
+    import faiss
+
+    vectors = embed(searcher, queries)
+    extra = max((len(q.exclude) for q in queries), default=0)
+    scores, ids = searcher.opened.search(vectors, depth + extra)
+    served, served_scores = _ranked(queries, scores, ids, searcher.opened.item_ids, depth)
+    card = searcher.card
+    live = load_live_vectors(store, card["slug"], card["d"])
+    position = {item: i for i, item in enumerate(live.item_ids)}
+    rows = [position[item] for item in searcher.opened.item_ids if item in position]
+    scores, ids = faiss.knn(np.ascontiguousarray(vectors, np.float32), live.vectors[rows], depth + extra,
+                            metric=faiss.METRIC_INNER_PRODUCT)
+    exact, _ = _ranked(queries, scores, ids, [live.item_ids[r] for r in rows], depth)
+    return {"served": served, "served_scores": served_scores, "exact": exact}
+
+
+def describe(searcher: Searcher, alias: str) -> dict:
+    card = searcher.card
+    return {"alias": alias, "model_id": card["model_id"], "slug": card["slug"], "version": card["version"],
+            "factory": card["factory"], "served": served_parameters(card), "n": card["n"]}
+
+
+def by_class(run, qrels, classes, names) -> dict:
+    groups = defaultdict(dict)
+    for qid, cls in classes.items():
+        groups[cls or "_all"][qid] = qrels[qid]
+    return {cls: {"queries": len(rel), **evaluate(run, rel, names)} for cls, rel in sorted(groups.items())}
+
+
+def check_coverage(searcher: Searcher, queries: list[LabelledQuery]) -> float:
+    """Share of the queries' relevant ids that the index holds; none at all means the set was built
+    for another catalogue root or store, and every metric would silently be 0."""
+    indexed = set(searcher.opened.item_ids)
+    relevant = {item for q in queries for item in q.relevant}
+    share = len(relevant & indexed) / len(relevant) if relevant else 0.0
+    if share == 0:
+        example = next(iter(relevant), "?")
+        raise QuerySetError(f"none of the {len(relevant)} relevant item ids (e.g. {example!r}) is in the index "
+                            f"{searcher.card['slug']} v{searcher.card['version']}: was the query set built from "
+                            "another catalogue root? Item ids are keys relative to the ingested catalogue")
+    return share
+
+
+def evaluate_retriever(store: Location, alias: str, queries: list[LabelledQuery], ks: list[int],
+                       device: str = "auto") -> dict:
+    searcher = Searcher(store.url, alias=alias, device=device)
+    coverage = check_coverage(searcher, queries)
+    depth = max(max(ks), 100)
+    runs = served_and_exact(store, searcher, queries, depth)
+    qrels = {q.query_id: set(q.relevant) for q in queries}
+    names = metric_names(ks)
+    served = evaluate(runs["served"], qrels, names)
+    exact = evaluate(runs["exact"], qrels, names)
+    classes = {q.query_id: q.cls for q in queries}
+    return {
+        **describe(searcher, alias),
+        "relevant_indexed_share": round(coverage, 6),
+        "metrics": served,
+        "exact": exact,
+        "served_over_exact": {m: (served[m] / exact[m] if exact[m] else None) for m in names},
+        "per_class": by_class(runs["served"], qrels, classes, names) if any(classes.values()) else {},
+        "_runs": runs,
+    }
+
+
+def compare(a: dict, b: dict, queries: list[LabelledQuery], ks: list[int], resamples: int = 1000,
+            seed: int = 0) -> dict:
+    """A vs B on the same queries: win/loss cells, paired bootstrap on the recall difference, fusion."""
+    qrels = {q.query_id: set(q.relevant) for q in queries}
+    out = {"win_loss": {}, "bootstrap": {}, "fusion": {}}
+    for k in ks:
+        metric = f"recall@{k}"
+        hits_a = per_query(a["_runs"]["served"], qrels, metric)
+        hits_b = per_query(b["_runs"]["served"], qrels, metric)
+        out["win_loss"][metric] = win_loss(hits_a, hits_b)
+        out["bootstrap"][metric] = paired_bootstrap([hits_a[q] for q in qrels], [hits_b[q] for q in qrels],
+                                                    resamples=resamples, seed=seed)
+    fused_rrf, fused_max = {}, {}
+    for q in qrels:
+        fused_rrf[q] = [d for d, _ in rrf([a["_runs"]["served"][q], b["_runs"]["served"][q]])]
+        fused_max[q] = [d for d, _ in max_score([a["_runs"]["served_scores"][q], b["_runs"]["served_scores"][q]])]
+    names = [f"recall@{k}" for k in ks] + [f"precision@{k}" for k in ks]
+    runs = candidate_runs(a["_runs"], b["_runs"], qrels, seed)
+    out["fusion"] = {
+        "a": evaluate(a["_runs"]["served"], qrels, names),
+        "b": evaluate(b["_runs"]["served"], qrels, names),
+        "rrf": evaluate(fused_rrf, qrels, names),
+        "calibrated": evaluate(runs["calibrated"], qrels, names),
+        "max": evaluate(fused_max, qrels, names),
+        "note": "max-score fusion compares raw cosine scores of two different models, which are not on one scale "
+                "(the bad baseline); calibrated: Platt-scaled scores summed, each query calibrated on the other "
+                f"{FOLDS - 1} folds",
+    }
+    metric = f"recall@{max(ks)}"
+    hits = {name: per_query(run, qrels, metric) for name, run in runs.items()}
+    out["fusion_bootstrap"] = {
+        f"calibrated - rrf ({metric})": paired_bootstrap([hits["calibrated"][q] for q in qrels],
+                                                        [hits["rrf"][q] for q in qrels], resamples=resamples,
+                                                        seed=seed)}
+    out["calibration"] = fit_calibration(a["_runs"]["served_scores"], b["_runs"]["served_scores"], qrels,
+                                         sorted(qrels))
+    classes = {q.query_id: q.cls for q in queries}
+    out["routing"] = routing_table(runs, qrels, classes, metric, resamples, seed)
+    return out
+
+
+def run_evaluation(store_url: str, queries: list[LabelledQuery], alias: str = "serving", compare_to: str | None = None,
+                   ks: list[int] | None = None, resamples: int = 1000, seed: int = 0, device: str = "auto",
+                   traffic: str | None = None) -> dict:
+    ks = sorted(set(ks or [1, 5, 10]))
+    store = Location(store_url)
+    a = evaluate_retriever(store, alias, queries, ks, device)
+    report = {"queries": len(queries), "ks": ks, "metric": f"recall@{max(ks)}", "a": a}
+    if compare_to:
+        b = evaluate_retriever(store, compare_to, queries, ks, device)
+        report["b"] = b
+        report["compare"] = compare(a, b, queries, ks, resamples, seed)
+        report["routing"] = routing_file({"a": a, "b": b}, report["compare"]["routing"],
+                                         report["compare"]["calibration"], report["metric"])
+        if traffic:
+            report["traffic"] = {"file": traffic, **traffic_gain(report["compare"]["routing"],
+                                                                 read_traffic(traffic), report["metric"])}
+    for side in ("a", "b"):
+        if side in report:
+            report[side].pop("_runs")
+    return report
+
+
+evaluate_task = task(run_evaluation, name="evaluate", cache_policy=NO_CACHE)
+
+
+def plot_report(store: Location, report: dict) -> dict[str, bytes]:
+    """PNG plots of a report: each ANN retriever's recall sweep, and the bootstrap of A - B when compared."""
+    plots = {}
+    for side in ("a", "b"):
+        if side in report:
+            alias = read_alias(store, report[side]["alias"])
+            card = read_card(store, alias["slug"], alias["version"])
+            if card["search"]["param"]:
+                plots[f"recall-sweep-{report[side]['alias']}"] = recall_sweep_png(card)
+    if "compare" in report:
+        metric = report["metric"]
+        plots["bootstrap"] = bootstrap_png(report["compare"]["bootstrap"][metric], metric, report["a"]["alias"],
+                                           report["b"]["alias"])
+    return plots
+
+
+def dumps(report: dict) -> str:
+    return json.dumps(report, indent=2, default=str)
+
+
+def metrics_table(report: dict) -> list[dict]:
+    """One row per retriever and search (served, exact): the table artifact's rows."""
+    rows = []
+    for side in ("a", "b"):
+        if side in report:
+            r = report[side]
+            for how in ("metrics", "exact"):
+                rows.append({"retriever": r["alias"], "model": r["slug"], "search": r["served"] if how == "metrics"
+                             else "exact", **{k: round(v, 4) for k, v in r[how].items()}})
+    return rows
+
+
+def write_outputs(out: str, report: dict, markdown: str, plots: dict[str, bytes]) -> None:
+    """`--out DIR`: eval.json, eval.md and the PNG plots, for a pull request or a promotion gate."""
+    target = Location(out)
+    target.write_json("eval.json", report)
+    target.write_bytes("eval.md", markdown.encode())
+    if "routing" in report:  # what `imgest search --route` serves
+        target.write_json("routing.json", report["routing"])
+    for name, png in plots.items():
+        target.write_bytes(f"{name}.png", png)

@@ -1,0 +1,1 @@
+"""Embedding heads: training data (labels or augmented views), training on frozen base vectors, scoring."""

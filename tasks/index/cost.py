@@ -1,0 +1,70 @@
+"""The cost model of the serving model at N items: encode time, re-encode cost, query latency, storage."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from imgest import encoders
+from imgest.storage import Location
+from imgest.tasks.index.choice import HNSW_M, choose_index, parse_memory
+from imgest.tasks.index.store import IndexNotFoundError, read_card
+from imgest.tasks.ingest.batch_size import tune_batch_size
+from imgest.tasks.migration.aliases import read_alias
+from imgest.tasks.state.models import list_models
+from imgest.timing import Stopwatch
+
+
+def _latency_ms(fn, repeats: int = 5) -> float:
+    fn()  # warm-up
+    with Stopwatch() as calls:
+        for _ in range(repeats):
+            fn()
+    return round(calls.elapsed * 1000 / repeats, 2)
+
+
+def storage_per_vector(d: int, pq_m: int = 64) -> dict[str, float]:
+    return {"fp32": 4 * d, "fp16": 2 * d, "int8": d, f"pq{pq_m}": pq_m, "hnsw32_graph": round(2 * HNSW_M * 4 * 1.1, 1)}
+
+
+def cost_report(store_url: str, corpus_size: int, gpu_hour_price: float | None = None,
+                node_memory: str = "64G", device: str = "auto", min_seconds: float = 1.0,
+                node_disk: str = "unlimited") -> dict:
+    store = Location(store_url)
+    serving = read_alias(store, "serving")
+    if serving is None:
+        raise IndexNotFoundError(f"no serving alias in {store.url}: run `imgest nightly` first")
+    card = read_card(store, serving["slug"], serving["version"])
+    spec = encoders.resolve_recorded(card.get("model_name"), store, f"{store.url}: index card of model={card['slug']}")
+    encoder = encoders.load(spec, device)
+    tuning = tune_batch_size(encoder, min_seconds=min_seconds)
+    best = tuning.measured[tuning.batch_size]
+    hours = corpus_size / best / 3600
+    on_gpu = encoder.device.startswith("cuda")
+    image_ms = _latency_ms(lambda: encoder.encode_images(np.zeros((1, *encoder.input_shape), np.float32)))
+    text_ms = _latency_ms(lambda: encoder.encode_texts(["a red leather handbag"])) if "text" in spec.modalities \
+        else None
+    d = spec.dim
+    per_vector = storage_per_vector(d)
+    choice = choose_index(corpus_size, d, node_memory, disk=node_disk)
+    models = list_models(store)
+    dual = sum(4 * int(m["dim"]) for m in models) * corpus_size if len(models) > 1 else None
+    return {
+        "model_id": spec.model_id,
+        "device": encoder.device,
+        "corpus_size": corpus_size,
+        "encode_images_per_second": {str(b): r for b, r in sorted(tuning.measured.items())},
+        "best_batch": tuning.batch_size,
+        "projected_encode_hours": float(f"{hours:.4g}"),  # 4 significant digits: small projections too
+        "reencode_cost": {"hours": float(f"{hours:.4g}"), "device": "GPU" if on_gpu else "CPU",
+                          "price": round(hours * gpu_hour_price, 2) if gpu_hour_price and on_gpu else None,
+                          "gpu_hour_price": gpu_hour_price},
+        "query_encode_ms": {"image": image_ms, "text": text_ms},
+        "storage_bytes_per_vector": per_vector,
+        "storage_bytes": {k: int(v * corpus_size) for k, v in per_vector.items()},
+        "index": {"factory": choice.factory, "estimated_bytes": choice.estimated_bytes, "node_memory": node_memory,
+                  "disk_bytes": choice.disk_bytes, "node_disk": node_disk, "refine": choice.refine,
+                  "fits": choice.estimated_bytes <= parse_memory(node_memory), "reason": choice.reason},
+        "dual_window_fp32_bytes": dual,
+        "models_in_store": [m["slug"] for m in models],
+        "measured_on": tuning.device_key,
+    }

@@ -1,0 +1,115 @@
+"""A large IVF build, nothing shipped from the flow's node: the flow reads only the training shards (and the
+recall probes among them), each part task reads its own shards from the store, adds them with their faiss ids
+and computes the probes' exact neighbours among its vectors; the flow merges the inverted lists (faiss
+merge_from, ids kept) and the partial neighbour lists. Same index as one process trained on the same rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from imgest.storage import Location
+from imgest.tasks.index.truth import Truth
+from imgest.tasks.index.update import read_vectors
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One part's work: its shards and, per shard, the live item ids and their faiss ids (rows in item_id order)."""
+
+    store_url: str
+    slug: str
+    dim: int
+    shards: tuple[str, ...]
+    counts: tuple[int, ...]  # live rows in each shard
+    item_ids: pa.Array  # the part's live items, grouped by shard in `shards` order
+    faiss_ids: np.ndarray  # their faiss ids, aligned with item_ids
+
+    @property
+    def rows(self) -> int:
+        return len(self.item_ids)
+
+
+def plan_parts(store_url: str, slug: str, dim: int, live: pa.Table, parts: int) -> list[PartSpec]:
+    """Cut the live table (item_id order) into `parts` groups of whole shards with near-equal row counts."""
+    table = live.select(["item_id", "shard"]).append_column("faiss_id", pa.array(np.arange(len(live)), pa.int64()))
+    table = table.sort_by([("shard", "ascending"), ("item_id", "ascending")])
+    shards = table["shard"].combine_chunks()
+    ends = pc.run_end_encode(shards).run_ends.to_numpy() if len(shards) else np.array([], np.int64)
+    starts = np.concatenate([[0], ends[:-1]]) if len(ends) else ends
+    item_ids, faiss_ids = table["item_id"].combine_chunks(), table["faiss_id"].combine_chunks().to_numpy()
+    bounds = np.searchsorted(ends, np.linspace(0, len(table), min(parts, max(len(ends), 1)) + 1)[1:-1], side="right")
+    groups = np.split(np.arange(len(ends)), bounds)
+    specs = []
+    for group in groups:
+        if not len(group):
+            continue
+        a, b = int(starts[group[0]]), int(ends[group[-1]])
+        specs.append(PartSpec(store_url, slug, dim, tuple(shards[int(starts[g])].as_py() for g in group),
+                              tuple(int(ends[g] - starts[g]) for g in group),
+                              item_ids.slice(a, b - a), faiss_ids[a:b]))
+    return specs
+
+
+def read_rows(store: Location, slug: str, dim: int, live: pa.Table, rows: np.ndarray) -> np.ndarray:
+    """The vectors of live rows `rows` (item_id order), read from their shards only."""
+    wanted = live.take(pa.array(rows)).select(["item_id", "shard"])
+    found, vectors = read_vectors(store, slug, dim, wanted)
+    if len(found) != len(rows):
+        raise RuntimeError(f"{len(rows) - len(found)} live item(s) have no row in their shard: rebuild from a "
+                           "consistent store (imgest status shows the pending state)")
+    order = pc.index_in(wanted["item_id"], value_set=found["item_id"]).to_numpy()
+    return vectors[order]
+
+
+def add_store_part(trained: bytes, spec: PartSpec, probes: np.ndarray, depth: int) -> dict:
+    """Read the part's shards, add its vectors with their faiss ids to a copy of the trained index, and find
+    each probe's `depth` + 1 best among them (exact). Runs on a worker; reads the store itself."""
+    import faiss
+
+    store = Location(spec.store_url)
+    index = faiss.deserialize_index(np.frombuffer(trained, np.uint8))
+    wanted = pa.table({"item_id": spec.item_ids,
+                       "shard": pa.array(np.repeat(np.array(spec.shards, dtype=object), spec.counts), pa.string())})
+    found, vectors = read_vectors(store, spec.slug, spec.dim, wanted)
+    if len(found) != spec.rows:
+        raise RuntimeError(f"part of {len(spec.shards)} shard(s): {spec.rows - len(found)} live item(s) have no "
+                           "row in their shard")
+    ids = spec.faiss_ids[pc.index_in(found["item_id"], value_set=spec.item_ids).to_numpy()]
+    index.add_with_ids(vectors, ids)
+    scores, local = faiss.knn(probes, vectors, min(depth + 1, len(vectors)), metric=faiss.METRIC_INNER_PRODUCT)
+    return {"index": faiss.serialize_index(index).tobytes(), "scores": scores, "ids": ids[local]}
+
+
+def merge_id_parts(trained: bytes, parts: list[bytes]):
+    """The parts' inverted lists in one index, their faiss ids kept (merge_from with no id shift)."""
+    import faiss
+
+    index = faiss.deserialize_index(np.frombuffer(trained, np.uint8))
+    ivf = faiss.extract_index_ivf(index)
+    for data in parts:
+        part = faiss.deserialize_index(np.frombuffer(data, np.uint8))  # held: its IVF is a view into it
+        ivf.merge_from(faiss.extract_index_ivf(part), 0)
+    index.ntotal = ivf.ntotal  # an IndexPreTransform (OPQ) wrapper counts on its own
+    return index
+
+
+def merge_truth(probes: np.ndarray, probe_ids: np.ndarray, results: list[dict], n: int, depth: int) -> Truth:
+    """The probes' exact neighbours over all parts: each part's best depth + 1, merged, the probe's own row out."""
+    width = depth + 1
+    padded_s, padded_i = [], []
+    for r in results:
+        s, i = r["scores"], r["ids"]
+        pad = width - s.shape[1]
+        padded_s.append(np.pad(s, ((0, 0), (0, pad)), constant_values=-np.inf) if pad > 0 else s)
+        padded_i.append(np.pad(i, ((0, 0), (0, pad)), constant_values=-1) if pad > 0 else i)
+    scores, ids = np.concatenate(padded_s, axis=1), np.concatenate(padded_i, axis=1)
+    scores = np.where((ids == probe_ids[:, None]) | (ids < 0), -np.inf, scores)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :min(depth, n - 1)]
+    scores, ids = np.take_along_axis(scores, order, 1).astype(np.float32), np.take_along_axis(ids, order, 1)
+    ids[~np.isfinite(scores)] = -1
+    floor = np.where(n - 1 > depth, scores[:, -1], -np.inf).astype(np.float32)
+    return Truth(probe_ids.astype(np.int64), np.ascontiguousarray(probes, np.float32), ids, scores, floor)

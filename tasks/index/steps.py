@@ -1,0 +1,332 @@
+"""The index-build tasks: load live vectors, train and fill (in one process or in parallel parts), tune,
+write a version, verify it and move its aliases; the task that does one whole version, and the JSON build
+records that let a nightly with nothing new reuse the last version."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from prefect import get_run_logger, task, unmapped
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import quote
+
+from imgest.lock import Fence
+from imgest.names import DEFAULT_DISK, DEFAULT_RETRAIN_SHARE
+from imgest.progress import report
+from imgest.storage import Location
+from imgest.tasks.index.build import (
+    BuildTimes,
+    add_part,
+    build,
+    merge_parts,
+    mergeable,
+    part_ranges,
+    probe_rows,
+    train,
+    training_rows,
+    warn_if_generic_blas,
+)
+from imgest.tasks.index.card import ids_table, make_card
+from imgest.tasks.index.choice import IndexChoice, choose_index, refines
+from imgest.tasks.index.parts import PartSpec, add_store_part, merge_id_parts, merge_truth, plan_parts, read_rows
+from imgest.tasks.index.store import (
+    IndexIntegrityError,
+    index_prefix,
+    list_versions,
+    open_index,
+    read_card,
+    read_ids,
+    read_index_for_update,
+    read_truth,
+    version_exists,
+    write_version,
+)
+from imgest.tasks.index.truth import Truth, carry_truth, exact_truth
+from imgest.tasks.index.tuning import TRUTH_DEPTH_PER_K, Tuned, tune_with_truth
+from imgest.tasks.index.update import (
+    NotUpdatable,
+    apply_delta,
+    built_lineage,
+    check_drift,
+    check_served,
+    plan_delta,
+    updatable,
+    updated_lineage,
+)
+from imgest.tasks.ingest.policy import IO_RETRIES
+from imgest.tasks.ingest.runners import shard_runner
+from imgest.tasks.migration.aliases import aliases_to_move, list_aliases, set_alias
+from imgest.tasks.state.committed import LIVE, load_state
+from imgest.tasks.state.live import LiveVectors, load_live_vectors
+from imgest.timing import Stopwatch
+
+MIN_USABLE_PROBES = 0.8  # below this share of probes with a known exact top-k, the recall is measured afresh
+
+
+@task(name="load-live-vectors", cache_policy=NO_CACHE, **IO_RETRIES)
+def load_live_task(store_url: str, model: dict) -> LiveVectors:
+    return load_live_vectors(Location(store_url), model["slug"], int(model["dim"]))
+
+
+class AddProgress:
+    """Vectors added so far, for a person: the command's terminal bar and the run's progress artifact."""
+
+    def __init__(self, slug: str, total: int):
+        self.what, self.total = f"{slug} index", total
+        self.artifact = create_progress_artifact(0.0, key="index-progress", description=f"adding {total:,} vectors")
+        report(self.what, 0, total, "vectors")
+
+    def __call__(self, done: int) -> None:
+        update_progress_artifact(self.artifact, 100.0 * done / self.total,
+                                 description=f"{done:,}/{self.total:,} vectors added")
+        report(self.what, done, self.total, "vectors")
+
+
+@task(name="build-index", cache_policy=NO_CACHE)
+def build_task(vectors: np.ndarray, choice: IndexChoice, on_added: AddProgress | None = None,
+               rows: np.ndarray | None = None):
+    warn_if_generic_blas()
+    return build(vectors, choice, on_added=on_added, rows=rows)
+
+
+@task(name="train-index", cache_policy=NO_CACHE)
+def train_task(vectors: np.ndarray, choice: IndexChoice, rows: np.ndarray | None = None) -> bytes:
+    warn_if_generic_blas()
+    return faiss.serialize_index(train(vectors, choice, rows=rows)).tobytes()
+
+
+@task(name="add-part", cache_policy=NO_CACHE, retries=1, task_run_name="add-part-{start}")
+def add_part_task(trained: bytes, vectors: np.ndarray, start: int) -> tuple[int, bytes]:
+    return start, add_part(trained, vectors)
+
+
+@task(name="add-store-part", cache_policy=NO_CACHE, retries=1, task_run_name="add-store-part-{number}")
+def add_store_part_task(trained: bytes, spec: PartSpec, probes: np.ndarray, depth: int, number: int) -> dict:
+    return add_store_part(trained, spec, probes, depth)
+
+
+@task(name="live-rows", cache_policy=NO_CACHE, **IO_RETRIES)
+def live_rows_task(store_url: str, slug: str) -> tuple[pa.Table, int]:
+    state = load_state(Location(store_url), slug)
+    return state.live_table(), state.seq
+
+
+@task(name="tune-search", cache_policy=NO_CACHE)
+def tune_task(index, truth: Truth, target: float, k: int) -> Tuned:
+    return tune_with_truth(index, truth, target, k)
+
+
+@task(name="update-index", cache_policy=NO_CACHE)
+def update_task(store_url: str, model: dict, previous: dict | None, kind: str, memory: str, target_recall: float,
+                k: int, retrain_share: float, disk: str = DEFAULT_DISK) -> dict:
+    """Carry `previous` forward to the live state (see tasks/index/update.py): the new index, id map, exact
+    lists and card; or {"why": ...}, the reason to train a new index instead (a decision, not a failure)."""
+    try:
+        return update_version(store_url, model, previous, kind, memory, target_recall, k, retrain_share, disk)
+    except NotUpdatable as exc:
+        return {"why": str(exc)}
+    except (IndexIntegrityError, FileNotFoundError) as exc:  # the old version's fault, not this build's: train anew
+        return {"why": f"v{previous['version']:04d} cannot be carried forward: {exc}"}
+
+
+def update_version(store_url: str, model: dict, previous: dict | None, kind: str, memory: str, target_recall: float,
+                   k: int, retrain_share: float, disk: str = DEFAULT_DISK) -> dict:
+    total = Stopwatch()
+    store, slug, d = Location(store_url), model["slug"], int(model["dim"])
+    state = load_state(store, slug)
+    choice = choose_index(state.count(LIVE), d, memory, kind, disk)
+    truth_table = read_truth(store, previous) if previous else None
+    updatable(previous, choice.factory, truth_table is not None)
+    if previous["recall"]["k"] != k:
+        raise NotUpdatable(f"recall is now measured at k={k}; v{previous['version']:04d} kept lists for "
+                           f"k={previous['recall']['k']}")
+    delta = plan_delta(store, slug, d, read_ids(store, previous), state)
+    line = updated_lineage(previous, len(delta.added), delta.removed, retrain_share)
+    check_drift(line)
+    index = read_index_for_update(store, previous)
+    with Stopwatch() as adding:
+        apply_delta(index, delta)
+    truth = carry_truth(Truth.from_table(truth_table), delta.remap, delta.added_ids, delta.added)
+    usable = float(truth.usable(k).mean())
+    if usable < MIN_USABLE_PROBES:
+        raise NotUpdatable(f"only {usable:.0%} of the recall probes still have an exact top-{k}: measured afresh")
+    tuned = tune_with_truth(index, truth, target_recall, k)
+    check_served(line, tuned)
+    times = BuildTimes(0.0, adding.seconds, total.seconds)
+    card = make_card(model, len(delta.ids), d, state.seq, choice, memory, times, tuned, line, index, disk)
+    card["build"] = {"parts": 1, "runner": "local", "method": "updated in place: faiss remove_ids, ids renumbered "
+                                                              "to item_id order, add_with_ids of the new vectors"}
+    get_run_logger().info("index model=%s: %s", slug, line["why"])
+    return {"index": index, "ids": delta.ids, "truth": truth.to_table(), "card": card}
+
+
+@task(name="write-version", cache_policy=NO_CACHE, **IO_RETRIES)
+def write_version_task(store_url: str, index, ids: pa.Table, card: dict, fence: Fence | None = None,
+                       truth: pa.Table | None = None) -> dict:
+    data = faiss.serialize_index(index).tobytes()
+    return write_version(Location(store_url), card["slug"], data, ids, card, fence, truth)
+
+
+@task(name="verify-and-alias", cache_policy=NO_CACHE)
+def verify_and_alias_task(store_url: str, card: dict, alias: str | None, fence: Fence | None = None) -> list[dict]:
+    """Re-open the written version (checksums, vector count) before any alias points at it."""
+    store = Location(store_url)
+    opened = open_index(store, card["slug"], card["version"])
+    if opened.index.ntotal != card["n"] or len(opened.item_ids) != card["n"]:
+        raise RuntimeError(f"index v{card['version']} holds {opened.index.ntotal} vectors, card says {card['n']}")
+    return [set_alias(store, name, card, reason=f"build v{card['version']:04d}", fence=fence)
+            for name in aliases_to_move(store, card["slug"], alias)]
+
+
+def build_in_parts(vectors: np.ndarray, choice: IndexChoice, parts: int, runner: str, workers: int,
+                   on_added: AddProgress | None = None, rows: np.ndarray | None = None):
+    """Train once here; add `parts` contiguous slices in parallel on the runner (local threads or a Dask
+    cluster); merge them in id order with faiss's own merge. Same index as one build (tested)."""
+    logger = get_run_logger()
+    total = Stopwatch()
+    with Stopwatch() as training:
+        trained = train_task(vectors, choice, rows)
+    ranges = part_ranges(len(vectors), parts)
+    if not mergeable(faiss.deserialize_index(np.frombuffer(trained, np.uint8))):
+        logger.info("%s does not merge (an HNSW graph is one structure): adding in this process, where faiss "
+                    "already uses every core", choice.factory)
+        ranges = [(0, len(vectors))]
+    adding = Stopwatch()
+    with shard_runner(runner, workers) as part_runner:
+        futures = part_runner.map(add_part_task, {"trained": unmapped(trained),
+                                                  "vectors": [vectors[a:b] for a, b in ranges],
+                                                  "start": [a for a, _ in ranges]})
+        added = []
+        for (_, stop), future in zip(ranges, futures):
+            added.append(future.result())
+            if on_added is not None:
+                on_added(stop)
+        index = merge_parts(trained, added)
+    times = BuildTimes(training.seconds, adding.seconds, total.seconds)
+    return index, times, len(ranges)
+
+
+def build_from_store(store_url: str, model: dict, live: pa.Table, choice: IndexChoice, parts: int, runner: str,
+                     workers: int, queries: int, depth: int, on_added: AddProgress | None = None):
+    """An IVF build whose vectors never gather on this node (see tasks/index/parts.py): the training rows
+    (whole shards) and the probes among them read here; each part reads its own shards on the runner."""
+    total = Stopwatch()
+    store, slug, d = Location(store_url), model["slug"], int(model["dim"])
+    codes = pc.dictionary_encode(live["shard"].combine_chunks()).indices.to_numpy()
+    rows = training_rows(codes, choice.train_size)
+    probes_at = probe_rows(rows, len(live), queries)
+    at = np.union1d(rows, probes_at)
+    sample = read_rows(store, slug, d, live, at)
+    trained = train_task(sample, choice, np.searchsorted(at, rows))
+    probes = np.ascontiguousarray(sample[np.searchsorted(at, probes_at)])
+    train_seconds = total.seconds  # reading the training rows is part of training here
+    specs = plan_parts(store_url, slug, d, live, parts)
+    adding, results, done = Stopwatch(), [], 0
+    with shard_runner(runner, workers) as part_runner:
+        futures = part_runner.map(add_store_part_task, {"trained": unmapped(trained), "spec": specs,
+                                                        "probes": unmapped(probes), "depth": unmapped(depth),
+                                                        "number": list(range(len(specs)))})
+        for spec, future in zip(specs, futures):
+            results.append(future.result())
+            done += spec.rows
+            if on_added is not None:
+                on_added(done)
+    index = merge_id_parts(trained, [r["index"] for r in results])
+    truth = merge_truth(probes, probes_at, results, len(live), depth)
+    times = BuildTimes(train_seconds, adding.seconds, total.seconds)
+    return index, times, len(specs), truth
+
+
+def previous_version(store: Location, slug: str) -> dict | None:
+    """The version an update starts from: the newest one an alias serves for this model (after a rollback to
+    an older version, that one), else the newest complete version."""
+    versions = set(list_versions(store, slug))
+    served = [int(a["version"]) for a in list_aliases(store).values()
+              if a.get("slug") == slug and int(a["version"]) in versions]
+    chosen = max(served) if served else max(versions, default=None)
+    return read_card(store, slug, chosen) if chosen is not None else None
+
+
+@task(name="build-version", cache_policy=NO_CACHE)
+def build_version(store_url: str, model: dict, kind: str, memory: str, target_recall: float, k: int, queries: int,
+                  parts: int, runner: str, workers: int, fence: Fence | None = None, rebuild: bool = False,
+                  retrain_share: float = DEFAULT_RETRAIN_SHARE, disk: str = DEFAULT_DISK) -> dict:
+    """Update the last version in place when it is an IVF index whose training still fits; otherwise load,
+    train, fill and tune. Then write the version (reuse is decided before, from the store's build records)."""
+    why = "asked to build from scratch (--rebuild)"
+    if not rebuild:
+        previous = previous_version(Location(store_url), model["slug"])
+        updated = update_task(store_url, model, previous, kind, memory, target_recall, k, retrain_share, disk)
+        if "why" not in updated:
+            card = write_version_task(store_url, updated["index"], quote(updated["ids"]), updated["card"], fence,
+                                      quote(updated["truth"]))
+            return {"built": True, "card": card}
+        why = updated["why"]
+        get_run_logger().info("index model=%s: training a new index: %s", model["slug"], why)
+    live_rows, snapshot = live_rows_task(store_url, model["slug"])
+    if len(live_rows) < 2:
+        return {"built": False, "reason": f"{len(live_rows)} live vectors: nothing to index", "slug": model["slug"]}
+    d, depth = int(model["dim"]), TRUTH_DEPTH_PER_K * k
+    choice = choose_index(len(live_rows), d, memory, kind, disk)
+    progress = AddProgress(model["slug"], len(live_rows))
+    if parts > 1 and "IVF" in choice.factory and not refines(choice.factory):
+        index, times, used, truth = build_from_store(store_url, model, live_rows, choice, parts, runner,
+                                                     workers, queries, depth, progress)
+        method = ("trained once on whole shards read here; each part read its own shards from the store and added "
+                  "them with their faiss ids on the runner; merged (faiss merge_from)")
+        ids = pa.table({"faiss_id": pa.array(np.arange(len(live_rows)), pa.int64()), "item_id": live_rows["item_id"],
+                        "uri": live_rows["uri"], "content_hash": live_rows["content_hash"]})
+    else:
+        live = load_live_task(store_url, model)
+        rows = training_rows(live.shard_codes, choice.train_size)
+        if parts > 1:
+            index, times, used = build_in_parts(live.vectors, choice, parts, runner, workers, progress, rows)
+        else:
+            (index, times), used = build_task(live.vectors, choice, progress, rows), 1
+        method = "one process" if used == 1 else "trained once, parts added in parallel, merged in id order " \
+                                                 "(faiss merge_from)"
+        truth = exact_truth(live.vectors, probe_rows(rows, len(live), queries), depth)
+        ids, snapshot = ids_table(live), live.snapshot
+    tuned = tune_task(index, quote(truth), target_recall, k)
+    card = make_card(model, len(ids), d, snapshot, choice, memory, times, tuned,
+                     built_lineage(len(ids), tuned.param, retrain_share, why), index, disk)
+    card["build"] = {"parts": used, "runner": runner if runner in ("local", "dask") else "dask (remote)",
+                     "method": method}
+    card = write_version_task(store_url, index, quote(ids), card, fence, quote(truth.to_table()))
+    return {"built": True, "card": card}
+
+
+def build_key(inputs: dict) -> str:
+    """What determines an index: the model's live state, the choice and tuning parameters, the code."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def build_record_key(slug: str, key: str) -> str:
+    return f"{index_prefix(slug)}/builds/{key}.json"
+
+
+def reusable_version(store: Location, slug: str, key: str) -> dict | None:
+    """The card of the version built for `key`, when it is still complete with the checksum recorded.
+
+    The record is plain JSON that imgest reads itself (never a serialised object: nothing read from a store
+    is unpickled); an unreadable or foreign record is a cache miss, so the index is built again."""
+    try:
+        record = json.loads(store.read_bytes(build_record_key(slug, key)))
+        version, sha256 = int(record["version"]), str(record["sha256"])
+    except (FileNotFoundError, ValueError, TypeError, KeyError):
+        return None
+    card = {"slug": slug, "version": version, "sha256": sha256}
+    return read_card(store, slug, version) if version_exists(store, card) else None
+
+
+def record_build(store: Location, slug: str, key: str, inputs: dict, card: dict, fence: Fence | None = None) -> None:
+    if fence is not None:
+        fence.check(store)
+    store.write_json(build_record_key(slug, key), {"version": card["version"], "sha256": card["sha256"],
+                                                   "inputs": inputs, "created": card["created"]})

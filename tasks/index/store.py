@@ -1,0 +1,252 @@
+"""Index versions: immutable folders with a card written last, opened only when their checksums match.
+
+  indexes/model=<slug>/v<NNNN>/index.faiss   the faiss file
+  indexes/model=<slug>/v<NNNN>/ids.parquet   faiss id -> item_id, uri, content_hash
+  indexes/model=<slug>/v<NNNN>/truth.parquet exact neighbours of the recall probes (carried by updates)
+  indexes/model=<slug>/v<NNNN>/card.json     what made it, what it serves; its presence means complete
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from imgest import records
+from imgest.cache import local_copy
+from imgest.lock import Fence
+from imgest.storage import Location
+from imgest.tasks.migration.aliases import list_aliases, read_alias
+from imgest.tasks.state.committed import now_iso
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "imgest", "indexes")
+
+
+class IndexIntegrityError(RuntimeError):
+    """An index file does not match the checksum its card records; it is never served."""
+
+
+class IndexNotFoundError(LookupError):
+    """No such alias, model index or version; the message lists what exists."""
+
+
+# A version's files have fixed names in its folder: a card that names another place is refused, never followed.
+FILES = {"index_file": "index.faiss", "ids_file": "ids.parquet", "truth_file": "truth.parquet"}
+
+
+def index_prefix(slug: str) -> str:
+    return f"indexes/model={records.slug(slug, 'index model')}"
+
+
+def version_prefix(slug: str, version: int) -> str:
+    return f"{index_prefix(slug)}/v{version:04d}"
+
+
+def _version_numbers(store: Location, slug: str) -> list[int]:
+    return sorted(int(n[1:]) for n in store.list_names(index_prefix(slug)) if re.fullmatch(r"v\d{4,}", n))
+
+
+def list_versions(store: Location, slug: str) -> list[int]:
+    """Complete versions only: a folder without its card is a build that did not finish."""
+    return [v for v in _version_numbers(store, slug) if store.exists(f"{version_prefix(slug, v)}/card.json")]
+
+
+def write_version(store: Location, slug: str, index_bytes: bytes, ids: pa.Table, card: dict,
+                  fence: Fence | None = None, truth: pa.Table | None = None) -> dict:
+    """Write index, id map and exact lists, then the card with their checksums; returns the card. Never
+    overwrites."""
+    version = max(_version_numbers(store, slug), default=0) + 1
+    prefix = version_prefix(slug, version)
+    store.write_bytes(f"{prefix}/index.faiss", index_bytes)
+    ids_bytes = store.write_table(f"{prefix}/ids.parquet", ids)
+    card = {
+        **card,
+        "version": version,
+        "index_file": f"{prefix}/index.faiss",
+        "ids_file": f"{prefix}/ids.parquet",
+        "sha256": hashlib.sha256(index_bytes).hexdigest(),
+        "ids_sha256": hashlib.sha256(ids_bytes).hexdigest(),
+        "bytes_on_disk": len(index_bytes),
+        "created": now_iso(),
+    }
+    if truth is not None:
+        truth_bytes = store.write_table(f"{prefix}/truth.parquet", truth)
+        card.update(truth_file=f"{prefix}/truth.parquet", truth_sha256=hashlib.sha256(truth_bytes).hexdigest())
+    if card.get("lineage") and card["lineage"]["trained_in"] is None:  # trained here: its number is known now
+        card["lineage"] = {**card["lineage"], "trained_in": version}
+    if fence is not None:
+        fence.check(store)  # the card makes the version complete: not from a build that lost the lock
+    if not store.create_exclusive(f"{prefix}/card.json", json.dumps(card, indent=2, sort_keys=True).encode()):
+        raise RuntimeError(f"index version {prefix} already has a card; versions are immutable")
+    return card
+
+
+def version_exists(store: Location, card: dict) -> bool:
+    """The version a card describes is still complete in the store, with the same index file."""
+    key = f"{version_prefix(card['slug'], card['version'])}/card.json"
+    return store.exists(key) and store.read_json(key).get("sha256") == card.get("sha256")
+
+
+def version_file(card: dict, name: str) -> str:
+    """The key of a version's file (``index_file``, ``ids_file``, ``truth_file``): its fixed place in the
+    version's folder. A card naming any other place was not written by imgest: refused."""
+    key = f"{version_prefix(card['slug'], card['version'])}/{FILES[name]}"
+    if card.get(name) != key:
+        raise IndexIntegrityError(f"card of model={card['slug']} v{card['version']:04d}: {name} "
+                                  f"{str(card.get(name))[:120]!r} is not the version's own {FILES[name]}: refused")
+    return key
+
+
+def read_card(store: Location, slug: str, version: int) -> dict:
+    """A version's card, checked to describe that version: its slug, version and checksums well-formed and
+    its files in its own folder (a planted card cannot point a search at another file)."""
+    key = f"{version_prefix(slug, version)}/card.json"
+    if not store.exists(key):
+        have = ", ".join(f"v{v:04d}" for v in list_versions(store, slug)) or "none"
+        raise IndexNotFoundError(f"no index version {version} for model={slug}; complete versions: {have}")
+    card = store.read_json(key)
+    where = f"{store.url}: {key}"
+    if records.field(card, "slug", str, where) != slug or records.version(card.get("version"), where) != version:
+        raise IndexIntegrityError(f"{where} describes model={str(card.get('slug'))[:80]} "
+                                  f"v{str(card.get('version'))[:12]}, not the version it is stored as: refused")
+    for name, checksum in (("index_file", "sha256"), ("ids_file", "ids_sha256"), ("truth_file", "truth_sha256")):
+        if name != "truth_file" or card.get(name) is not None:
+            version_file(card, name)
+            records.sha256(card.get(checksum), f"{where}: {checksum}")
+    return card
+
+
+def _verified_bytes(store: Location, key: str, sha256: str) -> bytes:
+    data = store.read_bytes(key)
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise IndexIntegrityError(f"{key} does not match the checksum in its card: refusing to use it")
+    return data
+
+
+def read_ids(store: Location, card: dict) -> pa.Table:
+    return pq.read_table(pa.BufferReader(_verified_bytes(store, version_file(card, "ids_file"), card["ids_sha256"])))
+
+
+def read_truth(store: Location, card: dict) -> pa.Table | None:
+    """The exact neighbour lists stored with a version (None for versions built before they were kept)."""
+    if not card.get("truth_file"):
+        return None
+    return pq.read_table(pa.BufferReader(_verified_bytes(store, version_file(card, "truth_file"),
+                                                         card["truth_sha256"])))
+
+
+def memory_budget() -> int:
+    """What reading one index may allocate: IMGEST_INDEX_MEMORY (e.g. 24G), else half the machine's memory.
+    The operator's figure, never the card's: a card is as forgeable as the file it describes."""
+    from imgest.tasks.index.choice import parse_memory
+
+    if value := os.environ.get("IMGEST_INDEX_MEMORY"):
+        return parse_memory(value)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def verified_file(store: Location, card: dict, cache_dir: str, io_flags: int = 0) -> str:
+    """The version's index file on local disk, checked before faiss reads a byte of it: the sizes its header
+    claims fit the file, agree with the card's d and n and fit the memory budget (under the flags it will be
+    read with); then its checksum matches the card's."""
+    from imgest.tasks.index.header import IndexHeaderError, check_index_file
+
+    key = version_file(card, "index_file")
+    path = local_copy(store, key, cache_dir, card["sha256"], ".faiss")
+    try:
+        claims = {"dim": records.field(card, "d", int, key), "ntotal": records.field(card, "n", int, key)}
+        check_index_file(path, memory_budget=memory_budget(), io_flags=io_flags, expect=claims)
+    except (IndexHeaderError, records.RecordError) as exc:
+        raise IndexIntegrityError(f"{key}: refused before reading it: {exc} (limit: IMGEST_INDEX_MEMORY)") from exc
+    actual = _file_sha256(path)
+    if actual != card["sha256"]:
+        raise IndexIntegrityError(f"{key} has sha256 {actual[:16]}..., its card says {card['sha256'][:16]}...: "
+                                  "refusing to serve a corrupted index")
+    return path
+
+
+def read_index_for_update(store: Location, card: dict, cache_dir: str = DEFAULT_CACHE):
+    """The version's index read whole into memory (its lists writable), checked first (`verified_file`)."""
+    import faiss
+
+    return faiss.read_index(verified_file(store, card, cache_dir))
+
+
+# -- opening ---------------------------------------------------------------------------------------
+@dataclass
+class OpenIndex:
+    card: dict
+    index: object  # faiss.Index with the served search parameter set
+    item_ids: list[str]
+    uris: list[str]
+    held: tuple = ()  # faiss objects the index points at without owning them (kept alive here)
+
+    def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.index.search(np.ascontiguousarray(vectors, np.float32), k)
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def resolve_target(store: Location, alias: str | None, slug: str | None, version: int | None) -> tuple[str, int]:
+    if slug is None:
+        entry = read_alias(store, alias or "serving")
+        if entry is None:
+            have = ", ".join(sorted(list_aliases(store))) or "none"
+            raise IndexNotFoundError(f"no alias {alias or 'serving'!r} in {store.url}; aliases: {have}")
+        return entry["slug"], entry["version"]
+    if version is None:
+        versions = list_versions(store, slug)
+        if not versions:
+            raise IndexNotFoundError(f"model={slug} has no complete index in {store.url}; run build-index")
+        version = versions[-1]
+    return slug, int(version)
+
+
+def served_flags(kind: str, refine: str | None) -> int:
+    import faiss
+
+    if refine == "disk":
+        return faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY
+    return faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if kind in ("ivfsq8", "ivfpq") else 0
+
+
+def read_served(path: str, kind: str, refine: str | None) -> tuple[object, tuple]:
+    """An index file read for serving, and the faiss objects it points at without owning them. A re-ranking
+    index with its vectors on disk keeps them memory-mapped and copies its PQ part to RAM; IVF indexes are
+    memory-mapped; others are read whole."""
+    import faiss
+
+    if refine != "disk":
+        return faiss.read_index(path, served_flags(kind, refine)), ()
+    index = faiss.read_index(path, served_flags(kind, refine))
+    inner = faiss.downcast_index(index)
+    # clone_index would keep viewing the mapped lists; a serialised round trip owns its copy
+    inner.base_index = faiss.deserialize_index(faiss.serialize_index(inner.base_index))
+    inner.own_fields = False
+    return index, (inner.base_index,)
+
+
+def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAULT_CACHE) -> OpenIndex:
+    """Verify the checksum, then read (IVF indexes memory-mapped) and set the served parameter."""
+
+    from imgest.tasks.index.tuning import set_param
+
+    card = read_card(store, slug, version)
+    footprint = card.get("footprint") if isinstance(card.get("footprint"), dict) else {}
+    kind, refine = records.field(card, "kind", str, slug), footprint.get("refine")
+    index, held = read_served(verified_file(store, card, cache_dir, served_flags(kind, refine)), kind, refine)
+    set_param(index, card["search"]["param"], card["search"]["value"], card["search"].get("k_factor"))
+    ids = read_ids(store, card)
+    return OpenIndex(card, index, ids["item_id"].to_pylist(), ids["uri"].to_pylist(), held)

@@ -1,0 +1,200 @@
+"""Carry an IVF index version forward to the catalogue's live state: remove the vectors that left or changed,
+add the new ones (faiss remove_ids / add_with_ids), keep faiss id = position in item_id order, and say when
+the trained quantizer no longer represents the catalogue, so that the version is trained again instead.
+
+Only the new vectors are read from the store; the previous version's id map says which vectors it holds.
+A re-ranking index (PQ codes + float16 vectors, faiss IndexRefine) is updated the same way: its IVF part as
+above, and its re-rank vectors, which faiss numbers by row, rewritten in the new id order (the kept ones'
+float16 codes copied, the new ones encoded).
+HNSW is rebuilt: its graph cannot drop a vector (faiss marks nothing deleted in an HNSW), and searching it with
+deleted ids filtered out loses recall silently as deletions accumulate around the entry points. Flat indexes
+have no training to save: they are rebuilt too (a copy of the vectors, the cost of reading them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from imgest.storage import Location
+from imgest.tasks.index.build import refine_of
+from imgest.tasks.ingest.shards import embedding_matrix
+from imgest.tasks.state.committed import CatalogueState, shard_key
+
+RETRAIN_PARAM_GROWTH = 2  # retrain when an update needs more than twice the nprobe its training served
+
+
+class NotUpdatable(Exception):
+    """Why this build trains a new index instead of updating the last one (the card records the reason)."""
+
+
+@dataclass
+class Delta:
+    ids: pa.Table  # the new version's id map: faiss_id (= row), item_id, uri, content_hash; item_id order
+    remap: np.ndarray  # previous faiss id -> new faiss id; -1: the vector left (item deleted or content changed)
+    added_ids: np.ndarray  # new faiss ids of the added vectors
+    added: np.ndarray  # (A, d) float32 their vectors
+
+    @property
+    def removed(self) -> int:
+        return int((self.remap < 0).sum())
+
+
+def live_table(state: CatalogueState) -> pa.Table:
+    live = state.live_table()
+    return pa.table({"item_id": live["item_id"], "uri": live["uri"],
+                     "content_hash": pc.fill_null(live["content_hash"], ""), "shard": live["shard"]})
+
+
+def _keys(table: pa.Table) -> pa.Array:
+    # an item is the same vector only with the same content: a changed item leaves and comes back
+    return pc.binary_join_element_wise(table["item_id"], pc.fill_null(table["content_hash"], ""), "\x00")
+
+
+def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table) -> tuple[pa.Table, np.ndarray]:
+    """The rows of `wanted` (item_id, shard) found in their shards, with their vectors; only those shards read."""
+    by_shard: dict[str, list[str]] = defaultdict(list)
+    for item_id, shard in zip(wanted["item_id"].to_pylist(), wanted["shard"].to_pylist()):
+        by_shard[shard].append(item_id)
+    tables, vectors = [], []
+    for shard, keep in sorted(by_shard.items()):
+        table = store.read_table(shard_key(slug, shard))
+        table = table.filter(pc.is_in(table["item_id"], value_set=pa.array(keep, pa.string())))
+        tables.append(table.select(["item_id"]))
+        vectors.append(embedding_matrix(table, dim))
+    if not tables:
+        return pa.table({"item_id": pa.array([], pa.string())}), np.empty((0, dim), np.float32)
+    return pa.concat_tables(tables), np.concatenate(vectors).astype(np.float32, copy=False)
+
+
+def plan_delta(store: Location, slug: str, dim: int, previous_ids: pa.Table, state: CatalogueState) -> Delta:
+    """What differs between the vectors in the previous version and the live state, new vectors read."""
+    live = live_table(state)
+    fresh = live.filter(pc.invert(pc.is_in(_keys(live), value_set=_keys(previous_ids))))
+    found, vectors = read_vectors(store, slug, dim, fresh)
+    missing = pc.invert(pc.is_in(fresh["item_id"], value_set=found["item_id"]))
+    if pc.any(missing).as_py():  # a live item without its row: index what is there, say what is not
+        gone = fresh.filter(missing)["item_id"]
+        logging.getLogger("imgest").warning("model=%s: %d live item(s) have no row in their shard (e.g. %s); "
+                                            "indexing the others", slug, len(gone), gone[:3].to_pylist())
+        live = live.filter(pc.invert(pc.is_in(live["item_id"], value_set=gone)))
+    live_keys = _keys(live)
+    remap = pc.fill_null(pc.index_in(_keys(previous_ids), value_set=live_keys), -1).to_numpy().astype(np.int64)
+    added_ids = pc.index_in(found["item_id"], value_set=live["item_id"]).to_numpy().astype(np.int64)
+    ids = pa.table({"faiss_id": pa.array(np.arange(len(live)), pa.int64()), "item_id": live["item_id"],
+                    "uri": live["uri"], "content_hash": live["content_hash"]})
+    return Delta(ids, remap, added_ids, vectors)
+
+
+def _rename_ids(index, remap: np.ndarray) -> None:
+    """Rewrite the ids stored in every inverted list through `remap` (the lists are in memory)."""
+    import faiss
+
+    invlists = faiss.extract_index_ivf(index).invlists
+    if not isinstance(faiss.downcast_InvertedLists(invlists), faiss.ArrayInvertedLists):
+        raise NotUpdatable(f"inverted lists of type {type(faiss.downcast_InvertedLists(invlists)).__name__} "
+                           "cannot be renumbered in place")
+    for list_no in range(invlists.nlist):
+        size = invlists.list_size(list_no)
+        if size:
+            ids = faiss.rev_swig_ptr(invlists.get_ids(list_no), size)  # a writable view of the list's ids
+            ids[:] = remap[ids]
+
+
+def _renumber_refine_vectors(refine, delta: Delta) -> None:
+    """Rewrite the re-rank vectors (row = faiss id) in the new id order: kept rows copied, added rows encoded."""
+    import faiss
+
+    vectors = faiss.downcast_index(refine.refine_index)
+    if not isinstance(vectors, faiss.IndexFlatCodes):
+        raise NotUpdatable(f"re-rank vectors of type {type(vectors).__name__} cannot be renumbered in place")
+    old = faiss.vector_to_array(vectors.codes).reshape(-1, vectors.code_size)
+    new = np.empty((len(delta.ids), vectors.code_size), np.uint8)
+    kept = delta.remap >= 0
+    new[delta.remap[kept]] = old[kept]
+    if len(delta.added):
+        new[delta.added_ids] = vectors.sa_encode(np.ascontiguousarray(delta.added, np.float32))
+    vectors.reset()
+    vectors.add_sa_codes(new)
+    refine.ntotal = vectors.ntotal
+
+
+def apply_delta(index, delta: Delta):
+    """Remove, renumber, add: afterwards faiss id i is row i of `delta.ids`, as in a fresh build."""
+    import faiss
+
+    refine = refine_of(index)
+    if refine is not None:  # the codes searched are the base index; the re-rank vectors follow its new ids
+        apply_delta(refine.base_index, delta)
+        _renumber_refine_vectors(refine, delta)
+        return index
+
+    removed = np.flatnonzero(delta.remap < 0).astype(np.int64)
+    if len(removed):
+        index.remove_ids(faiss.IDSelectorBatch(removed))
+    _rename_ids(index, delta.remap)
+    if len(delta.added):
+        index.add_with_ids(np.ascontiguousarray(delta.added, np.float32), delta.added_ids)
+    if index.ntotal != len(delta.ids):
+        raise RuntimeError(f"updated index holds {index.ntotal} vectors, the live state {len(delta.ids)}")
+    return index
+
+
+def updatable(previous: dict | None, factory: str, has_truth: bool) -> None:
+    """Raise NotUpdatable unless `previous` (a card) is an IVF version trained as `factory`, with its exact lists."""
+    if previous is None:
+        raise NotUpdatable("no previous version: trained from scratch")
+    if previous["search"]["param"] != "nprobe":
+        what = "an HNSW graph cannot remove vectors" if previous["search"]["param"] == "efSearch" else \
+            "a flat index has no training to save"
+        raise NotUpdatable(f"v{previous['version']:04d} is {previous['factory']}: {what}; built again")
+    if previous["factory"] != factory:
+        raise NotUpdatable(f"the rule now picks {factory} for this catalogue; v{previous['version']:04d} was "
+                           f"trained as {previous['factory']}")
+    if not has_truth:
+        raise NotUpdatable(f"v{previous['version']:04d} has no exact neighbour lists to carry forward")
+
+
+def built_lineage(n: int, served_param: int | None, retrain_share: float, why: str) -> dict:
+    """A version trained from scratch (trained_in None: this version itself)."""
+    return {"method": "build", "trained_in": None, "updated_from": None, "trained_n": n,
+            "trained_param": served_param, "added": None, "removed": None, "added_since_training": 0,
+            "removed_since_training": 0, "retrain_share": retrain_share, "why": why}
+
+
+def updated_lineage(previous: dict, added: int, removed: int, retrain_share: float) -> dict:
+    """A version carried forward from `previous` (a card): trained in which version, updated from which, counts."""
+    before = previous.get("lineage") or {}
+    return {"method": "update", "trained_in": before.get("trained_in") or previous["version"],
+            "updated_from": previous["version"], "trained_n": before.get("trained_n") or previous["n"],
+            "trained_param": before.get("trained_param") or previous["search"]["value"],
+            "added": added, "removed": removed,
+            "added_since_training": before.get("added_since_training", 0) + added,
+            "removed_since_training": before.get("removed_since_training", 0) + removed,
+            "retrain_share": retrain_share,
+            "why": f"updated in place from v{previous['version']:04d}: {removed:,} removed, {added:,} added"}
+
+
+def check_drift(line: dict) -> None:
+    """Raise NotUpdatable when more than `retrain_share` of the trained count was added since training."""
+    share = line["added_since_training"] / max(line["trained_n"], 1)
+    if share > line["retrain_share"]:
+        raise NotUpdatable(f"{line['added_since_training']:,} vectors added since training in "
+                           f"v{line['trained_in']:04d}: {share:.0%} of the {line['trained_n']:,} it was trained "
+                           f"on, over the retrain share {line['retrain_share']:.0%}")
+
+
+def check_served(line: dict, tuned) -> None:
+    """Raise NotUpdatable when the updated index misses the target, or needs much more search for it than when
+    it was trained (the clustering no longer fits the catalogue)."""
+    if not tuned.met:
+        raise NotUpdatable(f"updated index reaches recall@{tuned.k} {tuned.recall} < target {tuned.target}")
+    trained_param = line["trained_param"] or 1
+    if tuned.param > RETRAIN_PARAM_GROWTH * trained_param:
+        raise NotUpdatable(f"updated index needs nprobe {tuned.param} for the target, over {RETRAIN_PARAM_GROWTH}x "
+                           f"the {trained_param} served when trained in v{line['trained_in']:04d}")

@@ -1,0 +1,348 @@
+"""One shard: read and decode ahead (bounded; threads or processes), encode in batches, write the shard.
+
+Where decoding runs (`plan_decode`): on 2 CPU cores the model and the JPEG decoder compete for the same
+cores, and measured (BENCHMARKS.md, "Threads or processes for decoding") the split that wins is one core
+each, with the decode in a process (no GIL shared with the encoder's thread): 0.71 x the bare model against
+0.66 for one decode thread and 0.60 for two decode threads beside two torch threads. So with
+--decode-workers 0 (the default) the decode gets half the cores (all but one on a GPU, where the model
+does not need them) and torch the rest, and a shard with enough images to pay for starting them decodes in
+processes when the encoder's preprocessing can run in one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import multiprocessing
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import numpy as np
+
+from imgest.encoders import Encoder
+from imgest.lock import Fence
+from imgest.names import DEFAULT_DECODE_WORKERS, DEFAULT_DTYPE, DEFAULT_MAX_PIXELS
+from imgest.storage import Location, StorageError, is_transient, one_line
+from imgest.tasks.ingest.decode import DecodeError, decode_image
+from imgest.tasks.ingest.gpu_decode import BatchJpegDecoder, plain_jpeg
+from imgest.tasks.ingest.plan import ShardPlan, WorkItem
+from imgest.tasks.ingest.shards import ShardResult, ShardWriter, embedding_matrix
+from imgest.tasks.state.committed import shard_key
+from imgest.timing import Stopwatch
+
+
+class ShardFailedError(RuntimeError):
+    """A shard task failed after its retries; one line naming the shard and, through its cause, the object."""
+
+
+@dataclass
+class Prepared:
+    item: WorkItem
+    content_hash: str | None = None
+    pixels: np.ndarray | None = None
+    reason: str | None = None  # rejected (or failed, when transient)
+    transient: bool = False  # a fault of the moment (timeout, throttling, memory): retried next run
+    unchanged: bool = False
+    revived: bool = False
+    vanished: bool = False
+    jpeg: bytes | None = None  # bytes for the batch's GPU decode (tasks/ingest/gpu_decode.py), pixels not yet made
+
+
+def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixels: int,
+            min_side: int | None = None, gpu_jpeg: bool = False) -> Prepared:
+    """Read, hash, decode and preprocess one object. Whatever goes wrong with the object itself is a verdict
+    recorded against it; only a catalogue that cannot be reached at all fails the shard (and so the run).
+    With `gpu_jpeg`, a plain JPEG is left undecoded: its bytes go to the batch's GPU decode."""
+    if item.verdict is not None:
+        return Prepared(item, reason=item.verdict)
+    try:
+        data = catalogue.read_bytes(item.item_id)
+    except FileNotFoundError:
+        return Prepared(item, vanished=True)
+    except (StorageError, MemoryError) as exc:
+        transient = is_transient(exc)
+        if transient and not catalogue_reachable(catalogue):
+            raise  # the store's failure, not the object's: the task fails, retries, and the run stops
+        return Prepared(item, reason=one_line(exc.__cause__ or exc), transient=transient)
+    digest = hashlib.sha256(data).hexdigest()
+    if item.prev_hash == digest:
+        return Prepared(item, digest, revived=item.revive_shard is not None, unchanged=item.revive_shard is None)
+    if gpu_jpeg and plain_jpeg(data, max_pixels):
+        return Prepared(item, digest, jpeg=data)
+    try:
+        pixels = preprocess(decode_image(data, max_pixels, min_side))
+    except DecodeError as exc:
+        return Prepared(item, digest, reason=str(exc))
+    except MemoryError as exc:
+        return Prepared(item, digest, reason=f"{type(exc).__name__} while decoding: {exc}", transient=True)
+    except Exception as exc:  # the model's preprocessing refused this image (e.g. 1x1 pixels)
+        return Prepared(item, digest, reason=f"{type(exc).__name__} in preprocessing: {exc}")
+    return Prepared(item, digest, pixels)
+
+
+def stack_pixels(pixels: list):
+    """One batch: NumPy arrays stack on the host; with tensors from a GPU decode, on their device."""
+    if all(isinstance(p, np.ndarray) for p in pixels):
+        return np.stack(pixels)
+    import torch
+
+    device = next(p.device for p in pixels if not isinstance(p, np.ndarray))
+    return torch.stack([torch.tensor(p, device=device) if isinstance(p, np.ndarray) else p for p in pixels])
+
+
+def catalogue_reachable(catalogue: Location) -> bool:
+    try:
+        return catalogue.reachable()
+    except StorageError:
+        return False
+
+
+PROCESS_MIN_ITEMS = 64  # fewer images to decode than this: starting processes costs more than it saves
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    workers: int
+    processes: bool
+    torch_threads: int | None  # set for the shard's encode (CPU), restored after; None: leave as it is
+
+    def describe(self) -> str:
+        kind = ("process" if self.processes else "thread") + ("es" if self.processes and self.workers > 1 else
+                                                              "s" if self.workers > 1 else "")
+        return f"{self.workers} decode {kind}" + (f", torch {self.torch_threads} thread(s)"
+                                                  if self.torch_threads else "")
+
+
+def plan_decode(encoder: Encoder, decode_workers: int, to_read: int, gpu_jpeg: bool) -> DecodePlan:
+    """How many decode workers, threads or processes, and torch's threads beside them (module docstring)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    on_gpu = str(getattr(encoder, "device", "cpu")).startswith("cuda")
+    torch_threads = None
+    if decode_workers == 0:
+        decode_workers = max(1, cores - 1) if on_gpu else max(1, cores // 2)
+        torch_threads = None if on_gpu else max(1, cores - decode_workers)
+    processes = (getattr(encoder, "preprocess_fn", None) is not None and to_read >= PROCESS_MIN_ITEMS
+                 and not gpu_jpeg  # a GPU decode leaves the workers only reading and hashing
+                 and not multiprocessing.current_process().daemon)  # a Dask worker may not start processes
+    return DecodePlan(decode_workers, processes, torch_threads)
+
+
+@functools.lru_cache(maxsize=8)
+def _catalogue(url: str) -> Location:
+    return Location(url, follow_links=True)
+
+
+def _prepare_in_process(catalogue_url: str, item: WorkItem, preprocess: Callable, max_pixels: int,
+                        min_side: int | None) -> Prepared:
+    """prepare() in a decode process: the catalogue travels as its URL (credentials come from the
+    environment the process inherited), the preprocessing as a module-level function."""
+    return prepare(_catalogue(catalogue_url), item, preprocess, max_pixels, min_side)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """In a decode process: end when the process that started it is gone (killed with -9, say), instead of
+    waiting for work that will never come."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="imgest-parent-watch", daemon=True).start()
+
+
+def decode_pool(plan: DecodePlan) -> Executor:
+    if plan.processes:  # spawn: never fork a process that holds torch's and Prefect's threads
+        return ProcessPoolExecutor(plan.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_exit_with_parent, initargs=(os.getpid(),))
+    return ThreadPoolExecutor(max_workers=plan.workers, thread_name_prefix="imgest-decode")
+
+
+DIED = ("the decode process died on this object (killed or crashed: out of memory, or a fault in the image "
+        "decoder); the other objects were decoded in a new process")
+
+
+def _alone(fn: Callable[[WorkItem], Prepared], item: WorkItem) -> Prepared:
+    """One object in a fresh decode process of its own: its result, or its rejection if that dies too."""
+    with decode_pool(DecodePlan(1, True, None)) as solo:
+        try:
+            return solo.submit(fn, item).result()
+        except BrokenProcessPool:
+            return Prepared(item, reason=DIED)
+
+
+def read_ahead(items: tuple[WorkItem, ...], fn: Callable[[WorkItem], Prepared], make_pool: Callable[[], Executor],
+               depth: int) -> Iterator[Prepared]:
+    """Yield ``fn(item)`` in order while up to ``depth`` items are in flight: memory stays flat. Closing the
+    generator early (the shard failed) cancels what has not started and stops the workers.
+
+    A decode process that dies (the kernel's OOM killer, a crash inside a decoder) breaks its pool: the
+    object being waited for is tried again alone, in a process of its own, and rejected if that dies too
+    (one object's fault); the objects in flight go to a new pool. Threads never break a pool."""
+    pool = make_pool()
+    pending: deque[tuple[WorkItem, Future]] = deque()
+
+    def renew() -> None:
+        """The pool broke: a new one, and every object in flight that did not finish sent to it."""
+        nonlocal pool
+        pool.shutdown(wait=True, cancel_futures=True)
+        pool = make_pool()
+        for n, (it, fut) in enumerate(pending):
+            if fut.cancelled() or isinstance(fut.exception(), BrokenProcessPool):
+                pending[n] = (it, pool.submit(fn, it))
+
+    try:
+        source = iter(items)
+        for item in source:
+            pending.append((item, pool.submit(fn, item)))
+            if len(pending) >= depth:
+                break
+        while pending:
+            item, future = pending.popleft()
+            try:
+                done = future.result()
+            except (BrokenProcessPool, CancelledError):  # this object, or one beside it, killed the process
+                done = _alone(fn, item)
+                renew()
+            nxt = next(source, None)
+            if nxt is not None:
+                try:
+                    pending.append((nxt, pool.submit(fn, nxt)))
+                except BrokenProcessPool:
+                    renew()
+                    pending.append((nxt, pool.submit(fn, nxt)))
+            yield done
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def derive_from_base(items: tuple[WorkItem, ...], encoder: Encoder, store: Location,
+                     writer: ShardWriter) -> tuple[WorkItem, ...]:
+    """A head model: items whose base embedding is current get the head applied to it, read from the
+    base model's shard (no image decoded); returns the items that still have to be read."""
+    from imgest.encoders.head import project
+
+    base_slug = encoder.spec.base.slug
+    by_shard: dict[str, list[WorkItem]] = {}
+    rest = []
+    for item in items:
+        if item.verdict is not None:
+            rest.append(item)  # rejected from its listing: prepare() records it
+        elif item.base_shard and item.base_hash and item.prev_hash == item.base_hash:
+            # same bytes as the head's own row (or its tombstone's, which is revived): nothing to encode
+            (writer.revive if item.revive_shard else writer.unchanged)(item, item.base_hash)
+        elif item.base_shard:
+            by_shard.setdefault(item.base_shard, []).append(item)
+        else:
+            rest.append(item)
+    for base_shard, group in sorted(by_shard.items()):
+        table = store.read_table(shard_key(base_slug, base_shard), columns=["item_id", "content_hash", "embedding"])
+        rows = {(i, h): n for n, (i, h) in enumerate(zip(table.column("item_id").to_pylist(),
+                                                         table.column("content_hash").to_pylist()))}
+        found = [(item, rows[(item.item_id, item.base_hash)]) for item in group
+                 if (item.item_id, item.base_hash) in rows]
+        rest.extend(item for item in group if (item.item_id, item.base_hash) not in rows)  # not there: decode
+        if not found:
+            continue
+        base = embedding_matrix(table, encoder.spec.base.dim)[[n for _, n in found]]
+        writer.add([(item, item.base_hash) for item, _ in found], project(encoder.module, base, encoder.device))
+        writer.result.derived += len(found)
+    order = {item.item_id: n for n, item in enumerate(items)}
+    return tuple(sorted(rest, key=lambda it: order[it.item_id]))
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: Location, batch_size: int,
+                 decode_workers: int = DEFAULT_DECODE_WORKERS, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 fence: Fence | None = None, dtype: str = DEFAULT_DTYPE,
+                 jpeg_decoder: BatchJpegDecoder | None | str = "auto") -> ShardResult:
+    """Encode one shard's objects and commit it. `jpeg_decoder`: "auto" decodes JPEGs on the GPU when the
+    encoder runs on CUDA and torchvision is installed (BatchJpegDecoder.for_encoder); None: Pillow only."""
+    total, encoding, waiting = Stopwatch(), Stopwatch(running=False), Stopwatch(running=False)
+    if jpeg_decoder == "auto":
+        jpeg_decoder = BatchJpegDecoder.for_encoder(encoder, max_pixels)
+    writer = ShardWriter(store, encoder.spec, plan, fence, dtype)
+    writer.result.worker, writer.result.started = f"{socket.gethostname()}:{os.getpid()}", _now()
+    batch: list[Prepared] = []
+
+    def flush_batch() -> None:
+        with encoding:
+            encode_batch()
+        batch.clear()
+
+    def encode_batch() -> None:
+        ready = batch
+        if jpegs := [p for p in batch if p.jpeg is not None]:
+            for p, pixels in zip(jpegs, jpeg_decoder.decode([p.jpeg for p in jpegs])):
+                p.jpeg = None
+                if isinstance(pixels, DecodeError):
+                    writer.reject(p.item, p.content_hash, str(pixels))
+                else:
+                    p.pixels = pixels
+            ready = [p for p in batch if p.pixels is not None]
+        if ready:
+            vectors = encoder.encode_images(stack_pixels([p.pixels for p in ready]))
+            writer.add([(p.item, p.content_hash) for p in ready], vectors)
+
+    to_read = derive_from_base(plan.items, encoder, store, writer) if encoder.spec.base is not None else plan.items
+    decode_side = getattr(encoder, "decode_side", None)  # JPEGs decode at reduced size down to this
+    gpu_jpeg = jpeg_decoder is not None
+    where = plan_decode(encoder, decode_workers, len(to_read), gpu_jpeg)
+    writer.result.decode = where.describe()
+    if where.processes:
+        fn = functools.partial(_prepare_in_process, catalogue.url, preprocess=encoder.preprocess_fn,
+                               max_pixels=max_pixels, min_side=decode_side)
+    else:
+        def fn(item: WorkItem) -> Prepared:
+            return prepare(catalogue, item, encoder.preprocess, max_pixels, decode_side, gpu_jpeg)
+    stream = read_ahead(to_read, fn, functools.partial(decode_pool, where), max(2 * batch_size, 4 * where.workers))
+    with torch_threads(where.torch_threads), contextlib.closing(stream):
+        while True:
+            with waiting:
+                prepared = next(stream, None)
+            if prepared is None:
+                break
+            if prepared.vanished:
+                writer.vanished(prepared.item)
+            elif prepared.unchanged:
+                writer.unchanged(prepared.item, prepared.content_hash)
+            elif prepared.revived:
+                writer.revive(prepared.item, prepared.content_hash)
+            elif prepared.reason is not None:
+                writer.reject(prepared.item, prepared.content_hash, prepared.reason, prepared.transient)
+            else:
+                batch.append(prepared)
+                if len(batch) >= batch_size:
+                    flush_batch()
+        if batch:
+            flush_batch()
+    result = writer.flush()
+    result.seconds, result.encode_seconds, result.wait_seconds = total.seconds, encoding.seconds, waiting.seconds
+    return result

@@ -1,0 +1,208 @@
+"""Compare a listing with the committed state: new, changed, unchanged, deleted; cut work into shards."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import pyarrow as pa
+
+from imgest.names import DEFAULT_MAX_BYTES, DEFAULT_SHARD_SIZE
+from imgest.storage import Location, ObjectInfo
+from imgest.tasks.ingest.listing import Listing, printable_key
+from imgest.tasks.state.committed import DELETED, FAILED, LIVE, CatalogueState, ItemState, revivable
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    item_id: str
+    uri: str
+    size: int
+    mtime: float | None
+    etag: str | None
+    prev_hash: str | None  # content hash on record; equal bytes mean "touched, not changed"
+    base_shard: str | None = None  # a head model: the base model's current embedding of these bytes is there
+    base_hash: str | None = None  # ... for content with this hash
+    verdict: str | None = None  # rejected from its listing alone (key, size, storage class): never read
+    revive_shard: str | None = None  # a recent tombstone's row: revived if the bytes still hash to prev_hash
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    run_id: str
+    index: int
+    items: tuple[WorkItem, ...]
+
+    @property
+    def name(self) -> str:
+        return f"part-{self.run_id}-{self.index:05d}"
+
+
+@dataclass
+class Plan:
+    run_id: str
+    listed: int
+    skipped: int
+    not_regular: int = 0
+    new: int = 0
+    changed_candidates: int = 0  # signature differs; bytes will tell whether content did
+    unchanged: int = 0
+    retried: int = 0  # failed last time for a transient reason: read again whatever their signature
+    deleted: list[str] = field(default_factory=list)
+    shards: list[ShardPlan] = field(default_factory=list)
+
+    @property
+    def to_read(self) -> int:
+        return sum(len(s.items) for s in self.shards)
+
+
+def same_signature(obj: ObjectInfo, prev: ItemState) -> bool:
+    """ETag when both sides have one (object stores), otherwise size and mtime (file systems)."""
+    if obj.etag and prev.etag:
+        return obj.etag == prev.etag and obj.size == prev.size
+    return obj.size == prev.size and obj.mtime is not None and prev.mtime is not None \
+        and abs(obj.mtime - prev.mtime) < 1e-6
+
+
+# same_signature, in SQL over the listing (l) joined with the state (s)
+SAME_SIGNATURE_SQL = """CASE WHEN coalesce(l.etag, '') <> '' AND coalesce(s.etag, '') <> ''
+                             THEN l.etag = s.etag AND l.size = s.size
+                             ELSE l.size = s.size AND l.mtime IS NOT NULL AND s.mtime IS NOT NULL
+                                  AND abs(l.mtime - s.mtime) < 1e-6 END"""
+
+
+class MassDeleteError(ValueError):
+    """A run would tombstone more of the live items than allowed; nothing was changed."""
+
+
+ARCHIVED = frozenset({"GLACIER", "DEEP_ARCHIVE"})  # unreadable until restored (GLACIER_IR reads at once)
+item_key = printable_key  # the item id of a listed key
+
+
+def listing_verdict(key: str, key_ok: bool, size: int, storage_class: str | None, max_bytes: int) -> str | None:
+    """Why a listed object is rejected from its listing alone, without reading it; None when it is to be read."""
+    if not key_ok:
+        return f"KeyError: the key is not valid UTF-8 ({key!r}); rename the object"
+    if storage_class and storage_class.upper() in ARCHIVED:
+        return f"ArchivedObject: storage class {storage_class} cannot be read until it is restored"
+    if size > max_bytes:
+        return f"TooLarge: {size} bytes, over max_bytes {max_bytes}"
+    return None
+
+
+def check_deletions(live: int, gone: int, listed: int, max_fraction: float) -> None:
+    """Stop before anything is written when a run would tombstone more than `max_fraction` of the `live` items
+    (`gone` of them unlisted), or see an empty listing over a non-empty state: a wrong prefix or a half-synced
+    bucket."""
+    if live and (gone > max_fraction * live or listed == 0):
+        raise MassDeleteError(
+            f"this run would tombstone {gone} of {live} live items ({gone / live:.0%}, over the allowed "
+            f"{max_fraction:.0%}){' from an empty listing' if listed == 0 else ''}: a wrong prefix or a "
+            "half-synced bucket? Nothing was changed. If the deletions are real, run again with --allow-mass-delete")
+
+
+PLAN_MEMORY = "1GB"  # DuckDB's memory for the plan's join; a larger catalogue spills to disk
+
+
+def _relation(con, name: str, source: pa.Table | str | list[str]) -> None:
+    """A table of the plan's query: an Arrow table, or Parquet files DuckDB streams from disk."""
+    if isinstance(source, (str, list)):
+        con.read_parquet(source).create_view(name)
+    else:
+        con.register(name, source)
+
+
+@contextmanager
+def _plan_connection(state: CatalogueState | pa.Table | str, files: bool) -> Iterator:
+    """A DuckDB connection where `state` is the catalogue state: the CatalogueState's own database (its rows
+    stay on disk), or a bounded one over an Arrow table or a Parquet file."""
+    if isinstance(state, CatalogueState):
+        with state.sql() as con:
+            yield con
+        return
+    import duckdb
+
+    # past PLAN_MEMORY DuckDB spills to a temporary folder instead of growing
+    config = {"enable_external_access": files, "memory_limit": PLAN_MEMORY,
+              "preserve_insertion_order": False, "temp_directory": os.path.join(tempfile.gettempdir(), "imgest-plan")}
+    with duckdb.connect(config=config) as con:
+        _relation(con, "state", state)
+        yield con
+
+
+def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id: str,
+                shard_size: int = DEFAULT_SHARD_SIZE, max_bytes: int = DEFAULT_MAX_BYTES,
+                max_delete_fraction: float | None = None, listing_source: pa.Table | str | None = None) -> Plan:
+    """Decide what to read. Unchanged objects (same signature) are never read.
+
+    Rejected items are retried only when they change, failed ones (a transient reason) on every run;
+    deleted ones come back as new, revived from their tombstone's row when the bytes are the same.
+    `max_delete_fraction` (None: no limit) stops a run that would delete too much (MassDeleteError).
+
+    A columnar join (DuckDB) of the listing with the state (STATE_SCHEMA: a CatalogueState, an Arrow table or
+    a Parquet file); only the objects to read and the items to delete come back as Python objects, so memory
+    follows the change, not the catalogue. `listing_source` replaces `listing.source` (a Parquet file of it).
+    """
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    plan = Plan(run_id=run_id, listed=0, skipped=listing.skipped, not_regular=listing.not_regular)
+    catalogue = Location(listing.catalogue, follow_links=True)
+    listed = listing.source if listing_source is None else listing_source
+    with _plan_connection(state, isinstance(state, str) or isinstance(listed, (str, list))) as con:
+        _relation(con, "listing", listed)
+        plan.listed = con.execute("SELECT count(*) FROM listing").fetchone()[0]
+        work = con.execute(f"""
+            SELECT l.key, l.key_ok, l.size, l.mtime, l.etag, l.storage_class,
+                   s.status, s.content_hash, s.shard, s.updated_at
+            FROM listing l LEFT JOIN state s ON s.item_id = l.key
+            WHERE s.item_id IS NULL OR s.status IN ('{DELETED}', '{FAILED}') OR NOT ({SAME_SIGNATURE_SQL})
+            ORDER BY l.key""").fetchall()
+        unlisted = con.execute(f"""
+            SELECT s.item_id, s.status = '{LIVE}' FROM state s ANTI JOIN listing l ON s.item_id = l.key
+            WHERE s.status <> '{DELETED}' ORDER BY s.item_id""").fetchall()
+        live = con.execute(f"SELECT count(*) FROM state WHERE status = '{LIVE}'").fetchone()[0]
+    plan.deleted = [item_id for item_id, _ in unlisted]
+    gone = sum(was_live for _, was_live in unlisted)
+    if max_delete_fraction is not None:
+        check_deletions(live, gone, plan.listed, max_delete_fraction)
+    items: list[WorkItem] = []
+    for key, key_ok, size, mtime, etag, storage_class, status, content_hash, shard, updated_at in work:
+        prev_hash = revive = None
+        if status is None or status == DELETED:
+            plan.new += 1
+            prev = ItemState(key, "", DELETED, None, 0, None, content_hash, shard, updated_at=updated_at)
+            if status == DELETED and revivable(prev):
+                prev_hash, revive = content_hash, shard
+        elif status == FAILED:
+            plan.retried += 1
+        else:
+            plan.changed_candidates += 1
+            prev_hash = content_hash
+        items.append(WorkItem(key, catalogue.uri(key), size, mtime, etag, prev_hash,
+                              verdict=listing_verdict(key, key_ok, size, storage_class, max_bytes),
+                              revive_shard=revive))
+    plan.unchanged = plan.listed - len(items)
+    plan.shards = [ShardPlan(run_id, i, tuple(items[start:start + shard_size]))
+                   for i, start in enumerate(range(0, len(items), shard_size))]
+    return plan
+
+
+def attach_base(plan: Plan, base: CatalogueState) -> Plan:
+    """For a head model: every planned item whose base-model embedding is current (live, same signature)
+    is marked to be derived from it (the head applied to the stored vector) instead of read and decoded."""
+    known = base.rows([item.item_id for shard in plan.shards for item in shard.items])
+    shards = []
+    for shard in plan.shards:
+        items = []
+        for item in shard.items:
+            prev = known.get(item.item_id)
+            obj = ObjectInfo(item.item_id, item.size, item.mtime, item.etag)
+            if prev is not None and prev.status == LIVE and prev.shard and same_signature(obj, prev):
+                item = replace(item, base_shard=prev.shard, base_hash=prev.content_hash)
+            items.append(item)
+        shards.append(replace(shard, items=tuple(items)))
+    plan.shards = shards
+    return plan

@@ -1,0 +1,168 @@
+"""The ingest flow's tasks: thin Prefect wrappers over listing, state, planning, batch-size tuning, the
+shard encoder (with its per-GPU concurrency slot) and the commit. The functions they wrap import no
+Prefect, so the encode path runs (and is checked on a GPU machine) without it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prefect import task, unmapped
+from prefect.cache_policies import NO_CACHE
+
+from imgest import encoders
+from imgest.encoders import EncoderSpec
+from imgest.lock import Fence
+from imgest.names import DEFAULT_DTYPE
+from imgest.storage import Location
+from imgest.tasks.ingest.batch_size import choose_batch_size
+from imgest.tasks.ingest.commit import RunSummary, commit_run
+from imgest.tasks.ingest.encode import encode_shard
+from imgest.tasks.ingest.encode_text import encode_text_shard, text_listing, text_of
+from imgest.tasks.ingest.inventory import read_inventory
+from imgest.tasks.ingest.listing import Listing, catalogue_parts, list_catalogue, merge_listings
+from imgest.tasks.ingest.metadata import (
+    MetadataReport,
+    NoMetadataError,
+    latest_seq,
+    read_metadata,
+    snapshot_key,
+    store_metadata,
+)
+from imgest.tasks.ingest.plan import Plan, ShardPlan, attach_base, plan_ingest
+from imgest.tasks.ingest.policy import COMMIT_TIMEOUT_S, IO_RETRIES, LIST_TIMEOUT_S, SHARD_RETRIES
+from imgest.tasks.ingest.shards import ShardResult
+from imgest.tasks.state.catalogue_images import record_root
+from imgest.tasks.state.committed import CatalogueState, load_state, prepare_state
+
+choose_batch_size_task = task(choose_batch_size, name="tune-batch-size", cache_policy=NO_CACHE)
+
+
+@task(name="load-state", cache_policy=NO_CACHE, **IO_RETRIES)
+def prepare_state_task(store_url: str, spec_description: dict, catalogue_url: str) -> tuple[CatalogueState, list[str]]:
+    store = Location(store_url)
+    prepared = prepare_state(store, spec_description)
+    # readers of the rows' image uris (train-head, duplicates' thumbnails) read only under this root
+    record_root(store, spec_description["slug"], Location(catalogue_url, follow_links=True))
+    return prepared
+
+
+@task(name="list-catalogue", cache_policy=NO_CACHE, **IO_RETRIES, task_run_name="list-{folder}")
+def list_part_task(catalogue_url: str, folder: str, maxdepth: int | None = None) -> Listing:
+    return list_catalogue(catalogue_url, folder, maxdepth)
+
+
+@task(name="read-inventory", cache_policy=NO_CACHE, timeout_seconds=LIST_TIMEOUT_S, **IO_RETRIES)
+def read_inventory_task(manifest_url: str, catalogue_url: str) -> Listing:
+    return read_inventory(manifest_url, catalogue_url)
+
+
+def list_catalogue_fanned(catalogue_url: str) -> Listing:
+    """One listing task per top-level folder, side by side, and one for the objects at the top; merged in key
+    order. A catalogue without folders is one task."""
+    folders = catalogue_parts(catalogue_url)
+    if not folders:
+        return list_part_task(catalogue_url, "")
+    futures = list_part_task.map(unmapped(catalogue_url), [""] + folders, [1] + [None] * len(folders))
+    return merge_listings([f.result() for f in futures])
+
+
+@task(name="store-metadata", cache_policy=NO_CACHE, **IO_RETRIES)
+def store_metadata_task(store_url: str, metadata_url: str, listing: Listing) -> MetadataReport:
+    """Read and check the metadata file, store a snapshot if a row changed; rows and images that do not
+    meet are counted against this run's listing."""
+    table = read_metadata(metadata_url)
+    return store_metadata(Location(store_url), metadata_url, table, set(listing.keys))
+
+
+@task(name="list-texts", cache_policy=NO_CACHE, **IO_RETRIES)
+def text_listing_task(store_url: str, listing: Listing, spec: EncoderSpec) -> tuple[Listing, dict, int]:
+    """A text model's listing: the stored metadata's rows with text, for listed images; and the snapshot."""
+    store = Location(store_url)
+    seq = latest_seq(store)
+    if not seq:
+        raise NoMetadataError(f"{spec.name} embeds catalogue text, and this store holds no metadata yet: pass "
+                              "--metadata FILE_OR_URL (Parquet, CSV or JSONL with item_id, title, caption, ...)")
+    texts, left_out = text_listing(listing, store.read_table(snapshot_key(seq)), spec)
+    return texts, left_out | {"metadata_snapshot": seq}, seq
+
+
+@task(name="plan-shards", cache_policy=NO_CACHE)
+def plan_ingest_task(listing: Listing, state: CatalogueState, run_id: str, shard_size: int, max_bytes: int,
+                     max_delete_fraction: float | None) -> Plan:
+    return plan_ingest(listing, state, run_id, shard_size, max_bytes, max_delete_fraction)
+
+
+@task(name="attach-base-embeddings", cache_policy=NO_CACHE)
+def attach_base_task(store_url: str, base_slug: str, plan: Plan) -> Plan:
+    return attach_base(plan, load_state(Location(store_url), base_slug))
+
+
+@task(name="commit", cache_policy=NO_CACHE, timeout_seconds=COMMIT_TIMEOUT_S, **IO_RETRIES)
+def commit_run_task(store_url: str, state: CatalogueState, plan: Plan, results: list[ShardResult],
+                    summary: RunSummary, fence: Fence | None = None) -> RunSummary:
+    return commit_run(Location(store_url), state, plan, results, summary, fence)
+
+
+def encode_slot_name(limit: str, device: str) -> str | None:
+    """The Prefect global concurrency limit an encode task holds a slot of, or None.
+
+    'auto': on CUDA, one limit per physical GPU (named by its UUID, whatever CUDA_VISIBLE_DEVICES
+    says), so each GPU runs one encode task at a time however many workers share it; on CPU, none.
+    'none': no limit. Any other value: that limit's name (shared by every worker that names it).
+    """
+    if limit == "none":
+        return None
+    if limit != "auto":
+        return limit
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    index = int(device.partition(":")[2] or torch.cuda.current_device())
+    return f"imgest-gpu-{torch.cuda.get_device_properties(index).uuid}"
+
+
+def ensure_limit(name: str, slots: int = 1) -> None:
+    """Create the global concurrency limit with `slots` slots unless it exists (an operator may have sized it)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=slots))
+            except ObjectAlreadyExists:
+                pass  # another worker created it first
+
+
+@contextmanager
+def encode_slot(name: str | None) -> Iterator[None]:
+    if name is None:
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    ensure_limit(name)
+    with concurrency(name, occupy=1, strict=True):
+        yield
+
+
+@task(name="encode-shard", cache_policy=NO_CACHE, **SHARD_RETRIES,
+      task_run_name="encode-{plan.name}")
+def encode_shard_task(plan: ShardPlan, spec: EncoderSpec, device: str, catalogue_url: str, store_url: str,
+                      batch_size: int, decode_workers: int, max_pixels: int, encode_limit: str = "auto",
+                      fence: Fence | None = None, dtype: str = DEFAULT_DTYPE,
+                      metadata_seq: int | None = None) -> ShardResult:
+    # The spec crosses the task boundary; the weights are loaded here, once per worker process.
+    encoder = encoders.load(spec, device)
+    with encode_slot(encode_slot_name(encode_limit, device)):
+        if "image" not in spec.modalities:  # a caption model: its objects are the metadata snapshot's texts
+            store = Location(store_url)
+            texts = text_of(store.read_table(snapshot_key(metadata_seq)), spec, {item.item_id for item in plan.items})
+            return encode_text_shard(plan, encoder, texts, store, batch_size, fence, dtype)
+        return encode_shard(plan, encoder, Location(catalogue_url, follow_links=True), Location(store_url), batch_size,
+                            decode_workers, max_pixels, fence, dtype)

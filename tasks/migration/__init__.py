@@ -1,0 +1,1 @@
+"""Model migration: the window, aliases moved by compare-and-swap, retention of retired models."""

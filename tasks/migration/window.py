@@ -1,0 +1,364 @@
+"""The model-migration window: its state in the store, coverage, and the alias moves it allows.
+
+  migration/window.json          the open window (created exclusively: two cannot be open at once)
+  migration/history/<id>.json    closed windows
+  migration/retire/<slug>.json   a model whose data may be deleted after a date (see tasks/migration/retention.py)
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import secrets
+import socket
+from datetime import UTC, datetime, timedelta
+
+from imgest import records
+from imgest.lock import Fence, RecordChangedError, fenced_delete, fenced_write
+from imgest.storage import Location
+from imgest.tasks.index.store import index_prefix, list_versions, open_index, read_card
+from imgest.tasks.migration.aliases import delete_alias, list_aliases, read_alias, set_alias
+from imgest.tasks.migration.retention import collect_retired, retired_slugs
+from imgest.tasks.state.committed import embeddings_prefix, latest_snapshot_seq, load_state, now_iso, state_prefix
+from imgest.tasks.state.models import find_model, read_model
+
+WINDOW_KEY = "migration/window.json"
+
+
+class MigrationError(RuntimeError):
+    """A migration step is not allowed now; the message says why and what would make it allowed."""
+
+
+def read_window(store: Location) -> dict | None:
+    """The open window, its two sides checked (a model name and slug each) before anything uses them."""
+    if not store.exists(WINDOW_KEY):
+        return None
+    window, where = store.read_json(WINDOW_KEY), f"{store.url}: {WINDOW_KEY}"
+    for side in ("from", "to"):
+        records.field(window, side, dict, where)
+        records.field(window[side], "name", str, f"{where}: {side}")
+        records.slug(window[side].get("slug"), f"{where}: {side}.slug")
+    for name in ("id", "status"):
+        records.field(window, name, str, where)
+    return window
+
+
+def _check(store: Location, fence: Fence | None) -> None:
+    if fence is not None:
+        fence.check(store)
+
+
+def _stored_version(store: Location, window: dict, fence: Fence | None) -> str:
+    """The version token of the window record, which must still be ``window`` (the same id): a window finished
+    or replaced since this step read it is never written back."""
+    data, token = store.read_versioned(WINDOW_KEY)
+    try:
+        stored = json.loads(data) if data is not None else None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        stored = None
+    if not isinstance(stored, dict) or stored.get("id") != window["id"]:
+        _check(store, fence)  # when a successor finished or replaced it, say that
+        raise RecordChangedError(f"store {store.url}: the migration window {window['id']} is no longer the open "
+                                 "one (finished or replaced since this step read it); nothing was recorded")
+    return token
+
+
+def _save(store: Location, window: dict, fence: Fence | None = None) -> dict:
+    """Replace the window record: a compare-and-swap on the version read here, after the fence check, so a
+    writer paused between its check and its write cannot overwrite what its successor recorded."""
+    fenced_write(store, WINDOW_KEY, window, _stored_version(store, window, fence), fence)
+    return window
+
+
+def record(store: Location, window: dict, event: str, fence: Fence | None = None, **details) -> dict:
+    window.setdefault("events", []).append({"at": now_iso(), "event": event, **details})
+    return _save(store, window, fence)
+
+
+def open_window(store: Location, serving_slug: str, target: dict, catalogue: str | None,
+                fence: Fence | None = None) -> dict:
+    """Open a window from the serving model to ``target``; rerunning the same start resumes it."""
+    current = read_window(store)
+    if current is not None:
+        if current["to"]["slug"] == target["slug"]:
+            return current
+        raise MigrationError(f"a migration window is already open ({current['from']['name']} -> "
+                             f"{current['to']['name']}, since {current['opened_at']}); promote, roll back or "
+                             "finish it before opening another")
+    source = find_model(store, serving_slug)
+    if source["slug"] == target["slug"]:
+        raise MigrationError(f"{target['name']} is already the serving model; nothing to migrate to")
+    window = {
+        "id": f"w-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}",
+        "from": {k: source[k] for k in ("name", "slug", "model_id", "dim")},
+        "to": {k: target[k] for k in ("name", "slug", "model_id", "dim")},
+        "catalogue": catalogue,
+        "opened_by": f"{getpass.getuser()}@{socket.gethostname()}",
+        "opened_at": now_iso(),
+        "status": "open",
+        "events": [],
+    }
+    try:
+        fenced_write(store, WINDOW_KEY, window, None, fence)  # only where no window is: never over another
+    except RecordChangedError:
+        _check(store, fence)
+        return open_window(store, serving_slug, target, catalogue, fence)  # another start won the race
+    store.delete(f"migration/retire/{target['slug']}.json")  # migrating back to a retired model revives it
+    return window
+
+
+def require_window(store: Location) -> dict:
+    window = read_window(store)
+    if window is None:
+        raise MigrationError(f"no migration window is open in {store.url}; start one with `imgest migrate start`")
+    return window
+
+
+def coverage(store: Location, window: dict) -> dict:
+    """Share of the old model's live items that the new model holds with the same content."""
+    old, new = (load_state(store, window[side]["slug"]).live_table().select(["item_id", "content_hash"])
+                for side in ("from", "to"))
+    same = old.join(new, keys=["item_id", "content_hash"], join_type="left semi")
+    missing = old.join(new, keys=["item_id", "content_hash"], join_type="left anti").sort_by("item_id")
+    live, covered = len(old), len(same)
+    return {"live": live, "covered": covered, "share": round(covered / live, 6) if live else 1.0,
+            "missing_examples": missing["item_id"][:10].to_pylist()}
+
+
+def index_current(store: Location, slug: str) -> dict:
+    """The newest complete index version of a model, and whether it was built from the latest snapshot."""
+    versions = list_versions(store, slug)
+    if not versions:
+        return {"version": None, "current": False, "reason": "no complete index"}
+    card = read_card(store, slug, versions[-1])
+    snapshot = latest_snapshot_seq(store, slug)
+    current = card["snapshot"] == snapshot
+    return {"version": versions[-1], "snapshot": card["snapshot"], "latest_snapshot": snapshot, "current": current,
+            "recall": card["recall"], "reason": "" if current else f"built from snapshot {card['snapshot']}, "
+            f"latest is {snapshot}"}
+
+
+def storage_bytes(store: Location, slug: str) -> dict:
+    sizes = {}
+    for name, prefix in (("shards", embeddings_prefix(slug)), ("indexes", index_prefix(slug)),
+                         ("state", state_prefix(slug))):
+        sizes[name] = sum(obj.size for obj in store.walk(prefix))
+    sizes["total"] = sum(sizes.values())
+    return sizes
+
+
+def window_status(store: Location) -> dict:
+    window = read_window(store)
+    if window is None:
+        return {"open": False}
+    aliases = {name: {"slug": a["slug"], "version": a["version"]} for name, a in list_aliases(store).items()}
+    return {
+        "open": True,
+        "window": {k: v for k, v in window.items() if k != "events"},
+        "events": window.get("events", [])[-10:],
+        "coverage": coverage(store, window),
+        "index": {side: index_current(store, window[side]["slug"]) for side in ("from", "to")},
+        "aliases": aliases,
+        "evaluation": window.get("evaluation"),
+        "storage": {side: storage_bytes(store, window[side]["slug"]) for side in ("from", "to")},
+    }
+
+
+def _latest_card(store: Location, slug: str) -> dict:
+    versions = list_versions(store, slug)
+    if not versions:
+        raise MigrationError(f"model={slug} has no complete index")
+    return read_card(store, slug, versions[-1])
+
+
+def check_gate(gate: dict, margin: float, aliases: dict[str, dict] | None = None) -> str | None:
+    """Refuse promotion when the new model is worse than serving by more than ``margin``.
+
+    Reads the JSON of ``imgest eval --alias serving --compare shadow`` (or the reverse: sides are found by
+    alias; the gated metric is its ``metric``, recall at the largest K). With `aliases` (the store's), an
+    evaluation of other index versions than the aliases point at now is refused: the proof must be about what
+    would be served. Returns the refusal reason, or None.
+    """
+    if "a" not in gate or "b" not in gate:
+        raise MigrationError("the gate file must be the JSON `imgest eval --alias serving --compare shadow --json` "
+                             "writes (a hand-written pair of numbers is not an evaluation)")
+    sides = {gate[s].get("alias"): gate[s] for s in ("a", "b")}
+    if set(sides) != {"serving", "shadow"}:
+        raise MigrationError("the gate file must compare --alias serving against --compare shadow")
+    for measured in sides.values():
+        now = (aliases or {}).get(measured["alias"])
+        if now is not None and "version" in measured and \
+                (measured.get("slug"), measured["version"]) != (now["slug"], now["version"]):
+            raise MigrationError(
+                f"the gate file measured {measured['alias']} = model={measured.get('slug')} "
+                f"v{measured['version']}, but it now points at model={now['slug']} v{now['version']}: "
+                "evaluate the indexes that would be served again")
+    metric = gate.get("metric", "recall@10")
+    old, new = float(sides["serving"]["metrics"][metric]), float(sides["shadow"]["metrics"][metric])
+    if new < old - margin:
+        return f"shadow {metric} {new:.4f} is worse than serving {old:.4f} by more than the margin {margin}"
+    return None
+
+
+def evaluates_window(store: Location, report: dict) -> bool:
+    """A serving-vs-shadow evaluation while a window is open (the one the window keeps)."""
+    return "b" in report and {report["a"]["alias"], report["b"]["alias"]} == {"serving", "shadow"} \
+        and read_window(store) is not None
+
+
+def evaluation_record(report: dict, source: str) -> dict:
+    """What the window keeps of a serving-vs-shadow evaluation: the metric on each side, the paired bootstrap
+    interval of (b - a), the query set it was measured on and the index versions it measured."""
+    metric = report["metric"]
+    interval = report.get("compare", {}).get("bootstrap", {}).get(metric, {})
+    return {"at": now_iso(), "source": source, "metric": metric, "queries": report.get("queries"),
+            "query_file": report.get("query_file"), "query_sha256": report.get("query_sha256"),
+            report["a"]["alias"]: report["a"]["metrics"][metric],
+            report["b"]["alias"]: report["b"]["metrics"][metric],
+            "interval": {"of": f"{report['b']['alias']} - {report['a']['alias']}",
+                         **{k: interval[k] for k in ("low", "high") if k in interval}},
+            "versions": {report[s]["alias"]: {"slug": report[s].get("slug"), "version": report[s]["version"]}
+                         for s in ("a", "b") if "version" in report[s]}}
+
+
+def record_evaluation(store: Location, report: dict, fence: Fence | None = None) -> None:
+    """Keep the latest serving-vs-shadow evaluation in the open window (for status and promote)."""
+    window = read_window(store)
+    if not evaluates_window(store, report):
+        return
+    window["evaluation"] = evaluation_record(report, "imgest eval")
+    _save(store, window, fence)
+
+
+def check_evaluation(evaluation: dict | None, margin: float, aliases: dict[str, dict]) -> str | None:
+    """The window's recorded evaluation as proof for a promote: present, about the index versions the aliases
+    point at now, and shadow not worse than serving beyond `margin`. Returns the refusal reason, or None."""
+    if evaluation is None:
+        return ("no evaluation of shadow against serving is recorded in the window: run `imgest eval --store S "
+                "--queries LABELLED.jsonl --alias serving --compare shadow` (it is recorded), then promote; or "
+                "promote with --force \"reason\"")
+    for alias, measured in evaluation.get("versions", {}).items():
+        now = aliases.get(alias)
+        if now is not None and (measured["slug"], measured["version"]) != (now["slug"], now["version"]):
+            return (f"the recorded evaluation measured {alias} = model={measured['slug']} v{measured['version']}, "
+                    f"but it now points at model={now['slug']} v{now['version']}: evaluate again")
+    metric, old, new = evaluation["metric"], float(evaluation["serving"]), float(evaluation["shadow"])
+    if new < old - margin:
+        low, high = evaluation["interval"].get("low"), evaluation["interval"].get("high")
+        span = f" (paired bootstrap interval of {evaluation['interval']['of']}: [{low}, {high}])" if low is not None \
+            else ""
+        return (f"shadow {metric} {new:.4f} is worse than serving {old:.4f} by more than the margin {margin} on "
+                f"{evaluation.get('query_file')}{span}")
+    return None
+
+
+def promote(store: Location, gate: dict | None = None, margin: float = 0.0, force: str | None = None,
+            fence: Fence | None = None) -> dict:
+    """serving -> the new model's newest verified index; the old target is kept as `previous`.
+
+    Coverage and a current, verified index are always required. The proof of quality is an evaluation of
+    shadow against serving recorded in the window (by `imgest eval`, or the `gate` report, which is recorded
+    first); `force` (a reason) promotes without it, and the reason is kept in the window and the alias history."""
+    window = require_window(store)
+    if window["status"] == "promoted":
+        return window
+    cov = coverage(store, window)
+    if cov["share"] < 1.0:
+        raise MigrationError(f"refused: {window['to']['name']} covers {cov['covered']}/{cov['live']} live items "
+                             f"({cov['share']:.2%}); rerun `imgest migrate start` to finish the re-encode "
+                             f"(missing e.g. {cov['missing_examples'][:3]})")
+    state = index_current(store, window["to"]["slug"])
+    if not state["current"]:
+        raise MigrationError(f"refused: {window['to']['name']} has no current index ({state['reason']}); run "
+                             "`imgest migrate start` or the nightly build first")
+    aliases = list_aliases(store)
+    if gate is not None:
+        if reason := check_gate(gate, margin, aliases):
+            raise MigrationError(f"refused by the gate file: {reason}")
+        window["evaluation"] = evaluation_record(gate, "promote --gate")
+    reason = check_evaluation(window.get("evaluation"), margin, aliases)
+    if reason and not force:
+        raise MigrationError(f"refused: {reason}")
+    card = _latest_card(store, window["to"]["slug"])
+    open_index(store, card["slug"], card["version"])  # checksums verified before anything points at it
+    why = f"migration {window['id']} promote" + (f" (forced: {force})" if force else
+                                                 f" (evaluated on {window['evaluation'].get('query_file')})")
+    serving = read_alias(store, "serving")
+    if serving is not None:
+        set_alias(store, "previous", read_card(store, serving["slug"], serving["version"]), why, fence)
+    set_alias(store, "serving", card, why, fence)
+    window["status"] = "promoted"
+    proof = {"forced": force, "unproven": reason} if force else {"evaluation": window["evaluation"]}
+    return record(store, window, "promoted", fence, serving=f"{card['slug']} v{card['version']}", margin=margin,
+                  **proof)
+
+
+def rollback(store: Location, fence: Fence | None = None) -> dict:
+    """serving -> the old model's newest verified index, at any time before finish."""
+    window = require_window(store)
+    card = _latest_card(store, window["from"]["slug"])
+    open_index(store, card["slug"], card["version"])
+    set_alias(store, "serving", card, f"migration {window['id']} rollback", fence)
+    window["status"] = "rolled_back"
+    return record(store, window, "rolled_back", fence, serving=f"{card['slug']} v{card['version']}")
+
+
+def finish(store: Location, retain_days: float = 7.0, fence: Fence | None = None) -> dict:
+    """Close the window; the model not serving is scheduled for deletion after the retention."""
+    window = require_window(store)
+    _check(store, fence)
+    serving = read_alias(store, "serving")
+    keep = serving["slug"] if serving else window["to"]["slug"]
+    drop = window["from"] if keep == window["to"]["slug"] else window["to"]
+    retire_at = (datetime.now(UTC) + timedelta(days=retain_days)).isoformat(timespec="seconds")
+    window["status"], window["closed_at"], window["retired"] = "finished", now_iso(), drop
+    # the commit: a writer that lost the lock (even one paused after its check) stops here having changed nothing
+    record(store, window, "finished", fence, keep=keep, retire=drop["slug"], retire_after=retire_at)
+    for name in ("previous", "shadow"):  # window-only aliases: rollback is no longer possible after finish
+        delete_alias(store, name, fence)
+    store.write_json(f"migration/retire/{drop['slug']}.json", {**drop, "retire_after": retire_at,
+                                                               "window": window["id"]})
+    store.write_json(f"migration/history/{window['id']}.json", window)
+    fenced_delete(store, WINDOW_KEY, _stored_version(store, window, fence), fence)
+    return {"window": window, "deleted": collect_retired(store, fence)}
+
+
+def nightly_models(store: Location, model: str | None = None) -> tuple[list[tuple[str, str | None]], list[str]]:
+    """What tonight ingests and indexes: (model name, expected slug) pairs, and the names left out.
+
+    While a window is open, its two models (changes and deletions must reach both); otherwise every model
+    an alias points at, `serving` first, so a finished migration needs no edit of any deployment. A model
+    named explicitly is added to those; a retired one never is. A store with neither: DEFAULT_MODEL.
+    """
+    from imgest import encoders
+    from imgest.names import DEFAULT_MODEL
+
+    window = read_window(store)
+    if window is not None:
+        pairs = [(encoders.recorded(window[side]["name"], store, f"{store.url}: {WINDOW_KEY}: {side}"),
+                  window[side]["slug"]) for side in ("from", "to")]
+    else:
+        pairs = []
+        for _, alias in sorted(list_aliases(store).items(), key=lambda kv: (kv[0] != "serving", kv[0])):
+            # a model named by a record: only one this installation has, never a URL or a hub download
+            record = read_model(store, alias["slug"]) if alias["slug"] not in {s for _, s in pairs} else None
+            if record is not None:
+                pairs.append((record["name"], alias["slug"]))
+    left_out = []
+    if model:
+        slug = encoders.resolve(model).slug
+        if slug in retired_slugs(store):
+            left_out.append(f"{model} (model={slug}) was retired by a finished migration window: not ingested")
+        elif slug not in {s for _, s in pairs}:
+            pairs.append((model, None))
+    if not pairs and not left_out:
+        pairs = [(DEFAULT_MODEL, None)]
+    return pairs, left_out
+
+
+def check_window_model(expected_slug: str | None, summary: dict) -> None:
+    if expected_slug is not None and summary["slug"] != expected_slug:
+        raise MigrationError(f"the weights behind {summary['model_id'].split('@')[0]} changed during the migration "
+                             f"window (now model={summary['slug']}, window has model={expected_slug}); restore them "
+                             "or roll back and finish the window")
+

@@ -1,0 +1,1 @@
+"""What people read: Markdown for Prefect artifacts and the CLI, PNG plots, readable flow-run names."""

@@ -1,0 +1,73 @@
+"""Markdown of an index: its card, its lineage, the served search parameters, the cost model."""
+
+from __future__ import annotations
+
+
+def render_card(card: dict) -> str:
+    rec = card["recall"]
+    served_recall = rec[f"recall@{rec['k']}"]
+    verdict = "meets" if rec["met"] else "**DOES NOT MEET**"
+    lines = [
+        f"## Index `model={card['slug']}` v{card['version']:04d}",
+        "",
+        f"- model: `{card['model_id']}`; {card['n']} vectors of d={card['d']} from snapshot {card['snapshot']}",
+        f"- index: `{card['factory']}` ({card['choice']['reason']}); memory budget {card['choice']['memory_budget']}",
+        f"- served: {served_parameters(card)}; recall@{rec['k']} "
+        f"{served_recall} on {rec['queries']} held-out queries, {verdict} the target {rec['target']}",
+        f"- latency: {card['latency_ms_per_query']} ms/query (batched); {card['bytes_on_disk']} bytes on disk, "
+        f"{card['bytes_on_disk'] / max(card['n'], 1):.1f} bytes/vector",
+        f"- build: train {card['times']['train_seconds']} s, add {card['times']['add_seconds']} s, "
+        f"total {card['times']['total_seconds']} s"
+        + (f" ({card['build']['parts']} parts added in parallel on {card['build']['runner']}, merged)"
+           if card.get("build", {}).get("parts", 1) > 1 else "")
+        + f"; sha256 `{card['sha256'][:16]}...`",
+    ]
+    if card.get("lineage"):
+        lines.append(f"- lineage: {render_lineage(card['lineage'])}")
+    if card["search"].get("k_factor") is not None:  # PQ candidates re-ranked: both parameters in the sweep
+        foot = card["footprint"]
+        lines += [f"- re-rank: {card['search']['k_factor']} x k candidates from the PQ codes, re-scored by float16 "
+                  f"vectors (in {foot['refine']}); RAM {foot['ram_bytes']:,} bytes, disk {foot['disk_bytes']:,} bytes",
+                  "", f"| {card['search']['param']} | k_factor | recall@{rec['k']} | ms/query |",
+                  "|---:|---:|---:|---:|"]
+        lines += [f"| {p['param']} | {p['k_factor']} | {p['recall']} | {p['ms_per_query']} |" for p in rec["sweep"]]
+        return "\n".join(lines) + "\n"
+    lines += ["", f"| {card['search']['param'] or 'exact'} | recall@{rec['k']} | ms/query |", "|---:|---:|---:|"]
+    lines += [f"| {p['param']} | {p['recall']} | {p['ms_per_query']} |" for p in rec["sweep"]]
+    return "\n".join(lines) + "\n"
+
+
+def render_lineage(line: dict) -> str:
+    if line["method"] == "update":
+        return (f"updated from v{line['updated_from']:04d} (-{line['removed']:,} +{line['added']:,}); trained in "
+                f"v{line['trained_in']:04d} on {line['trained_n']:,} vectors, {line['added_since_training']:,} added "
+                f"since (retrains past {line['retrain_share']:.0%})")
+    return f"trained in this version on {line['trained_n']:,} vectors ({line['why']})"
+
+
+def served_parameters(card: dict) -> str:
+    search = card["search"]
+    refine = f", k_factor={search['k_factor']}" if search.get("k_factor") is not None else ""
+    return f"{search['param']}={search['value']}{refine}" if search["param"] else "exact search"
+
+
+def render_cost(report: dict) -> str:
+    gib = 2 ** 30
+    lines = [f"## Cost of `{report['model_id']}` at {report['corpus_size']:,} items ({report['device']})", "",
+             "| batch | img/s |", "|---:|---:|"]
+    lines += [f"| {b} | {r} |" for b, r in report["encode_images_per_second"].items()]
+    rc = report["reencode_cost"]
+    price = f", {rc['price']} at {rc['gpu_hour_price']}/GPU-hour" if rc["price"] is not None else ""
+    lines += ["",
+              f"- full encode / re-encode per model change: **{report['projected_encode_hours']} "
+              f"{rc['device']}-hours** at batch {report['best_batch']}{price}",
+              f"- query encode: image {report['query_encode_ms']['image']} ms, text "
+              f"{report['query_encode_ms']['text'] if report['query_encode_ms']['text'] is not None else 'n/a'} ms",
+              "- storage: " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in report["storage_bytes"].items()),
+              f"- index: `{report['index']['factory']}` about {report['index']['estimated_bytes'] / gib:.2f} GiB in RAM"
+              + (f" and {report['index']['disk_bytes'] / gib:.2f} GiB of re-rank vectors on disk"
+                 if report["index"].get("disk_bytes") else "")
+              + f"; fits {report['index']['node_memory']}: {report['index']['fits']}"]
+    if report["dual_window_fp32_bytes"]:
+        lines.append(f"- migration window (both models at fp32): {report['dual_window_fp32_bytes'] / gib:.2f} GiB")
+    return "\n".join(lines) + "\n"

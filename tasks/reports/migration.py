@@ -1,0 +1,39 @@
+"""Markdown of a migration window: its state, coverage, evaluation; a finished window."""
+
+from __future__ import annotations
+
+
+def _evaluation_line(e: dict | None) -> str:
+    if not e:
+        return "none recorded yet (promote needs one: `imgest eval --alias serving --compare shadow`)"
+    interval = e.get("interval", {})
+    span = f", {interval['of']} in [{interval['low']}, {interval['high']}]" if "low" in interval else ""
+    return (f"{e['metric']} shadow {e['shadow']} vs serving {e['serving']}{span} on {e.get('queries')} queries "
+            f"of `{e.get('query_file')}` ({e.get('source', 'imgest eval')}, {e['at']})")
+
+
+def render_window(status: dict) -> str:
+    if not status.get("open"):
+        return "No migration window is open.\n"
+    w, cov = status["window"], status["coverage"]
+    idx = status["index"]
+    lines = [
+        f"## Migration window `{w['id']}`: {w['from']['name']} -> {w['to']['name']} ({w['status']})",
+        "",
+        f"- opened by {w['opened_by']} at {w['opened_at']}; catalogue `{w['catalogue']}`",
+        f"- coverage: {cov['covered']}/{cov['live']} live items ({cov['share']:.2%})",
+        "- aliases: " + ", ".join(f"{n} -> {a['slug']} v{a['version']}" for n, a in sorted(status["aliases"].items())),
+        f"- evaluation: {_evaluation_line(status['evaluation'])}",
+        "",
+        "| side | model | index version | current | storage MiB |",
+        "|---|---|---:|---|---:|",
+    ]
+    for side in ("from", "to"):
+        lines.append(f"| {side} | `{w[side]['slug']}` | {idx[side]['version']} | {idx[side]['current']} | "
+                     f"{status['storage'][side]['total'] / 2**20:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_finished(finished: dict) -> str:
+    return (f"Window {finished['window']['id']} finished; deleted now: "
+            f"{finished['deleted'] or 'nothing (retention or aliases hold it)'}\n")

@@ -1,0 +1,27 @@
+"""Markdown of a nightly run: a row per model (ingest and index), retirements, duplicates."""
+
+from __future__ import annotations
+
+
+def render_nightly(runs: list[dict], retired: list, left_out: list[str] = (), duplicates: dict | None = None) -> str:
+    lines = ["# imgest nightly", "", "| model | listed | encoded | rejected | deleted | images/s | index | recall@k "
+             "| aliases |", "|---|---:|---:|---:|---:|---:|---|---:|---|"]
+    for run in runs:
+        s, index = run["ingest"], run["index"]
+        if index.get("built"):
+            card = index["card"]
+            built = f"v{card['version']:04d} `{card['factory']}`"
+            rec = card["recall"]
+            recall = f"{rec['recall@' + str(rec['k'])]:.3f}"
+        else:
+            built, recall = index.get("reason", "not built"), "-"
+        lines.append(f"| `{s['model_id']}` | {s['listed']} | {s['encoded']} | {s['rejected']} | {s['deleted']} | "
+                     f"{s['images_per_second']} | {built} | {recall} | {', '.join(index.get('aliases', [])) or '-'} |")
+    if retired:
+        lines += ["", f"Retired: {', '.join(map(str, retired))}"]
+    lines += [f"\nLeft out: {line}" for line in left_out]
+    if duplicates:
+        lines += ["", f"Duplicates of `{duplicates['model_id']}`: {duplicates['exact_groups']} exact groups, "
+                      f"{duplicates['near_groups']} near (cosine >= {duplicates['threshold']}), "
+                      f"**{duplicates['new_groups']} new** since the last report (`{duplicates['key']}`)."]
+    return "\n".join(lines)

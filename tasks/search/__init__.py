@@ -1,0 +1,1 @@
+"""Search by image or text with the model that built the index, optionally filtered by catalogue metadata."""

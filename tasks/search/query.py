@@ -1,0 +1,275 @@
+"""Search an index by image or text, with exactly the model that built it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from imgest import encoders
+from imgest.encoders import EncoderError
+from imgest.storage import open_location, read_url
+from imgest.tasks.index.store import OpenIndex, open_index, resolve_target
+from imgest.tasks.ingest.decode import decode_image
+from imgest.tasks.ingest.metadata import load_metadata
+from imgest.tasks.search.filters import FilterError, filtered_search, grouped, matching_items, positions
+from imgest.tasks.state.models import find_model
+
+
+class SearchError(ValueError):
+    """A query cannot be answered correctly (wrong model, no text tower, bad query); never a wrong answer."""
+
+
+@dataclass
+class Hit:
+    rank: int
+    item_id: str
+    uri: str
+    score: float
+    group: str | None = None  # with --group-by: the group (e.g. product_id) this hit stands for
+
+
+@dataclass
+class Query:
+    query_id: str
+    image: str | None = None
+    text: str | None = None
+
+
+def read_queries(url: str) -> list[Query]:
+    """JSONL: one object per line with ``query_id`` and either ``image`` (path or URL) or ``text``."""
+    queries = []
+    for number, line in enumerate(read_url(url).decode().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SearchError(f"{url} line {number}: not JSON ({exc})") from exc
+        if "query_id" not in obj or ("image" not in obj and "text" not in obj):
+            raise SearchError(f"{url} line {number}: needs query_id and an image or a text (or both); got "
+                              f"keys {sorted(obj)}")
+        queries.append(Query(str(obj["query_id"]), obj.get("image"), obj.get("text")))
+    return queries
+
+
+class Searcher:
+    """An opened index plus its encoder; load once, answer many queries."""
+
+    def __init__(self, store_url: str, alias: str | None = "serving", model: str | None = None,
+                 version: int | None = None, device: str = "auto"):
+        self.store = open_location(store_url, must_exist=True, what="store")
+        slug = find_model(self.store, model)["slug"] if model else None
+        slug, version = resolve_target(self.store, None if slug else alias, slug, version)
+        self.opened: OpenIndex = open_index(self.store, slug, version)
+        card = self.opened.card
+        spec = encoders.resolve_recorded(card.get("model_name"), self.store, f"{self.store.url}: index card of "
+                                         f"model={slug} v{version}")
+        if spec.model_id != card["model_id"]:
+            raise SearchError(f"index v{version} of model={slug} was built by {card['model_id']}, but "
+                              f"{card['model_name']} here is {spec.model_id}: queries would be embedded by a "
+                              "different model; rebuild the index or restore those weights")
+        self.spec, self.device = spec, device
+        self._encoder = None
+        self._table = None  # the store's metadata, read on the first --where or --group-by
+        self._index_ids = None  # the index's item_ids as an Arrow array, for mapping a filter's items
+        self._filters: dict[str, np.ndarray] = {}  # --where predicate -> faiss ids
+        self._group_maps: dict[str, dict[str, str]] = {}  # --group-by column -> item_id -> value
+
+    @property
+    def card(self) -> dict:
+        return self.opened.card
+
+    def encoder(self):
+        if self._encoder is None:
+            self._encoder = encoders.load(self.spec, self.device)
+        return self._encoder
+
+    def modality(self, query: Query) -> str:
+        """What of a query this model embeds: its text when the query has text and the model a text tower
+        (a caption model; CLIP's cross-modal search), else its image. A query may carry both (a photo and
+        words): each retriever then takes what it can read, so two retrievers answer the same query."""
+        modalities = self.spec.modalities
+        if query.text is not None and "text" in modalities:
+            return "text"
+        if query.image is not None and "image" in modalities:
+            return "image"
+        if query.text is not None:
+            raise SearchError(f"{self.spec.name} has no text tower: text queries are refused (image queries work)")
+        raise SearchError(f"{self.spec.name} is a text model over catalogue captions: search it with --text "
+                          "(image queries go to an image model's alias)")
+
+    def embed(self, queries: list[Query]) -> np.ndarray:
+        kinds = [self.modality(q) for q in queries]
+        encoder = self.encoder()
+        vectors = np.zeros((len(queries), self.spec.dim), np.float32)
+        image_rows = [i for i, kind in enumerate(kinds) if kind == "image"]
+        if image_rows:
+            side = getattr(encoder, "decode_side", None)  # the reduced JPEG decode the catalogue got
+            pixels = [encoder.preprocess(decode_image(read_url(queries[i].image), min_side=side)) for i in image_rows]
+            vectors[image_rows] = encoder.encode_images(np.stack(pixels))
+        text_rows = [i for i, kind in enumerate(kinds) if kind == "text"]
+        if text_rows:
+            try:
+                vectors[text_rows] = encoder.encode_texts([queries[i].text for i in text_rows])
+            except EncoderError as exc:
+                raise SearchError(str(exc)) from exc
+        return vectors
+
+    def search_vectors(self, vectors: np.ndarray, k: int = 10, where: str | None = None,
+                       group_by: str | None = None, per_group: int = 1) -> list[list[Hit]]:
+        """Top k per query; with `where`, only items whose metadata satisfies it (never fewer than k when k
+        do); with `group_by`, at most `per_group` hits per value of that metadata column."""
+        if vectors.ndim != 2 or vectors.shape[1] != self.spec.dim:
+            raise SearchError(f"query vectors have shape {vectors.shape}; this index takes (n, {self.spec.dim})")
+        if k < 1 or per_group < 1:
+            raise SearchError(f"k and per_group must be >= 1; got k={k}, per_group={per_group}")
+        allowed = self._allowed(where) if where else None
+        if group_by is None:
+            return self._hits(*self._search(vectors, k, allowed))
+        group_of = self._groups(group_by)
+        limit = self.opened.index.ntotal if allowed is None else len(allowed)
+        depth, results = min(limit, 4 * k * per_group), [None] * len(vectors)
+        todo = list(range(len(vectors)))
+        while todo:
+            hits = self._hits(*self._search(vectors[todo], depth, allowed))
+            left = []
+            for row, row_hits in zip(todo, hits):
+                results[row], full = grouped(row_hits, group_of, k, per_group)
+                if not full and depth < limit:
+                    left.append(row)
+            todo, depth = left, min(limit, depth * 4)
+        return results
+
+    def search(self, queries: list[Query], k: int = 10, where: str | None = None, group_by: str | None = None,
+               per_group: int = 1) -> list[list[Hit]]:
+        return self.search_vectors(self.embed(queries), k, where, group_by, per_group)
+
+    def _hits(self, scores: np.ndarray, ids: np.ndarray) -> list[list[Hit]]:
+        return [[Hit(rank + 1, self.opened.item_ids[i], self.opened.uris[i], float(s))
+                 for rank, (s, i) in enumerate(zip(srow, irow)) if i >= 0] for srow, irow in zip(scores, ids)]
+
+    def _search(self, vectors: np.ndarray, k: int, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        if allowed is None:
+            return self.opened.search(vectors, k)
+        search = self.card["search"]
+        return filtered_search(self.opened.index, vectors, k, allowed, search["param"], search["value"],
+                               search.get("k_factor"))
+
+    def _metadata(self):
+        if self._table is None:
+            self._table = load_metadata(self.store)
+            if self._table is None:
+                raise SearchError("this store holds no catalogue metadata to filter or group by: ingest with "
+                                  "--metadata FILE_OR_URL first")
+        return self._table
+
+    def _allowed(self, where: str) -> np.ndarray:
+        """The faiss ids of indexed items whose metadata satisfies `where`; kept per predicate for the
+        Searcher's life (its index and metadata snapshot do not change under it)."""
+        if where in self._filters:
+            return self._filters[where]
+        try:
+            items = matching_items(self._metadata(), where)
+        except FilterError as exc:
+            raise SearchError(str(exc)) from exc
+        if self._index_ids is None:
+            import pyarrow as pa
+
+            self._index_ids = pa.array(self.opened.item_ids, pa.string())
+        self._filters[where] = positions(items, self._index_ids)
+        return self._filters[where]
+
+    def _groups(self, column: str) -> dict[str, str]:
+        """item_id -> its value of `column`, kept per column like the filters."""
+        if column not in self._group_maps:
+            self._group_maps[column] = self._group_map(column)
+        return self._group_maps[column]
+
+    def _group_map(self, column: str) -> dict[str, str]:
+        table = self._metadata()
+        if column not in table.column_names or column == "row_hash":
+            raise SearchError(f"--group-by {column!r}: no such metadata column; columns: "
+                              f"{', '.join(c for c in table.column_names if c != 'row_hash')}")
+        values = table.column(column).to_pylist()
+        return {item: str(v) for item, v in zip(table.column("item_id").to_pylist(), values) if v is not None}
+
+
+def search(store_url: str, *, image: str | None = None, text: str | None = None, k: int = 10,
+           alias: str | None = "serving", model: str | None = None, version: int | None = None,
+           device: str = "auto", where: str | None = None, group_by: str | None = None,
+           per_group: int = 1) -> list[Hit]:
+    """One query by image (path or URL) or by text; the Python mirror of ``imgest search``."""
+    if (image is None) == (text is None):
+        raise SearchError("give exactly one of image or text")
+    searcher = Searcher(store_url, alias, model, version, device)
+    return searcher.search([Query("q", image, text)], k, where, group_by, per_group)[0]
+
+
+def fused_search(store_url: str, queries: list[Query], k: int = 10, aliases: tuple[str, ...] = ("serving", "shadow"),
+                 rrf_k: int = 60, device: str = "auto", where: str | None = None, group_by: str | None = None,
+                 per_group: int = 1) -> list[list[Hit]]:
+    """Reciprocal rank fusion of several aliases (a caption index and an image index; serving and shadow
+    during a migration window).
+
+    Each alias embeds the query with its own model, so vectors of two models are never compared; only
+    ranks are combined. Scores returned are RRF scores. `where` filters every retriever; `group_by` groups
+    the fused ranking."""
+    from imgest.tasks.evaluate.fusion import rrf
+
+    return _fused(store_url, queries, k, aliases, device, where, group_by, per_group,
+                  lambda lists: rrf([[h.item_id for h in hits] for hits in lists], k=rrf_k))
+
+
+def _fused(store_url: str, queries: list[Query], k: int, aliases: tuple[str, ...], device: str, where: str | None,
+           group_by: str | None, per_group: int, combine) -> list[list[Hit]]:
+    """Search each alias deep enough, combine each query's lists into one ranking, group it if asked."""
+    searchers = [Searcher(store_url, alias=a, device=device) for a in aliases]
+    depth = max(k, 100) * (4 * per_group if group_by else 1)
+    per_alias = [s.search(queries, depth, where) for s in searchers]
+    uris = {h.item_id: h.uri for results in per_alias for hits in results for h in hits}
+    group_of = searchers[0]._groups(group_by) if group_by else None
+    fused = []
+    for q in range(len(queries)):
+        ranking = combine([results[q] for results in per_alias])
+        hits = [Hit(rank, item, uris[item], score) for rank, (item, score) in enumerate(ranking, 1)]
+        fused.append(grouped(hits, group_of, k, per_group)[0] if group_of is not None else hits[:k])
+    return fused
+
+
+def read_route(url: str) -> dict:
+    """A routing table written by `imgest eval --compare ... --out DIR` (routing.json), size-limited and checked
+    field by field (routing.read_routing)."""
+    from imgest.tasks.evaluate.routing import RoutingError, read_routing
+
+    try:
+        return read_routing(url)
+    except RoutingError as exc:
+        raise SearchError(str(exc)) from exc
+
+
+def routed_search(store_url: str, queries: list[Query], k: int, route_url: str, query_class: str | None,
+                  device: str = "auto", where: str | None = None, group_by: str | None = None,
+                  per_group: int = 1) -> tuple[list[list[Hit]], dict]:
+    """Serve a routing table: the query class's winner (A, B, their RRF or their calibrated fusion)."""
+    from imgest.tasks.evaluate.routing import calibrated_fusion
+
+    route = read_route(route_url)
+    chosen = route["classes"].get(query_class) if query_class else None
+    how = {"route": chosen or route["default"], "query_class": query_class,
+           "from": "routing table" if chosen else "default (class not in the table)" if query_class
+           else "default (no --query-class)"}
+    aliases = (route["a"], route["b"])
+    if how["route"] in ("a", "b"):
+        searcher = Searcher(store_url, alias=route[how["route"]], device=device)
+        return searcher.search(queries, k, where, group_by, per_group), {**how, "aliases": [route[how["route"]]]}
+    if how["route"] == "rrf":
+        return fused_search(store_url, queries, k, aliases, device=device, where=where, group_by=group_by,
+                            per_group=per_group), {**how, "aliases": list(aliases)}
+    if how["route"] != "calibrated":
+        raise SearchError(f"{route_url}: unknown route {how['route']!r}")
+    params = [tuple(route["calibration"]["a"]), tuple(route["calibration"]["b"])]
+    fused = _fused(store_url, queries, k, aliases, device, where, group_by, per_group,
+                   lambda lists: calibrated_fusion([[(h.item_id, h.score) for h in hits] for hits in lists], params))
+    return fused, {**how, "aliases": list(aliases)}

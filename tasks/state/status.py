@@ -1,0 +1,54 @@
+"""Store status: per model, live items, shards, rejects, tombstones, snapshot and last run; who is writing."""
+
+from __future__ import annotations
+
+import pyarrow.compute as pc
+
+from imgest.lock import current_holder
+from imgest.storage import Location, open_location
+from imgest.tasks.state.committed import DELETED, FAILED, LIVE, REJECTED, latest_snapshot_seq, load_state
+from imgest.tasks.state.models import list_models
+
+
+def last_run(store: Location, slug: str) -> dict | None:
+    runs = [n for n in store.list_names("runs") if n.endswith(".json")]
+    for name in sorted(runs, reverse=True):
+        summary = store.read_json(f"runs/{name}")
+        if summary.get("slug") == slug:
+            return {k: v for k, v in summary.items() if k not in ("rejected_items", "removed_orphans", "parameters")}
+    return None
+
+
+def model_status(store: Location, card: dict) -> dict:
+    slug = card["slug"]
+    state = load_state(store, slug)
+    table = state.to_table()
+
+    def reasons(status: str) -> list[dict]:  # rejects and failures: few, listed one by one
+        rows = table.filter(pc.equal(table["status"], status)).select(["item_id", "reason"])
+        return rows.to_pylist()
+
+    return {
+        "name": card["name"],
+        "model_id": card["model_id"],
+        "slug": slug,
+        "dim": card["dim"],
+        "live": state.count(LIVE),
+        "shards": len(pc.unique(state.live_table()["shard"])),
+        "rejected": reasons(REJECTED),
+        "failed": reasons(FAILED),  # transient: read again on the next run
+        "tombstones": state.count(DELETED),
+        "snapshot": latest_snapshot_seq(store, slug),
+        "pending_shards": len(state.pending),  # committed by a run that did not finish; folded next run
+        "last_run": last_run(store, slug),
+    }
+
+
+def store_status(store_url: str) -> dict:
+    store = open_location(store_url, must_exist=True, what="store")
+    lock = current_holder(store)
+    return {
+        "store": store.url,
+        "running": {k: lock[k] for k in ("owner", "host", "pid", "started")} if lock else None,
+        "models": [model_status(store, card) for card in list_models(store)],
+    }
