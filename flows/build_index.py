@@ -8,18 +8,20 @@ import socket
 import faiss
 from prefect import tags
 from prefect.artifacts import create_markdown_artifact
+from prefect.utilities.annotations import quote
 
 from imgest.config import IndexConfig
 from imgest.flow_params import configured_flow
+from imgest.flows.build_version import build_version
 from imgest.lock import StoreLock
 from imgest.names import VERSION
 from imgest.storage import open_location
 from imgest.tasks.index.steps import (
     build_key,
-    build_version,
     record_build,
     reusable_version,
     verify_and_alias_task,
+    write_version_task,
 )
 from imgest.tasks.reports.index import render_card
 from imgest.tasks.reports.plots import markdown_image, recall_sweep_png
@@ -41,15 +43,16 @@ def build_index(config: IndexConfig) -> dict:
         key = build_key(inputs)
         reused_card = None if config.rebuild else reusable_version(store_loc, card_model["slug"], key)
         reused = reused_card is not None
-        result = {"built": True, "card": reused_card} if reused else build_version(
-            store_loc.url, card_model, config.kind, config.memory, config.target_recall, config.k, config.queries,
-            config.parts,
-            config.runner, config.workers, lock.fence, config.rebuild, config.retrain_share, config.disk)
-        if not result["built"]:
-            return {**result, "reused": False}
-        if not reused:
-            record_build(store_loc, card_model["slug"], key, inputs, result["card"], lock.fence)
-        card = result["card"]
+        if reused:
+            card = reused_card
+        else:
+            # the store as opened (an absolute URL): parts may run on other machines and folders
+            new = build_version(config.model_copy(update={"store": store_loc.url}), card_model)
+            if not new["built"]:
+                return {**new, "reused": False}
+            card = write_version_task(store_loc.url, new["index"], quote(new["ids"]), new["card"], lock.fence,
+                                      quote(new["truth"]))
+            record_build(store_loc, card_model["slug"], key, inputs, card, lock.fence)
         moved = verify_and_alias_task(store_loc.url, card, config.alias, lock.fence)
     markdown = ("Nothing changed since this version was built: reused, not rebuilt.\n\n" if reused else "") + \
         render_card(card)

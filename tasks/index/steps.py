@@ -1,11 +1,12 @@
 """The index-build tasks: load live vectors, train and fill (in one process or in parallel parts), tune,
-write a version, verify it and move its aliases; the task that does one whole version, and the JSON build
-records that let a nightly with nothing new reuse the last version."""
+write a version, verify it and move its aliases, and the JSON build records that let a nightly with nothing
+new reuse the last version. Which of them run, in which order, is the build-version flow's decision."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 
 import faiss
 import numpy as np
@@ -14,10 +15,9 @@ import pyarrow.compute as pc
 from prefect import get_run_logger, task, unmapped
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.utilities.annotations import quote
 
 from imgest.lock import Fence
-from imgest.names import DEFAULT_DISK, DEFAULT_RETRAIN_SHARE
+from imgest.names import DEFAULT_DISK
 from imgest.progress import report
 from imgest.storage import Location
 from imgest.tasks.index.build import (
@@ -48,7 +48,7 @@ from imgest.tasks.index.store import (
     write_version,
 )
 from imgest.tasks.index.truth import Truth, carry_truth, exact_truth
-from imgest.tasks.index.tuning import TRUTH_DEPTH_PER_K, Tuned, tune_with_truth
+from imgest.tasks.index.tuning import Tuned, tune_with_truth
 from imgest.tasks.index.update import (
     NotUpdatable,
     apply_delta,
@@ -253,53 +253,71 @@ def previous_version(store: Location, slug: str) -> dict | None:
     return read_card(store, slug, chosen) if chosen is not None else None
 
 
-@task(name="build-version", cache_policy=NO_CACHE)
-def build_version(store_url: str, model: dict, kind: str, memory: str, target_recall: float, k: int, queries: int,
-                  parts: int, runner: str, workers: int, fence: Fence | None = None, rebuild: bool = False,
-                  retrain_share: float = DEFAULT_RETRAIN_SHARE, disk: str = DEFAULT_DISK) -> dict:
-    """Update the last version in place when it is an IVF index whose training still fits; otherwise load,
-    train, fill and tune. Then write the version (reuse is decided before, from the store's build records)."""
-    why = "asked to build from scratch (--rebuild)"
-    if not rebuild:
-        previous = previous_version(Location(store_url), model["slug"])
-        updated = update_task(store_url, model, previous, kind, memory, target_recall, k, retrain_share, disk)
-        if "why" not in updated:
-            card = write_version_task(store_url, updated["index"], quote(updated["ids"]), updated["card"], fence,
-                                      quote(updated["truth"]))
-            return {"built": True, "card": card}
-        why = updated["why"]
-        get_run_logger().info("index model=%s: training a new index: %s", model["slug"], why)
-    live_rows, snapshot = live_rows_task(store_url, model["slug"])
-    if len(live_rows) < 2:
-        return {"built": False, "reason": f"{len(live_rows)} live vectors: nothing to index", "slug": model["slug"]}
-    d, depth = int(model["dim"]), TRUTH_DEPTH_PER_K * k
-    choice = choose_index(len(live_rows), d, memory, kind, disk)
-    progress = AddProgress(model["slug"], len(live_rows))
-    if parts > 1 and "IVF" in choice.factory and not refines(choice.factory):
-        index, times, used, truth = build_from_store(store_url, model, live_rows, choice, parts, runner,
-                                                     workers, queries, depth, progress)
-        method = ("trained once on whole shards read here; each part read its own shards from the store and added "
-                  "them with their faiss ids on the runner; merged (faiss merge_from)")
-        ids = pa.table({"faiss_id": pa.array(np.arange(len(live_rows)), pa.int64()), "item_id": live_rows["item_id"],
-                        "uri": live_rows["uri"], "content_hash": live_rows["content_hash"]})
+@dataclass
+class Built:
+    """A new index version before it is written: the index, its ids, the probes' exact neighbours, how it was
+    made."""
+
+    index: object
+    ids: pa.Table
+    truth: Truth
+    snapshot: int
+    times: BuildTimes
+    parts: int
+    method: str
+
+
+def build_in_process(store_url: str, model: dict, choice: IndexChoice, parts: int, runner: str, workers: int,
+                     queries: int, depth: int, progress: AddProgress) -> Built:
+    """Live vectors loaded here; trained and filled here, or in `parts` slices added in parallel on the runner."""
+    live = load_live_task(store_url, model)
+    rows = training_rows(live.shard_codes, choice.train_size)
+    if parts > 1:
+        index, times, used = build_in_parts(live.vectors, choice, parts, runner, workers, progress, rows)
     else:
-        live = load_live_task(store_url, model)
-        rows = training_rows(live.shard_codes, choice.train_size)
-        if parts > 1:
-            index, times, used = build_in_parts(live.vectors, choice, parts, runner, workers, progress, rows)
-        else:
-            (index, times), used = build_task(live.vectors, choice, progress, rows), 1
-        method = "one process" if used == 1 else "trained once, parts added in parallel, merged in id order " \
-                                                 "(faiss merge_from)"
-        truth = exact_truth(live.vectors, probe_rows(rows, len(live), queries), depth)
-        ids, snapshot = ids_table(live), live.snapshot
-    tuned = tune_task(index, quote(truth), target_recall, k)
-    card = make_card(model, len(ids), d, snapshot, choice, memory, times, tuned,
-                     built_lineage(len(ids), tuned.param, retrain_share, why), index, disk)
-    card["build"] = {"parts": used, "runner": runner if runner in ("local", "dask") else "dask (remote)",
-                     "method": method}
-    card = write_version_task(store_url, index, quote(ids), card, fence, quote(truth.to_table()))
-    return {"built": True, "card": card}
+        (index, times), used = build_task(live.vectors, choice, progress, rows), 1
+    method = "one process" if used == 1 else "trained once, parts added in parallel, merged in id order " \
+                                             "(faiss merge_from)"
+    truth = exact_truth(live.vectors, probe_rows(rows, len(live), queries), depth)
+    return Built(index, ids_table(live), truth, live.snapshot, times, used, method)
+
+
+def build_from_store_parts(store_url: str, model: dict, live_rows: pa.Table, snapshot: int, choice: IndexChoice,
+                           parts: int, runner: str, workers: int, queries: int, depth: int,
+                           progress: AddProgress) -> Built:
+    """An IVF build whose vectors never gather on this node: each part reads its own shards on the runner."""
+    index, times, used, truth = build_from_store(store_url, model, live_rows, choice, parts, runner, workers,
+                                                 queries, depth, progress)
+    ids = pa.table({"faiss_id": pa.array(np.arange(len(live_rows)), pa.int64()), "item_id": live_rows["item_id"],
+                    "uri": live_rows["uri"], "content_hash": live_rows["content_hash"]})
+    method = ("trained once on whole shards read here; each part read its own shards from the store and added "
+              "them with their faiss ids on the runner; merged (faiss merge_from)")
+    return Built(index, ids, truth, snapshot, times, used, method)
+
+
+def splits_by_store(choice: IndexChoice, parts: int) -> bool:
+    """Parts that read their own shards: an IVF index without a re-rank, asked for in more than one part."""
+    return parts > 1 and "IVF" in choice.factory and not refines(choice.factory)
+
+
+@task(name="index-card", cache_policy=NO_CACHE)
+def card_task(model: dict, built: Built, choice: IndexChoice, memory: str, tuned: Tuned, retrain_share: float,
+              why: str, runner: str, disk: str) -> dict:
+    card = make_card(model, len(built.ids), int(model["dim"]), built.snapshot, choice, memory, built.times, tuned,
+                     built_lineage(len(built.ids), tuned.param, retrain_share, why), built.index, disk)
+    card["build"] = {"parts": built.parts, "runner": runner if runner in ("local", "dask") else "dask (remote)",
+                     "method": built.method}
+    return card
+
+
+@task(name="previous-version", cache_policy=NO_CACHE, **IO_RETRIES)
+def previous_version_task(store_url: str, slug: str) -> dict | None:
+    return previous_version(Location(store_url), slug)
+
+
+@task(name="choose-index", cache_policy=NO_CACHE)
+def choose_index_task(n: int, d: int, memory: str, kind: str, disk: str) -> IndexChoice:
+    return choose_index(n, d, memory, kind, disk)
 
 
 def build_key(inputs: dict) -> str:

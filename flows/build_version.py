@@ -1,0 +1,54 @@
+"""One new index version of a model, not yet written: updated in place, or trained, filled and tuned."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from prefect.utilities.annotations import quote
+
+from imgest.config import IndexConfig
+from imgest.tasks.index.steps import (
+    AddProgress,
+    build_from_store_parts,
+    build_in_process,
+    card_task,
+    choose_index_task,
+    live_rows_task,
+    previous_version_task,
+    splits_by_store,
+    tune_task,
+    update_task,
+)
+from imgest.tasks.index.tuning import TRUTH_DEPTH_PER_K
+from imgest.tasks.reports.run_names import run_name
+
+
+@flow(name="build-version", flow_run_name=run_name("build-version"), validate_parameters=False)
+def build_version(config: IndexConfig, model: dict) -> dict:
+    """Update the version an alias serves when it is an IVF index whose training still fits the live vectors;
+    otherwise train a new one (in this process, or in parts on the runner) and tune it to the target recall.
+    Returns the version to write: the caller writes it under its lock (no lock token crosses into a run's
+    parameters), after reuse was decided from the store's build records."""
+    why = "asked to build from scratch (--rebuild)"
+    if not config.rebuild:
+        previous = previous_version_task(config.store, model["slug"])
+        updated = update_task(config.store, model, previous, config.kind, config.memory, config.target_recall,
+                              config.k, config.retrain_share, config.disk)
+        if "why" not in updated:
+            return {"built": True, **updated}
+        why = updated["why"]
+        get_run_logger().info("index model=%s: training a new index: %s", model["slug"], why)
+    live_rows, snapshot = live_rows_task(config.store, model["slug"])
+    if len(live_rows) < 2:
+        return {"built": False, "reason": f"{len(live_rows)} live vectors: nothing to index", "slug": model["slug"]}
+    choice = choose_index_task(len(live_rows), int(model["dim"]), config.memory, config.kind, config.disk)
+    progress, depth = AddProgress(model["slug"], len(live_rows)), TRUTH_DEPTH_PER_K * config.k
+    if splits_by_store(choice, config.parts):
+        built = build_from_store_parts(config.store, model, live_rows, snapshot, choice, config.parts, config.runner,
+                                       config.workers, config.queries, depth, progress)
+    else:
+        built = build_in_process(config.store, model, choice, config.parts, config.runner, config.workers,
+                                 config.queries, depth, progress)
+    tuned = tune_task(built.index, quote(built.truth), config.target_recall, config.k)
+    card = card_task(model, quote(built), choice, config.memory, tuned, config.retrain_share, why, config.runner,
+                     config.disk)
+    return {"built": True, "index": built.index, "ids": built.ids, "truth": built.truth.to_table(), "card": card}
