@@ -97,7 +97,7 @@ def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_pa
         assert f"{installed_imgest['site']}/imgest/flows/prefect.yaml" in line and f"start in {work}" in line, line
         served.wait_for("started!", 120)  # the worker polls its pool
         with temporary_settings({PREFECT_API_URL: served.api}), get_client(sync_client=True) as client:
-            ok = _run("nightly/nightly", {"catalogue": "catalogue", "store": "store", "batch_size": "2"})
+            ok = _run("nightly/nightly", {"config": {"catalogue": "catalogue", "store": "store", "batch_size": "2"}})
             assert ok.state.is_completed(), ok.state.message
             assert (work / "store" / "aliases" / "serving.json").exists()
             assert ok.name.startswith("nightly-") and ok.work_pool_name == "imgest-process"
@@ -112,7 +112,7 @@ def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_pa
             assert "v0001" in artifacts["nightly-summary"].data
             _flow_run_page_renders(f"http://127.0.0.1:{port}/runs/flow-run/{ok.id}", ok.name)
 
-            bad = _run("nightly/nightly", {"catalogue": "catalogue", "store": "s3://imgest-e2e/store"})
+            bad = _run("nightly/nightly", {"config": {"catalogue": "catalogue", "store": "s3://imgest-e2e/store"}})
             assert bad.state.is_failed()
             message = bad.state.message
             assert "\n" not in message and "StorageError: s3://imgest-e2e/store: " in message, message
