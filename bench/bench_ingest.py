@@ -29,7 +29,7 @@ from imgest.flows.ingest import ingest
 from imgest import encoders
 from imgest.tasks.ingest.batch_size import measure
 t0 = time.perf_counter()
-summary = ingest(catalogue=sys.argv[1], store=sys.argv[2], batch_size=sys.argv[3], device=sys.argv[4])
+summary = ingest(config=dict(catalogue=sys.argv[1], store=sys.argv[2], batch_size=sys.argv[3], device=sys.argv[4]))
 summary["wall_seconds"] = round(time.perf_counter() - t0, 2)
 summary["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 if summary["encoded"]:

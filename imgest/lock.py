@@ -201,7 +201,8 @@ def _changed(store: Location, key: str, fence: Fence | None) -> RecordChangedErr
 class StoreLock:
     """Context manager. Stale means: holder on this host with a dead pid, or no heartbeat for ``ttl`` s. A
     malformed lock file is stale once not written for ``ttl`` s, unless it names a live process on this host.
-    ``clock`` gives the time (tests move it instead of sleeping)."""
+    ``clock`` gives the time written as the heartbeat and judged against others' (tests move it instead of
+    sleeping, and beat with `renew`); ``heartbeat`` is the real interval of the heartbeat thread."""
 
     def __init__(self, store: Location, owner: str, ttl: float | None = None, heartbeat: float | None = None,
                  wait: float = 0.0, clock: Callable[[], float] = time.time):
@@ -281,16 +282,24 @@ class StoreLock:
             raise LockLostError("the writer lock was never taken")
         self.fence.check(self.store)
 
+    def renew(self) -> bool:
+        """One heartbeat, as the heartbeat thread beats every `heartbeat` seconds: the lock file rewritten with
+        the clock's time. False (and `lost` set) once this generation is no longer ours, which is never renewed;
+        a write that fails is let go (it only risks a stale verdict later). Tests call it after moving the clock."""
+        try:
+            self.check()  # never renew a generation that is no longer ours
+            self.store.write_bytes(generation_key(self.fence.generation), self._payload())
+        except LockLostError:
+            self.lost = True
+            return False
+        except Exception:  # a missed heartbeat only risks a stale verdict later; keep running
+            pass
+        return True
+
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat):
-            try:
-                self.check()  # never renew a generation that is no longer ours
-                self.store.write_bytes(generation_key(self.fence.generation), self._payload())
-            except LockLostError:
-                self.lost = True
+            if not self.renew():
                 return
-            except Exception:  # a missed heartbeat only risks a stale verdict later; keep running
-                pass
 
     def release(self) -> None:
         self._stop.set()

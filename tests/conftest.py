@@ -18,6 +18,7 @@ import shutil  # noqa: E402
 import site  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -103,3 +104,22 @@ def installed_imgest(tmp_path_factory) -> dict[str, str]:
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
                     "--ignore-installed", str(wheel)], check=True, capture_output=True, timeout=300)
     return {"python": str(python), "imgest": str(venv / "bin" / "imgest"), "site": venv_site, "wheel": str(wheel)}
+
+
+class Clock:
+    """The time code under test reads (passed as `clock=`): moved by the test, never slept through. It starts at
+    the real time, so what it stamps reads like any other record."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()

@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -25,6 +26,9 @@ from imgest.storage import Location, RecordError
 from imgest.tasks.migration import window as migration
 from imgest.tasks.migration.aliases import delete_alias, read_alias, set_alias
 
+if TYPE_CHECKING:
+    from tests.conftest import Clock  # the time the locks see (the `clock` fixture): moved, never slept through
+
 TTL = 60.0
 
 
@@ -38,16 +42,6 @@ def store_url(request, tmp_path) -> str:
     bucket = f"fence-{os.urandom(4).hex()}"
     s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).mkdir(bucket)
     return f"s3://{bucket}/store"
-
-
-class Clock:
-    """The time the locks see: moved by the test, never slept through."""
-
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def card(version: int, slug: str = "m-1a2b3c4d") -> dict:
@@ -74,7 +68,7 @@ def pause_before_write(store: Location, while_paused) -> list[str]:
 
 def take_over(url: str, clock: Clock, owner: str = "successor@b:2") -> StoreLock:
     """The predecessor has been silent past the ttl: a successor takes the lock."""
-    clock.now += TTL + 5
+    clock.advance(TTL + 5)
     lock = StoreLock(Location(url), owner=owner, ttl=TTL, heartbeat=3600, clock=clock)
     lock.acquire()
     return lock
@@ -87,8 +81,7 @@ def writer(url: str, clock: Clock) -> tuple[Location, StoreLock]:
     return store, lock
 
 
-def test_a_paused_alias_move_cannot_overwrite_its_successors(store_url):
-    clock = Clock()
+def test_a_paused_alias_move_cannot_overwrite_its_successors(store_url, clock):
     set_alias(Location(store_url), "serving", card(1), "first")
     store_a, lock_a = writer(store_url, clock)
     successor: list[StoreLock] = []
@@ -109,8 +102,7 @@ def test_a_paused_alias_move_cannot_overwrite_its_successors(store_url):
     lock_a.release()  # leaves the successor's (released) lock alone
 
 
-def test_a_paused_alias_delete_cannot_remove_its_successors_move(store_url):
-    clock = Clock()
+def test_a_paused_alias_delete_cannot_remove_its_successors_move(store_url, clock):
     set_alias(Location(store_url), "shadow", card(1), "first")
     store_a, lock_a = writer(store_url, clock)
     successor: list[StoreLock] = []
@@ -135,8 +127,7 @@ def open_test_window(store: Location) -> dict:
     return window
 
 
-def test_a_paused_window_record_cannot_overwrite_its_successors(store_url):
-    clock = Clock()
+def test_a_paused_window_record_cannot_overwrite_its_successors(store_url, clock):
     window = open_test_window(Location(store_url))
     store_a, lock_a = writer(store_url, clock)
     successor: list[StoreLock] = []
@@ -156,8 +147,7 @@ def test_a_paused_window_record_cannot_overwrite_its_successors(store_url):
     successor[0].release()
 
 
-def test_a_paused_window_record_cannot_bring_back_a_finished_window(store_url):
-    clock = Clock()
+def test_a_paused_window_record_cannot_bring_back_a_finished_window(store_url, clock):
     window = open_test_window(Location(store_url))
     store_a, lock_a = writer(store_url, clock)
     successor: list[StoreLock] = []
@@ -179,8 +169,7 @@ def test_a_paused_window_record_cannot_bring_back_a_finished_window(store_url):
     successor[0].release()
 
 
-def test_a_paused_finish_cannot_delete_its_successors_window(store_url):
-    clock = Clock()
+def test_a_paused_finish_cannot_delete_its_successors_window(store_url, clock):
     window = open_test_window(Location(store_url))
     store_a, lock_a = writer(store_url, clock)
     successor: list[StoreLock] = []
@@ -277,8 +266,8 @@ def plant(store: Location, payload, generation: int = 5) -> None:
 
 
 @pytest.mark.parametrize("name", list(GARBAGE))
-def test_a_lock_file_with_garbage_fields_is_refused_clearly_then_taken_over(store_url, name):
-    store, clock = Location(store_url), Clock()
+def test_a_lock_file_with_garbage_fields_is_refused_clearly_then_taken_over(store_url, name, clock):
+    store = Location(store_url)
     plant(store, GARBAGE[name])
     with pytest.raises(StoreLockedError, match="malformed.*taken over 60 s after that") as refused:
         StoreLock(store, owner="next@x:1", ttl=TTL, clock=clock).acquire()
@@ -286,27 +275,27 @@ def test_a_lock_file_with_garbage_fields_is_refused_clearly_then_taken_over(stor
     holder = current_holder(store)  # what `imgest status` shows
     assert holder["owner"].startswith("unknown (malformed lock file") and holder["malformed"]
     assert {"owner", "host", "pid", "started"} <= set(holder)
-    clock.now += TTL + 5  # nobody rewrote it for the ttl: taken over
+    clock.advance(TTL + 5)  # nobody rewrote it for the ttl: taken over
     lock = StoreLock(store, owner="next@x:1", ttl=TTL, heartbeat=3600, clock=clock)
     assert lock.acquire().generation == 6
     assert generations(store) == [6]
     lock.release()
 
 
-def test_a_fresh_lock_of_a_live_local_process_is_never_taken_over(tmp_path):
-    store, clock = Location(str(tmp_path / "store")), Clock()
+def test_a_fresh_lock_of_a_live_local_process_is_never_taken_over(tmp_path, clock):
+    store = Location(str(tmp_path / "store"))
     holder = StoreLock(store, owner="ingest@here:1", ttl=TTL, heartbeat=3600, clock=clock)
     holder.acquire()
-    clock.now += TTL / 2
+    clock.advance(TTL / 2)
     with pytest.raises(StoreLockedError, match="locked by run ingest@here:1"):
         StoreLock(store, owner="next@x:1", ttl=TTL, clock=clock).acquire()
     holder.release()
 
 
-def test_a_malformed_lock_file_of_a_live_local_process_is_never_taken_over(tmp_path):
-    store, clock = Location(str(tmp_path / "store")), Clock()
+def test_a_malformed_lock_file_of_a_live_local_process_is_never_taken_over(tmp_path, clock):
+    store = Location(str(tmp_path / "store"))
     plant(store, {**GARBAGE["text heartbeat"], "host": "THIS", "pid": os.getpid()})
-    clock.now += 10 * TTL
+    clock.advance(10 * TTL)
     with pytest.raises(StoreLockedError, match=f"alive on this host \\(pid {os.getpid()}\\).*not taken over"):
         StoreLock(store, owner="next@x:1", ttl=TTL, clock=clock).acquire()
 
@@ -324,3 +313,26 @@ def test_status_with_a_garbage_lock_exits_cleanly(tmp_path):
         assert "running: unknown (malformed lock file locks/writer/000000000005.json" in result.output
         result = CliRunner().invoke(app, ["status", "--store", store.url, "--json"])
         assert result.exit_code == 0 and json.loads(result.output)["running"]["pid"] is None
+
+
+def test_a_retired_model_is_kept_until_its_retention_has_passed(tmp_path):
+    """finish schedules the model no longer serving for deletion `retain_days` after the time it is given;
+    collection before that date deletes nothing, after it deletes the model's data and stamps the record."""
+    from datetime import UTC, datetime, timedelta
+
+    from imgest.tasks.migration.retention import collect_retired
+    from imgest.tasks.state.committed import embeddings_prefix
+
+    store = Location(str(tmp_path / "store"))
+    window = open_test_window(store)
+    set_alias(store, "serving", card(1, window["to"]["slug"]), "promoted")
+    store.write_bytes(f"{embeddings_prefix('old-1a2b3c4d')}/part-00000.parquet", b"old vectors")
+    closed = datetime(2031, 3, 1, 12, 0, tzinfo=UTC)
+    finished = migration.finish(store, retain_days=7, now=closed)
+    assert finished["deleted"] == [] and store.exists(f"{embeddings_prefix('old-1a2b3c4d')}/part-00000.parquet")
+    record = store.read_json("migration/retire/old-1a2b3c4d.json")
+    assert record["retire_after"] == "2031-03-08T12:00:00+00:00"
+    assert collect_retired(store, now=closed + timedelta(days=7) - timedelta(seconds=1)) == []
+    assert collect_retired(store, now=closed + timedelta(days=7)) == ["old-1a2b3c4d"]
+    assert not store.exists(f"{embeddings_prefix('old-1a2b3c4d')}/part-00000.parquet")
+    assert store.read_json("migration/retire/old-1a2b3c4d.json")["deleted_at"] == "2031-03-08T12:00:00+00:00"

@@ -163,7 +163,7 @@ def test_empty_catalogue_ingests_nothing(tmp_path):
 KILLABLE = HANG_AFTER_FIRST_SHARD + """
 import sys
 from imgest.flows.ingest import ingest
-ingest(catalogue=sys.argv[1], store=sys.argv[2], batch_size="1", shard_size=4)
+ingest(config=dict(catalogue=sys.argv[1], store=sys.argv[2], batch_size="1", shard_size=4))
 """
 
 

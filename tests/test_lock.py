@@ -1,16 +1,20 @@
 """The writer lock: one holder, stale holders taken over by exactly one successor, and a holder that lost the
-lock (paused past the heartbeat window) stopped at its next commit point. Local disk and S3 (moto's server)."""
+lock (paused past the heartbeat window) stopped at its next commit point. Local disk and S3 (moto's server).
+Time is the locks' injected clock, moved by the tests (`clock`); heartbeats are beaten by hand (`renew`), except in
+the one test of the real heartbeat thread."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
-import time
 
 import pytest
 
 from imgest.lock import LockLostError, StoreLock, StoreLockedError, current_holder, generation_key, generations
 from imgest.storage import Location
+
+TTL = 60.0
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -40,31 +44,73 @@ def test_one_holder_at_a_time_then_the_next_generation(store):
         fence.check(store)  # an old generation never passes again
 
 
-def test_a_paused_holder_loses_the_lock_and_cannot_commit_over_its_successor(store):
-    paused = StoreLock(store, owner="ingest@paused:1", ttl=1.0, heartbeat=3600)  # no heartbeat: as if stopped
+def test_a_paused_holder_loses_the_lock_and_cannot_commit_over_its_successor(store, clock):
+    paused = StoreLock(store, owner="ingest@paused:1", ttl=TTL, heartbeat=3600, clock=clock)  # no beat: as if stopped
     paused.acquire()
-    time.sleep(1.3)
-    successor = StoreLock(store, owner="ingest@next:2", ttl=1.0, heartbeat=0.2)
+    clock.advance(TTL - 1)
+    with pytest.raises(StoreLockedError, match="locked by run ingest@paused:1"):
+        StoreLock(store, owner="ingest@next:2", ttl=TTL, clock=clock).acquire()  # silent, but not for the ttl yet
+    clock.advance(2)
+    successor = StoreLock(store, owner="ingest@next:2", ttl=TTL, heartbeat=3600, clock=clock)
     successor.acquire()
     with pytest.raises(LockLostError, match="lost the writer lock.*generation 2 \\(ingest@next:2\\)"):
         paused.check()  # what every commit point does first
     paused.release()  # leaves the successor's lock alone
+    assert not paused.renew() and paused.lost, "a generation that is no longer ours is never renewed"
     successor.check()
-    assert current_holder(store)["owner"] == "ingest@next:2"
-    time.sleep(1.3)  # the successor's heartbeat keeps it fresh past ttl
-    with pytest.raises(StoreLockedError):
-        StoreLock(store, owner="third@x:3", ttl=1.0).acquire()
+    assert current_holder(store, clock())["owner"] == "ingest@next:2"
+    clock.advance(0.6 * TTL)
+    assert successor.renew()
+    clock.advance(0.6 * TTL)  # past the ttl since it took the lock, within it since its last beat
+    with pytest.raises(StoreLockedError, match="locked by run ingest@next:2"):
+        StoreLock(store, owner="third@x:3", ttl=TTL, clock=clock).acquire()
+    clock.advance(0.6 * TTL)  # no beat for longer than the ttl: taken over
+    third = StoreLock(store, owner="third@x:3", ttl=TTL, heartbeat=3600, clock=clock)
+    assert third.acquire().generation == 3
+    successor.release()
+    third.release()
+
+
+def test_the_heartbeat_thread_beats_on_the_clock_and_ends_once_the_lock_is_lost(store, clock):
+    """The one test of the real heartbeat thread (the others beat by hand): every `heartbeat` seconds it writes the
+    clock's time into the lock file, which keeps the store held past the ttl, and it ends once a successor took
+    the store, leaving the successor's lock alone. Waits on the thread's writes, a few milliseconds."""
+    beat_at_clock = threading.Event()
+    write = store.write_bytes
+
+    def write_and_see(key: str, data: bytes) -> None:
+        write(key, data)
+        if key == generation_key(1) and json.loads(data)["heartbeat"] == clock.now:
+            beat_at_clock.set()
+
+    store.write_bytes = write_and_see
+    lock = StoreLock(store, owner="ingest@beating:1", ttl=TTL, heartbeat=0.01, clock=clock)
+    assert lock.acquire().generation == 1
+    clock.advance(2 * TTL)
+    assert beat_at_clock.wait(timeout=10), "the heartbeat thread wrote no beat at the clock's time"
+    with pytest.raises(StoreLockedError, match="locked by run ingest@beating:1"):
+        StoreLock(store, owner="ingest@next:2", ttl=TTL, clock=clock).acquire()
+    # a successor that heard no beat for two ttls (this process stopped meanwhile) takes the store
+    successor = StoreLock(store, owner="ingest@next:2", ttl=TTL, heartbeat=3600, clock=lambda: clock.now + 2 * TTL)
+    assert successor.acquire().generation == 2
+    lock._thread.join(timeout=10)
+    assert lock.lost and not lock._thread.is_alive(), "the thread ends at its first beat after the take-over"
+    lock.release()
+    successor.check()
+    assert current_holder(store, clock())["owner"] == "ingest@next:2"
     successor.release()
 
 
-def test_racing_breakers_of_a_stale_lock_one_wins(store):
-    StoreLock(store, owner="dead@x:1", ttl=0.5, heartbeat=3600).acquire()
-    time.sleep(0.8)
+def test_racing_breakers_of_a_stale_lock_one_wins(store, clock):
+    dead = StoreLock(store, owner="dead@x:1", ttl=TTL, heartbeat=3600, clock=clock)
+    dead.acquire()
+    clock.advance(TTL + 1)  # silent past the ttl: stale
+    breakers = [StoreLock(store, owner=f"breaker@{n}", ttl=TTL, heartbeat=3600, clock=clock) for n in range(4)]
     winners, refused = [], []
 
     def take(n: int) -> None:
         try:
-            winners.append(StoreLock(store, owner=f"breaker@{n}", ttl=0.5, heartbeat=3600).acquire())
+            winners.append(breakers[n].acquire())
         except StoreLockedError:
             refused.append(n)
 
@@ -75,31 +121,36 @@ def test_racing_breakers_of_a_stale_lock_one_wins(store):
         t.join()
     assert len(winners) == 1 and len(refused) == 3
     assert generations(store) == [winners[0].generation]
+    for lock in (dead, *breakers):
+        lock.release()
 
 
-def test_an_empty_lock_file_is_stale_after_the_heartbeat_window(tmp_path):
+def test_an_empty_lock_file_is_stale_after_the_heartbeat_window(tmp_path, clock):
     store = Location(str(tmp_path / "store"))
     store.write_bytes(generation_key(7), b"")  # a create killed half-way (or a full disk)
     with pytest.raises(StoreLockedError, match="still being written"):
-        StoreLock(store, owner="next@x:1", ttl=60).acquire()
-    old = time.time() - 120
-    os.utime(store.path(generation_key(7)), (old, old))
-    lock = StoreLock(store, owner="next@x:1", ttl=60)
+        StoreLock(store, owner="next@x:1", ttl=TTL, clock=clock).acquire()
+    clock.advance(TTL - 5)
+    with pytest.raises(StoreLockedError, match="still being written.*in 5 s"):
+        StoreLock(store, owner="next@x:1", ttl=TTL, clock=clock).acquire()
+    clock.advance(10)  # not written for longer than the ttl
+    lock = StoreLock(store, owner="next@x:1", ttl=TTL, heartbeat=3600, clock=clock)
     assert lock.acquire().generation == 8
     lock.release()
 
 
-def test_a_writer_that_lost_the_lock_leaves_no_marker(tmp_path):
+def test_a_writer_that_lost_the_lock_leaves_no_marker(tmp_path, clock):
     from imgest import encoders
     from imgest.tasks.ingest.plan import ShardPlan, WorkItem
     from imgest.tasks.ingest.shards import ShardWriter
     from imgest.tasks.state.committed import commit_key
 
     store = Location(str(tmp_path / "store"))
-    lost = StoreLock(store, owner="ingest@paused:1", ttl=0.5, heartbeat=3600)
+    lost = StoreLock(store, owner="ingest@paused:1", ttl=TTL, heartbeat=3600, clock=clock)
     fence = lost.acquire()
-    time.sleep(0.8)
-    StoreLock(store, owner="ingest@next:2", ttl=0.5).acquire()
+    clock.advance(TTL + 1)  # paused past the ttl: a successor takes the store
+    successor = StoreLock(store, owner="ingest@next:2", ttl=TTL, heartbeat=3600, clock=clock)
+    successor.acquire()
     spec = encoders.resolve("raw-pixels")
     plan = ShardPlan("r00000001-x-y", 0, (WorkItem("a.png", "/a.png", 1, 1.0, None, None),))
     writer = ShardWriter(store, spec, plan, fence)
@@ -107,3 +158,5 @@ def test_a_writer_that_lost_the_lock_leaves_no_marker(tmp_path):
     with pytest.raises(LockLostError):
         writer.flush()
     assert not store.exists(commit_key(spec.slug, plan.name))
+    lost.release()
+    successor.release()

@@ -32,18 +32,31 @@ class SearchLoop:
     def __init__(self, store, query):
         self.store, self.query = str(store), query
         self.models, self.errors, self.stop = [], [], threading.Event()
+        self.answers, self.answered = [], threading.Condition()  # each search's model, None when it failed
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self):
         while not self.stop.is_set():
+            model = None
             try:
                 searcher = Searcher(self.store)
                 hits = searcher.search([Query("q", image=self.query)], k=3)[0]
                 assert len(hits) == 3
-                self.models.append(searcher.card["model_id"])
+                model = searcher.card["model_id"]
+                self.models.append(model)
             except Exception as exc:  # noqa: BLE001 - any error breaks the invariant
                 self.errors.append(repr(exc))
-            time.sleep(0.05)
+            with self.answered:
+                self.answers.append(model)
+                self.answered.notify_all()
+            self.stop.wait(0.05)
+
+    def next_answer(self, timeout=120.0):
+        """The model that answered the first search begun after this call (None: it failed, or none came)."""
+        with self.answered:
+            begun = len(self.answers) + 1  # the search under way now may have begun before the call
+            self.answered.wait_for(lambda: len(self.answers) > begun, timeout)
+            return self.answers[begun] if len(self.answers) > begun else None
 
     def __enter__(self):
         self.thread.start()
@@ -61,7 +74,7 @@ def catalogue(root, n, size=(96, 96)):
 KILL_START = HANG_AFTER_FIRST_SHARD + """
 import sys
 from imgest.flows.migrate import migrate
-migrate(store=sys.argv[1], action="start", to=sys.argv[2], batch_size="1", shard_size=3)
+migrate(config=dict(store=sys.argv[1], action="start", to=sys.argv[2], batch_size="1", shard_size=3))
 """
 
 
@@ -191,9 +204,9 @@ def test_promote_then_rollback_and_refusals(tmp_path, tiny_models):
         forced = CliRunner().invoke(app, ["migrate", "promote", "--store", str(store), "--force",
                                           "canary traffic looked fine"])
         assert forced.exit_code == 0, forced.output
-        time.sleep(0.5)
+        assert loop.next_answer() == start["window"]["to"]["model_id"], "a search after the promote uses it"
         rolled = migrate(MigrateConfig(store=str(store), action="rollback"))
-        time.sleep(0.5)
+        assert loop.next_answer() == base["ingest"]["model_id"], "a search after the rollback is back on the old"
     assert rolled["aliases"]["serving"]["slug"] == base["ingest"]["slug"]
     assert not loop.errors, loop.errors[:3]
     promoted = [e for e in rolled["events"] if e["event"] == "promoted"]

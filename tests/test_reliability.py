@@ -41,8 +41,7 @@ while not os.path.exists(sys.argv[4]):
 INGEST = """
 import sys
 from imgest.flows.ingest import ingest
-from imgest.config import IndexConfig, IngestConfig, MigrateConfig, NightlyConfig
-ingest(catalogue=sys.argv[1], store=sys.argv[2], model="raw-pixels", batch_size="2", shard_size=3)
+ingest(config=dict(catalogue=sys.argv[1], store=sys.argv[2], model="raw-pixels", batch_size="2", shard_size=3))
 """
 
 
@@ -256,12 +255,12 @@ def test_two_ingests_started_together(s3, tmp_path):
 BUILD = """
 import sys
 from imgest.flows.build_index import build_index
-build_index(store=sys.argv[1], model="raw-pixels", kind="hnsw", rebuild=True)
+build_index(config=dict(store=sys.argv[1], model="raw-pixels", kind="hnsw", rebuild=True))
 """
 PROMOTE = """
 import sys
 from imgest.flows.migrate import migrate
-migrate(store=sys.argv[1], action="promote", force="kill test: no evaluation")
+migrate(config=dict(store=sys.argv[1], action="promote", force="kill test: no evaluation"))
 """
 
 

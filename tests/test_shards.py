@@ -226,20 +226,28 @@ def test_decode_processes_end_when_their_encoder_is_killed(tmp_path):
                 found += [int(p) for p in fh.read().split()]
         return found
 
-    deadline = time.time() + 120
+    # Waits on real processes (no timed logic here): polled often, bounded by a deadline.
+    deadline = time.monotonic() + 120
     workers: list[int] = []
-    while time.time() < deadline and len(workers) < 2:
+    while time.monotonic() < deadline and len(workers) < 2:
         assert proc.poll() is None, "the encoder ended before its decode processes started"
         workers = [p for p in children() if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
-        time.sleep(0.2)
+        time.sleep(0.02)
     assert len(workers) == 2, workers
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    deadline = time.time() + 10
-    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in workers):
-        time.sleep(0.2)
-    alive = [p for p in workers if os.path.exists(f"/proc/{p}") and
-             open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+
+    def running(pid: int) -> bool:  # a zombie has ended: only its reaping is left
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(running(p) for p in workers):
+        time.sleep(0.02)
+    alive = [p for p in workers if running(p)]
     assert not alive, f"decode processes {alive} outlived their encoder"
 
 

@@ -67,6 +67,43 @@ def test_snapshots_a_full_one_replaces_go_after_a_week(tmp_path):
     assert load_state(store, "m").to_table().num_rows == 10
 
 
+def test_a_tombstone_keeps_its_shard_for_its_days_then_the_shard_goes(tmp_path):
+    """An item deleted from the catalogue can come back (revived from its old row) for TOMBSTONE_DAYS, so its
+    shard file stays that long; from then on the tombstone lets go of it, and the file goes unless a live item
+    is in it. A shard nothing refers to goes at once. Judged at the `now` passed, never the wall clock."""
+    from imgest.tasks.state.committed import TOMBSTONE_DAYS, prepare_state, revivable, shard_key, write_snapshot
+
+    store = Location(str(tmp_path))
+    deleted_at = datetime(2031, 3, 1, tzinfo=UTC)
+    shared, alone, orphan = (f"part-r00000001-a-b-{n:05d}" for n in range(3))
+    for shard in (shared, alone, orphan):
+        store.write_bytes(shard_key("m", shard), b"PAR1")
+    stamp = deleted_at.isoformat(timespec="seconds")
+    items = {"live": ItemState("live", "u0", LIVE, "e0", 1, 1.0, "h0", shared, "r00000001-a-b", None, stamp),
+             "gone": ItemState("gone", "u1", DELETED, "e1", 1, 1.0, "h1", shared, "r00000001-a-b", None, stamp),
+             "gone-alone": ItemState("gone-alone", "u2", DELETED, "e2", 1, 1.0, "h2", alone, "r00000001-a-b", None,
+                                     stamp)}
+    write_snapshot(store, CatalogueState("m", items), "r00000001-a-b", {})
+    model = {"slug": "m", "model_id": "test"}
+
+    almost = deleted_at + timedelta(days=TOMBSTONE_DAYS) - timedelta(seconds=1)
+    state, removed = prepare_state(store, model, now=almost)
+    assert removed == [f"{orphan}.parquet"]
+    kept = state.rows(["gone", "gone-alone"])
+    assert (kept["gone"].shard, kept["gone-alone"].shard) == (shared, alone)
+    assert revivable(kept["gone-alone"], almost) and store.exists(shard_key("m", alone))
+
+    expired = deleted_at + timedelta(days=TOMBSTONE_DAYS)
+    state, removed = prepare_state(store, model, now=expired)
+    assert removed == [f"{alone}.parquet"], "the expired tombstone's own shard goes, the live item's stays"
+    assert not revivable(kept["gone-alone"], expired)
+    assert {k: v.shard for k, v in state.rows(["live", "gone", "gone-alone"]).items()} == \
+        {"live": shared, "gone": None, "gone-alone": None}
+    write_snapshot(store, state, "r00000002-a-b", {})  # the let-go shards are part of the next snapshot
+    assert [item.shard for item in load_state(store, "m").rows(["gone", "gone-alone"]).values()] == [None, None]
+    assert store.exists(shard_key("m", shared)) and not store.exists(shard_key("m", alone))
+
+
 def test_the_state_is_queried_on_disk_and_its_folder_goes_with_it(tmp_path):
     """The committed rows stay in a DuckDB database in a folder of their own (never the flow's memory): queries
     see the overlay in place of the rows it replaces, a full snapshot is streamed out and uploaded whole (no

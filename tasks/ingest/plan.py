@@ -7,6 +7,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 
 import pyarrow as pa
 
@@ -135,7 +136,8 @@ def _plan_connection(state: CatalogueState | pa.Table | str, files: bool) -> Ite
 
 def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id: str,
                 shard_size: int = DEFAULT_SHARD_SIZE, max_bytes: int = DEFAULT_MAX_BYTES,
-                max_delete_fraction: float | None = None, listing_source: pa.Table | str | None = None) -> Plan:
+                max_delete_fraction: float | None = None, listing_source: pa.Table | str | None = None,
+                now: datetime | None = None) -> Plan:
     """Decide what to read. Unchanged objects (same signature) are never read.
 
     Rejected items are retried only when they change, failed ones (a transient reason) on every run;
@@ -174,7 +176,7 @@ def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id
         if status is None or status == DELETED:
             plan.new += 1
             prev = ItemState(key, "", DELETED, None, 0, None, content_hash, shard, updated_at=updated_at)
-            if status == DELETED and revivable(prev):
+            if status == DELETED and revivable(prev, now):
                 prev_hash, revive = content_hash, shard
         elif status == FAILED:
             plan.retried += 1

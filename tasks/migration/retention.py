@@ -16,7 +16,7 @@ from imgest.lock import Fence
 from imgest.storage import Location, RecordError
 from imgest.tasks.index.store import index_prefix
 from imgest.tasks.migration.aliases import list_aliases
-from imgest.tasks.state.committed import embeddings_prefix, now_iso, state_prefix
+from imgest.tasks.state.committed import embeddings_prefix, state_prefix
 from imgest.tasks.state.models import read_model
 
 
@@ -49,7 +49,8 @@ def retirement(store: Location, name: str) -> dict:
 
 def collect_retired(store: Location, fence: Fence | None = None, now: datetime | None = None) -> list[str]:
     """Delete retired models past their date, never while an alias needs them (directly or as a head's base).
-    A malformed retirement record deletes nothing: it is skipped with a warning, for a person to look at."""
+    A malformed retirement record deletes nothing: it is skipped with a warning, for a person to look at.
+    `now`: the time the dates are judged at and the deletion is stamped with (the wall clock when None)."""
     deleted = []
     now = now or datetime.now(UTC)
     pointed = needed_slugs(store)
@@ -68,7 +69,7 @@ def collect_retired(store: Location, fence: Fence | None = None, now: datetime |
             store.delete_tree(prefix)
         # the record stays: a retired model is never ingested again unless a new window migrates to it
         entry.pop("due")
-        store.write_json(f"migration/retire/{name}", {**entry, "deleted_at": now_iso()})
+        store.write_json(f"migration/retire/{name}", {**entry, "deleted_at": now.isoformat(timespec="seconds")})
         deleted.append(entry["slug"])
     return deleted
 

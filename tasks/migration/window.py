@@ -303,14 +303,17 @@ def rollback(store: Location, fence: Fence | None = None) -> dict:
     return record(store, window, "rolled_back", fence, serving=f"{card['slug']} v{card['version']}")
 
 
-def finish(store: Location, retain_days: float = 7.0, fence: Fence | None = None) -> dict:
-    """Close the window; the model not serving is scheduled for deletion after the retention."""
+def finish(store: Location, retain_days: float = 7.0, fence: Fence | None = None,
+           now: datetime | None = None) -> dict:
+    """Close the window; the model not serving is scheduled for deletion after the retention, counted from
+    `now` (the wall clock when None; tests pass a time)."""
+    now = now or datetime.now(UTC)
     window = require_window(store)
     _check(store, fence)
     serving = read_alias(store, "serving")
     keep = serving["slug"] if serving else window["to"]["slug"]
     drop = window["from"] if keep == window["to"]["slug"] else window["to"]
-    retire_at = (datetime.now(UTC) + timedelta(days=retain_days)).isoformat(timespec="seconds")
+    retire_at = (now + timedelta(days=retain_days)).isoformat(timespec="seconds")
     window["status"], window["closed_at"], window["retired"] = "finished", now_iso(), drop
     # the commit: a writer that lost the lock (even one paused after its check) stops here having changed nothing
     record(store, window, "finished", fence, keep=keep, retire=drop["slug"], retire_after=retire_at)
@@ -320,7 +323,7 @@ def finish(store: Location, retain_days: float = 7.0, fence: Fence | None = None
                                                                "window": window["id"]})
     store.write_json(f"migration/history/{window['id']}.json", window)
     fenced_delete(store, WINDOW_KEY, _stored_version(store, window, fence), fence)
-    return {"window": window, "deleted": collect_retired(store, fence)}
+    return {"window": window, "deleted": collect_retired(store, fence, now)}
 
 
 def nightly_models(store: Location, model: str | None = None) -> tuple[list[tuple[str, str | None]], list[str]]:

@@ -324,8 +324,9 @@ def prune_snapshots(store: Location, slug: str, full_seq: int, now: datetime | N
 
 def forget_expired_tombstones(state: CatalogueState, now: datetime | None = None) -> None:
     """Tombstones older than TOMBSTONE_DAYS let go of their shard (in SQL over the committed rows: ISO times in
-    UTC compare as strings)."""
-    cutoff = ((now or datetime.now(UTC)) - timedelta(days=TOMBSTONE_DAYS)).isoformat(timespec="seconds")
+    UTC compare as strings). `now`: the time they are judged at (the wall clock when None), one for all of them."""
+    now = now or datetime.now(UTC)
+    cutoff = (now - timedelta(days=TOMBSTONE_DAYS)).isoformat(timespec="seconds")
     for item in state.overlay.values():
         if item.status == DELETED and item.shard and not revivable(item, now):
             item.shard = None
@@ -344,13 +345,14 @@ def revivable(item: ItemState, now: datetime | None = None) -> bool:
     return age < timedelta(days=TOMBSTONE_DAYS)
 
 
-def remove_orphan_shards(store: Location, state: CatalogueState) -> list[str]:
+def remove_orphan_shards(store: Location, state: CatalogueState, now: datetime | None = None) -> list[str]:
     """Delete shard files that no committed state refers to (left by a killed run, or superseded).
 
     Called with the store lock held, after load_state: every shard a live item needs is referenced, and
-    so is every shard a recent tombstone could be revived from. Older tombstones forget their shard here.
+    so is every shard a recent tombstone could be revived from. Older tombstones forget their shard here
+    (older at `now`: the wall clock when None).
     """
-    forget_expired_tombstones(state)
+    forget_expired_tombstones(state, now)
     needed = set(state.query(f"""SELECT DISTINCT shard FROM state
                                  WHERE status IN ('{LIVE}', '{DELETED}') AND shard IS NOT NULL""")["shard"].to_pylist())
     needed.update(state.pending)
@@ -373,8 +375,10 @@ def write_model_card(store: Location, spec_description: dict) -> None:
         store.write_json_if(key, {**spec_description, "first_seen": now_iso()}, None)  # a racing writer's stands
 
 
-def prepare_state(store: Location, spec_description: dict) -> tuple[CatalogueState, list[str]]:
-    """Under the store lock: record the model, load its committed state, drop unreferenced shards."""
+def prepare_state(store: Location, spec_description: dict,
+                  now: datetime | None = None) -> tuple[CatalogueState, list[str]]:
+    """Under the store lock: record the model, load its committed state, drop unreferenced shards (tombstones
+    expired at `now`, the wall clock when None, no longer keep theirs)."""
     write_model_card(store, spec_description)
     state = load_state(store, spec_description["slug"])
-    return state, remove_orphan_shards(store, state)
+    return state, remove_orphan_shards(store, state, now)
