@@ -101,9 +101,13 @@ def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_pa
             assert ok.state.is_completed(), ok.state.message
             assert (work / "store" / "aliases" / "serving.json").exists()
             assert ok.name.startswith("nightly-") and ok.work_pool_name == "imgest-process"
-            children = client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[ok.id])))
-            runs = [ok, *children]
+            runs, parents = [ok], [ok.id]
+            while parents:  # nightly -> ingest, build-index -> build-version
+                children = client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents)))
+                runs += children
+                parents = [c.id for c in children]
+            assert "build-version" in {client.read_flow(r.flow_id).name for r in runs}
             artifacts = {a.key: a for a in client.read_artifacts() if a.flow_run_id in {r.id for r in runs}}
             assert {"nightly-summary", "ingest-summary", "ingest-progress", "index-progress", "index-card"} <= \
                 set(artifacts)
