@@ -21,6 +21,7 @@ from imgest.tasks.index.steps import (
     record_build,
     reusable_version,
     verify_and_alias_task,
+    write_reference_task,
     write_version_task,
 )
 from imgest.tasks.reports.index import render_card
@@ -53,6 +54,8 @@ def build_index(config: IndexConfig) -> dict:
             card = write_version_task(store_loc.url, new["index"], quote(new["ids"]), new["card"], lock.fence,
                                       quote(new["truth"]))
             record_build(store_loc, card_model["slug"], key, inputs, card, lock.fence)
+            if new.get("reference") is not None:  # trained here: later nights' new images are measured against it
+                write_reference_task(store_loc.url, card, quote(new["reference"]))
         moved = verify_and_alias_task(store_loc.url, card, config.alias, lock.fence)
     markdown = ("Nothing changed since this version was built: reused, not rebuilt.\n\n" if reused else "") + \
         render_card(card)

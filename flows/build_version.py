@@ -51,4 +51,5 @@ def build_version(config: IndexConfig, model: dict) -> dict:
     tuned = tune_task(built.index, quote(built.truth), config.target_recall, config.k)
     card = card_task(model, quote(built), choice, config.memory, tuned, config.retrain_share, why, config.runner,
                      config.disk)
-    return {"built": True, "index": built.index, "ids": built.ids, "truth": built.truth.to_table(), "card": card}
+    return {"built": True, "index": built.index, "ids": built.ids, "truth": built.truth.to_table(), "card": card,
+            "reference": built.reference}

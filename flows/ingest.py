@@ -61,8 +61,8 @@ def ingest(config: IngestConfig) -> dict:
             listing, summary.texts, metadata_seq = text_listing_task(store_loc.url, quote(listing), spec)
         # quote(): hand large values to tasks as they are; Prefect would otherwise walk every item in them
         # stops here, before any write, when the run would tombstone more than config.delete_limit of the live items
-        plan = plan_ingest_task(quote(listing), quote(state), run_id, config.shard_size, config.max_bytes,
-                                config.delete_limit)
+        plan = plan_ingest_task(store_loc.url, quote(listing), quote(state), run_id, config.shard_size,
+                                config.max_bytes, config.delete_limit)
         if spec.base is not None and plan.shards:  # a head: derive from current base embeddings, decode the rest
             plan = attach_base_task(store_loc.url, spec.base.slug, quote(plan))
         batch, source = (0, "nothing to encode")

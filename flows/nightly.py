@@ -19,6 +19,7 @@ from imgest.tasks.migration.retention import collect_retired
 from imgest.tasks.migration.window import check_window_model, nightly_models
 from imgest.tasks.reports.nightly import render_nightly
 from imgest.tasks.reports.run_names import run_name
+from imgest.tasks.watch.steps import drift_task, record_night_task, trend_artifact_task
 
 
 @configured_flow(name="nightly", flow_run_name=run_name("nightly", None))
@@ -37,9 +38,11 @@ def nightly(config: NightlyConfig) -> dict:
             bases.append(base_summary)
         summary = ingest(config.ingest(name))
         check_window_model(expected_slug, summary)
+        drift = drift_task(store_loc.url, summary["slug"], summary["run_id"])  # against the index before tonight's
         index = build_index(config.index(summary["slug"]))
         ingested.add(summary["slug"])
-        runs.append({"ingest": summary, "index": index})
+        night = record_night_task(store_loc.url, summary, index, drift)  # the trend row, marked; events emitted
+        runs.append({"ingest": summary, "index": index, "night": night})
     # models retired by a finished migration window go once their retention has passed and no alias needs them
     with StoreLock(store_loc, owner=f"nightly-retire@{socket.gethostname()}:{os.getpid()}") as lock:
         retired = collect_retired(store_loc, lock.fence)
@@ -47,6 +50,8 @@ def nightly(config: NightlyConfig) -> dict:
     if config.report_duplicates and runs:  # the serving model's duplicate groups, new ones since the last report
         found = duplicates(DuplicatesConfig(store=config.store, alias="serving"))
         found.pop("groups")
+    if runs:
+        trend_artifact_task(store_loc.url)
     base_rows = [{"ingest": b, "index": {"built": False, "reason": "base of a head"}} for b in bases]
     create_markdown_artifact(render_nightly(base_rows + runs, retired, left_out, found), key="nightly-summary",
                              description=f"nightly {store_loc.url}")

@@ -82,7 +82,17 @@ def stop(proc: subprocess.Popen, name: str, signals: int = 2, grace: float = 15.
 
 
 def serve(host: str = "127.0.0.1", port: int = 4200, pool: str = POOL, startup_timeout: float = 120.0,
-          say: Callable[[str], None] = print) -> None:
+          say: Callable[[str], None] = print, notify: str | None = None,
+          nightly_within_hours: float | None = None) -> None:
+    """Server, pool, deployments, alerts and a worker, until Ctrl-C or SIGTERM; `notify`: the webhook the
+    alerts post to (none: they exist and tell nobody, and this says so)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from imgest.redact import redact_url
+    from imgest.tasks.watch.alerts import DEFAULT_NIGHTLY_WITHIN_HOURS, apply_alerts, notification_block
+
+    if notify:
+        notification_block(notify)  # a URL that cannot make one fails before anything starts
     spec = deployments_file()
     if not spec.is_file():
         raise ServeError(f"{spec} is missing from the installed package: reinstall imgest")
@@ -115,6 +125,11 @@ def serve(host: str = "127.0.0.1", port: int = 4200, pool: str = POOL, startup_t
         wait_healthy(api_url, startup_timeout, lambda: server.poll() is None)
         run("work-pool", "create", pool, "--type", "process", "--overwrite")
         run("--no-prompt", "deploy", "--all", "--prefect-file", str(spec))
+        with temporary_settings({PREFECT_API_URL: api_url}):
+            applied = apply_alerts(notify, nightly_within_hours or DEFAULT_NIGHTLY_WITHIN_HOURS)
+        say(f"alerts: {'; '.join(a['name'] for a in applied)}; " + (
+            f"notifying {redact_url(notify)}" if notify else
+            "nobody will be told: pass --notify URL (a Slack, Teams or any JSON webhook)"))
         worker = start("worker", "worker", "start", "--pool", pool)
         say(f"Prefect UI: http://{host}:{port}  (API {api_url})")
         say(f"worker on pool {pool!r}; deployments from {spec}; flow runs start in {workdir}; Ctrl-C stops "

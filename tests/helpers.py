@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import json
 import os
+import time
 
 import numpy as np
 from PIL import Image
@@ -255,3 +257,35 @@ def preprocess_or_die(image):
     if image.size == (301, 201):
         os._exit(1)
     return preprocess(image)
+
+
+class WebhookReceiver:
+    """A webhook on loopback: every POST body (JSON) it receives, in order."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        posts = self.posts = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait_for(self, text: str, timeout: float = 90.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [p for p in self.posts if text in p.get("subject", "") + p.get("body", "")]
+            if found:
+                return found[0]
+            time.sleep(0.5)
+        raise AssertionError(f"no POST mentioning {text!r} within {timeout} s; got {self.posts}")

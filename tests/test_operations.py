@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import gradient, jpeg_bytes, write_files
+from tests.helpers import WebhookReceiver, gradient, jpeg_bytes, write_files
 
 
 def _free_port() -> int:
@@ -27,9 +27,10 @@ def _free_port() -> int:
 class Served:
     """`imgest serve` in a subprocess, its output collected line by line."""
 
-    def __init__(self, imgest: str, env: dict, port: int, cwd: str):
-        self.proc = subprocess.Popen([imgest, "serve", "--port", str(port)], env=env, cwd=cwd, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    def __init__(self, imgest: str, env: dict, port: int, cwd: str, *args: str):
+        self.proc = subprocess.Popen([imgest, "serve", "--port", str(port), *args], env=env, cwd=cwd,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -90,9 +91,12 @@ def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_pa
            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{dead_port}"}
     env.pop("PREFECT_API_URL", None)
     env.pop("PYTHONPATH", None)
-    served = Served(installed_imgest["imgest"], env, port, str(work))
+    receiver = WebhookReceiver()
+    served = Served(installed_imgest["imgest"], env, port, str(work), "--notify", receiver.url)
     try:
-        served.wait_for("Prefect UI: http://127.0.0.1:", 240)
+        alerts = served.wait_for("alerts: ", 240)
+        assert "imgest: a run failed" in alerts and "notifying http://127.0.0.1:" in alerts, alerts
+        served.wait_for("Prefect UI: http://127.0.0.1:", 60)
         line = served.wait_for("deployments from", 30)
         assert f"{installed_imgest['site']}/imgest/flows/prefect.yaml" in line and f"start in {work}" in line, line
         served.wait_for("started!", 120)  # the worker polls its pool
@@ -121,7 +125,11 @@ def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_pa
             message = bad.state.message
             assert "\n" not in message and "StorageError: s3://imgest-e2e/store: " in message, message
             assert "failed: EndpointConnectionError" in message and os.environ["AWS_SECRET_ACCESS_KEY"] not in message
+            # the alert served with the stack: the failed run's name and a link to it reached the webhook
+            post = receiver.wait_for(bad.name)
+            assert f"http://127.0.0.1:{port}/runs/flow-run/{bad.id}" in post["body"], post
     finally:
+        receiver.server.shutdown()
         if served.proc.poll() is None:
             os.killpg(served.proc.pid, signal.SIGINT)
         try:

@@ -50,4 +50,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 # Registers the commands on `app` (each module imports it from here).
-from imgest.cli import eval_cmds, head_cmds, index_cmds, ingest_cmds, migrate_cmds, serve_cmd  # noqa: E402, F401
+from imgest.cli import (  # noqa: E402, F401
+    alerts_cmd,
+    eval_cmds,
+    head_cmds,
+    index_cmds,
+    ingest_cmds,
+    migrate_cmds,
+    serve_cmd,
+)

@@ -49,10 +49,16 @@ def ingest(
 def status(
     store: str = typer.Option(..., help="Folder or URL of the store"),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (keys in docs/evaluation.md)"),
+    history: bool = typer.Option(False, "--history", help="The last nightly runs per model, as the nightly-trend "
+                                                          "artifact shows them: unusual figures marked with !"),
+    nights: int = typer.Option(30, "--nights", min=1, help="With --history: how many nights per model"),
 ) -> None:
     """Per model: live items, shards, rejected items with reasons, tombstones, last run."""
     from imgest.tasks.state.status import store_status
 
+    if history:
+        _history(store, nights, as_json)
+        return
     try:
         report = store_status(store)
     except _user_errors() as exc:
@@ -75,6 +81,39 @@ def status(
                        f"{last.get('encoded')}, {last.get('images_per_second')} img/s")
         for rej in m["rejected"]:
             typer.echo(f"  rejected {rej['item_id']}: {rej['reason']}")
+
+
+def _history(store: str, nights: int, as_json: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from imgest.storage import open_location
+    from imgest.tasks.reports.trend import COLUMNS, trend_rows
+    from imgest.tasks.watch.history import read_history
+
+    try:
+        rows = read_history(open_location(store, must_exist=True, what="store"), nights=nights)
+    except _user_errors() as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2, default=str))
+        return
+    if not rows:
+        typer.echo("no nightly history yet: each nightly run writes one row per model")
+        return
+    console = Console(width=200)
+    for slug in dict.fromkeys(r["slug"] for r in rows):
+        table = Table(title=f"model {slug}", title_justify="left")
+        for name, _, _ in COLUMNS:
+            table.add_column(name, justify="left" if name in ("date", "index") else "right")
+        mine = [r for r in rows if r["slug"] == slug]
+        for printed in trend_rows(mine):
+            table.add_row(*(str(printed[name]) for name, _, _ in COLUMNS))
+        console.print(table)
+        for row in mine:
+            for mark in row.get("marks", []):
+                console.print(f"  ! {row['date']}: {mark['meaning']}: {mark['value']:g} against a median of "
+                              f"{mark['median']:g} over {mark['nights']} night(s)", highlight=False)
 
 
 @app.command()

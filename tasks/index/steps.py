@@ -64,6 +64,7 @@ from imgest.tasks.ingest.runners import shard_runner
 from imgest.tasks.migration.aliases import aliases_to_move, list_aliases, set_alias
 from imgest.tasks.state.committed import LIVE, load_state
 from imgest.tasks.state.live import LiveVectors, load_live_vectors
+from imgest.tasks.watch.drift import Reference, reference, write_reference
 from imgest.timing import Stopwatch
 
 MIN_USABLE_PROBES = 0.8  # below this share of probes with a known exact top-k, the recall is measured afresh
@@ -240,7 +241,7 @@ def build_from_store(store_url: str, model: dict, live: pa.Table, choice: IndexC
     index = merge_id_parts(trained, [r["index"] for r in results])
     truth = merge_truth(probes, probes_at, results, len(live), depth)
     times = BuildTimes(train_seconds, adding.seconds, total.seconds)
-    return index, times, len(specs), truth
+    return index, times, len(specs), truth, sample
 
 
 def previous_version(store: Location, slug: str) -> dict | None:
@@ -265,6 +266,7 @@ class Built:
     times: BuildTimes
     parts: int
     method: str
+    reference: Reference | None = None  # what the new images of later nights are measured against (drift)
 
 
 def build_in_process(store_url: str, model: dict, choice: IndexChoice, parts: int, runner: str, workers: int,
@@ -279,20 +281,21 @@ def build_in_process(store_url: str, model: dict, choice: IndexChoice, parts: in
     method = "one process" if used == 1 else "trained once, parts added in parallel, merged in id order " \
                                              "(faiss merge_from)"
     truth = exact_truth(live.vectors, probe_rows(rows, len(live), queries), depth)
-    return Built(index, ids_table(live), truth, live.snapshot, times, used, method)
+    trained_on = live.vectors[np.sort(rows)] if len(rows) else live.vectors
+    return Built(index, ids_table(live), truth, live.snapshot, times, used, method, reference(trained_on))
 
 
 def build_from_store_parts(store_url: str, model: dict, live_rows: pa.Table, snapshot: int, choice: IndexChoice,
                            parts: int, runner: str, workers: int, queries: int, depth: int,
                            progress: AddProgress) -> Built:
     """An IVF build whose vectors never gather on this node: each part reads its own shards on the runner."""
-    index, times, used, truth = build_from_store(store_url, model, live_rows, choice, parts, runner, workers,
-                                                 queries, depth, progress)
+    index, times, used, truth, sample = build_from_store(store_url, model, live_rows, choice, parts, runner,
+                                                         workers, queries, depth, progress)
     ids = pa.table({"faiss_id": pa.array(np.arange(len(live_rows)), pa.int64()), "item_id": live_rows["item_id"],
                     "uri": live_rows["uri"], "content_hash": live_rows["content_hash"]})
     method = ("trained once on whole shards read here; each part read its own shards from the store and added "
               "them with their faiss ids on the runner; merged (faiss merge_from)")
-    return Built(index, ids, truth, snapshot, times, used, method)
+    return Built(index, ids, truth, snapshot, times, used, method, reference(sample))
 
 
 def splits_by_store(choice: IndexChoice, parts: int) -> bool:
@@ -308,6 +311,11 @@ def card_task(model: dict, built: Built, choice: IndexChoice, memory: str, tuned
     card["build"] = {"parts": built.parts, "runner": runner if runner in ("local", "dask") else "dask (remote)",
                      "method": built.method}
     return card
+
+
+@task(name="write-drift-reference", cache_policy=NO_CACHE, **IO_RETRIES)
+def write_reference_task(store_url: str, card: dict, ref: Reference) -> None:
+    write_reference(Location(store_url), card["slug"], card["version"], ref)
 
 
 @task(name="previous-version", cache_policy=NO_CACHE, **IO_RETRIES)

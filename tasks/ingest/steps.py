@@ -29,11 +29,12 @@ from imgest.tasks.ingest.metadata import (
     snapshot_key,
     store_metadata,
 )
-from imgest.tasks.ingest.plan import Plan, ShardPlan, attach_base, plan_ingest
+from imgest.tasks.ingest.plan import MassDeleteError, Plan, ShardPlan, attach_base, plan_ingest
 from imgest.tasks.ingest.policy import COMMIT_TIMEOUT_S, IO_RETRIES, LIST_TIMEOUT_S, SHARD_RETRIES
 from imgest.tasks.ingest.shards import ShardResult
 from imgest.tasks.state.catalogue_images import record_root
 from imgest.tasks.state.committed import CatalogueState, load_state, prepare_state
+from imgest.tasks.watch.events import emit
 
 choose_batch_size_task = task(choose_batch_size, name="tune-batch-size", cache_policy=NO_CACHE)
 
@@ -88,9 +89,14 @@ def text_listing_task(store_url: str, listing: Listing, spec: EncoderSpec) -> tu
 
 
 @task(name="plan-shards", cache_policy=NO_CACHE)
-def plan_ingest_task(listing: Listing, state: CatalogueState, run_id: str, shard_size: int, max_bytes: int,
-                     max_delete_fraction: float | None) -> Plan:
-    return plan_ingest(listing, state, run_id, shard_size, max_bytes, max_delete_fraction)
+def plan_ingest_task(store_url: str, listing: Listing, state: CatalogueState, run_id: str, shard_size: int,
+                     max_bytes: int, max_delete_fraction: float | None) -> Plan:
+    try:
+        return plan_ingest(listing, state, run_id, shard_size, max_bytes, max_delete_fraction)
+    except MassDeleteError as exc:  # the run stops before writing; whoever watches the store is told
+        emit("imgest.delete.refused", store_url, state.slug, {"message": str(exc),
+                                                               "max_delete_fraction": max_delete_fraction})
+        raise
 
 
 @task(name="attach-base-embeddings", cache_policy=NO_CACHE)

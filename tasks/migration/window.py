@@ -21,6 +21,7 @@ from imgest.tasks.migration.aliases import delete_alias, list_aliases, read_alia
 from imgest.tasks.migration.retention import collect_retired, retired_slugs
 from imgest.tasks.state.committed import embeddings_prefix, latest_snapshot_seq, load_state, now_iso, state_prefix
 from imgest.tasks.state.models import find_model, read_model
+from imgest.tasks.watch.events import emit
 
 WINDOW_KEY = "migration/window.json"
 
@@ -104,6 +105,7 @@ def open_window(store: Location, serving_slug: str, target: dict, catalogue: str
         _check(store, fence)
         return open_window(store, serving_slug, target, catalogue, fence)  # another start won the race
     store.delete(f"migration/retire/{target['slug']}.json")  # migrating back to a retired model revives it
+    _announce("imgest.migration.opened", store, window, window["to"]["slug"])
     return window
 
 
@@ -289,8 +291,10 @@ def promote(store: Location, gate: dict | None = None, margin: float = 0.0, forc
     set_alias(store, "serving", card, why, fence)
     window["status"] = "promoted"
     proof = {"forced": force, "unproven": reason} if force else {"evaluation": window["evaluation"]}
-    return record(store, window, "promoted", fence, serving=f"{card['slug']} v{card['version']}", margin=margin,
-                  **proof)
+    recorded = record(store, window, "promoted", fence, serving=f"{card['slug']} v{card['version']}",
+                      margin=margin, **proof)
+    _announce("imgest.migration.promoted", store, window, card["slug"], forced=force)
+    return recorded
 
 
 def rollback(store: Location, fence: Fence | None = None) -> dict:
@@ -300,7 +304,9 @@ def rollback(store: Location, fence: Fence | None = None) -> dict:
     open_index(store, card["slug"], card["version"])
     set_alias(store, "serving", card, f"migration {window['id']} rollback", fence)
     window["status"] = "rolled_back"
-    return record(store, window, "rolled_back", fence, serving=f"{card['slug']} v{card['version']}")
+    recorded = record(store, window, "rolled_back", fence, serving=f"{card['slug']} v{card['version']}")
+    _announce("imgest.migration.rolled-back", store, window, card["slug"])
+    return recorded
 
 
 def finish(store: Location, retain_days: float = 7.0, fence: Fence | None = None,
@@ -323,7 +329,13 @@ def finish(store: Location, retain_days: float = 7.0, fence: Fence | None = None
                                                                "window": window["id"]})
     store.write_json(f"migration/history/{window['id']}.json", window)
     fenced_delete(store, WINDOW_KEY, _stored_version(store, window, fence), fence)
+    _announce("imgest.migration.finished", store, window, drop["slug"], retire_after=retire_at)
     return {"window": window, "deleted": collect_retired(store, fence, now)}
+
+
+def _announce(event: str, store: Location, window: dict, slug: str, **details) -> None:
+    emit(event, store.url, slug, {"window": window["id"], "from": window["from"]["model_id"],
+                                  "to": window["to"]["model_id"], **details})
 
 
 def nightly_models(store: Location, model: str | None = None) -> tuple[list[tuple[str, str | None]], list[str]]:

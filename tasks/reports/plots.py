@@ -1,4 +1,4 @@
-"""PNG plots for reports: recall against the search parameter, and a bootstrap distribution."""
+"""PNG plots for reports: recall against the search parameter, a bootstrap distribution, figures over nights."""
 
 from __future__ import annotations
 
@@ -51,3 +51,16 @@ def bootstrap_png(boot: dict, metric: str, a: str, b: str) -> bytes:
 
 def markdown_image(png: bytes, alt: str) -> str:
     return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
+
+
+def line_chart_png(xs: list[str], series: dict[str, list[float | None]], title: str) -> bytes:
+    """One small panel per series over the same x (nights): figures of different scales side by side."""
+    fig, axes = plt.subplots(len(series), 1, figsize=(6, 1.6 * len(series) + 0.6), sharex=True, squeeze=False)
+    for ax, (name, values) in zip(axes[:, 0], series.items()):
+        points = [(i, v) for i, v in enumerate(values) if v is not None]
+        ax.plot([i for i, _ in points], [v for _, v in points], "o-")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xticks(range(len(xs)), xs, rotation=30, ha="right")
+    axes[0, 0].set_title(title)
+    return _png(fig)

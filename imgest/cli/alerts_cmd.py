@@ -1,0 +1,37 @@
+"""Commands: alerts apply (the automations that notify an operator, on an existing Prefect server)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from imgest.cli import _fail, app
+
+alerts_app = typer.Typer(help="Alerts: Prefect automations that notify when a night fails, is late or drifts.",
+                         no_args_is_help=True)
+app.add_typer(alerts_app, name="alerts")
+
+
+@alerts_app.command("apply")
+def alerts_apply(
+    notify: Optional[str] = typer.Option(None, "--notify", help="Webhook to post to: Slack or Teams incoming "
+                                         "webhook, or any URL taking JSON {subject, body}; none: the automations "
+                                         "exist and tell nobody"),
+    no_nightly_within: float = typer.Option(26.0, "--no-nightly-within", help="Alert when no nightly completed "
+                                                                              "within this many hours"),
+    as_json: bool = typer.Option(False, "--json", help="Print what was applied as JSON"),
+) -> None:
+    """Create or update the alerts on the Prefect server PREFECT_API_URL names (one of each, however often run)."""
+    from imgest.tasks.watch.alerts import AlertError, apply_alerts
+
+    try:
+        applied = apply_alerts(notify, no_nightly_within)
+    except AlertError as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(applied, indent=2))
+        return
+    for entry in applied:
+        typer.echo(f"{entry['name']}: {'notifies' if entry['notifies'] else 'tells nobody (no --notify)'}")

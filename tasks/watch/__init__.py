@@ -1,0 +1,1 @@
+"""Watching the nightly: its history in the store, unusual nights, the events automations act on."""
