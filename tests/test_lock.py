@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -101,11 +102,13 @@ def test_the_heartbeat_thread_beats_on_the_clock_and_ends_once_the_lock_is_lost(
     successor.release()
 
 
-def test_racing_breakers_of_a_stale_lock_one_wins(store, clock):
-    dead = StoreLock(store, owner="dead@x:1", ttl=TTL, heartbeat=3600, clock=clock)
+def test_racing_breakers_of_a_stale_lock_one_wins(store):
+    # The dead holder's last heartbeat is stamped TTL + 1 s ago; the breakers read the real time, the time the
+    # store stamps files with: a breaker that finds a rival's lock file still empty judges it by its mtime,
+    # which must be on the same clock, or a file written a moment ago would look stale.
+    dead = StoreLock(store, owner="dead@x:1", ttl=TTL, heartbeat=3600, clock=lambda: time.time() - TTL - 1)
     dead.acquire()
-    clock.advance(TTL + 1)  # silent past the ttl: stale
-    breakers = [StoreLock(store, owner=f"breaker@{n}", ttl=TTL, heartbeat=3600, clock=clock) for n in range(4)]
+    breakers = [StoreLock(store, owner=f"breaker@{n}", ttl=TTL, heartbeat=3600) for n in range(4)]
     winners, refused = [], []
 
     def take(n: int) -> None:

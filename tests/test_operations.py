@@ -73,6 +73,29 @@ def _flow_run_page_renders(url: str, run_name: str) -> None:
             browser.close()
 
 
+def _artifact_images_load(url: str) -> int:
+    """An artifact page in headless Chromium: its markdown rendered, and every image in it loaded (a chart
+    that does not load has natural width 0: a broken image, not a screenshot that merely exists)."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(url, wait_until="domcontentloaded")
+            charts = page.locator("img[src^='data:image/png']")
+            charts.first.wait_for(state="attached", timeout=60_000)
+            page.wait_for_function("() => [...document.querySelectorAll(\"img[src^='data:image/png']\")]"
+                                   ".every(i => i.complete)", timeout=30_000)
+            widths = charts.evaluate_all("images => images.map(i => i.naturalWidth)")
+        finally:
+            browser.close()
+    assert widths and all(w > 0 for w in widths), f"{url}: chart widths {widths}"
+    return len(widths)
+
+
 def _run(name: str, parameters: dict):
     from prefect.deployments import run_deployment
 
@@ -113,12 +136,16 @@ def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_pa
                 parents = [c.id for c in children]
             assert "build-version" in {client.read_flow(r.flow_id).name for r in runs}
             artifacts = {a.key: a for a in client.read_artifacts() if a.flow_run_id in {r.id for r in runs}}
-            assert {"nightly-summary", "ingest-summary", "ingest-progress", "index-progress", "index-card"} <= \
-                set(artifacts)
+            assert {"nightly-summary", "ingest-summary", "ingest-progress", "index-progress", "index-card",
+                    "nightly-trend"} <= set(artifacts)
             assert artifacts["ingest-progress"].data == 100.0 and artifacts["index-progress"].data == 100.0
             assert "| 6 | 6 | 0 | 0 | 0 | 0 | 0 | 6 | 0 |" in artifacts["ingest-summary"].data  # listed ... encoded
             assert "v0001" in artifacts["nightly-summary"].data
             _flow_run_page_renders(f"http://127.0.0.1:{port}/runs/flow-run/{ok.id}", ok.name)
+            trend = artifacts["nightly-trend"]
+            assert "data:image/png;base64," in trend.data
+            for ui in ("", "/v2"):  # the default UI and the V2 one: the trend chart loads in both
+                assert _artifact_images_load(f"http://127.0.0.1:{port}{ui}/artifacts/artifact/{trend.id}") >= 1
 
             bad = _run("nightly/nightly", {"config": {"catalogue": "catalogue", "store": "s3://imgest-e2e/store"}})
             assert bad.state.is_failed()
