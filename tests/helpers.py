@@ -289,3 +289,24 @@ class WebhookReceiver:
                 return found[0]
             time.sleep(0.5)
         raise AssertionError(f"no POST mentioning {text!r} within {timeout} s; got {self.posts}")
+
+
+def events_seen(names: list[str], where, since: float, timeout: float = 60.0) -> list:
+    """Events of these names the session's server has recorded since `since` (epoch seconds) for which
+    `where(event)` holds, once every name has one (events reach the server asynchronously: poll)."""
+    from datetime import UTC, datetime
+
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter
+
+    deadline, found = time.monotonic() + timeout, []
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            page = client.read_events(filter=EventFilter(
+                event=EventNameFilter(name=names),
+                occurred=EventOccurredFilter(since=datetime.fromtimestamp(since - 5, UTC))), limit=50)
+            found = [e for e in page.events if where(e)]
+            if {e.event for e in found} >= set(names):
+                return found
+            time.sleep(1)
+    raise AssertionError(f"events {names} not all seen within {timeout} s; seen {[e.event for e in found]}")

@@ -88,7 +88,7 @@ def test_objects_over_max_bytes_are_rejected_from_their_listing(tmp_path):
     assert all(r.startswith("TooLarge: ") for _, r in summary["rejected_items"])
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_harness")  # the CLI run reports to the session's server
 def test_fifos_and_device_links_are_skipped_not_read(tmp_path):
     """A FIFO blocks a reader for ever and /dev/zero never ends: listed, counted, never opened. The ingest
     runs in its own process with a deadline, so a regression fails here instead of hanging the suite."""
@@ -99,7 +99,9 @@ def test_fifos_and_device_links_are_skipped_not_read(tmp_path):
     os.symlink(cat / "p" / "000.png", cat / "p" / "link.png")  # a link to a regular file is followed
     imgest = os.path.join(os.path.dirname(sys.executable), "imgest")
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    env.pop("PREFECT_API_URL", None)
+    from prefect.settings import PREFECT_API_URL
+
+    env["PREFECT_API_URL"] = PREFECT_API_URL.value()  # the session's server: no ephemeral one to start
     out = subprocess.run([imgest, "ingest", "--catalogue", str(cat), "--store", str(store), "--model", MODEL,
                           "--json"], capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-2000:]

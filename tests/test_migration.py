@@ -21,7 +21,7 @@ from imgest.storage import Location
 from imgest.tasks.migration.aliases import read_alias
 from imgest.tasks.migration.window import MigrationError, read_window, window_status
 from imgest.tasks.search.query import Query, Searcher, fused_search
-from tests.helpers import HANG_AFTER_FIRST_SHARD, gradient, jpeg_bytes, write_files
+from tests.helpers import HANG_AFTER_FIRST_SHARD, events_seen, gradient, jpeg_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -182,6 +182,7 @@ def test_promote_then_finish_with_kill_changes_and_searcher(tmp_path, tiny_model
 
 
 def test_promote_then_rollback_and_refusals(tmp_path, tiny_models):
+    started = time.time()
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     catalogue(cat, 12)
     old, new = f"hf:{tiny_models['clip']}", f"hf:{tiny_models['dinov2']}"
@@ -218,6 +219,13 @@ def test_promote_then_rollback_and_refusals(tmp_path, tiny_models):
     assert new_slug in finished["finished"]["deleted"]
     assert read_alias(Location(str(store)), "shadow") is None
     assert read_alias(Location(str(store)), "serving")["slug"] == base["ingest"]["slug"]
+    # each step of the window was announced to Prefect, about the model it concerns
+    steps = events_seen(["imgest.migration.opened", "imgest.migration.promoted", "imgest.migration.rolled-back",
+                         "imgest.migration.finished"], lambda e: e.payload.get("window") == start["window"]["id"],
+                        since=started)
+    about = {e.event: e.resource.id for e in steps}
+    assert about["imgest.migration.opened"] == about["imgest.migration.finished"] == f"imgest.model.{new_slug}"
+    assert about["imgest.migration.rolled-back"] == f"imgest.model.{base['ingest']['slug']}"
 
 
 def test_promote_rollback_finish_wait_for_the_writer_lock(tmp_path, tiny_models):

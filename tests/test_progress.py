@@ -25,13 +25,15 @@ def test_plain_lines_when_not_a_terminal():
     assert len(lines) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_harness")  # the CLI runs report to the session's server
 def test_ingest_on_a_terminal_draws_a_bar_and_plain_lines_in_a_pipe(tmp_path):
     cat, store = tmp_path / "cat", tmp_path / "store"
     write_files(str(cat), {f"p/{i:02d}.png": png_bytes(gradient(i, (32, 32))) for i in range(12)})
     imgest = os.path.join(os.path.dirname(sys.executable), "imgest")
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "COLUMNS": "160"}
-    env.pop("PREFECT_API_URL", None)
+    from prefect.settings import PREFECT_API_URL
+
+    env["PREFECT_API_URL"] = PREFECT_API_URL.value()  # the session's server: no ephemeral one to start
     args = [imgest, "ingest", "--catalogue", str(cat), "--store", str(store), "--model", "raw-pixels",
             "--shard-size", "4", "--batch-size", "4"]
     piped = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env)

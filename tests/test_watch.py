@@ -14,7 +14,7 @@ from imgest.cli import app
 from imgest.storage import Location
 from imgest.tasks.watch.history import read_history, reason_of, record_night
 from imgest.tasks.watch.outliers import unusual
-from tests.helpers import WebhookReceiver, gradient, png_bytes, write_files
+from tests.helpers import WebhookReceiver, events_seen, gradient, png_bytes, write_files
 
 
 def _row(n: int, **figures) -> dict:
@@ -63,7 +63,6 @@ def test_rejections_are_counted_by_reason_not_by_their_details():
 def test_three_nights_leave_a_trend_and_a_broken_third_night_is_marked_and_emits_its_event(tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 
     from imgest.config import NightlyConfig
     from imgest.flows.nightly import nightly
@@ -100,24 +99,23 @@ def test_three_nights_leave_a_trend_and_a_broken_third_night_is_marked_and_emits
         markdown = max(mine, key=lambda a: a.created).data
         assert sum(line.startswith(f"| {rows[0]['date']}") for line in markdown.splitlines()) == 3
         assert "**6 (75%)**" in markdown and "data:image/png;base64," in markdown
-        deadline, found = time.monotonic() + 60, []
-        while time.monotonic() < deadline and not found:  # events reach the server asynchronously
-            page = client.read_events(filter=EventFilter(
-                event=EventNameFilter(name=["imgest.rejected.high"]),
-                resource=EventResourceFilter(id=[f"imgest.model.{slug}"]),
-                occurred=EventOccurredFilter(since=_utc(started - 5))), limit=50)
-            found = [e for e in page.events if e.payload.get("store") == str(store) or str(store) in
-                     e.payload.get("store", "")]
-            time.sleep(1)
-    assert found, "imgest.rejected.high reached the server"
+    found = events_seen(["imgest.rejected.high"], lambda e: e.payload.get("store", "").endswith(str(store)), since=started)
     payload = found[0].payload
+    assert found[0].resource.id == f"imgest.model.{slug}"
     assert payload["figure"] == "rejected_share" and payload["value"] == 0.75 and payload["model"] == slug
 
+    # a fourth night finds the catalogue gone: the mass delete is refused, the run fails, and watchers are told
+    import shutil
 
-def _utc(seconds: float):
-    from datetime import UTC, datetime
+    from imgest.tasks.ingest.plan import MassDeleteError
 
-    return datetime.fromtimestamp(seconds, UTC)
+    shutil.rmtree(cat / "p")
+    (cat / "p").mkdir()
+    write_files(str(cat), {"p/last.png": png_bytes(gradient(99))})
+    with pytest.raises(MassDeleteError):
+        nightly(NightlyConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="4"))
+    refused = events_seen(["imgest.delete.refused"], lambda e: e.payload.get("store", "").endswith(str(store)), since=started)
+    assert "tombstone" in refused[0].payload["message"] and refused[0].payload["max_delete_fraction"] == 0.2
 
 
 @pytest.mark.usefixtures("prefect_harness")
