@@ -99,7 +99,8 @@ def test_three_nights_leave_a_trend_and_a_broken_third_night_is_marked_and_emits
         markdown = max(mine, key=lambda a: a.created).data
         assert sum(line.startswith(f"| {rows[0]['date']}") for line in markdown.splitlines()) == 3
         assert "**6 (75%)**" in markdown and "data:image/png;base64," in markdown
-    found = events_seen(["imgest.rejected.high"], lambda e: e.payload.get("store", "").endswith(str(store)), since=started)
+    ours = lambda e: e.payload.get("store", "").endswith(str(store))  # noqa: E731
+    found = events_seen(["imgest.rejected.high"], ours, since=started)
     payload = found[0].payload
     assert found[0].resource.id == f"imgest.model.{slug}"
     assert payload["figure"] == "rejected_share" and payload["value"] == 0.75 and payload["model"] == slug
@@ -114,7 +115,7 @@ def test_three_nights_leave_a_trend_and_a_broken_third_night_is_marked_and_emits
     write_files(str(cat), {"p/last.png": png_bytes(gradient(99))})
     with pytest.raises(MassDeleteError):
         nightly(NightlyConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="4"))
-    refused = events_seen(["imgest.delete.refused"], lambda e: e.payload.get("store", "").endswith(str(store)), since=started)
+    refused = events_seen(["imgest.delete.refused"], ours, since=started)
     assert "tombstone" in refused[0].payload["message"] and refused[0].payload["max_delete_fraction"] == 0.2
 
 
