@@ -52,6 +52,7 @@ from imgest.fields import (
     not_empty,
     one_of,
     parse_batch_size,
+    workers_need_dask,
 )
 from imgest.names import (
     ACTIONS,
@@ -135,9 +136,7 @@ class EncodeConfig(FlowConfig):
 
     @model_validator(mode="after")
     def _workers_need_dask(self) -> Self:
-        if self.runner != "dask" and self.workers:
-            raise ValueError("workers sets the size of a local Dask cluster: use it with runner 'dask'")
-        return self
+        return workers_need_dask(self)
 
     @property
     def fixed_batch_size(self) -> int | None:
@@ -213,9 +212,7 @@ class IndexConfig(FlowConfig):
 
     @model_validator(mode="after")
     def _workers_need_dask(self) -> Self:
-        if self.runner != "dask" and self.workers:
-            raise ValueError("workers sets the size of a local Dask cluster: use it with runner 'dask'")
-        return self
+        return workers_need_dask(self)
 
 
 class NightlyConfig(IngestConfig):

@@ -199,3 +199,10 @@ Disk = Annotated[str, AfterValidator(_size(parse_disk)),
 TargetRecall = Annotated[float, AfterValidator(fraction(low_open=True)),
                          Field(description="recall@k against exact search the served search parameters must meet")]
 RecallK = Annotated[int, AfterValidator(at_least(1)), Field(description="k of the recall target")]
+
+
+def workers_need_dask(config):
+    """A model's check across its runner and workers fields (both are Runner and Workers fields here)."""
+    if config.runner != "dask" and config.workers:
+        raise ValueError("workers sets the size of a local Dask cluster: use it with runner 'dask'")
+    return config

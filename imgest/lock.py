@@ -270,7 +270,9 @@ class StoreLock:
             # exactly one of several racing writers creates the next generation
             if self.store.create_exclusive(generation_key(top + 1), self._payload()):
                 self.fence = Fence(self.store.url, top + 1, self._token)
-                for old in gens:  # superseded generations: their holders find out at their next check
+                # Superseded generations go, all but the one just taken over: a writer listing at this moment
+                # must still see a generation, or it would find none and create generation 1 again.
+                for old in gens[:-1]:
                     self.store.delete(generation_key(old))
                 self._thread = threading.Thread(target=self._beat, name="imgest-lock-heartbeat", daemon=True)
                 self._thread.start()

@@ -199,3 +199,11 @@ def test_the_configuration_reference_is_generated_from_the_models():
 
     page = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
     assert page.read_text() == render(), "run: python -m imgest.cli.reference > docs/configuration.md"
+
+
+def test_every_augmentation_the_config_accepts_is_one_the_views_apply():
+    """train-head's `augment` is checked against imgest.names; the views module must apply exactly those."""
+    from imgest.names import AUGMENTATIONS
+    from imgest.tasks.heads import views
+
+    assert tuple(views._TRANSFORMS) == AUGMENTATIONS

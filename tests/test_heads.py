@@ -399,10 +399,3 @@ def test_encoded_views_are_cached_by_what_makes_them(labelled, tmp_path, monkeyp
     changed = replace(live, content_hashes=hashes)
     augmented_instances(changed, base["name"], 2, 0, max_items=8, cache_dir=cache)
     assert len(os.listdir(cache)) == 3
-
-
-def test_every_augmentation_name_has_its_transform():
-    """The config checks `augment` against imgest.names; the views module must apply exactly those names."""
-    from imgest.tasks.heads import views
-
-    assert tuple(views._TRANSFORMS) == AUGMENTATIONS

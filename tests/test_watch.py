@@ -216,3 +216,47 @@ def test_a_planted_shift_of_new_images_emits_drift_and_more_of_the_same_does_not
     assert "imgest.drift.high" in shifted["events"]
     rows = read_history(Location(str(store)))
     assert [r["drift"] is not None and r["drift"]["high"] for r in rows] == [False, False, True]
+
+
+def test_a_drift_reference_that_is_not_one_is_refused_and_the_night_goes_on(tmp_path, caplog):
+    """A planted or damaged reference is never unpickled or trusted: read_reference refuses it by its members,
+    sizes and shapes; the nightly's drift measurement then records none and says why."""
+    import io
+    import zipfile
+
+    from imgest.records import RecordError
+    from imgest.tasks.watch.drift import Reference, read_reference, reference_key, write_reference
+
+    store = Location(str(tmp_path / "store"))
+    rng = np.random.default_rng(0)
+    write_reference(store, "m-1a2b3c4d", 1, Reference(rng.standard_normal((50, 8)).astype(np.float32),
+                                                      rng.random(20).astype(np.float32)))
+    assert read_reference(store, "m-1a2b3c4d", 1, 8).base.shape == (50, 8)
+    with pytest.raises(RecordError, match="not a drift reference of d=16"):
+        read_reference(store, "m-1a2b3c4d", 1, 16)  # another model's width
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as archive:  # inflates far past any reference
+        archive.writestr("base.npy", b"\0" * (64 << 20))
+        archive.writestr("distances.npy", b"\0")
+    store.write_bytes(reference_key("m-1a2b3c4d", 2), bomb.getvalue())
+    with pytest.raises(RecordError, match="not a drift reference"):
+        read_reference(store, "m-1a2b3c4d", 2, 8)
+    pickled = io.BytesIO()
+    np.savez(pickled, base=np.array([{"x": 1}], dtype=object), distances=np.ones(3, np.float32))
+    store.write_bytes(reference_key("m-1a2b3c4d", 3), pickled.getvalue())
+    with pytest.raises(RecordError, match="not a drift reference"):
+        read_reference(store, "m-1a2b3c4d", 3, 8)
+    assert read_reference(store, "m-1a2b3c4d", 4, 8) is None  # a version built before references were kept
+
+
+def test_alerts_apply_refuses_a_bad_target_or_window_and_an_unreachable_server_in_one_line():
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    bad = CliRunner().invoke(app, ["alerts", "apply", "--notify", "ftp://example.com/hook"])
+    assert bad.exit_code == 2 and "--notify must be an http(s) webhook URL" in bad.output
+    late = CliRunner().invoke(app, ["alerts", "apply", "--no-nightly-within", "0"])
+    assert late.exit_code == 2 and "--no-nightly-within must be a number of hours > 0" in late.output
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api", PREFECT_CLIENT_MAX_RETRIES: 0}):
+        down = CliRunner().invoke(app, ["alerts", "apply"])
+    assert down.exit_code == 2 and "could not apply the alerts" in down.output
+    assert len(down.output.strip().splitlines()) == 1, down.output

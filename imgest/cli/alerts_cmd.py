@@ -24,12 +24,20 @@ def alerts_apply(
     as_json: bool = typer.Option(False, "--json", help="Print what was applied as JSON"),
 ) -> None:
     """Create or update the alerts on the Prefect server PREFECT_API_URL names (one of each, however often run)."""
+    import httpx
+    from prefect.exceptions import PrefectHTTPStatusError
+
     from imgest.tasks.watch.alerts import AlertError, apply_alerts
 
     try:
         applied = apply_alerts(notify, no_nightly_within)
     except AlertError as exc:
         _fail(exc)
+    except (httpx.HTTPError, PrefectHTTPStatusError) as exc:  # no server there, or it refused: nothing applied
+        from prefect.settings import PREFECT_API_URL
+
+        _fail(RuntimeError(f"the Prefect API at {PREFECT_API_URL.value()} could not apply the alerts: "
+                           f"{type(exc).__name__}: {exc}"))
     if as_json:
         typer.echo(json.dumps(applied, indent=2))
         return

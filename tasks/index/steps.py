@@ -38,8 +38,8 @@ from imgest.tasks.index.parts import PartSpec, add_store_part, merge_id_parts, m
 from imgest.tasks.index.store import (
     IndexIntegrityError,
     index_prefix,
-    list_versions,
     open_index,
+    previous_version,
     read_card,
     read_ids,
     read_index_for_update,
@@ -61,7 +61,7 @@ from imgest.tasks.index.update import (
 )
 from imgest.tasks.ingest.policy import IO_RETRIES
 from imgest.tasks.ingest.runners import shard_runner
-from imgest.tasks.migration.aliases import aliases_to_move, list_aliases, set_alias
+from imgest.tasks.migration.aliases import aliases_to_move, set_alias
 from imgest.tasks.state.committed import LIVE, load_state
 from imgest.tasks.state.live import LiveVectors, load_live_vectors
 from imgest.tasks.watch.drift import Reference, reference, write_reference
@@ -242,16 +242,6 @@ def build_from_store(store_url: str, model: dict, live: pa.Table, choice: IndexC
     truth = merge_truth(probes, probes_at, results, len(live), depth)
     times = BuildTimes(train_seconds, adding.seconds, total.seconds)
     return index, times, len(specs), truth, sample
-
-
-def previous_version(store: Location, slug: str) -> dict | None:
-    """The version an update starts from: the newest one an alias serves for this model (after a rollback to
-    an older version, that one), else the newest complete version."""
-    versions = set(list_versions(store, slug))
-    served = [int(a["version"]) for a in list_aliases(store).values()
-              if a.get("slug") == slug and int(a["version"]) in versions]
-    chosen = max(served) if served else max(versions, default=None)
-    return read_card(store, slug, chosen) if chosen is not None else None
 
 
 @dataclass

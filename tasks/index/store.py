@@ -250,3 +250,13 @@ def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAUL
     set_param(index, card["search"]["param"], card["search"]["value"], card["search"].get("k_factor"))
     ids = read_ids(store, card)
     return OpenIndex(card, index, ids["item_id"].to_pylist(), ids["uri"].to_pylist(), held)
+
+
+def previous_version(store: Location, slug: str) -> dict | None:
+    """The version an update starts from: the newest one an alias serves for this model (after a rollback to
+    an older version, that one), else the newest complete version."""
+    versions = set(list_versions(store, slug))
+    served = [int(a["version"]) for a in list_aliases(store).values()
+              if a.get("slug") == slug and int(a["version"]) in versions]
+    chosen = max(served) if served else max(versions, default=None)
+    return read_card(store, slug, chosen) if chosen is not None else None

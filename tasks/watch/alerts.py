@@ -88,9 +88,9 @@ def definitions(block_id: UUID | None, nightly_within_hours: float) -> list[Auto
 
 def apply_alerts(notify: str | None = None, nightly_within_hours: float = DEFAULT_NIGHTLY_WITHIN_HOURS) -> list[dict]:
     """Create or update the block and the automations on the current Prefect API; what each now does."""
-    block_id = None
-    if notify:
-        block_id = notification_block(notify).save(BLOCK_NAME, overwrite=True)
+    definitions(None, nightly_within_hours)  # a bad window fails before anything is written
+    block = notification_block(notify) if notify else None
+    block_id = block.save(BLOCK_NAME, overwrite=True) if block else None
     applied = []
     for wanted in definitions(block_id, nightly_within_hours):
         try:

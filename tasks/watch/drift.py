@@ -12,13 +12,19 @@ small B makes both larger alike: the comparison stays fair at any sample size.
 from __future__ import annotations
 
 import io
+import logging
 import zipfile
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow.compute as pc
 
 from imgest import records
 from imgest.storage import Location
+from imgest.tasks.index.store import previous_version
+from imgest.tasks.index.update import read_vectors
+from imgest.tasks.state.committed import load_state
+from imgest.tasks.state.models import find_model
 
 BASE = 4096  # vectors of B
 PROBES = 1024  # vectors of A
@@ -123,20 +129,18 @@ def read_reference(store: Location, slug: str, version: int, dim: int) -> Refere
 def night_drift(store: Location, slug: str, run_id: str) -> dict | None:
     """Tonight's new and changed vectors of a model against the reference of the version serving before
     tonight's build (of the version that trained it, when it was updated in place since). None when there is
-    nothing to judge: no earlier version, a version without a reference, too few new images."""
-    import pyarrow.compute as pc
-
-    from imgest.tasks.index.steps import previous_version
-    from imgest.tasks.index.update import read_vectors
-    from imgest.tasks.state.committed import load_state
-    from imgest.tasks.state.models import find_model
-
+    nothing to judge: no earlier version, a version without a reference, too few new images, or a reference
+    that does not read as one (a warning names it; the night goes on without a drift figure)."""
     serving = previous_version(store, slug)
     if serving is None:
         return None
     trained_in = (serving.get("lineage") or {}).get("trained_in") or serving["version"]
     dim = int(find_model(store, slug)["dim"])
-    ref = read_reference(store, slug, int(trained_in), dim)
+    try:
+        ref = read_reference(store, slug, int(trained_in), dim)
+    except records.RecordError as exc:
+        logging.getLogger("imgest").warning("drift: no measurement tonight: %s", exc)
+        return None
     if ref is None:
         return None
     live = load_state(store, slug).live_table()

@@ -15,7 +15,7 @@ from collections import Counter
 
 from imgest import records
 from imgest.storage import Location
-from imgest.tasks.migration.window import storage_bytes
+from imgest.tasks.state.committed import embeddings_prefix
 
 HISTORY = "history/nightly"
 ROW_VERSION = 1
@@ -65,7 +65,7 @@ def night_row(ingest: dict, index: dict, store: Location, drift: dict | None = N
         "recall": None if not recall else {
             "k": recall["k"], "value": recall[f"recall@{recall['k']}"], "target": recall["target"],
             "met": recall["met"], "param": search.get("param"), "param_value": search.get("value")},
-        "shard_bytes": storage_bytes(store, ingest["slug"])["shards"],
+        "shard_bytes": sum(obj.size for obj in store.walk(embeddings_prefix(ingest["slug"]))),
         "drift": drift,
     }
 
