@@ -160,6 +160,19 @@ def test_transient_faults_are_told_from_permanent_ones():
         assert is_transient(wrapped) is transient, exc
 
 
+def test_the_retry_backoff_is_the_operators_and_a_bad_value_is_named(monkeypatch):
+    from imgest.tasks.ingest.policy import backoff_base
+
+    monkeypatch.setenv("IMGEST_RETRY_BACKOFF_S", "0.5")
+    assert backoff_base() == 0.5
+    monkeypatch.delenv("IMGEST_RETRY_BACKOFF_S")
+    assert backoff_base() == 2.0
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("IMGEST_RETRY_BACKOFF_S", bad)
+        with pytest.raises(ValueError, match="IMGEST_RETRY_BACKOFF_S"):
+            backoff_base()
+
+
 def test_item_keys_are_the_keys_or_a_printable_stand_in():
     assert item_key("shoes/red sneaker #1+.jpg") == "shoes/red sneaker #1+.jpg"
     assert item_key(os.fsdecode(b"caf\xe9.jpg")) == "caf\\xe9.jpg"

@@ -170,7 +170,9 @@ def test_the_endpoint_cut_for_20_seconds_mid_run(s3, s3_endpoint, tmp_path):
     host, port = s3_endpoint.removeprefix("http://").split(":")
     proxy = TcpProxy((host, int(port)))
     log = open(tmp_path / "cut.log", "w+b")
-    proc = _spawn(INGEST, catalogue, store, env={"AWS_ENDPOINT_URL": proxy.url}, log=log)
+    # The production backoff (retries after 2-20 s), so the run can ride out the 20 s.
+    proc = _spawn(INGEST, catalogue, store, env={"AWS_ENDPOINT_URL": proxy.url, "IMGEST_RETRY_BACKOFF_S": "2"},
+                  log=log)
     try:
         assert _wait(lambda: bool(_markers(s3, bucket)), 120, proc), "no shard committed before the cut"
         proxy.cut()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from prefect.tasks import exponential_backoff
 
 
@@ -13,11 +15,27 @@ def retry_unless_final(task, task_run, state) -> bool:
     return not isinstance(getattr(state, "data", None), LockLostError)
 
 
-# Object-store and decode I/O: three retries at about 2, 4, 8 s (+-50% jitter so workers do not retry in step).
-IO_RETRIES = {"retries": 3, "retry_delay_seconds": exponential_backoff(backoff_factor=2), "retry_jitter_factor": 0.5,
-              "retry_condition_fn": retry_unless_final}
-# Encode-shard: a retry re-reads and re-encodes the whole shard, so wait longer between tries.
-SHARD_RETRIES = {"retries": 2, "retry_delay_seconds": exponential_backoff(backoff_factor=10),
+def backoff_base() -> float:
+    """IMGEST_RETRY_BACKOFF_S (seconds, default 2): the first wait before a retry; each next wait doubles. Longer
+    rides out a longer store outage per task; shorter fails a run sooner when the store is really gone."""
+    raw = os.environ.get("IMGEST_RETRY_BACKOFF_S", "2")
+    try:
+        base = float(raw)
+    except ValueError:
+        raise ValueError(f"IMGEST_RETRY_BACKOFF_S must be a number of seconds, got {raw!r}") from None
+    if not base >= 0:
+        raise ValueError(f"IMGEST_RETRY_BACKOFF_S must be >= 0, got {raw!r}")
+    return base
+
+
+# Read once, when the tasks are defined (a worker's environment is set before it imports them).
+_BASE = backoff_base()
+# Object-store and decode I/O: three retries at base, 2x, 4x (2, 4, 8 s by default; +-50% jitter so workers do
+# not retry in step).
+IO_RETRIES = {"retries": 3, "retry_delay_seconds": exponential_backoff(backoff_factor=_BASE),
+              "retry_jitter_factor": 0.5, "retry_condition_fn": retry_unless_final}
+# Encode-shard: a retry re-reads and re-encodes the whole shard, so wait five times longer between tries (10, 20 s).
+SHARD_RETRIES = {"retries": 2, "retry_delay_seconds": exponential_backoff(backoff_factor=5 * _BASE),
                  "retry_jitter_factor": 0.5, "retry_condition_fn": retry_unless_final}
 # Upper bounds that only a hung store reaches: listing 100M objects takes hours (infra/SCALING.md).
 # Tasks that run in worker threads have none: encode-shard (a thread, or a Dask worker's thread) and the
