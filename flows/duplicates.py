@@ -11,7 +11,7 @@ from imgest.config import DuplicatesConfig
 from imgest.flow_params import configured_flow
 from imgest.lock import LOCK_WAIT_S, StoreLock
 from imgest.storage import open_location
-from imgest.tasks.duplicates.groups import find_duplicates_task
+from imgest.tasks.duplicates.find import choose_task, find_task
 from imgest.tasks.reports.run_names import run_name
 
 
@@ -19,9 +19,10 @@ from imgest.tasks.reports.run_names import run_name
 def duplicates(config: DuplicatesConfig) -> dict:
     store_loc = open_location(config.store, must_exist=True, what="store")
     with StoreLock(store_loc, owner=f"duplicates@{socket.gethostname()}:{os.getpid()}", wait=LOCK_WAIT_S) as lock:
-        report = find_duplicates_task(store_loc.url, None if config.model else config.alias, config.model,
-                                      config.threshold,
-                                      lock.fence)
+        alias = None if config.model else config.alias
+        choice = choose_task(store_loc.url, alias, config.model, config.threshold, config.calibrate,
+                             config.calibration_sample, config.calibration_recall, lock.fence)
+        report = find_task(store_loc.url, alias, config.model, choice, lock.fence)
     create_markdown_artifact(report.pop("markdown"), key="duplicates",
                              description=f"duplicates model={report['slug']}")
     return report

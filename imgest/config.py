@@ -314,8 +314,17 @@ class DuplicatesConfig(FlowConfig):
     alias: Annotated[str | None, AfterValidator(alias_name), Field(
         description="Alias of the image model whose index is searched")] = "serving"
     model: Annotated[str | None, Field(description="This model's latest index instead of an alias")] = None
-    threshold: Annotated[float, AfterValidator(fraction(low_open=True)), Field(
-        description="Cosine at or above which two images are near-duplicates")] = DEFAULT_DUPLICATE_THRESHOLD
+    threshold: Annotated[Annotated[float, AfterValidator(fraction(low_open=True))] | None, Field(
+        description="Cosine at or above which two images are near-duplicates (none: the model's threshold "
+                    f"calibrated on this catalogue; {DEFAULT_DUPLICATE_THRESHOLD} when none can be measured)")] = None
+    calibrate: Annotated[bool, Field(
+        description="Measure the calibrated threshold again now (it is reused until the model or the catalogue "
+                    "changes much)")] = False
+    calibration_sample: Annotated[int, AfterValidator(at_least(8)), Field(
+        description="Live images the calibration copies and embeds (each in every way a catalogue copies "
+                    "one)")] = 100
+    calibration_recall: Annotated[float, Field(gt=0, le=1, description=(
+        "Share of the planted copies the calibrated threshold must find"))] = 0.95
 
 
 class HeadConfig(FlowConfig):

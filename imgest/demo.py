@@ -150,3 +150,83 @@ def product_metadata(labels: dict[str, int], images_per_product: int = 2, seed: 
                      "price": price})
         n[0] += 1
     return rows
+
+
+def planted_duplicates(kind: str, originals: int, copies: int,
+                       seed: int = 0) -> tuple[dict[str, bytes], dict[str, str]]:
+    """A catalogue with copies planted in it, for measuring duplicate detection: (files by key, the original
+    key of each copy's key). The copies are the kinds a shop's catalogue collects, in turn: a JPEG re-encode at
+    quality 60-70 (alpha composited on white), a resize to 0.5-2x, a crop of 3-8% per side.
+
+    kind "photos": distinct product-sized photos (scikit-image's, and the halves of the wider ones), 800-1600 px
+    JPEGs, every fourth a PNG cut-out with an alpha channel. kind "art": 64 px product art with transparency
+    (Fashion-MNIST items coloured, the background transparent), PNGs."""
+    rng = np.random.default_rng(seed)
+    if kind == "photos":
+        bases = []
+        for name in PHOTOS:
+            image = photo(name).convert("RGB")
+            bases.append(image)
+            if image.width >= 1.3 * image.height:  # a wide photo's two halves are two pictures
+                bases += [image.crop((0, 0, image.width // 2, image.height)),
+                          image.crop((image.width // 2, 0, image.width, image.height))]
+        if originals > len(bases):
+            raise ValueError(f"at most {len(bases)} distinct photos, asked for {originals}")
+        pictures = []
+        for i, image in enumerate(bases[:originals]):
+            side = int(rng.integers(800, 1601))
+            scaled = image.resize((side, max(1, round(side * image.height / image.width))), Image.Resampling.BICUBIC)
+            if i % 4 == 3:
+                mask = Image.new("L", scaled.size, 0)
+                ImageDraw.Draw(mask).ellipse((scaled.width // 12, scaled.height // 12, scaled.width * 11 // 12,
+                                              scaled.height * 11 // 12), fill=255)
+                scaled.putalpha(mask)
+            pictures.append(scaled)
+    elif kind == "art":
+        images, labels = read_fashion_mnist()
+        picks = [int(i) for label in range(len(FASHION_CLASSES))
+                 for i in rng.choice(np.flatnonzero(labels == label), size=-(-originals // len(FASHION_CLASSES)),
+                                     replace=False)][:originals]
+        pictures = []
+        for index in picks:
+            alpha = Image.fromarray(images[index]).resize((64, 64), Image.Resampling.BICUBIC)
+            colour = tuple(int(c) for c in rng.integers(0, 200, size=3))
+            art = Image.new("RGBA", (64, 64), colour + (255,))
+            art.putalpha(alpha)
+            pictures.append(art)
+    else:
+        raise ValueError(f"kind must be photos or art, got {kind!r}")
+
+    def save(image: Image.Image, jpeg_quality: int | None = None) -> tuple[bytes, str]:
+        buf = io.BytesIO()
+        if jpeg_quality is None and (image.mode == "RGBA" or kind == "art"):
+            image.save(buf, "PNG")
+            return buf.getvalue(), "png"
+        if image.mode == "RGBA":
+            white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+            image = Image.alpha_composite(white, image)
+        image.convert("RGB").save(buf, "JPEG", quality=jpeg_quality or 92)
+        return buf.getvalue(), "jpg"
+
+    files, planted = {}, {}
+    keys = []
+    for i, image in enumerate(pictures):
+        data, ext = save(image)
+        keys.append(f"{kind}/{i:04d}.{ext}")
+        files[keys[-1]] = data
+    for c in range(copies):
+        i = int(c * len(pictures) / copies) if copies <= len(pictures) else c % len(pictures)
+        image, how = pictures[i], ("jpeg", "resize", "crop")[c % 3]
+        if how == "jpeg":
+            data, ext = save(image, int(rng.integers(60, 71)))
+        elif how == "resize":
+            scale = float(rng.uniform(0.5, 2.0))
+            data, ext = save(image.resize((max(8, round(image.width * scale)), max(8, round(image.height * scale))),
+                                          Image.Resampling.LANCZOS))
+        else:
+            w, h = image.size
+            box = [round(f * s) for f, s in zip(rng.uniform(0.03, 0.08, size=4), (w, h, w, h))]
+            data, ext = save(image.crop((box[0], box[1], w - box[2], h - box[3])))
+        key = f"{kind}/copies/{c:04d}-{how}.{ext}"
+        files[key], planted[key] = data, keys[i]
+    return files, planted

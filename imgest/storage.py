@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import json
@@ -93,15 +94,15 @@ def _url_to_fs(url: str, **storage_options: Any):
 
 
 def _io(verb: str) -> Callable:
-    """Failures of the store itself (unreachable, denied, full) become one StorageError line naming the
-    location, the key and the cause; FileNotFoundError and FileExistsError stay what they are."""
+    """Store failures (unreachable, denied, full) become one StorageError line naming the location, key and
+    cause; FileNotFoundError, FileExistsError and RecordError stay what they are."""
 
     def wrap(method: Callable) -> Callable:
         @functools.wraps(method)
         def call(self: Location, key: str = "", *args: Any, **kwargs: Any) -> Any:
             try:
                 return method(self, key, *args, **kwargs)
-            except (FileNotFoundError, FileExistsError, StorageError):
+            except (FileNotFoundError, FileExistsError, StorageError, RecordError):
                 raise
             except Exception as exc:
                 raise self.failure(verb, key, exc) from exc
@@ -271,10 +272,12 @@ class Location(ConditionalWrites):
         return parse_record(self.read_bytes(key, limit=MAX_RECORD_BYTES + 1), f"{redact(self.url)}: {key}")
 
     @_io("reading")
-    def read_table(self, key: str, columns: list[str] | None = None) -> pa.Table:
-        with self.fs.open(self.path(key), "rb") as fh:
+    def read_table(self, key: str, columns: list[str] | None = None, max_rows: int | None = None) -> pa.Table:
+        with self.fs.open(self.path(key), "rb") as fh:  # with max_rows, the footer's count is checked first
+            if max_rows is not None and (rows := pq.ParquetFile(fh).metadata.num_rows) > max_rows:
+                raise RecordError(f"{redact(self.url)}: {key}: {rows:,} rows, more than the {max_rows:,} expected")
+            fh.seek(0)
             return pq.read_table(fh, columns=columns)
-
 
     @_io("reading")
     def read_parquet_metadata(self, key: str) -> dict[str, str]:
@@ -344,17 +347,13 @@ class Location(ConditionalWrites):
 
     @_io("deleting")
     def delete(self, key: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(key))
-        except FileNotFoundError:
-            pass
 
     @_io("deleting")
     def delete_tree(self, key: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(key), recursive=True)
-        except FileNotFoundError:
-            pass
 
     @_io("opening")
     def open_output(self, key: str):

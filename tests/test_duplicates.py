@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from imgest.cli import app
 from imgest.config import NightlyConfig
 from imgest.demo import PHOTOS, photo
-from imgest.tasks.duplicates.groups import find_duplicates
+from imgest.tasks.duplicates.calibrate import choose_hash_signal, choose_threshold
+from imgest.tasks.duplicates.groups import find_duplicates, found_by
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -32,8 +33,35 @@ def test_groups_join_through_members_and_exact_needs_equal_bytes():
     neighbours = np.array([[1, 2], [0, -1], [3, 0], [2, -1], [0, 1]])
     scores = np.array([[1.0, 0.5], [1.0, 0.0], [0.98, 0.5], [0.98, 0.0], [0.9, 0.9]], np.float32)
     groups = find_duplicates(ids, hashes, scores, neighbours, 0.97)
-    assert groups == [{"kind": "exact", "items": ["a", "b"], "min_score": 1.0},
-                      {"kind": "near", "items": ["c", "d"], "min_score": 0.98}]
+    assert groups == [{"kind": "exact", "items": ["a", "b"], "min_score": 1.0, "pairs": []},
+                      {"kind": "near", "items": ["c", "d"], "min_score": 0.98,
+                       "pairs": [{"items": ["c", "d"], "score": 0.98, "signal": "embedding"}]}]
+    # e scored 0.9 with a: under the threshold, but its perceptual hash matched: joined, and said so
+    with_hash = find_duplicates(ids, hashes, scores, neighbours, 0.97, hash_pairs=[(4, 0, 0.9)])
+    assert with_hash[0]["items"] == ["a", "b", "e"] and with_hash[0]["kind"] == "near"
+    assert with_hash[0]["pairs"] == [{"items": ["a", "e"], "score": 0.9, "signal": "hash"}]
+    assert found_by(with_hash[0]) == "hash" and found_by(with_hash[1]) == "embedding" and found_by(groups[0]) == "bytes"
+
+
+def test_the_threshold_finds_the_target_share_of_each_kind_and_rises_over_different_items():
+    # 10 originals, two kinds of copy each (rows: original; columns: kind), target 0.9 of each kind
+    planted = np.array([[0.99, 0.90], [0.98, 0.91], [0.97, 0.92], [0.96, 0.93], [0.99, 0.94],
+                        [0.98, 0.95], [0.97, 0.96], [0.99, 0.97], [0.98, 0.80], [0.97, 0.99]]).ravel()
+    other = np.array([0.5, 0.6, 0.7, 0.7, 0.6, 0.5, 0.6, 0.7, 0.75, 0.8])
+    # kind 2 sorted: 0.80 0.90 ...: one of ten below 0.90 is allowed -> 0.90; kind 1 allows 0.96: the lower wins
+    assert choose_threshold(planted, other, 0.9, 0.99, kinds=2) == 0.90
+    # a different item at 0.93: at 0.90, recall 19/20 = 0.95, false 1/10: precision 0.95 / 1.05 = 0.905 < 0.99,
+    # so the threshold rises just above 0.93 (the 1e-4 grid): recall 15/20, no false pair
+    other[-1] = 0.93
+    assert choose_threshold(planted, other, 0.9, 0.99, kinds=2) == 0.9301
+    # the hash signal takes pairs in [floor, threshold) whose hashes are within its distance
+    planted_hash = np.array([0, 2, 1, 3, 0, 4, 2, 1, 0, 2, 1, 3, 0, 2, 1, 4, 9, 30, 2, 0])
+    other_hash = np.array([30, 28, 31, 33, 29, 30, 27, 32, 26, 20])
+    signal = choose_hash_signal(planted, planted_hash, other, other_hash, 0.9301, 0.99)
+    # floor: the planted scores' 1% quantile, 0.80 + 0.19 x (0.90 - 0.80) = 0.819; the distance grows to its cap
+    # (16 bits: the item at 20 never comes in); found: the 15 over the threshold, the four at 0.90-0.93 (2, 3, 4,
+    # 1 bits), not the copy at 0.80 (30 bits): 19 of 20
+    assert signal == {"floor": 0.819, "hash_distance": 16, "recall": 0.95, "precision": 1.0}
 
 
 def test_planted_duplicates_are_found_and_new_ones_reported(tmp_path):
@@ -52,7 +80,7 @@ def test_planted_duplicates_are_found_and_new_ones_reported(tmp_path):
 
     out = runner.invoke(app, ["duplicates", "--store", str(store), "--json"])
     assert out.exit_code == 0, out.output
-    report = json.loads(out.output)
+    report = json.loads(out.stdout)
     assert [(g["kind"], g["items"]) for g in report["groups"]] == [
         ("near", ["p/chelsea-q75.jpg", "p/chelsea-small.jpg", "p/chelsea.jpg"]),
         ("exact", ["p/astronaut.jpg", "p/copy-of-astronaut.jpg"])]
@@ -67,10 +95,10 @@ def test_planted_duplicates_are_found_and_new_ones_reported(tmp_path):
 
     again = nightly(NightlyConfig(catalogue=str(cat), store=str(store), batch_size="4", report_duplicates=True))
     assert again["duplicates"]["new_groups"] == 1  # the astronaut group grew: new; chelsea's is as before
-    latest = json.loads(runner.invoke(app, ["duplicates", "--store", str(store), "--json"]).output)
+    latest = json.loads(runner.invoke(app, ["duplicates", "--store", str(store), "--json"]).stdout)
     assert ["p/astronaut-crop.jpg", "p/astronaut.jpg", "p/copy-of-astronaut.jpg"] in \
         [g["items"] for g in latest["groups"]]
     assert latest["new_groups"] == 0
     strict = json.loads(runner.invoke(app, ["duplicates", "--store", str(store), "--threshold", "0.9999",
-                                            "--json"]).output)
+                                            "--json"]).stdout)
     assert [g["kind"] for g in strict["groups"]] == ["exact"]

@@ -134,15 +134,17 @@ def duplicates_cmd(
     """Exact duplicates (same bytes, different keys) and near-duplicate groups; a Parquet report in the store."""
     try:
         from imgest.flows.duplicates import duplicates
+        from imgest.progress import reporting
+        from imgest.tasks.duplicates.groups import describe_report, found_by
 
-        report = duplicates(config)
+        with reporting():
+            report = duplicates(config)
     except _user_errors() as exc:
         _fail(exc)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
-    typer.echo(f"{report['items']:,} items of {report['model_id']}: {report['exact_groups']} exact groups, "
-               f"{report['near_groups']} near groups (cosine >= {report['threshold']}), {report['new_groups']} new; "
-               f"report {report['key']}")
+    typer.echo(describe_report(report))
     for n, group in enumerate(report["groups"]):
-        typer.echo(f"  {n:>4} {group['kind']:5} {group['min_score']:.4f}  {' '.join(group['items'])}")
+        typer.echo(f"  {n:>4} {group['kind']:5} {found_by(group):14} {group['min_score']:.4f}  "
+                   f"{' '.join(group['items'])}")
