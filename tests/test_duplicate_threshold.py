@@ -130,7 +130,8 @@ def test_planted_copies_are_found_at_the_defaults_and_no_group_joins_two_origina
     assert report["threshold_source"] == "calibration" and 0 < report["threshold"] < 0.97
     calibration = report["calibration"]
     assert calibration["sample"] == len(files) and calibration["planted_pairs"] == len(files) * len(KINDS)
-    assert calibration["recall"] >= 0.5 and calibration["precision"] >= 0.99
+    assert calibration["recall"] >= 0.5 and calibration["precision"] >= 0.99 and calibration["confirmed"] >= 0.9
+    assert isinstance(report["refused_pairs"], int)  # every near pair was checked against its two pictures
     signals = {pair["signal"] for group in report["groups"] for pair in group["pairs"]}
     if calibration["hash_signal"]:
         assert calibration["hash_signal"]["recall"] > calibration["recall"]

@@ -78,13 +78,14 @@ class Calibration:
     unreadable: int = 0  # sampled originals that could not be read or decoded (skipped)
     hash_signal: dict | None = None  # {"floor", "hash_distance", "recall", "precision"} when the embedding is weak
     recall_by_kind: dict[str, float] = field(default_factory=dict)  # the embedding's recall of each kind of copy
+    confirmed: float = 1.0  # share of the planted copies the picture check (verify.py) confirms
 
     def summary(self) -> dict:
         """The figures a report shows (no score lists)."""
         return {"recall": self.recall, "precision": self.precision, "sample": len(self.sample),
                 "planted_pairs": len(self.planted), "other_pairs": len(self.other), "seed": self.seed,
                 "target_recall": self.target_recall, "min_precision": self.min_precision, "created": self.created,
-                "model_id": self.model_id, "recall_by_kind": self.recall_by_kind,
+                "model_id": self.model_id, "recall_by_kind": self.recall_by_kind, "confirmed": self.confirmed,
                 "catalogue_copies": self.catalogue_copies, "hash_signal": self.hash_signal}
 
     def at(self, threshold: float) -> dict:
@@ -156,7 +157,7 @@ def calibrate(live, opened, embed, *, sample: int = SAMPLE, seed: int = 0, targe
     turns a list of image bytes into unit vectors the way the catalogue's were made."""
     rng = np.random.default_rng(seed)
     rows = sorted(int(r) for r in rng.choice(len(live), size=min(sample, len(live)), replace=False))
-    picked, planted, planted_hash, unreadable = [], [], [], 0
+    picked, planted, planted_hash, unreadable, confirmed = [], [], [], 0, 0
     pending: list[tuple[int, list[bytes]]] = []  # originals whose copies wait to be embedded in one batch
 
     def embed_pending() -> None:
@@ -171,13 +172,14 @@ def calibrate(live, opened, embed, *, sample: int = SAMPLE, seed: int = 0, targe
             data = live.read_image(row)
             original = picture(data)
             copies = [make_variant(data, kind, rng) for kind in KINDS]
-            hashes = [perceptual_hash(picture(copy)) for copy in copies]
+            pictures = [picture(copy) for copy in copies]
         except (DecodeError, StorageError, OSError, ValueError) as exc:  # one image's fault: the sample goes on
             logging.getLogger("imgest").warning("calibration skips %s: %s", live.item_ids[row], exc)
             unreadable += 1
             continue
         original_hash = perceptual_hash(original)
-        planted_hash.extend(hamming(original_hash, h) for h in hashes)
+        planted_hash.extend(hamming(original_hash, perceptual_hash(p)) for p in pictures)
+        confirmed += sum(same_picture(original, p) for p in pictures)
         picked.append((row, original, original_hash))
         pending.append((row, copies))
         if len(pending) * len(KINDS) >= EMBED_BATCH:
@@ -205,7 +207,8 @@ def calibrate(live, opened, embed, *, sample: int = SAMPLE, seed: int = 0, targe
         kinds=list(KINDS), target_recall=target_recall, min_precision=min_precision, threshold=threshold,
         recall=recall, precision=precision, planted=[round(s, 5) for s in planted], planted_hash=planted_hash,
         other=[round(s, 5) for s in other], other_hash=other_hash, catalogue_copies=copies_held,
-        unreadable=unreadable, hash_signal=hash_signal, recall_by_kind=recall_by_kind)
+        unreadable=unreadable, hash_signal=hash_signal, recall_by_kind=recall_by_kind,
+        confirmed=round(confirmed / len(planted), 4))
 
 
 def _nearest_others(live, opened, picked: list[tuple]) -> tuple[list[float], list[int], int]:
@@ -290,7 +293,7 @@ def _check(c: Calibration, slug: str) -> None:
         value = getattr(c, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise RecordError(f"{name} must be a non-negative integer")
-    for name in ("threshold", "recall", "precision", "target_recall", "min_precision"):
+    for name in ("threshold", "recall", "precision", "target_recall", "min_precision", "confirmed"):
         fraction(name, getattr(c, name))
     if c.threshold <= 0:
         raise RecordError("threshold must be above 0")

@@ -27,6 +27,7 @@ from imgest.tasks.duplicates.calibrate import (
 )
 from imgest.tasks.duplicates.groups import NEIGHBOURS, DuplicateReport, find_and_report
 from imgest.tasks.duplicates.hashes import hamming, perceptual_hash, picture, read_hashes, write_hashes
+from imgest.tasks.duplicates.verify import same_picture
 from imgest.tasks.ingest.decode import DecodeError, decode_image
 from imgest.tasks.state.catalogue_images import CatalogueRootError
 from imgest.tasks.state.committed import now_iso
@@ -163,7 +164,38 @@ def find(store_url: str, alias: str | None, model: str | None, choice: dict, fen
             logging.getLogger("imgest").warning("no perceptual-hash signal: %s", exc)
     report = DuplicateReport(card["slug"], card["model_id"], choice["threshold"], len(live),
                              threshold_source=choice["threshold_source"], calibration=choice["calibration"])
-    return find_and_report(searcher.store, report, live, scores, neighbours, extra, run, fence)
+    confirm = None
+    if choice["threshold_source"] == "calibration":  # a calibrated threshold sits at the edge of different items
+        try:
+            confirm = PictureCheck(live)
+        except CatalogueRootError as exc:
+            logging.getLogger("imgest").warning("near pairs not confirmed by their pictures: %s", exc)
+    return find_and_report(searcher.store, report, live, scores, neighbours, extra, run, fence, confirm)
+
+
+class PictureCheck:
+    """Confirms a near pair by looking at both pictures (tasks/duplicates/verify.py). A picture that cannot be
+    read leaves the pair to the embedding's judgement."""
+
+    def __init__(self, live):
+        from imgest.tasks.state.catalogue_images import CatalogueImages
+
+        self.live = live
+        CatalogueImages(Location(live.store_url), live.slug, live.catalogue)  # no catalogue root: refused now
+        self.pictures: dict[int, object] = {}
+
+    def picture(self, row: int):
+        if row not in self.pictures:
+            try:
+                self.pictures[row] = picture(self.live.read_image(row))
+            except (DecodeError, ContainmentError, StorageError, OSError) as exc:
+                logging.getLogger("imgest").debug("no picture check for %s: %s", self.live.item_ids[row], exc)
+                self.pictures[row] = None
+        return self.pictures[row]
+
+    def __call__(self, a: int, b: int) -> bool:
+        first, second = self.picture(a), self.picture(b)
+        return first is None or second is None or same_picture(first, second)
 
 
 @task(name="choose-threshold", cache_policy=NO_CACHE)

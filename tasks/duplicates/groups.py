@@ -36,6 +36,7 @@ class DuplicateReport:
     threshold_source: str = "--threshold"  # --threshold, calibration or default
     calibration: dict | None = None  # the calibration's figures at this threshold (recall, precision, sample)
     groups: list[dict] = field(default_factory=list)  # {"kind", "items", "min_score", "pairs"}
+    refused_pairs: int | None = None  # near pairs the picture check refused (None: no check)
     new_groups: int = 0
     key: str = ""
 
@@ -43,6 +44,7 @@ class DuplicateReport:
         return {"slug": self.slug, "model_id": self.model_id, "threshold": self.threshold,
                 "threshold_source": self.threshold_source, "calibration": self.calibration, "items": self.items,
                 "groups": self.groups, "new_groups": self.new_groups, "key": self.key,
+                "refused_pairs": self.refused_pairs,
                 "exact_groups": sum(1 for g in self.groups if g["kind"] == "exact"),
                 "near_groups": sum(1 for g in self.groups if g["kind"] == "near")}
 
@@ -64,11 +66,12 @@ class _Sets:
 
 
 def find_duplicates(item_ids: list[str], hashes: list[str], scores: np.ndarray, neighbours: np.ndarray,
-                    threshold: float, hash_pairs=()) -> list[dict]:
+                    threshold: float, hash_pairs=(), confirm=None, refused: list | None = None) -> list[dict]:
     """Groups of two or more items, largest first: exact when every member has the same bytes, else near.
     `scores`/`neighbours`: each item's k nearest (faiss ids into item_ids), as the index returned them;
-    `hash_pairs`: (row, row, cosine) pairs the perceptual hash found below the threshold. Each near group lists
-    its pairs with the signal that found each: embedding or hash."""
+    `hash_pairs`: (row, row, cosine) pairs the perceptual hash found below the threshold. With `confirm`
+    (row, row) -> bool, a near pair joins only when it says so (the others go to `refused`). Each near group
+    lists its pairs with the signal that found each: embedding or hash."""
     sets = _Sets(len(item_ids))
     by_hash: dict[str, int] = {}
     for n, content_hash in enumerate(hashes):
@@ -83,6 +86,11 @@ def find_duplicates(item_ids: list[str], hashes: list[str], scores: np.ndarray, 
                 found[(min(n, int(m)), max(n, int(m)))] = (float(score), "embedding")
     for n, m, score in hash_pairs:
         found.setdefault((min(n, m), max(n, m)), (float(score), "hash"))
+    if confirm is not None:
+        for pair in [pair for pair in found if not confirm(*pair)]:
+            del found[pair]
+            if refused is not None:
+                refused.append((item_ids[pair[0]], item_ids[pair[1]]))
     for a, b in found:
         sets.join(a, b)
     members: dict[int, list[int]] = {}
@@ -181,6 +189,10 @@ def describe_threshold(report: dict) -> str:
             text += (f"; the embedding is weak here, so a neighbour scoring >= {signal['floor']} whose perceptual "
                      f"hash is within {signal['hash_distance']} bits is a duplicate too: together recall "
                      f"{signal['recall']:.0%}, precision {signal['precision']:.0%}")
+    if report.get("refused_pairs") is not None:
+        text += (f"; each near pair was confirmed by comparing the two pictures ({report['refused_pairs']} "
+                 "refused as different pictures"
+                 + (f"; the check passes {c['confirmed']:.0%} of planted copies)" if c else ")"))
     return text
 
 
@@ -211,10 +223,12 @@ def render_duplicates(report: DuplicateReport, thumbnails: dict[int, bytes]) -> 
 
 
 def find_and_report(store: Location, report: DuplicateReport, live, scores: np.ndarray, neighbours: np.ndarray,
-                    hash_pairs, run: str, fence=None) -> dict:
+                    hash_pairs, run: str, fence=None, confirm=None) -> dict:
     """Group, compare with the last report, write the report (fenced), return it with the artifact's text."""
+    refused: list = []
     report.groups = find_duplicates(live.item_ids, live.content_hashes, scores, neighbours, report.threshold,
-                                    hash_pairs)
+                                    hash_pairs, confirm, refused)
+    report.refused_pairs = len(refused) if confirm is not None else None
     uris = dict(zip(live.item_ids, live.uris))
     before = previous_groups(store, report.slug)
     report.new_groups = sum(1 for g in report.groups if tuple(g["items"]) not in before)

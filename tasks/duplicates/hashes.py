@@ -30,14 +30,19 @@ def picture(data: bytes):
     return image
 
 
-def content(image):
-    """The picture without a uniform near-white margin, in grey: a padded copy and its original match. (Decoding
-    composites transparency on white, so a cut-out's transparent margin goes too.)"""
+def content_box(image) -> tuple[int, int, int, int]:
+    """The box of the picture inside a uniform near-white margin (a padded copy and its original share it;
+    decoding composites transparency on white, so a cut-out's transparent margin is margin too)."""
     from PIL import Image, ImageChops
 
     grey = image.convert("L")
     box = ImageChops.difference(grey, Image.new("L", grey.size, 255)).point(lambda v: 255 if v > 32 else 0).getbbox()
-    return grey.crop(box) if box else grey
+    return box or (0, 0, *grey.size)
+
+
+def content(image):
+    """The picture without its margin (content_box), in grey."""
+    return image.convert("L").crop(content_box(image))
 
 
 def perceptual_hash(image) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from imgest.tasks.duplicates.groups import describe_threshold
+
 
 def render_nightly(runs: list[dict], retired: list, left_out: list[str] = (), duplicates: dict | None = None) -> str:
     lines = ["# imgest nightly", "", "| model | listed | encoded | rejected | deleted | images/s | index | recall@k "
@@ -22,6 +24,6 @@ def render_nightly(runs: list[dict], retired: list, left_out: list[str] = (), du
     lines += [f"\nLeft out: {line}" for line in left_out]
     if duplicates:
         lines += ["", f"Duplicates of `{duplicates['model_id']}`: {duplicates['exact_groups']} exact groups, "
-                      f"{duplicates['near_groups']} near (cosine >= {duplicates['threshold']}), "
-                      f"**{duplicates['new_groups']} new** since the last report (`{duplicates['key']}`)."]
+                      f"{duplicates['near_groups']} near, **{duplicates['new_groups']} new** since the last report "
+                      f"(`{duplicates['key']}`); {describe_threshold(duplicates)}."]
     return "\n".join(lines)
