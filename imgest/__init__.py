@@ -1,6 +1,6 @@
 """imgest: object storage -> decoded images -> batched encoder -> Parquet shards -> FAISS indexes.
 
-The Python API is `from imgest import search, Searcher, Query` (see docs/indexes-and-search.md); everything else is
+The Python API is `from imgest import search, Searcher, FollowingSearcher, Query` (docs/indexes-and-search.md); everything else is
 reached through `imgest.flows` (Prefect flows), `imgest.tasks` (their stages) and the `imgest` command.
 """
 
@@ -10,7 +10,7 @@ from imgest.names import VERSION
 from imgest.redact import redact_logging
 
 __version__ = VERSION
-__all__ = ["Query", "Searcher", "__version__", "search"]
+__all__ = ["FollowingSearcher", "Query", "Searcher", "__version__", "search"]
 
 # Every process that imports imgest (the CLI, workers, Dask) masks secrets in Prefect's log records, tracebacks
 # included, before they reach its database.
@@ -23,4 +23,8 @@ def __getattr__(name: str):
         from imgest.tasks.search import query as module
 
         return getattr(module, name)
+    if name == "FollowingSearcher":
+        from imgest.tasks.search.following import FollowingSearcher
+
+        return FollowingSearcher
     raise AttributeError(f"module 'imgest' has no attribute {name!r}")

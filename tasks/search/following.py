@@ -1,0 +1,137 @@
+"""Searchers that follow their aliases: a long-lived reader (a service, a team's own process) keeps answering
+while nightly, promote, rollback and finish move the aliases under it.
+
+Each alias is served by one loaded Searcher. `refresh()` reads each alias record (one small GET) and, when it
+names another version, loads that version beside the old one (its checksum verified by open_index) and swaps
+the reference; a query that took the old Searcher finishes on it, and the old one is freed when no query holds
+it. A version that fails to load leaves the old one serving, and the failure is kept in `status()`.
+`follow(every=)` refreshes from a background thread; tests call `refresh()` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import numpy as np
+
+from imgest.redact import one_line
+from imgest.storage import open_location
+from imgest.tasks.migration.aliases import read_alias
+from imgest.tasks.search.query import Hit, Query, Searcher, SearchError
+
+
+@dataclass
+class Answer:
+    """What one alias answered, and which index answered it."""
+
+    alias: str
+    model: str
+    version: int
+    hits: list[list[Hit]]
+
+
+@dataclass
+class _Served:
+    searcher: Searcher
+    slug: str
+    version: int
+    loaded_at: str
+
+
+class FollowingSearcher:
+    def __init__(self, store_url: str, aliases: tuple[str, ...] = ("serving",), device: str = "auto"):
+        self.store = open_location(store_url, must_exist=True, what="store")
+        self.aliases, self.device = tuple(aliases), device
+        self._served: dict[str, _Served] = {}
+        self._errors: dict[str, str] = {}
+        self._lock = threading.Lock()  # one refresh at a time; queries never take it
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.swaps = 0
+
+    def refresh(self) -> list[str]:
+        """Load what each alias names now when it changed; returns the aliases swapped."""
+        swapped = []
+        with self._lock:
+            for alias in self.aliases:
+                try:
+                    entry = read_alias(self.store, alias)
+                    if entry is None:
+                        raise SearchError(f"no alias {alias!r} in {self.store.url}")
+                    current = self._served.get(alias)
+                    if current is not None and (current.slug, current.version) == (entry["slug"], entry["version"]):
+                        continue
+                    searcher = Searcher(self.store.url, alias, device=self.device)
+                    card = searcher.card
+                    # the new one is whole and verified: one assignment makes it the one queries take
+                    self._served[alias] = _Served(searcher, card["slug"], int(card["version"]),
+                                                  datetime.now(UTC).isoformat(timespec="seconds"))
+                    self._errors.pop(alias, None)
+                    self.swaps += current is not None
+                    swapped.append(alias)
+                except Exception as exc:  # noqa: BLE001 - the old version keeps serving; the failure is reported
+                    self._errors[alias] = one_line(exc)
+                    logging.getLogger("imgest").warning("alias %s: keeps serving %s: %s", alias,
+                                                        self._describe(alias), self._errors[alias])
+        return swapped
+
+    def _describe(self, alias: str) -> str:
+        served = self._served.get(alias)
+        return f"model={served.slug} v{served.version}" if served else "nothing (not loaded yet)"
+
+    def ready(self) -> bool:
+        """Every alias has a loaded version."""
+        return all(alias in self._served for alias in self.aliases)
+
+    def status(self) -> dict[str, dict]:
+        """Per alias: the model and version served, its card's served recall, when it was loaded, and the last
+        failure to load what the alias names (None when it serves what the alias names)."""
+        out = {}
+        for alias in self.aliases:
+            served = self._served.get(alias)
+            recall = None
+            if served is not None:
+                rec = served.searcher.card.get("recall") or {}
+                recall = rec.get(f"recall@{rec.get('k')}")
+            out[alias] = {"model": served.slug if served else None, "version": served.version if served else None,
+                          "recall": recall, "loaded_at": served.loaded_at if served else None,
+                          "error": self._errors.get(alias)}
+        return out
+
+    def search(self, queries: list[Query], k: int = 10, alias: str | None = None, **options) -> Answer:
+        """Answer on the version the alias serves at this moment, start to end (a swap during the query does
+        not change it)."""
+        served = self._take(alias)
+        return Answer(alias or self.aliases[0], served.slug, served.version,
+                      served.searcher.search(queries, k, **options))
+
+    def search_vectors(self, vectors: np.ndarray, k: int = 10, alias: str | None = None, **options) -> Answer:
+        served = self._take(alias)
+        return Answer(alias or self.aliases[0], served.slug, served.version,
+                      served.searcher.search_vectors(vectors, k, **options))
+
+    def _take(self, alias: str | None) -> _Served:
+        name = alias or self.aliases[0]
+        if name not in self.aliases:
+            raise SearchError(f"alias {name!r} is not served here; served: {', '.join(self.aliases)}")
+        served = self._served.get(name)  # one read of the reference: the query keeps this version
+        if served is None:
+            raise SearchError(f"alias {name!r} is not loaded yet: {self._errors.get(name, 'loading')}")
+        return served
+
+    def follow(self, every: float = 5.0) -> None:
+        """Refresh every `every` seconds from a daemon thread until close()."""
+        def loop() -> None:
+            while not self._stop.wait(every):
+                self.refresh()
+
+        self._thread = threading.Thread(target=loop, name="imgest-follow-aliases", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
