@@ -1,7 +1,8 @@
 """imgest: object storage -> decoded images -> batched encoder -> Parquet shards -> FAISS indexes.
 
-The Python API is `from imgest import search, Searcher, FollowingSearcher, Query` (docs/indexes-and-search.md); everything else is
-reached through `imgest.flows` (Prefect flows), `imgest.tasks` (their stages) and the `imgest` command.
+The Python API is `from imgest import search, Searcher, FollowingSearcher, Query` (docs/indexes-and-search.md);
+everything else is reached through `imgest.flows` (Prefect flows), `imgest.tasks` (their stages) and the
+`imgest` command.
 """
 
 from __future__ import annotations

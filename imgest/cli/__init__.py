@@ -52,6 +52,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 # Registers the commands on `app` (each module imports it from here).
 from imgest.cli import (  # noqa: E402, F401
     alerts_cmd,
+    api_cmd,
     eval_cmds,
     head_cmds,
     index_cmds,

@@ -35,6 +35,11 @@ class Query:
     query_id: str
     image: str | None = None
     text: str | None = None
+    image_bytes: bytes | None = None  # an image given as bytes (an upload): never a URL to fetch
+
+
+def _image_bytes(query: Query) -> bytes:
+    return query.image_bytes if query.image_bytes is not None else read_url(query.image)
 
 
 def read_queries(url: str) -> list[Query]:
@@ -93,7 +98,7 @@ class Searcher:
         modalities = self.spec.modalities
         if query.text is not None and "text" in modalities:
             return "text"
-        if query.image is not None and "image" in modalities:
+        if (query.image is not None or query.image_bytes is not None) and "image" in modalities:
             return "image"
         if query.text is not None:
             raise SearchError(f"{self.spec.name} has no text tower: text queries are refused (image queries work)")
@@ -107,7 +112,7 @@ class Searcher:
         image_rows = [i for i, kind in enumerate(kinds) if kind == "image"]
         if image_rows:
             side = getattr(encoder, "decode_side", None)  # the reduced JPEG decode the catalogue got
-            pixels = [encoder.preprocess(decode_image(read_url(queries[i].image), min_side=side)) for i in image_rows]
+            pixels = [encoder.preprocess(decode_image(_image_bytes(queries[i]), min_side=side)) for i in image_rows]
             vectors[image_rows] = encoder.encode_images(np.stack(pixels))
         text_rows = [i for i, kind in enumerate(kinds) if kind == "text"]
         if text_rows:

@@ -1,0 +1,44 @@
+"""Command: api (the HTTP search service over a store's aliases; it follows them as they move)."""
+
+from __future__ import annotations
+
+import os
+
+import typer
+
+from imgest.cli import _fail, _user_errors, app
+
+
+@app.command()
+def api(
+    store: str = typer.Option(..., help="Folder or URL of the store"),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (put a proxy in front for other hosts)"),
+    port: int = typer.Option(8000, help="Port to listen on"),
+    alias: list[str] = typer.Option(["serving"], help="Alias to serve; repeat for several (the first is the "
+                                                      "default of a request)"),
+    follow_every: float = typer.Option(5.0, help="Seconds between checks of the alias records"),
+    device: str = typer.Option("auto", help="Where to embed the queries"),
+) -> None:
+    """Serve search over HTTP (POST /search, GET /aliases, GET /healthz), following the aliases as they move.
+    IMGEST_API_TOKEN, when set, is the bearer token every request but /healthz must carry."""
+    try:
+        from imgest.tasks.search.following import FollowingSearcher
+        from imgest.tasks.search.service import create_app
+
+        follower = FollowingSearcher(store, tuple(dict.fromkeys(alias)), device=device)
+        follower.refresh()
+        if not follower.ready():
+            raise RuntimeError("; ".join(f"{name}: {s['error']}" for name, s in follower.status().items()
+                                         if s["error"]))
+    except (*_user_errors(), RuntimeError) as exc:
+        _fail(exc)
+    import uvicorn
+
+    follower.follow(every=follow_every)
+    typer.echo(f"imgest api: serving {', '.join(follower.aliases)} of {follower.store.url} on http://{host}:{port}",
+               err=True)
+    try:
+        uvicorn.run(create_app(follower, token=os.environ.get("IMGEST_API_TOKEN") or None), host=host, port=port,
+                    log_level="warning")
+    finally:
+        follower.close()

@@ -1,0 +1,128 @@
+"""imgest api: real uvicorn on a free port over a real store; search parity with `imgest search`, an alias moved
+under concurrent requests with none failing, bounded bad requests answered 4xx in one line, the bearer token."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from imgest.cli import app
+from imgest.config import IndexConfig, IngestConfig
+from imgest.flows.build_index import build_index
+from imgest.flows.ingest import ingest
+from imgest.storage import Location
+from imgest.tasks.index.store import read_card
+from imgest.tasks.migration.aliases import set_alias
+from imgest.tasks.search.following import FollowingSearcher
+from imgest.tasks.search.service import create_app
+from tests.helpers import gradient, png_bytes, write_files
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+MODEL, TOKEN = "raw-pixels", "test-token-not-a-secret"
+
+
+@pytest.fixture()
+def served(tmp_path):
+    import uvicorn
+
+    cat, store = tmp_path / "cat", tmp_path / "store"
+    write_files(str(cat), {f"{i:03d}.png": png_bytes(gradient(i)) for i in range(30)})
+    ingest(IngestConfig(catalogue=str(cat), store=str(store), model=MODEL, batch_size="8"))
+    for _ in range(2):
+        build_index(IndexConfig(store=str(store), model=MODEL, alias="serving", rebuild=True))
+    location = Location(str(store))
+    slug = next(iter(location.list_names("indexes"))).removeprefix("model=")
+    set_alias(location, "serving", read_card(location, slug, 1), "test: start on v1")
+    follower = FollowingSearcher(str(store), ("serving",), device="cpu")
+    follower.refresh()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(follower, token=TOKEN), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield {"url": url, "follower": follower, "store": store, "cat": cat, "location": location, "slug": slug}
+    server.should_exit = True
+    thread.join(timeout=30)
+    sock.close()
+
+
+def _auth() -> dict:
+    return {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_search_answers_as_the_command_does_and_bad_requests_get_one_line(served):
+    url, image = served["url"], served["cat"] / "007.png"
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    assert httpx.get(f"{url}/aliases").status_code == 401  # the token is required
+    aliases = httpx.get(f"{url}/aliases", headers=_auth()).json()
+    assert aliases["serving"]["version"] == 1 and aliases["serving"]["model"] == served["slug"]
+
+    body = {"image_b64": base64.b64encode(image.read_bytes()).decode(), "k": 5}
+    answer = httpx.post(f"{url}/search", json=body, headers=_auth())
+    assert answer.status_code == 200, answer.text
+    hits = answer.json()["hits"]
+    cli = CliRunner().invoke(app, ["search", "--store", str(served["store"]), "--image", str(image), "--k", "5",
+                                   "--json", "--device", "cpu"])
+    assert cli.exit_code == 0, cli.output
+    expected = json.loads(cli.stdout)
+    assert [h["item_id"] for h in hits] == [h["item_id"] for h in expected["results"][0]["hits"]]
+    assert [h["score"] for h in hits] == pytest.approx([h["score"] for h in expected["results"][0]["hits"]], abs=1e-5)
+    assert hits[0]["item_id"] == "007.png" and {(h["model"], h["version"], h["alias"]) for h in hits} == \
+        {(served["slug"], 1, "serving")}
+
+    for bad, status, says in (
+            ({"text": "red shoes"}, 400, "no text tower"),
+            ({**body, "k": 0}, 422, "k: "),
+            ({**body, "k": 100000}, 422, "k: "),
+            ({**body, "text": "and words"}, 400, "exactly one of text or image_b64"),
+            ({"image_b64": "not base64!"}, 400, "not base64"),
+            ({"image_b64": base64.b64encode(b"just bytes").decode()}, 400, "UnidentifiedImageError"),
+            ({**body, "url": "http://169.254.169.254/"}, 422, "url: "),
+            ({**body, "alias": ["shadow"]}, 400, "not served here")):
+        refused = httpx.post(f"{url}/search", json=bad, headers=_auth())
+        assert refused.status_code == status and says in refused.json()["detail"], (bad.keys(), refused.text)
+        assert "Traceback" not in refused.text
+
+
+def test_an_alias_moved_under_concurrent_requests_fails_none(served):
+    url, follower, location, slug = served["url"], served["follower"], served["location"], served["slug"]
+    body = {"image_b64": base64.b64encode((served["cat"] / "003.png").read_bytes()).decode(), "k": 3}
+    statuses, versions, stop = [], [], threading.Event()
+
+    def client() -> None:
+        with httpx.Client(headers=_auth(), timeout=30) as http:
+            while not stop.is_set():
+                answer = http.post(f"{url}/search", json=body)
+                statuses.append(answer.status_code)
+                if answer.status_code == 200:
+                    versions.append(answer.json()["hits"][0]["version"])
+
+    clients = [threading.Thread(target=client, daemon=True) for _ in range(3)]
+    for thread in clients:
+        thread.start()
+    try:
+        for version in (2, 1, 2):
+            set_alias(location, "serving", read_card(location, slug, version), f"test: to v{version}")
+            assert follower.refresh() == ["serving"]
+            before = len(versions)
+            deadline = time.monotonic() + 20
+            while len(versions) < before + 10 and time.monotonic() < deadline:
+                time.sleep(0.02)
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=30)
+    assert statuses and set(statuses) == {200}
+    assert set(versions) == {1, 2}
+    assert httpx.get(f"{url}/aliases", headers=_auth()).json()["serving"]["version"] == 2
