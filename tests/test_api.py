@@ -126,3 +126,9 @@ def test_an_alias_moved_under_concurrent_requests_fails_none(served):
     assert statuses and set(statuses) == {200}
     assert set(versions) == {1, 2}
     assert httpx.get(f"{url}/aliases", headers=_auth()).json()["serving"]["version"] == 2
+    metrics = httpx.get(f"{url}/metrics", headers=_auth()).text
+    assert f'imgest_api_requests_total{{alias="serving",route="/search",status="200"}} {float(len(statuses))}' \
+        in metrics
+    assert f'imgest_api_served_version{{alias="serving",model="{slug}"}} 2.0' in metrics
+    assert "imgest_api_alias_swaps 3.0" in metrics and 'imgest_api_alias_load_failed{alias="serving"} 0.0' in metrics
+    assert 'imgest_api_request_seconds_count{alias="serving",route="/search"}' in metrics

@@ -4,6 +4,7 @@
                  -> {"hits": [{"item_id", "score", "model", "version", "alias"}], "took_ms"}
   GET  /aliases  -> {alias: {"model", "version", "recall", "loaded_at", "error"}}
   GET  /healthz  -> 200 when every alias is loaded, 503 before
+  GET  /metrics  -> Prometheus text: requests and latency by route, alias and status; served versions; swaps
 
 Requests are bounded (image bytes, k, where length) and refused with 4xx and {"detail": one line}; a request
 never names a URL the service fetches. With a token (IMGEST_API_TOKEN), every route but /healthz needs
@@ -19,7 +20,8 @@ import time
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from imgest.redact import redact
@@ -52,6 +54,26 @@ def create_app(follower: FollowingSearcher, token: str | None = None) -> FastAPI
             raise HTTPException(401, "a bearer token is required (Authorization: Bearer ...)")
 
     app = FastAPI(title="imgest search", docs_url=None, redoc_url=None, openapi_url=None)
+    registry = CollectorRegistry()  # the app's own: two services in one process do not mix their figures
+    requests = Counter("imgest_api_requests", "Requests answered", ["route", "alias", "status"], registry=registry)
+    latency = Histogram("imgest_api_request_seconds", "Time to answer", ["route", "alias"], registry=registry,
+                        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+    served = Gauge("imgest_api_served_version", "Index version each alias serves", ["alias", "model"],
+                   registry=registry)
+    failed = Gauge("imgest_api_alias_load_failed", "1 while what an alias names failed to load", ["alias"],
+                   registry=registry)
+    swaps = Gauge("imgest_api_alias_swaps", "Alias moves swapped in since start", registry=registry)
+    routes = {"/search", "/aliases", "/healthz", "/metrics"}
+
+    @app.middleware("http")
+    async def measure(request: Request, call_next):
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.url.path if request.url.path in routes else "other"
+        alias = getattr(request.state, "alias", "")
+        requests.labels(route, alias, str(response.status_code)).inc()
+        latency.labels(route, alias).observe(time.perf_counter() - started)
+        return response
 
     @app.exception_handler(SearchError)
     async def refused(request: Request, exc: SearchError) -> JSONResponse:
@@ -64,8 +86,9 @@ def create_app(follower: FollowingSearcher, token: str | None = None) -> FastAPI
         return JSONResponse({"detail": f"{where}: {first.get('msg', 'invalid request')}"}, status_code=422)
 
     @app.post("/search", dependencies=[Depends(authorised)])
-    def search(body: SearchRequest) -> dict:
+    def search(body: SearchRequest, request: Request) -> dict:
         started = time.perf_counter()
+        request.state.alias = body.alias[0] if body.alias else follower.aliases[0]
         if (body.text is None) == (body.image_b64 is None):
             raise HTTPException(400, "give exactly one of text or image_b64")
         image = None
@@ -96,5 +119,15 @@ def create_app(follower: FollowingSearcher, token: str | None = None) -> FastAPI
     def healthz() -> JSONResponse:
         ready = follower.ready()
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    @app.get("/metrics", dependencies=[Depends(authorised)])
+    def metrics() -> Response:
+        served.clear()
+        for alias, status in follower.status().items():
+            if status["version"] is not None:
+                served.labels(alias, status["model"]).set(status["version"])
+            failed.labels(alias).set(1 if status["error"] else 0)
+        swaps.set(follower.swaps)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
