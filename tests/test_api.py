@@ -34,7 +34,9 @@ def served(tmp_path):
 
     cat, store = tmp_path / "cat", tmp_path / "store"
     write_files(str(cat), {f"{i:03d}.png": png_bytes(gradient(i)) for i in range(30)})
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model=MODEL, batch_size="8"))
+    meta = tmp_path / "meta.csv"
+    meta.write_text("item_id,title,price\n" + "".join(f"{i:03d}.png,gradient {i},{i}.5\n" for i in range(30)))
+    ingest(IngestConfig(catalogue=str(cat), store=str(store), model=MODEL, batch_size="8", metadata=str(meta)))
     for _ in range(2):
         build_index(IndexConfig(store=str(store), model=MODEL, alias="serving", rebuild=True))
     location = Location(str(store))
@@ -80,6 +82,9 @@ def test_search_answers_as_the_command_does_and_bad_requests_get_one_line(served
     assert [h["score"] for h in hits] == pytest.approx([h["score"] for h in expected["results"][0]["hits"]], abs=1e-5)
     assert hits[0]["item_id"] == "007.png" and {(h["model"], h["version"], h["alias"]) for h in hits} == \
         {(served["slug"], 1, "serving")}
+    assert hits[0]["metadata"]["title"] == "gradient 7" and hits[0]["metadata"]["price"] == 7.5
+    filtered = httpx.post(f"{url}/search", json={**body, "where": "price < 3"}, headers=_auth()).json()["hits"]
+    assert sorted(h["item_id"] for h in filtered) == ["000.png", "001.png", "002.png"]
 
     for bad, status, says in (
             ({"text": "red shoes"}, 400, "no text tower"),

@@ -31,6 +31,7 @@ class Answer:
     model: str
     version: int
     hits: list[list[Hit]]
+    metadata: dict[str, dict] | None = None  # with_metadata: each hit's catalogue metadata row by item_id
 
 
 @dataclass
@@ -101,12 +102,14 @@ class FollowingSearcher:
                           "error": self._errors.get(alias)}
         return out
 
-    def search(self, queries: list[Query], k: int = 10, alias: str | None = None, **options) -> Answer:
+    def search(self, queries: list[Query], k: int = 10, alias: str | None = None, with_metadata: bool = False,
+               **options) -> Answer:
         """Answer on the version the alias serves at this moment, start to end (a swap during the query does
-        not change it)."""
+        not change it); `with_metadata` adds each hit's catalogue metadata row."""
         served = self._take(alias)
-        return Answer(alias or self.aliases[0], served.slug, served.version,
-                      served.searcher.search(queries, k, **options))
+        hits = served.searcher.search(queries, k, **options)
+        metadata = served.searcher.metadata_of([h.item_id for row in hits for h in row]) if with_metadata else None
+        return Answer(alias or self.aliases[0], served.slug, served.version, hits, metadata)
 
     def search_vectors(self, vectors: np.ndarray, k: int = 10, alias: str | None = None, **options) -> Answer:
         served = self._take(alias)

@@ -186,6 +186,18 @@ class Searcher:
         self._filters[where] = positions(items, self._index_ids)
         return self._filters[where]
 
+    def metadata_of(self, item_ids: list[str]) -> dict[str, dict]:
+        """Each item's catalogue metadata row (item_id and row_hash left out); {} when the store holds none."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        try:
+            table = self._metadata()
+        except SearchError:
+            return {}
+        rows = table.filter(pc.is_in(table.column("item_id"), value_set=pa.array(item_ids, pa.string())))
+        return {row.pop("item_id"): {k: v for k, v in row.items() if k != "row_hash"} for row in rows.to_pylist()}
+
     def _groups(self, column: str) -> dict[str, str]:
         """item_id -> its value of `column`, kept per column like the filters."""
         if column not in self._group_maps:

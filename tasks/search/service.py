@@ -1,7 +1,7 @@
 """The HTTP search service (`imgest api`): FastAPI over a FollowingSearcher, read-only.
 
   POST /search   {"text" | "image_b64", "k", "alias": [one alias], "where", "group_by", "per_group"}
-                 -> {"hits": [{"item_id", "score", "model", "version", "alias"}], "took_ms"}
+                 -> {"hits": [{"item_id", "score", "group", "metadata", "model", "version", "alias"}], "took_ms"}
   GET  /aliases  -> {alias: {"model", "version", "recall", "loaded_at", "error"}}
   GET  /healthz  -> 200 when every alias is loaded, 503 before
   GET  /metrics  -> Prometheus text: requests and latency by route, alias and status; served versions; swaps
@@ -102,13 +102,14 @@ def create_app(follower: FollowingSearcher, token: str | None = None) -> FastAPI
         alias = body.alias[0] if body.alias else None
         try:
             answer = follower.search([Query("request", text=body.text, image_bytes=image)], body.k, alias,
-                                     where=body.where, group_by=body.group_by, per_group=body.per_group)
+                                     with_metadata=True, where=body.where, group_by=body.group_by,
+                                     per_group=body.per_group)
         except SearchError:
             raise
         except ValueError as exc:  # an image that does not decode, a bad predicate: the request's fault
             raise HTTPException(400, redact(str(exc))) from None
-        hits = [{"item_id": h.item_id, "score": h.score, "group": h.group, "model": answer.model,
-                 "version": answer.version, "alias": answer.alias} for h in answer.hits[0]]
+        hits = [{"item_id": h.item_id, "score": h.score, "group": h.group, "metadata": answer.metadata.get(h.item_id),
+                 "model": answer.model, "version": answer.version, "alias": answer.alias} for h in answer.hits[0]]
         return {"hits": hits, "took_ms": round(1000 * (time.perf_counter() - started), 3)}
 
     @app.get("/aliases", dependencies=[Depends(authorised)])
