@@ -21,6 +21,7 @@ from imgest.tasks.duplicates.hashes import hamming, perceptual_hash, picture
 from imgest.tasks.duplicates.variants import KINDS, make_variant
 from imgest.tasks.duplicates.verify import correlation, same_picture
 from imgest.tasks.ingest.decode import decode_image
+from tests.helpers import write_files
 
 
 def _png(image: Image.Image) -> bytes:
@@ -111,9 +112,7 @@ def test_planted_copies_are_found_at_the_defaults_and_no_group_joins_two_origina
     """Copies at JPEG quality 60-70 (alpha composited), resizes and crops, with the real Lite0 weights."""
     files, planted = planted_duplicates(kind, originals, copies, seed=3)
     cat, store = tmp_path / "cat", tmp_path / "store"
-    for key, data in files.items():
-        (cat / key).parent.mkdir(parents=True, exist_ok=True)
-        (cat / key).write_bytes(data)
+    write_files(str(cat), files)
     runner = CliRunner()
     night = runner.invoke(app, ["nightly", "--catalogue", str(cat), "--store", str(store), "--batch-size", "8"])
     assert night.exit_code == 0, night.output
