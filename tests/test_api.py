@@ -20,6 +20,7 @@ from imgest.flows.ingest import ingest
 from imgest.storage import Location
 from imgest.tasks.index.store import read_card
 from imgest.tasks.migration.aliases import set_alias
+from imgest.tasks.search.combined import read_route
 from imgest.tasks.search.following import FollowingSearcher
 from imgest.tasks.search.service import create_app
 from tests.helpers import gradient, png_bytes, write_files
@@ -42,7 +43,11 @@ def served(tmp_path):
     location = Location(str(store))
     slug = next(iter(location.list_names("indexes"))).removeprefix("model=")
     set_alias(location, "serving", read_card(location, slug, 1), "test: start on v1")
-    follower = FollowingSearcher(str(store), ("serving",), device="cpu")
+    set_alias(location, "shadow", read_card(location, slug, 2), "test: a second retriever")
+    route = tmp_path / "route.json"
+    route.write_text(json.dumps({"a": "serving", "b": "shadow", "classes": {"visual": "a", "mixed": "rrf"},
+                                 "default": "b", "calibration": {"a": [1.0, 0.0], "b": [1.0, 0.0]}}))
+    follower = FollowingSearcher(str(store), ("serving",), device="cpu", route=read_route(str(route)))
     follower.refresh()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -53,7 +58,8 @@ def served(tmp_path):
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield {"url": url, "follower": follower, "store": store, "cat": cat, "location": location, "slug": slug}
+    yield {"url": url, "follower": follower, "store": store, "cat": cat, "location": location, "slug": slug,
+           "route": route}
     server.should_exit = True
     thread.join(timeout=30)
     sock.close()
@@ -90,14 +96,75 @@ def test_search_answers_as_the_command_does_and_bad_requests_get_one_line(served
             ({"text": "red shoes"}, 400, "no text tower"),
             ({**body, "k": 0}, 422, "k: "),
             ({**body, "k": 100000}, 422, "k: "),
-            ({**body, "text": "and words"}, 400, "exactly one of text or image_b64"),
+            ({**body, "text": "and words"}, 400, "exactly one of text, item_id or an image"),
+            ({"item_id": "no-such.png"}, 404, "no live item 'no-such.png'"),
+            ({**body, "alias": ["serving", "shadow"]}, 400, "add fuse rrf"),
+            ({**body, "fuse": "max"}, 400, "unknown fusion 'max'"),
+            ({**body, "query_class": "visual", "alias": ["shadow"]}, 400, "give no alias or fuse"),
             ({"image_b64": "not base64!"}, 400, "not base64"),
             ({"image_b64": base64.b64encode(b"just bytes").decode()}, 400, "UnidentifiedImageError"),
             ({**body, "url": "http://169.254.169.254/"}, 422, "url: "),
-            ({**body, "alias": ["shadow"]}, 400, "not served here")):
+            ({**body, "alias": ["captions"]}, 400, "not served here")):
         refused = httpx.post(f"{url}/search", json=bad, headers=_auth())
         assert refused.status_code == status and says in refused.json()["detail"], (bad.keys(), refused.text)
         assert "Traceback" not in refused.text
+
+
+def _cli_hits(store, *args: str) -> list[dict]:
+    cli = CliRunner().invoke(app, ["search", "--store", str(store), *args, "--json", "--device", "cpu"])
+    assert cli.exit_code == 0, cli.output
+    return json.loads(cli.stdout)["results"][0]["hits"]
+
+
+def _same(hits: list[dict], expected: list[dict]) -> None:
+    assert [h["item_id"] for h in hits] == [h["item_id"] for h in expected]
+    assert [h["score"] for h in hits] == pytest.approx([h["score"] for h in expected], abs=1e-5)
+
+
+def test_item_id_fusion_routing_and_uploads_answer_as_the_command_does(served):
+    url, store, image = served["url"], served["store"], served["cat"] / "007.png"
+    b64 = base64.b64encode(image.read_bytes()).decode()
+    with httpx.Client(base_url=url, headers=_auth(), timeout=30) as http:
+        # more like this: the item's stored vector; the item itself is not among its hits
+        by_item = http.post("/search", json={"item_id": "007.png", "k": 5}).json()["hits"]
+        _same(by_item, _cli_hits(store, "--item-id", "007.png", "--k", "5"))
+        by_image = http.post("/search", json={"image_b64": b64, "k": 6}).json()["hits"]  # its own picture
+        assert by_image[0]["item_id"] == "007.png" and [h["item_id"] for h in by_item] == \
+            [h["item_id"] for h in by_image[1:]]
+
+        fused = http.post("/search", json={"image_b64": b64, "k": 5, "alias": ["serving", "shadow"],
+                                           "fuse": "rrf"}).json()
+        _same(fused["hits"], _cli_hits(store, "--image", str(image), "--k", "5", "--alias", "serving", "--alias",
+                                       "shadow", "--fuse", "rrf"))
+        assert fused["hits"][0]["found_by"] == [{"alias": "serving", "rank": 1}, {"alias": "shadow", "rank": 1}]
+        assert {(h["alias"], h["version"]) for h in fused["hits"]} <= {("serving", 1), ("shadow", 2)}
+
+        for query_class, aliases in (("mixed", ["serving", "shadow"]), ("visual", ["serving"]), ("other", ["shadow"])):
+            routed = http.post("/search", json={"image_b64": b64, "k": 5, "query_class": query_class}).json()
+            _same(routed["hits"], _cli_hits(store, "--image", str(image), "--k", "5", "--route", str(served["route"]),
+                                            "--query-class", query_class))
+            assert routed["how"]["aliases"] == aliases
+
+        uploaded = http.post("/search", files={"image": ("007.png", image.read_bytes(), "image/png")},
+                             data={"k": "5", "where": "price < 9"}).json()["hits"]
+        _same(uploaded, http.post("/search", json={"image_b64": b64, "k": 5, "where": "price < 9"}).json()["hits"])
+        assert uploaded[0]["item_id"] == "007.png" and all(h["metadata"]["price"] < 9 for h in uploaded)
+
+        from imgest.tasks.search.service import MAX_BODY_BYTES, MAX_IMAGE_BYTES
+
+        too_big = http.post("/search", files={"image": ("big.png", b"\0" * (MAX_IMAGE_BYTES + 1), "image/png")})
+        assert too_big.status_code == 413 and "image larger than" in too_big.json()["detail"]
+        body = http.post("/search", content=b" " * (MAX_BODY_BYTES + 1), headers={"content-type": "application/json"})
+        assert body.status_code == 413 and "body larger than" in body.json()["detail"]
+
+        def chunks():
+            for _ in range(MAX_BODY_BYTES // (1 << 20) + 2):
+                yield b" " * (1 << 20)
+
+        chunked = http.post("/search", content=chunks(), headers={"content-type": "application/json"})
+        assert chunked.status_code == 413, chunked.text
+        two_files = http.post("/search", files=[("image", ("a.png", b"x")), ("other", ("b.png", b"y"))])
+        assert two_files.status_code in (400, 422) and "Traceback" not in two_files.text
 
 
 def test_an_alias_moved_under_concurrent_requests_fails_none(served):

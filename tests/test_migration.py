@@ -20,7 +20,8 @@ from imgest.flows.nightly import nightly
 from imgest.storage import Location
 from imgest.tasks.migration.aliases import read_alias
 from imgest.tasks.migration.window import MigrationError, read_window, window_status
-from imgest.tasks.search.query import Query, Searcher, fused_search
+from imgest.tasks.search.combined import fused_search
+from imgest.tasks.search.query import Query, Searcher
 from tests.helpers import HANG_AFTER_FIRST_SHARD, events_seen, gradient, jpeg_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import typer
 
@@ -18,14 +19,19 @@ def api(
                                                       "default of a request)"),
     follow_every: float = typer.Option(5.0, help="Seconds between checks of the alias records"),
     device: str = typer.Option("auto", help="Where to embed the queries"),
+    route: Optional[str] = typer.Option(None, help="A routing table from imgest eval --compare --out (routing.json): "
+                                                   "a request's query_class chooses the retriever; its aliases are "
+                                                   "served too"),
 ) -> None:
     """Serve search over HTTP (POST /search, GET /aliases, GET /healthz), following the aliases as they move.
     IMGEST_API_TOKEN, when set, is the bearer token every request but /healthz must carry."""
     try:
+        from imgest.tasks.search.combined import read_route
         from imgest.tasks.search.following import FollowingSearcher
         from imgest.tasks.search.service import create_app
 
-        follower = FollowingSearcher(store, tuple(dict.fromkeys(alias)), device=device)
+        table = read_route(route) if route else None
+        follower = FollowingSearcher(store, tuple(dict.fromkeys(alias)), device=device, route=table)
         follower.refresh()
         if not follower.ready():
             raise RuntimeError("; ".join(f"{name}: {s['error']}" for name, s in follower.status().items()

@@ -50,7 +50,9 @@ def search_cmd(
     store: str = typer.Option(..., help="Folder or URL of the store"),
     image: Optional[str] = typer.Option(None, help="Query image: a path or URL"),
     text: Optional[str] = typer.Option(None, help="Query text (models with a text tower)"),
-    queries: Optional[str] = typer.Option(None, help="JSONL file: query_id and image or text per line"),
+    item_id: Optional[str] = typer.Option(None, help="More like this item: its stored embedding in each model "
+                                                     "searched (the item itself is left out of its hits)"),
+    queries: Optional[str] = typer.Option(None, help="JSONL file: query_id and image, text or item_id per line"),
     k: int = typer.Option(10, help="Results per query"),
     alias: list[str] = typer.Option(["serving"], help="Alias to search (ignored with --model); repeat it with "
                                                      "--fuse rrf to fuse several, e.g. --alias captions --alias "
@@ -72,19 +74,20 @@ def search_cmd(
                                                          "table's default when absent)"),
     as_json: bool = typer.Option(False, "--json", help="JSON output"),
 ) -> None:
-    """Search by image, by text, or a batch of queries, with the model that built the index."""
+    """Search by image, by text, by item id (more like this), or a batch of queries, with the model that built
+    the index."""
     from dataclasses import asdict
 
     try:
         from imgest.tasks.search.query import Query, Searcher, SearchError, read_queries
 
-        given = [x for x in (image, text, queries) if x is not None]
+        given = [x for x in (image, text, item_id, queries) if x is not None]
         if len(given) != 1:
-            raise SearchError("give exactly one of --image, --text or --queries")
-        batch = read_queries(queries) if queries else [Query("query", image, text)]
+            raise SearchError("give exactly one of --image, --text, --item-id or --queries")
+        batch = read_queries(queries) if queries else [Query("query", image, text, item_id=item_id)]
         aliases = tuple(dict.fromkeys(alias))
         if route is not None:
-            from imgest.tasks.search.query import routed_search
+            from imgest.tasks.search.combined import routed_search
 
             results, how = routed_search(store, batch, k, route, query_class, device, where, group_by, per_group)
             card = {"model_id": f"route {how['route']} ({', '.join(how['aliases'])}; {how['from']})",
@@ -92,7 +95,7 @@ def search_cmd(
         elif fuse is not None:
             if fuse != "rrf":
                 raise SearchError(f"unknown fusion {fuse!r}; allowed: rrf")
-            from imgest.tasks.search.query import fused_search
+            from imgest.tasks.search.combined import fused_search
 
             aliases = aliases if len(aliases) > 1 else ("serving", "shadow")
             results = fused_search(store, batch, k, aliases, rrf_k, device, where, group_by, per_group)
@@ -120,7 +123,7 @@ def search_cmd(
     else:
         typer.echo(f"reciprocal rank fusion (k={rrf_k}) of {', '.join(aliases)}")
     for query, hits in zip(batch, results):
-        typer.echo(f"\n{query.query_id}: {query.image or query.text}")
+        typer.echo(f"\n{query.query_id}: {query.image or query.text or f'item {query.item_id}'}")
         for hit in hits:
             typer.echo(f"  {hit.rank:>3}  {hit.score:.4f}  {hit.item_id}" + (f"  [{hit.group}]" if hit.group else ""))
 

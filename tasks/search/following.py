@@ -19,19 +19,38 @@ import numpy as np
 
 from imgest.redact import one_line
 from imgest.storage import open_location
+from imgest.tasks.evaluate.fusion import RRF_K
 from imgest.tasks.migration.aliases import read_alias
+from imgest.tasks.search.combined import answer, choose, rrf_combine
 from imgest.tasks.search.query import Hit, Query, Searcher, SearchError
 
 
 @dataclass
 class Answer:
-    """What one alias answered, and which index answered it."""
+    """What answered a request: the hits per query, and the model and version each alias asked served."""
 
-    alias: str
-    model: str
-    version: int
     hits: list[list[Hit]]
+    served: dict[str, tuple[str, int]]  # alias -> (model slug, index version), the request's first alias first
+    how: dict | None = None  # a fusion or a routing table's choice, as `imgest search --json` says it
     metadata: dict[str, dict] | None = None  # with_metadata: each hit's catalogue metadata row by item_id
+
+    @property
+    def alias(self) -> str:
+        return next(iter(self.served))
+
+    @property
+    def model(self) -> str:
+        return self.served[self.alias][0]
+
+    @property
+    def version(self) -> int:
+        return self.served[self.alias][1]
+
+    def source(self, hit: Hit) -> str:
+        """The alias a hit is credited to: the one alias asked, or among fused ones the one ranking it best."""
+        if not hit.found_by:
+            return self.alias
+        return min(hit.found_by, key=lambda pair: pair[1])[0]
 
 
 @dataclass
@@ -43,9 +62,12 @@ class _Served:
 
 
 class FollowingSearcher:
-    def __init__(self, store_url: str, aliases: tuple[str, ...] = ("serving",), device: str = "auto"):
+    def __init__(self, store_url: str, aliases: tuple[str, ...] = ("serving",), device: str = "auto",
+                 route: dict | None = None):
         self.store = open_location(store_url, must_exist=True, what="store")
-        self.aliases, self.device = tuple(aliases), device
+        self.route = route  # a routing table (imgest eval --compare --out): query classes choose aliases
+        routed = (route["a"], route["b"]) if route else ()
+        self.aliases, self.device = tuple(dict.fromkeys((*aliases, *routed))), device
         self._served: dict[str, _Served] = {}
         self._errors: dict[str, str] = {}
         self._lock = threading.Lock()  # one refresh at a time; queries never take it
@@ -65,7 +87,8 @@ class FollowingSearcher:
                     current = self._served.get(alias)
                     if current is not None and (current.slug, current.version) == (entry["slug"], entry["version"]):
                         continue
-                    searcher = Searcher(self.store.url, alias, device=self.device)
+                    searcher = self._loaded(entry["slug"], entry["version"]) or Searcher(self.store.url, alias,
+                                                                                           device=self.device)
                     card = searcher.card
                     # the new one is whole and verified: one assignment makes it the one queries take
                     self._served[alias] = _Served(searcher, card["slug"], int(card["version"]),
@@ -78,6 +101,11 @@ class FollowingSearcher:
                     logging.getLogger("imgest").warning("alias %s: keeps serving %s: %s", alias,
                                                         self._describe(alias), self._errors[alias])
         return swapped
+
+    def _loaded(self, slug: str, version: int) -> Searcher | None:
+        """A version another alias already serves (two aliases on one version share its memory)."""
+        return next((served.searcher for served in self._served.values()
+                     if (served.slug, served.version) == (slug, version)), None)
 
     def _describe(self, alias: str) -> str:
         served = self._served.get(alias)
@@ -102,19 +130,44 @@ class FollowingSearcher:
                           "error": self._errors.get(alias)}
         return out
 
-    def search(self, queries: list[Query], k: int = 10, alias: str | None = None, with_metadata: bool = False,
-               **options) -> Answer:
-        """Answer on the version the alias serves at this moment, start to end (a swap during the query does
-        not change it); `with_metadata` adds each hit's catalogue metadata row."""
-        served = self._take(alias)
-        hits = served.searcher.search(queries, k, **options)
-        metadata = served.searcher.metadata_of([h.item_id for row in hits for h in row]) if with_metadata else None
-        return Answer(alias or self.aliases[0], served.slug, served.version, hits, metadata)
+    def search(self, queries: list[Query], k: int = 10, alias: str | list[str] | None = None,
+               fuse: str | None = None, query_class: str | None = None, rrf_k: int = RRF_K,
+               with_metadata: bool = False, where: str | None = None, group_by: str | None = None,
+               per_group: int = 1) -> Answer:
+        """Answer as `imgest search` would with the same options, on the versions the aliases serve at this
+        moment, start to end (a swap during the query does not change them). Several aliases need `fuse="rrf"`
+        (one alias with it fuses serving and shadow, as the command does); `query_class` lets the routing table
+        choose. `with_metadata` adds each hit's catalogue metadata row."""
+        names = [alias] if isinstance(alias, str) else list(dict.fromkeys(alias or []))
+        how = None
+        if query_class is not None:
+            if self.route is None:
+                raise SearchError("query_class needs a routing table: start the service with --route")
+            if names or fuse:
+                raise SearchError("query_class lets the routing table choose the aliases: give no alias or fuse")
+            route = choose(self.route, query_class)
+            names, combine, how = list(route.aliases), route.combine, route.how
+        elif fuse is not None:
+            if fuse != "rrf":
+                raise SearchError(f"unknown fusion {fuse!r}; allowed: rrf")
+            names = names if len(names) > 1 else ["serving", "shadow"]
+            combine, how = rrf_combine(rrf_k), {"fuse": "rrf", "rrf_k": rrf_k, "aliases": names}
+        elif len(names) > 1:
+            raise SearchError(f"{len(names)} aliases given: add fuse rrf to fuse them, or give one")
+        else:
+            names, combine = names or [self.aliases[0]], None
+        taken = {name: self._take(name) for name in names}  # one read each: the request keeps these versions
+        hits = answer([(name, served.searcher) for name, served in taken.items()], queries, k, combine, where,
+                      group_by, per_group)
+        metadata = None
+        if with_metadata:
+            metadata = taken[names[0]].searcher.metadata_of([h.item_id for row in hits for h in row])
+        return Answer(hits, {name: (s.slug, s.version) for name, s in taken.items()}, how, metadata)
 
     def search_vectors(self, vectors: np.ndarray, k: int = 10, alias: str | None = None, **options) -> Answer:
         served = self._take(alias)
-        return Answer(alias or self.aliases[0], served.slug, served.version,
-                      served.searcher.search_vectors(vectors, k, **options))
+        return Answer(served.searcher.search_vectors(vectors, k, **options),
+                      {alias or self.aliases[0]: (served.slug, served.version)})
 
     def _take(self, alias: str | None) -> _Served:
         name = alias or self.aliases[0]

@@ -21,6 +21,10 @@ class SearchError(ValueError):
     """A query cannot be answered correctly (wrong model, no text tower, bad query); never a wrong answer."""
 
 
+class UnknownItem(SearchError):
+    """A query by item id names no live item of the model asked (HTTP 404)."""
+
+
 @dataclass
 class Hit:
     rank: int
@@ -28,6 +32,7 @@ class Hit:
     uri: str
     score: float
     group: str | None = None  # with --group-by: the group (e.g. product_id) this hit stands for
+    found_by: list[tuple[str, int]] | None = None  # fused: (alias, rank there) of each retriever that found it
 
 
 @dataclass
@@ -36,6 +41,7 @@ class Query:
     image: str | None = None
     text: str | None = None
     image_bytes: bytes | None = None  # an image given as bytes (an upload): never a URL to fetch
+    item_id: str | None = None  # "more like this": the item's stored embedding in each model asked
 
 
 def _image_bytes(query: Query) -> bytes:
@@ -43,7 +49,7 @@ def _image_bytes(query: Query) -> bytes:
 
 
 def read_queries(url: str) -> list[Query]:
-    """JSONL: one object per line with ``query_id`` and either ``image`` (path or URL) or ``text``."""
+    """JSONL: one object per line with ``query_id`` and ``image`` (path or URL), ``text`` or ``item_id``."""
     queries = []
     for number, line in enumerate(read_url(url).decode().splitlines(), 1):
         if not line.strip():
@@ -52,10 +58,12 @@ def read_queries(url: str) -> list[Query]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise SearchError(f"{url} line {number}: not JSON ({exc})") from exc
-        if "query_id" not in obj or ("image" not in obj and "text" not in obj):
-            raise SearchError(f"{url} line {number}: needs query_id and an image or a text (or both); got "
-                              f"keys {sorted(obj)}")
-        queries.append(Query(str(obj["query_id"]), obj.get("image"), obj.get("text")))
+        if not isinstance(obj, dict) or "query_id" not in obj or not {"image", "text", "item_id"} & set(obj):
+            raise SearchError(f"{url} line {number}: needs query_id and an image, a text (or both) or an item_id; "
+                              f"got {sorted(obj) if isinstance(obj, dict) else type(obj).__name__}")
+        item = obj.get("item_id")
+        queries.append(Query(str(obj["query_id"]), obj.get("image"), obj.get("text"),
+                             item_id=None if item is None else str(item)))
     return queries
 
 
@@ -81,6 +89,7 @@ class Searcher:
         self._index_ids = None  # the index's item_ids as an Arrow array, for mapping a filter's items
         self._filters: dict[str, np.ndarray] = {}  # --where predicate -> faiss ids
         self._group_maps: dict[str, dict[str, str]] = {}  # --group-by column -> item_id -> value
+        self._stored = None  # StoredVectors, made on the first query by item id
 
     @property
     def card(self) -> dict:
@@ -96,6 +105,8 @@ class Searcher:
         (a caption model; CLIP's cross-modal search), else its image. A query may carry both (a photo and
         words): each retriever then takes what it can read, so two retrievers answer the same query."""
         modalities = self.spec.modalities
+        if query.item_id is not None:
+            return "item"
         if query.text is not None and "text" in modalities:
             return "text"
         if (query.image is not None or query.image_bytes is not None) and "image" in modalities:
@@ -120,25 +131,43 @@ class Searcher:
                 vectors[text_rows] = encoder.encode_texts([queries[i].text for i in text_rows])
             except EncoderError as exc:
                 raise SearchError(str(exc)) from exc
+        for row in (i for i, kind in enumerate(kinds) if kind == "item"):
+            vectors[row] = self.stored_vector(queries[row].item_id)
         return vectors
 
+    def stored_vector(self, item_id: str) -> np.ndarray:
+        """An item's own embedding in this model, as its shard holds it (SearchError when it is not live)."""
+        from imgest.tasks.search.items import ItemNotFound, StoredVectors
+
+        if self._stored is None:
+            self._stored = StoredVectors(self.store, self.card["slug"], self.spec.dim)
+        try:
+            return self._stored.vector(item_id)
+        except ItemNotFound as exc:
+            raise UnknownItem(str(exc)) from exc
+
     def search_vectors(self, vectors: np.ndarray, k: int = 10, where: str | None = None,
-                       group_by: str | None = None, per_group: int = 1) -> list[list[Hit]]:
+                       group_by: str | None = None, per_group: int = 1,
+                       exclude: list[str | None] | None = None) -> list[list[Hit]]:
         """Top k per query; with `where`, only items whose metadata satisfies it (never fewer than k when k
-        do); with `group_by`, at most `per_group` hits per value of that metadata column."""
+        do); with `group_by`, at most `per_group` hits per value of that metadata column; `exclude` leaves one
+        item out of each query's hits (a query by item id does not find itself)."""
         if vectors.ndim != 2 or vectors.shape[1] != self.spec.dim:
             raise SearchError(f"query vectors have shape {vectors.shape}; this index takes (n, {self.spec.dim})")
         if k < 1 or per_group < 1:
             raise SearchError(f"k and per_group must be >= 1; got k={k}, per_group={per_group}")
         allowed = self._allowed(where) if where else None
+        skip = exclude or [None] * len(vectors)
         if group_by is None:
-            return self._hits(*self._search(vectors, k, allowed))
-        group_of = self._groups(group_by)
+            hits = self._hits(*self._search(vectors, k + any(skip), allowed))
+            return [_ranked([h for h in row if h.item_id != item][:k]) for row, item in zip(hits, skip)]
+        group_of = self.groups(group_by)
         limit = self.opened.index.ntotal if allowed is None else len(allowed)
-        depth, results = min(limit, 4 * k * per_group), [None] * len(vectors)
+        depth, results = min(limit, 4 * k * per_group + any(skip)), [None] * len(vectors)
         todo = list(range(len(vectors)))
         while todo:
             hits = self._hits(*self._search(vectors[todo], depth, allowed))
+            hits = [[h for h in row if h.item_id != skip[q]] for q, row in zip(todo, hits)]
             left = []
             for row, row_hits in zip(todo, hits):
                 results[row], full = grouped(row_hits, group_of, k, per_group)
@@ -149,7 +178,8 @@ class Searcher:
 
     def search(self, queries: list[Query], k: int = 10, where: str | None = None, group_by: str | None = None,
                per_group: int = 1) -> list[list[Hit]]:
-        return self.search_vectors(self.embed(queries), k, where, group_by, per_group)
+        return self.search_vectors(self.embed(queries), k, where, group_by, per_group,
+                                   [q.item_id for q in queries])
 
     def _hits(self, scores: np.ndarray, ids: np.ndarray) -> list[list[Hit]]:
         return [[Hit(rank + 1, self.opened.item_ids[i], self.opened.uris[i], float(s))
@@ -198,7 +228,7 @@ class Searcher:
         rows = table.filter(pc.is_in(table.column("item_id"), value_set=pa.array(item_ids, pa.string())))
         return {row.pop("item_id"): {k: v for k, v in row.items() if k != "row_hash"} for row in rows.to_pylist()}
 
-    def _groups(self, column: str) -> dict[str, str]:
+    def groups(self, column: str) -> dict[str, str]:
         """item_id -> its value of `column`, kept per column like the filters."""
         if column not in self._group_maps:
             self._group_maps[column] = self._group_map(column)
@@ -213,80 +243,18 @@ class Searcher:
         return {item: str(v) for item, v in zip(table.column("item_id").to_pylist(), values) if v is not None}
 
 
-def search(store_url: str, *, image: str | None = None, text: str | None = None, k: int = 10,
-           alias: str | None = "serving", model: str | None = None, version: int | None = None,
+def search(store_url: str, *, image: str | None = None, text: str | None = None, item_id: str | None = None,
+           k: int = 10, alias: str | None = "serving", model: str | None = None, version: int | None = None,
            device: str = "auto", where: str | None = None, group_by: str | None = None,
            per_group: int = 1) -> list[Hit]:
-    """One query by image (path or URL) or by text; the Python mirror of ``imgest search``."""
-    if (image is None) == (text is None):
-        raise SearchError("give exactly one of image or text")
+    """One query by image (path or URL), by text or by item id; the Python mirror of ``imgest search``."""
+    if sum(x is not None for x in (image, text, item_id)) != 1:
+        raise SearchError("give exactly one of image, text or item_id")
     searcher = Searcher(store_url, alias, model, version, device)
-    return searcher.search([Query("q", image, text)], k, where, group_by, per_group)[0]
+    return searcher.search([Query("q", image, text, item_id=item_id)], k, where, group_by, per_group)[0]
 
 
-def fused_search(store_url: str, queries: list[Query], k: int = 10, aliases: tuple[str, ...] = ("serving", "shadow"),
-                 rrf_k: int = 60, device: str = "auto", where: str | None = None, group_by: str | None = None,
-                 per_group: int = 1) -> list[list[Hit]]:
-    """Reciprocal rank fusion of several aliases (a caption index and an image index; serving and shadow
-    during a migration window).
-
-    Each alias embeds the query with its own model, so vectors of two models are never compared; only
-    ranks are combined. Scores returned are RRF scores. `where` filters every retriever; `group_by` groups
-    the fused ranking."""
-    from imgest.tasks.evaluate.fusion import rrf
-
-    return _fused(store_url, queries, k, aliases, device, where, group_by, per_group,
-                  lambda lists: rrf([[h.item_id for h in hits] for hits in lists], k=rrf_k))
-
-
-def _fused(store_url: str, queries: list[Query], k: int, aliases: tuple[str, ...], device: str, where: str | None,
-           group_by: str | None, per_group: int, combine) -> list[list[Hit]]:
-    """Search each alias deep enough, combine each query's lists into one ranking, group it if asked."""
-    searchers = [Searcher(store_url, alias=a, device=device) for a in aliases]
-    depth = max(k, 100) * (4 * per_group if group_by else 1)
-    per_alias = [s.search(queries, depth, where) for s in searchers]
-    uris = {h.item_id: h.uri for results in per_alias for hits in results for h in hits}
-    group_of = searchers[0]._groups(group_by) if group_by else None
-    fused = []
-    for q in range(len(queries)):
-        ranking = combine([results[q] for results in per_alias])
-        hits = [Hit(rank, item, uris[item], score) for rank, (item, score) in enumerate(ranking, 1)]
-        fused.append(grouped(hits, group_of, k, per_group)[0] if group_of is not None else hits[:k])
-    return fused
-
-
-def read_route(url: str) -> dict:
-    """A routing table written by `imgest eval --compare ... --out DIR` (routing.json), size-limited and checked
-    field by field (routing.read_routing)."""
-    from imgest.tasks.evaluate.routing import RoutingError, read_routing
-
-    try:
-        return read_routing(url)
-    except RoutingError as exc:
-        raise SearchError(str(exc)) from exc
-
-
-def routed_search(store_url: str, queries: list[Query], k: int, route_url: str, query_class: str | None,
-                  device: str = "auto", where: str | None = None, group_by: str | None = None,
-                  per_group: int = 1) -> tuple[list[list[Hit]], dict]:
-    """Serve a routing table: the query class's winner (A, B, their RRF or their calibrated fusion)."""
-    from imgest.tasks.evaluate.routing import calibrated_fusion
-
-    route = read_route(route_url)
-    chosen = route["classes"].get(query_class) if query_class else None
-    how = {"route": chosen or route["default"], "query_class": query_class,
-           "from": "routing table" if chosen else "default (class not in the table)" if query_class
-           else "default (no --query-class)"}
-    aliases = (route["a"], route["b"])
-    if how["route"] in ("a", "b"):
-        searcher = Searcher(store_url, alias=route[how["route"]], device=device)
-        return searcher.search(queries, k, where, group_by, per_group), {**how, "aliases": [route[how["route"]]]}
-    if how["route"] == "rrf":
-        return fused_search(store_url, queries, k, aliases, device=device, where=where, group_by=group_by,
-                            per_group=per_group), {**how, "aliases": list(aliases)}
-    if how["route"] != "calibrated":
-        raise SearchError(f"{route_url}: unknown route {how['route']!r}")
-    params = [tuple(route["calibration"]["a"]), tuple(route["calibration"]["b"])]
-    fused = _fused(store_url, queries, k, aliases, device, where, group_by, per_group,
-                   lambda lists: calibrated_fusion([[(h.item_id, h.score) for h in hits] for hits in lists], params))
-    return fused, {**how, "aliases": list(aliases)}
+def _ranked(hits: list[Hit]) -> list[Hit]:
+    for rank, hit in enumerate(hits, 1):
+        hit.rank = rank
+    return hits

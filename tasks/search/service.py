@@ -1,13 +1,15 @@
 """The HTTP search service (`imgest api`): FastAPI over a FollowingSearcher, read-only.
 
-  POST /search   {"text" | "image_b64", "k", "alias": [one alias], "where", "group_by", "per_group"}
-                 -> {"hits": [{"item_id", "score", "group", "metadata", "model", "version", "alias"}], "took_ms"}
+  POST /search   JSON {"text" | "item_id" | "image_b64", "k", "alias": [..], "fuse": "rrf", "rrf_k", "where",
+                 "group_by", "per_group", "query_class"}, or a multipart form with a file field `image` and the
+                 same fields -> {"hits": [{"item_id", "score", "group", "metadata", "model", "version", "alias",
+                 "found_by"}], "took_ms", "how"}
   GET  /aliases  -> {alias: {"model", "version", "recall", "loaded_at", "error"}}
   GET  /healthz  -> 200 when every alias is loaded, 503 before
   GET  /metrics  -> Prometheus text: requests and latency by route, alias and status; served versions; swaps
 
-Requests are bounded (image bytes, k, where length) and refused with 4xx and {"detail": one line}; a request
-never names a URL the service fetches. With a token (IMGEST_API_TOKEN), every route but /healthz needs
+Requests are bounded (body, image bytes, k, where length) and refused with 4xx and {"detail": one line}; a
+request never names a URL the service fetches. With a token (IMGEST_API_TOKEN), every route but /healthz needs
 `Authorization: Bearer <token>`.
 """
 
@@ -22,27 +24,134 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
 
 from imgest.redact import redact
-from imgest.tasks.search.following import FollowingSearcher
-from imgest.tasks.search.query import Query, SearchError
+from imgest.tasks.search.following import Answer, FollowingSearcher
+from imgest.tasks.search.items import MAX_ITEM_ID_CHARS
+from imgest.tasks.search.query import Query, SearchError, UnknownItem
 
 MAX_IMAGE_BYTES = 20 << 20  # an upload larger than this is refused before it is decoded (413)
+MAX_BODY_BYTES = (MAX_IMAGE_BYTES * 4) // 3 + (64 << 10)  # a base64 image plus the other fields
 MAX_K = 1000
 MAX_WHERE_CHARS = 2000
+MAX_FIELD_BYTES = 16 << 10  # a form field other than the image
 
 
 class SearchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     text: str | None = Field(None, max_length=2000)
+    item_id: str | None = Field(None, min_length=1, max_length=MAX_ITEM_ID_CHARS)
     image_b64: str | None = Field(None, max_length=(MAX_IMAGE_BYTES * 4) // 3 + 8)
     k: int = Field(10, ge=1, le=MAX_K)
-    alias: list[str] | None = Field(None, max_length=1)
+    alias: list[str] | None = Field(None, min_length=1, max_length=8)
+    fuse: str | None = Field(None, max_length=20)
+    rrf_k: int = Field(60, ge=1, le=10_000)
     where: str | None = Field(None, max_length=MAX_WHERE_CHARS)
     group_by: str | None = Field(None, max_length=200)
     per_group: int = Field(1, ge=1, le=MAX_K)
+    query_class: str | None = Field(None, max_length=200)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Refuse a request body over `limit` bytes with 413: by its Content-Length before it is read, or, sent in
+    chunks, as soon as it passes the limit (nothing larger is held in memory or spooled to disk)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.limit:
+            return await _refuse(send, 413 if length.isdigit() else 400, f"body larger than {self.limit} bytes"
+                                 if length.isdigit() else "bad Content-Length")
+        received, started = 0, False
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise _TooLarge
+            return message
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except _TooLarge:
+            if not started:
+                await _refuse(send, 413, f"body larger than {self.limit} bytes")
+
+
+async def _refuse(send, status: int, detail: str) -> None:
+    await JSONResponse({"detail": detail}, status_code=status)({"type": "http"}, None, send)
+
+
+def _one_line(exc: ValidationError | RequestValidationError) -> str:
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    return f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+
+
+async def _read_request(request: Request) -> tuple[SearchRequest, bytes | None]:
+    """The request's fields and its image bytes (a multipart `image` file, or `image_b64` decoded)."""
+    image = None
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        form = await request.form(max_files=1, max_fields=32, max_part_size=MAX_FIELD_BYTES)
+        fields: dict = {}
+        for name, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                if name != "image":
+                    raise HTTPException(422, f"{name}: the only file field is `image`")
+                image = await value.read(MAX_IMAGE_BYTES + 1)
+            elif name == "alias":
+                fields.setdefault("alias", []).append(value)
+            else:
+                fields[name] = value
+        try:
+            body = SearchRequest.model_validate(fields)
+        except ValidationError as exc:
+            raise HTTPException(422, _one_line(exc)) from None
+    else:
+        try:
+            body = SearchRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise HTTPException(422, _one_line(exc)) from None
+        if body.image_b64 is not None:
+            try:
+                image = base64.b64decode(body.image_b64, validate=True)
+            except (binascii.Error, ValueError):
+                raise HTTPException(400, "image_b64 is not base64") from None
+    if image is not None and len(image) > MAX_IMAGE_BYTES:
+        raise HTTPException(413, f"image larger than {MAX_IMAGE_BYTES} bytes")
+    if sum(x is not None for x in (body.text, body.item_id, image)) != 1:
+        raise HTTPException(400, "give exactly one of text, item_id or an image (image_b64, or a multipart image)")
+    return body, image
+
+
+def _hits(answer: Answer) -> list[dict]:
+    hits = []
+    for hit in answer.hits[0]:
+        alias = answer.source(hit)
+        model, version = answer.served[alias]
+        found_by = [{"alias": a, "rank": rank} for a, rank in hit.found_by] if hit.found_by else None
+        hits.append({"item_id": hit.item_id, "score": hit.score, "group": hit.group,
+                     "metadata": (answer.metadata or {}).get(hit.item_id), "model": model, "version": version,
+                     "alias": alias, "found_by": found_by})
+    return hits
 
 
 def create_app(follower: FollowingSearcher, token: str | None = None) -> FastAPI:
@@ -54,6 +163,7 @@ def create_app(follower: FollowingSearcher, token: str | None = None) -> FastAPI
             raise HTTPException(401, "a bearer token is required (Authorization: Bearer ...)")
 
     app = FastAPI(title="imgest search", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     registry = CollectorRegistry()  # the app's own: two services in one process do not mix their figures
     requests = Counter("imgest_api_requests", "Requests answered", ["route", "alias", "status"], registry=registry)
     latency = Histogram("imgest_api_request_seconds", "Time to answer", ["route", "alias"], registry=registry,
@@ -77,40 +187,29 @@ def create_app(follower: FollowingSearcher, token: str | None = None) -> FastAPI
 
     @app.exception_handler(SearchError)
     async def refused(request: Request, exc: SearchError) -> JSONResponse:
-        return JSONResponse({"detail": redact(str(exc))}, status_code=400)
+        return JSONResponse({"detail": redact(str(exc))}, status_code=404 if isinstance(exc, UnknownItem) else 400)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-        return JSONResponse({"detail": f"{where}: {first.get('msg', 'invalid request')}"}, status_code=422)
+        return JSONResponse({"detail": _one_line(exc)}, status_code=422)
 
     @app.post("/search", dependencies=[Depends(authorised)])
-    def search(body: SearchRequest, request: Request) -> dict:
+    async def search(request: Request) -> dict:
         started = time.perf_counter()
-        request.state.alias = body.alias[0] if body.alias else follower.aliases[0]
-        if (body.text is None) == (body.image_b64 is None):
-            raise HTTPException(400, "give exactly one of text or image_b64")
-        image = None
-        if body.image_b64 is not None:
-            try:
-                image = base64.b64decode(body.image_b64, validate=True)
-            except (binascii.Error, ValueError):
-                raise HTTPException(400, "image_b64 is not base64") from None
-            if len(image) > MAX_IMAGE_BYTES:
-                raise HTTPException(413, f"image larger than {MAX_IMAGE_BYTES} bytes")
-        alias = body.alias[0] if body.alias else None
+        body, image = await _read_request(request)
+        request.state.alias = ",".join(body.alias) if body.alias else "" if body.query_class else follower.aliases[0]
+        query = Query("request", text=body.text, image_bytes=image, item_id=body.item_id)
         try:
-            answer = follower.search([Query("request", text=body.text, image_bytes=image)], body.k, alias,
-                                     with_metadata=True, where=body.where, group_by=body.group_by,
-                                     per_group=body.per_group)
+            answer = await run_in_threadpool(
+                follower.search, [query], body.k, body.alias, fuse=body.fuse, query_class=body.query_class,
+                rrf_k=body.rrf_k, with_metadata=True, where=body.where, group_by=body.group_by,
+                per_group=body.per_group)
         except SearchError:
             raise
         except ValueError as exc:  # an image that does not decode, a bad predicate: the request's fault
             raise HTTPException(400, redact(str(exc))) from None
-        hits = [{"item_id": h.item_id, "score": h.score, "group": h.group, "metadata": answer.metadata.get(h.item_id),
-                 "model": answer.model, "version": answer.version, "alias": answer.alias} for h in answer.hits[0]]
-        return {"hits": hits, "took_ms": round(1000 * (time.perf_counter() - started), 3)}
+        return {"hits": _hits(answer), "took_ms": round(1000 * (time.perf_counter() - started), 3),
+                "how": answer.how}
 
     @app.get("/aliases", dependencies=[Depends(authorised)])
     def aliases() -> dict:

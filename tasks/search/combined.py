@@ -1,0 +1,111 @@
+"""Several retrievers answer one query: reciprocal rank fusion of aliases, and the retriever a routing table
+chooses for a query class.
+
+Each alias embeds the query with its own model, so vectors of two models are never compared: only ranks (or
+calibrated scores) are combined. The functions here take searchers already open (`imgest search` opens them
+per call, the service keeps them loaded and swaps them as the aliases move)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from imgest.tasks.evaluate.fusion import RRF_K, rrf
+from imgest.tasks.search.filters import grouped
+from imgest.tasks.search.query import Hit, Query, Searcher, SearchError
+
+Named = Sequence[tuple[str, Searcher]]  # (alias, its searcher)
+Combine = Callable[[list[list[Hit]]], list[tuple[str, float]]]  # one query's lists -> (item, score) ranking
+
+
+def rrf_combine(rrf_k: int = RRF_K) -> Combine:
+    return lambda lists: rrf([[h.item_id for h in hits] for hits in lists], k=rrf_k)
+
+
+def fuse(named: Named, queries: list[Query], k: int, combine: Combine, where: str | None = None,
+         group_by: str | None = None, per_group: int = 1) -> list[list[Hit]]:
+    """Search each alias deep enough, combine each query's lists into one ranking, group it if asked. Each hit
+    says which aliases found it, at which rank (`found_by`); with RRF its score is the RRF score."""
+    depth = max(k, 100) * (4 * per_group if group_by else 1)
+    per_alias = [searcher.search(queries, depth, where) for _, searcher in named]
+    uris = {h.item_id: h.uri for results in per_alias for hits in results for h in hits}
+    group_of = named[0][1].groups(group_by) if group_by else None
+    fused = []
+    for q in range(len(queries)):
+        lists = [results[q] for results in per_alias]
+        ranks = [{h.item_id: h.rank for h in hits} for hits in lists]
+        hits = [Hit(rank, item, uris[item], score,
+                    found_by=[(alias, seen[item]) for (alias, _), seen in zip(named, ranks) if item in seen])
+                for rank, (item, score) in enumerate(combine(lists), 1)]
+        fused.append(grouped(hits, group_of, k, per_group)[0] if group_of is not None else hits[:k])
+    return fused
+
+
+@dataclass
+class Route:
+    """What answers a query of one class: one alias alone, or several combined."""
+
+    aliases: tuple[str, ...]
+    combine: Combine | None  # None: the one alias answers alone
+    how: dict  # route, query_class, from, aliases: said with the results
+
+
+def read_route(url: str) -> dict:
+    """A routing table written by `imgest eval --compare ... --out DIR` (routing.json), size-limited and checked
+    field by field (routing.read_routing)."""
+    from imgest.tasks.evaluate.routing import RoutingError, read_routing
+
+    try:
+        return read_routing(url)
+    except RoutingError as exc:
+        raise SearchError(str(exc)) from exc
+
+
+def choose(route: dict, query_class: str | None, source: str = "routing table") -> Route:
+    """The query class's winner in a routing table (A, B, their RRF or their calibrated fusion); the table's
+    default for a class it does not name."""
+    from imgest.tasks.evaluate.routing import calibrated_fusion
+
+    chosen = route["classes"].get(query_class) if query_class else None
+    how = {"route": chosen or route["default"], "query_class": query_class,
+           "from": "routing table" if chosen else "default (class not in the table)" if query_class
+           else "default (no --query-class)"}
+    pair = (route["a"], route["b"])
+    if how["route"] in ("a", "b"):
+        alias = route[how["route"]]
+        return Route((alias,), None, {**how, "aliases": [alias]})
+    if how["route"] == "rrf":
+        return Route(pair, rrf_combine(), {**how, "aliases": list(pair)})
+    if how["route"] != "calibrated":
+        raise SearchError(f"{source}: unknown route {how['route']!r}")
+    params = [tuple(route["calibration"]["a"]), tuple(route["calibration"]["b"])]
+    combine = lambda lists: calibrated_fusion([[(h.item_id, h.score) for h in hits] for hits in lists], params)  # noqa: E731
+    return Route(pair, combine, {**how, "aliases": list(pair)})
+
+
+def answer(named: Named, queries: list[Query], k: int, combine: Combine | None, where: str | None = None,
+           group_by: str | None = None, per_group: int = 1) -> list[list[Hit]]:
+    """The one searcher's hits, or the fusion of several."""
+    if combine is None:
+        if len(named) != 1:
+            raise SearchError(f"{len(named)} aliases given: fuse them (rrf), or give one")
+        return named[0][1].search(queries, k, where, group_by, per_group)
+    return fuse(named, queries, k, combine, where, group_by, per_group)
+
+
+def fused_search(store_url: str, queries: list[Query], k: int = 10, aliases: tuple[str, ...] = ("serving", "shadow"),
+                 rrf_k: int = RRF_K, device: str = "auto", where: str | None = None, group_by: str | None = None,
+                 per_group: int = 1) -> list[list[Hit]]:
+    """Reciprocal rank fusion of several aliases (a caption index and an image index; serving and shadow
+    during a migration window). `where` filters every retriever; `group_by` groups the fused ranking."""
+    named = [(alias, Searcher(store_url, alias=alias, device=device)) for alias in aliases]
+    return fuse(named, queries, k, rrf_combine(rrf_k), where, group_by, per_group)
+
+
+def routed_search(store_url: str, queries: list[Query], k: int, route_url: str, query_class: str | None,
+                  device: str = "auto", where: str | None = None, group_by: str | None = None,
+                  per_group: int = 1) -> tuple[list[list[Hit]], dict]:
+    """Serve a routing table: the query class's winner, and how it was chosen."""
+    route = choose(read_route(route_url), query_class, route_url)
+    named = [(alias, Searcher(store_url, alias=alias, device=device)) for alias in route.aliases]
+    return answer(named, queries, k, route.combine, where, group_by, per_group), route.how
