@@ -204,3 +204,47 @@ def test_an_alias_moved_under_concurrent_requests_fails_none(served):
     assert f'imgest_api_served_version{{alias="serving",model="{slug}"}} 2.0' in metrics
     assert "imgest_api_alias_swaps 3.0" in metrics and 'imgest_api_alias_load_failed{alias="serving"} 0.0' in metrics
     assert 'imgest_api_request_seconds_count{alias="serving",route="/search"}' in metrics
+
+
+def test_the_search_page_searches_by_image_filters_and_shows_thumbnails_in_chromium(served):
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium")
+    assert chromium, "Chromium is missing: infra/setup.sh installs Debian's chromium for this check"
+    cards = "#results article.hit"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(served["url"] + "/", wait_until="domcontentloaded")
+            page.locator("#token").fill(TOKEN)  # the page asks for the token when the service wants one
+            page.locator("#token").dispatch_event("change")
+            page.wait_for_function("() => document.querySelector('#status').textContent === 'ready'")
+            assert page.locator("#alias option").all_inner_texts() == [
+                f"serving ({served['slug']} v1)", f"shadow ({served['slug']} v2)", "all, fused (rrf)"]
+
+            page.locator("#file").set_input_files(str(served["cat"] / "007.png"))
+            page.wait_for_function(f"() => document.querySelectorAll('{cards}').length === 20")
+            assert page.locator(cards).first.get_attribute("data-item") == "007.png"
+            assert "gradient 7" in page.locator(cards).first.inner_text()
+            page.wait_for_function(f"() => [...document.querySelectorAll('{cards} img')]"
+                                   ".every(i => i.complete && i.naturalWidth > 0)", timeout=30_000)
+
+            page.locator("input[data-column='price'][data-op='<=']").fill("2.5")  # a filter from the metadata
+            page.locator("#go").click()
+            page.wait_for_function(f"() => document.querySelectorAll('{cards}').length === 3")
+            assert sorted(page.locator(cards).evaluate_all("cs => cs.map(c => c.dataset.item)")) == \
+                ["000.png", "001.png", "002.png"]
+
+            page.locator("input[data-column='price'][data-op='<=']").fill("")
+            page.locator("#alias").select_option("shadow")
+            liked = page.locator(cards).first.get_attribute("data-item")
+            page.locator(f"{cards} button").first.click()  # more like this: the item's own vector
+            page.wait_for_function("() => document.querySelector('#status').textContent.includes('more like')")
+            items = page.locator(cards).evaluate_all("cs => cs.map(c => c.dataset.item)")
+            assert len(items) == 20 and liked not in items
+            assert "shadow" in page.locator(cards).first.inner_text()
+        finally:
+            browser.close()

@@ -270,3 +270,27 @@ def grouped(hits: list, group_of: dict[str, str], k: int, per_group: int) -> tup
     for rank, hit in enumerate(kept, 1):
         hit.rank = rank
     return kept, len(counts) >= k
+
+
+def describe_columns(table, max_values: int = 50) -> list[dict]:
+    """Each metadata column for a filter form: numbers with their range, text with its values when there are
+    at most `max_values` of them (a choice), else none (free text)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    columns = []
+    for field in table.schema:
+        if field.name in ("item_id", "row_hash"):
+            continue
+        column = table.column(field.name)
+        if pa.types.is_integer(field.type) or pa.types.is_floating(field.type):
+            bounds = pc.min_max(column).as_py()
+            columns.append({"name": field.name, "type": "number", "min": bounds["min"], "max": bounds["max"]})
+            continue
+        try:
+            values = pc.unique(column.cast(pa.string())).drop_null()
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # a nested column: not a filter of the form
+            continue
+        columns.append({"name": field.name, "type": "text",
+                        "values": sorted(values.to_pylist()) if len(values) <= max_values else None})
+    return columns

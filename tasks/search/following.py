@@ -169,6 +169,20 @@ class FollowingSearcher:
         return Answer(served.searcher.search_vectors(vectors, k, **options),
                       {alias or self.aliases[0]: (served.slug, served.version)})
 
+    def locate(self, item_id: str, alias: str | None = None) -> tuple[str, str] | None:
+        """(model slug, catalogue uri) of an item in the index an alias serves (the given one first, then the
+        others); None when no served index holds it."""
+        for name in dict.fromkeys([alias or self.aliases[0], *self.aliases]):
+            served = self._served.get(name)
+            uri = served.searcher.uri_of(item_id) if served is not None else None
+            if uri is not None:
+                return served.slug, uri
+        return None
+
+    def columns(self) -> list[dict]:
+        """The metadata columns a request can filter or group by."""
+        return self._take(None).searcher.metadata_columns()
+
     def _take(self, alias: str | None) -> _Served:
         name = alias or self.aliases[0]
         if name not in self.aliases:

@@ -209,12 +209,31 @@ class Searcher:
             items = matching_items(self._metadata(), where)
         except FilterError as exc:
             raise SearchError(str(exc)) from exc
+        self._filters[where] = positions(items, self._ids())
+        return self._filters[where]
+
+    def _ids(self):
         if self._index_ids is None:
             import pyarrow as pa
 
             self._index_ids = pa.array(self.opened.item_ids, pa.string())
-        self._filters[where] = positions(items, self._index_ids)
-        return self._filters[where]
+        return self._index_ids
+
+    def uri_of(self, item_id: str) -> str | None:
+        """The catalogue uri this index recorded for an item; None when the item is not in it."""
+        import pyarrow.compute as pc
+
+        position = pc.index(self._ids(), item_id).as_py()
+        return None if position is None or position < 0 else self.opened.uris[position]
+
+    def metadata_columns(self) -> list[dict]:
+        """The catalogue metadata columns a search can filter or group by ([] when the store holds none)."""
+        from imgest.tasks.search.filters import describe_columns
+
+        try:
+            return describe_columns(self._metadata())
+        except SearchError:
+            return []
 
     def metadata_of(self, item_ids: list[str]) -> dict[str, dict]:
         """Each item's catalogue metadata row (item_id and row_hash left out); {} when the store holds none."""

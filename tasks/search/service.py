@@ -7,6 +7,9 @@
   GET  /aliases  -> {alias: {"model", "version", "recall", "loaded_at", "error"}}
   GET  /healthz  -> 200 when every alias is loaded, 503 before
   GET  /metrics  -> Prometheus text: requests and latency by route, alias and status; served versions; swaps
+  GET  /         -> the search page (text box, image drop, metadata filters, alias chooser, thumbnail grid)
+  GET  /columns  -> {"columns": [{"name", "type", "min", "max" | "values"}]}: what the page can filter on
+  GET  /thumbnail?item_id=&alias=  -> a JPEG thumbnail, read by the service under the catalogue root, cached
 
 Requests are bounded (body, image bytes, k, where length) and refused with 4xx and {"detail": one line}; a
 request never names a URL the service fetches. With a token (IMGEST_API_TOKEN), every route but /healthz needs
@@ -19,19 +22,22 @@ import base64
 import binascii
 import hmac
 import time
+from importlib import resources
 
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Query as Query_
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from imgest.redact import redact
+from imgest.redact import one_line, redact
 from imgest.tasks.search.following import Answer, FollowingSearcher
 from imgest.tasks.search.items import MAX_ITEM_ID_CHARS
 from imgest.tasks.search.query import Query, SearchError, UnknownItem
+from imgest.tasks.search.thumbnails import Thumbnails
 
 MAX_IMAGE_BYTES = 20 << 20  # an upload larger than this is refused before it is decoded (413)
 MAX_BODY_BYTES = (MAX_IMAGE_BYTES * 4) // 3 + (64 << 10)  # a base64 image plus the other fields
@@ -173,7 +179,7 @@ def create_app(follower: FollowingSearcher, token: str | None = None) -> FastAPI
     failed = Gauge("imgest_api_alias_load_failed", "1 while what an alias names failed to load", ["alias"],
                    registry=registry)
     swaps = Gauge("imgest_api_alias_swaps", "Alias moves swapped in since start", registry=registry)
-    routes = {"/search", "/aliases", "/healthz", "/metrics"}
+    routes = {"/", "/search", "/aliases", "/columns", "/thumbnail", "/healthz", "/metrics"}
 
     @app.middleware("http")
     async def measure(request: Request, call_next):
@@ -214,6 +220,29 @@ def create_app(follower: FollowingSearcher, token: str | None = None) -> FastAPI
     @app.get("/aliases", dependencies=[Depends(authorised)])
     def aliases() -> dict:
         return follower.status()
+
+    thumbnails = Thumbnails(follower.store)
+    page = resources.files("imgest.tasks.search").joinpath("page.html").read_text(encoding="utf-8")
+
+    @app.get("/", include_in_schema=False)
+    def index() -> HTMLResponse:
+        return HTMLResponse(page)  # holds no data: every figure on it is fetched with the token
+
+    @app.get("/columns", dependencies=[Depends(authorised)])
+    def columns() -> dict:
+        return {"columns": follower.columns()}
+
+    @app.get("/thumbnail", dependencies=[Depends(authorised)])
+    def thumbnail(item_id: str = Query_(..., max_length=MAX_ITEM_ID_CHARS),
+                  alias: str | None = Query_(None, max_length=200)) -> Response:
+        found = follower.locate(item_id, alias)
+        if found is None:
+            raise HTTPException(404, f"no served index holds item {item_id!r}")
+        try:
+            data = thumbnails.get(*found)
+        except Exception as exc:  # noqa: BLE001 - one item's image: a 404 with the reason, the service goes on
+            raise HTTPException(404, f"no thumbnail for {item_id!r}: {redact(one_line(exc))}") from None
+        return Response(data, media_type="image/jpeg", headers={"Cache-Control": "private, max-age=3600"})
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:

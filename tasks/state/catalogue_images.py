@@ -77,5 +77,10 @@ class CatalogueImages:
                                    "not read")
         return self.catalogue.resolve(uri[len(self.root):], "image uri")
 
-    def read(self, uri: object) -> bytes:
-        return self.catalogue.read_bytes(self.key(uri))
+    def read(self, uri: object, limit: int | None = None) -> bytes:
+        """The image's bytes; with `limit`, an image larger than that is refused (RecordError) after reading at
+        most `limit` + 1 bytes."""
+        data = self.catalogue.read_bytes(self.key(uri), limit=None if limit is None else limit + 1)
+        if limit is not None and len(data) > limit:
+            raise RecordError(f"image {redact(str(uri))[:200]!r} is larger than {limit} bytes: not read")
+        return data
