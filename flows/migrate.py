@@ -31,7 +31,8 @@ def migrate(config: MigrateConfig) -> dict:
         # at the same moment would otherwise overwrite the promote (or finish would delete what it reads).
         with StoreLock(store_loc, owner=f"migrate-{config.action}@{socket.gethostname()}:{os.getpid()}") as lock:
             if config.action == "promote":
-                migration.promote(store_loc, config.gate, config.margin, config.force, lock.fence)
+                migration.promote(store_loc, config.gate, config.margin, config.force, lock.fence,
+                                  config.min_shadow_agreement)
             elif config.action == "rollback":
                 migration.rollback(store_loc, lock.fence)
             else:

@@ -259,6 +259,9 @@ class MigrateConfig(FlowConfig):
     force: Annotated[str | None, Field(
         description="promote: without (or against) the evaluation; the reason is recorded in the window and the "
                     "alias history")] = None
+    min_shadow_agreement: Annotated[float | None, AfterValidator(fraction()), Field(
+        description="promote: also require shadow traffic (imgest api --shadow-share) to agree with serving at "
+                    "least this much (mean overlap@k, 0-1)")] = None
     retain_days: Annotated[float, AfterValidator(non_negative()), Field(
         description="finish: keep the retired model's data this long")] = DEFAULT_RETAIN_DAYS
     batch_size: BatchSize = DEFAULT_BATCH_SIZE

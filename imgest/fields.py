@@ -57,7 +57,9 @@ def at_least(low: int):
 
 
 def fraction(low_open: bool = False):
-    def check(value: float, info: ValidationInfo) -> float:
+    def check(value: float | None, info: ValidationInfo) -> float | None:
+        if value is None:  # an optional fraction not given
+            return value
         if isinstance(value, bool) or not (0 < value <= 1 if low_open else 0 <= value <= 1):
             interval = "(0, 1]" if low_open else "[0, 1]"
             raise ValueError(f"{info.field_name} must be in {interval}; got {value!r}")

@@ -1,11 +1,13 @@
-"""Test data builders: hostile image files, small real catalogues, tiny transformers models."""
+"""Test data builders: hostile image files, small real catalogues, tiny transformers models; a served app."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
 from PIL import Image
@@ -310,3 +312,27 @@ def events_seen(names: list[str], where, since: float, timeout: float = 60.0) ->
                 return found
             time.sleep(1)
     raise AssertionError(f"events {names} not all seen within {timeout} s; seen {[e.event for e in found]}")
+
+
+@contextlib.contextmanager
+def served_app(app) -> Iterator[str]:
+    """An ASGI app on real uvicorn on a free loopback port, for as long as the block runs; yields its URL."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

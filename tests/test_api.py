@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import threading
 import time
 
@@ -23,7 +22,7 @@ from imgest.tasks.migration.aliases import set_alias
 from imgest.tasks.search.combined import read_route
 from imgest.tasks.search.following import FollowingSearcher
 from imgest.tasks.search.service import create_app
-from tests.helpers import gradient, png_bytes, write_files
+from tests.helpers import gradient, png_bytes, served_app, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 MODEL, TOKEN = "raw-pixels", "test-token-not-a-secret"
@@ -31,8 +30,6 @@ MODEL, TOKEN = "raw-pixels", "test-token-not-a-secret"
 
 @pytest.fixture()
 def served(tmp_path):
-    import uvicorn
-
     cat, store = tmp_path / "cat", tmp_path / "store"
     write_files(str(cat), {f"{i:03d}.png": png_bytes(gradient(i)) for i in range(30)})
     meta = tmp_path / "meta.csv"
@@ -49,20 +46,9 @@ def served(tmp_path):
                                  "default": "b", "calibration": {"a": [1.0, 0.0], "b": [1.0, 0.0]}}))
     follower = FollowingSearcher(str(store), ("serving",), device="cpu", route=read_route(str(route)))
     follower.refresh()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(follower, token=TOKEN), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield {"url": url, "follower": follower, "store": store, "cat": cat, "location": location, "slug": slug,
-           "route": route}
-    server.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with served_app(create_app(follower, token=TOKEN)) as url:
+        yield {"url": url, "follower": follower, "store": store, "cat": cat, "location": location, "slug": slug,
+               "route": route}
 
 
 def _auth() -> dict:

@@ -19,13 +19,20 @@ def api(
                                                       "default of a request)"),
     follow_every: float = typer.Option(5.0, help="Seconds between checks of the alias records"),
     device: str = typer.Option("auto", help="Where to embed the queries"),
+    shadow_share: float = typer.Option(0.0, help="During a migration window, this share of the queries serving "
+                                                 "answers is also run on the candidate (shadow), off the request "
+                                                 "path; overlap@k and both latencies go to the store for `imgest "
+                                                 "migrate status` and `promote --min-shadow-agreement`"),
     route: Optional[str] = typer.Option(None, help="A routing table from imgest eval --compare --out (routing.json): "
                                                    "a request's query_class chooses the retriever; its aliases are "
                                                    "served too"),
 ) -> None:
-    """Serve search over HTTP (POST /search, GET /aliases, GET /healthz), following the aliases as they move.
-    IMGEST_API_TOKEN, when set, is the bearer token every request but /healthz must carry."""
+    """Serve search over HTTP (the page at /, POST /search, GET /aliases, /healthz, /metrics), following the
+    aliases as they move. IMGEST_API_TOKEN, when set, is the bearer token every request but / and /healthz must
+    carry."""
     try:
+        if not 0.0 <= shadow_share <= 1.0:
+            raise ValueError(f"--shadow-share must be between 0 and 1, got {shadow_share}")
         from imgest.tasks.search.combined import read_route
         from imgest.tasks.search.following import FollowingSearcher
         from imgest.tasks.search.service import create_app
@@ -36,15 +43,24 @@ def api(
         if not follower.ready():
             raise RuntimeError("; ".join(f"{name}: {s['error']}" for name, s in follower.status().items()
                                          if s["error"]))
-    except (*_user_errors(), RuntimeError) as exc:
+        shadow = None
+        if shadow_share > 0:
+            from imgest.tasks.search.shadow import ShadowTraffic
+
+            shadow = ShadowTraffic(store, shadow_share, device=device, check_every_s=follow_every)
+    except (*_user_errors(), RuntimeError, ValueError) as exc:
         _fail(exc)
     import uvicorn
 
     follower.follow(every=follow_every)
+    if shadow is not None:
+        shadow.start()
     typer.echo(f"imgest api: serving {', '.join(follower.aliases)} of {follower.store.url} on http://{host}:{port}",
                err=True)
     try:
-        uvicorn.run(create_app(follower, token=os.environ.get("IMGEST_API_TOKEN") or None), host=host, port=port,
-                    log_level="warning")
+        uvicorn.run(create_app(follower, token=os.environ.get("IMGEST_API_TOKEN") or None, shadow=shadow), host=host,
+                    port=port, log_level="warning")
     finally:
         follower.close()
+        if shadow is not None:
+            shadow.close()  # the rows measured since the last part are written

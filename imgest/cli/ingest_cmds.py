@@ -202,6 +202,6 @@ def demo(
     from imgest.cli.index_cmds import search_cmd
     from imgest.tasks.evaluate.fusion import RRF_K
 
-    search_cmd(store=store_dir, image=query, text=None, queries=None, k=5, alias=["serving"], model=None,
+    search_cmd(store=store_dir, image=query, text=None, item_id=None, queries=None, k=5, alias=["serving"], model=None,
                version=None, device=DEFAULT_DEVICE, fuse=None, rrf_k=RRF_K, where=None, group_by=None, per_group=1,
                route=None, query_class=None, as_json=False)

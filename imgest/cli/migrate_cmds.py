@@ -61,7 +61,7 @@ def migrate_status(config: MigrateConfig, as_json: bool = JSON) -> None:
 
 
 @migrate_app.command("promote")
-@config_command(MigrateConfig, only=("store", "margin", "force"), fixed={"action": "promote"})
+@config_command(MigrateConfig, only=("store", "margin", "force", "min_shadow_agreement"), fixed={"action": "promote"})
 def migrate_promote(
     config: MigrateConfig,
     gate: Optional[str] = typer.Option(None, "--gate", help=MigrateConfig.model_fields["gate"].description),

@@ -19,6 +19,8 @@ from imgest.storage import Location
 from imgest.tasks.index.store import index_prefix, list_versions, open_index, read_card
 from imgest.tasks.migration.aliases import delete_alias, list_aliases, read_alias, set_alias
 from imgest.tasks.migration.retention import collect_retired, retired_slugs
+from imgest.tasks.migration.shadow import check_agreement
+from imgest.tasks.migration.shadow import summary as shadow_summary
 from imgest.tasks.state.committed import embeddings_prefix, latest_snapshot_seq, load_state, now_iso, state_prefix
 from imgest.tasks.state.models import find_model, read_model
 from imgest.tasks.watch.events import emit
@@ -162,6 +164,7 @@ def window_status(store: Location) -> dict:
         "index": {side: index_current(store, window[side]["slug"]) for side in ("from", "to")},
         "aliases": aliases,
         "evaluation": window.get("evaluation"),
+        "shadow": shadow_summary(store, window["id"]),
         "storage": {side: storage_bytes(store, window[side]["slug"]) for side in ("from", "to")},
     }
 
@@ -255,7 +258,7 @@ def check_evaluation(evaluation: dict | None, margin: float, aliases: dict[str, 
 
 
 def promote(store: Location, gate: dict | None = None, margin: float = 0.0, force: str | None = None,
-            fence: Fence | None = None) -> dict:
+            fence: Fence | None = None, min_shadow_agreement: float | None = None) -> dict:
     """serving -> the new model's newest verified index; the old target is kept as `previous`.
 
     Coverage and a current, verified index are always required. The proof of quality is an evaluation of
@@ -281,6 +284,11 @@ def promote(store: Location, gate: dict | None = None, margin: float = 0.0, forc
     reason = check_evaluation(window.get("evaluation"), margin, aliases)
     if reason and not force:
         raise MigrationError(f"refused: {reason}")
+    shadow = None
+    if min_shadow_agreement is not None:  # asked for explicitly: --force does not skip it
+        shadow = shadow_summary(store, window["id"])
+        if refusal := check_agreement(shadow, min_shadow_agreement):
+            raise MigrationError(f"refused: {refusal}")
     card = _latest_card(store, window["to"]["slug"])
     open_index(store, card["slug"], card["version"])  # checksums verified before anything points at it
     why = f"migration {window['id']} promote" + (f" (forced: {force})" if force else
@@ -291,6 +299,9 @@ def promote(store: Location, gate: dict | None = None, margin: float = 0.0, forc
     set_alias(store, "serving", card, why, fence)
     window["status"] = "promoted"
     proof = {"forced": force, "unproven": reason} if force else {"evaluation": window["evaluation"]}
+    if shadow is not None:
+        proof["shadow"] = {"min_agreement": min_shadow_agreement, "queries": shadow["queries"],
+                           "mean_overlap": shadow["mean_overlap"]}
     recorded = record(store, window, "promoted", fence, serving=f"{card['slug']} v{card['version']}",
                       margin=margin, **proof)
     _announce("imgest.migration.promoted", store, window, card["slug"], forced=force)

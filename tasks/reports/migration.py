@@ -1,4 +1,4 @@
-"""Markdown of a migration window: its state, coverage, evaluation; a finished window."""
+"""Markdown of a migration window: its state, coverage, evaluation, shadow traffic; a finished window."""
 
 from __future__ import annotations
 
@@ -10,6 +10,16 @@ def _evaluation_line(e: dict | None) -> str:
     span = f", {interval['of']} in [{interval['low']}, {interval['high']}]" if "low" in interval else ""
     return (f"{e['metric']} shadow {e['shadow']} vs serving {e['serving']}{span} on {e.get('queries')} queries "
             f"of `{e.get('query_file')}` ({e.get('source', 'imgest eval')}, {e['at']})")
+
+
+def _shadow_line(s: dict | None) -> str:
+    if not s or not s["queries"]:
+        return "no shadow traffic recorded (serve with `imgest api --shadow-share F`)" + \
+            (f"; {s['errors']} failed on shadow" if s and s["errors"] else "")
+    latency = s["latency_ms"]
+    return (f"mean overlap@k {s['mean_overlap']:.4f} over {s['queries']} live queries ({s['errors']} failed on "
+            f"shadow); p50/p99 ms serving {latency['serving']['p50']}/{latency['serving']['p99']}, shadow "
+            f"{latency['shadow']['p50']}/{latency['shadow']['p99']} ({s['first']} to {s['last']})")
 
 
 def render_window(status: dict) -> str:
@@ -24,6 +34,7 @@ def render_window(status: dict) -> str:
         f"- coverage: {cov['covered']}/{cov['live']} live items ({cov['share']:.2%})",
         "- aliases: " + ", ".join(f"{n} -> {a['slug']} v{a['version']}" for n, a in sorted(status["aliases"].items())),
         f"- evaluation: {_evaluation_line(status['evaluation'])}",
+        f"- shadow traffic: {_shadow_line(status.get('shadow'))}",
         "",
         "| side | model | index version | current | storage MiB |",
         "|---|---|---:|---|---:|",

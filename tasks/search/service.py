@@ -37,6 +37,7 @@ from imgest.redact import one_line, redact
 from imgest.tasks.search.following import Answer, FollowingSearcher
 from imgest.tasks.search.items import MAX_ITEM_ID_CHARS
 from imgest.tasks.search.query import Query, SearchError, UnknownItem
+from imgest.tasks.search.shadow import ShadowTraffic
 from imgest.tasks.search.thumbnails import Thumbnails
 
 MAX_IMAGE_BYTES = 20 << 20  # an upload larger than this is refused before it is decoded (413)
@@ -160,7 +161,7 @@ def _hits(answer: Answer) -> list[dict]:
     return hits
 
 
-def create_app(follower: FollowingSearcher, token: str | None = None) -> FastAPI:
+def create_app(follower: FollowingSearcher, token: str | None = None, shadow: ShadowTraffic | None = None) -> FastAPI:
     def authorised(request: Request) -> None:
         if token is None:
             return
@@ -179,6 +180,8 @@ def create_app(follower: FollowingSearcher, token: str | None = None) -> FastAPI
     failed = Gauge("imgest_api_alias_load_failed", "1 while what an alias names failed to load", ["alias"],
                    registry=registry)
     swaps = Gauge("imgest_api_alias_swaps", "Alias moves swapped in since start", registry=registry)
+    shadowed = Gauge("imgest_api_shadow_queries", "Queries run on the window's candidate, by outcome", ["outcome"],
+                     registry=registry)
     routes = {"/", "/search", "/aliases", "/columns", "/thumbnail", "/healthz", "/metrics"}
 
     @app.middleware("http")
@@ -205,15 +208,18 @@ def create_app(follower: FollowingSearcher, token: str | None = None) -> FastAPI
         body, image = await _read_request(request)
         request.state.alias = ",".join(body.alias) if body.alias else "" if body.query_class else follower.aliases[0]
         query = Query("request", text=body.text, image_bytes=image, item_id=body.item_id)
+        options = {"where": body.where, "group_by": body.group_by, "per_group": body.per_group}
+        searched = time.perf_counter()
         try:
-            answer = await run_in_threadpool(
-                follower.search, [query], body.k, body.alias, fuse=body.fuse, query_class=body.query_class,
-                rrf_k=body.rrf_k, with_metadata=True, where=body.where, group_by=body.group_by,
-                per_group=body.per_group)
+            answer = await run_in_threadpool(follower.search, [query], body.k, body.alias, fuse=body.fuse,
+                                             query_class=body.query_class, rrf_k=body.rrf_k, with_metadata=True,
+                                             **options)
         except SearchError:
             raise
         except ValueError as exc:  # an image that does not decode, a bad predicate: the request's fault
             raise HTTPException(400, redact(str(exc))) from None
+        if shadow is not None:  # queued for the candidate, never waited for
+            shadow.offer([query], body.k, options, answer, 1000 * (time.perf_counter() - searched))
         return {"hits": _hits(answer), "took_ms": round(1000 * (time.perf_counter() - started), 3),
                 "how": answer.how}
 
@@ -257,6 +263,10 @@ def create_app(follower: FollowingSearcher, token: str | None = None) -> FastAPI
                 served.labels(alias, status["model"]).set(status["version"])
             failed.labels(alias).set(1 if status["error"] else 0)
         swaps.set(follower.swaps)
+        if shadow is not None:
+            for outcome, count in (("recorded", shadow.recorded), ("failed", shadow.failed),
+                                   ("dropped", shadow.dropped)):
+                shadowed.labels(outcome).set(count)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
