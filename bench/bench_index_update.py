@@ -33,16 +33,18 @@ MODEL = {"slug": "synthetic-512", "model_id": "synthetic/clustered-512@bench", "
          "family": "synthetic"}
 
 
-def write_shard(store, name: str, ids: list[str], vectors: np.ndarray, hashes: list[str]) -> None:
+def write_shard(store, name: str, ids: list[str], vectors: np.ndarray, hashes: list[str],
+                slug: str = MODEL["slug"]) -> None:
     from imgest.tasks.state.committed import shard_key
 
     d = vectors.shape[1]
     table = pa.table({"item_id": ids, "uri": [f"s3://catalogue/{i}" for i in ids], "content_hash": hashes,
                       "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel(), pa.float32()), d)})
-    store.write_table(shard_key(MODEL["slug"], name), table)
+    store.write_table(shard_key(slug, name), table)
 
 
-def seed_store(store, x: np.ndarray, shard_rows: int = 50_000) -> None:
+def seed_store(store, x: np.ndarray, shard_rows: int = 50_000, model: dict = MODEL) -> None:
+    """One committed run holding `x` as the live vectors of `model` (a model card: slug, model_id, ...)."""
     from imgest.tasks.state.committed import (
         LIVE,
         CatalogueState,
@@ -52,17 +54,17 @@ def seed_store(store, x: np.ndarray, shard_rows: int = 50_000) -> None:
         write_snapshot,
     )
 
-    write_model_card(store, {**MODEL, "dim": x.shape[1]})
+    write_model_card(store, {**model, "dim": x.shape[1]})
     run = new_run_id(1)
     items = {}
     for s, start in enumerate(range(0, len(x), shard_rows)):
         stop = min(len(x), start + shard_rows)
         name = f"part-{run}-{s:05d}"
         ids = [f"item/{i:08d}" for i in range(start, stop)]
-        write_shard(store, name, ids, x[start:stop], [f"h{i}-0" for i in range(start, stop)])
+        write_shard(store, name, ids, x[start:stop], [f"h{i}-0" for i in range(start, stop)], model["slug"])
         for i, item in enumerate(ids, start):
             items[item] = ItemState(item, f"s3://catalogue/{item}", LIVE, None, 1, 0.0, f"h{i}-0", name, run)
-    write_snapshot(store, CatalogueState(MODEL["slug"], items), run, {"seeded": len(x)})
+    write_snapshot(store, CatalogueState(model["slug"], items), run, {"seeded": len(x)})
 
 
 def night(store, rng, pool: np.ndarray, used: int, seq: int, n_next: int) -> tuple[int, int, dict]:

@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -21,6 +22,8 @@ from imgest.tasks.index.store import read_card
 from imgest.tasks.migration.aliases import set_alias
 from imgest.tasks.search.combined import read_route
 from imgest.tasks.search.following import FollowingSearcher
+from imgest.tasks.search.items import ItemNotFound, StoredVectors
+from imgest.tasks.search.query import Searcher
 from imgest.tasks.search.service import create_app
 from tests.helpers import gradient, png_bytes, served_app, write_files
 
@@ -112,8 +115,16 @@ def test_item_id_fusion_routing_and_uploads_answer_as_the_command_does(served):
     b64 = base64.b64encode(image.read_bytes()).decode()
     with httpx.Client(base_url=url, headers=_auth(), timeout=30) as http:
         # more like this: the item's stored vector; the item itself is not among its hits
-        by_item = http.post("/search", json={"item_id": "007.png", "k": 5}).json()["hits"]
+        by_item = http.post("/search", json={"item_id": "007.png", "k": 5}).json()
+        assert "hits" in by_item, by_item
+        by_item = by_item["hits"]
         _same(by_item, _cli_hits(store, "--item-id", "007.png", "--k", "5"))
+        # the index's own copy of the vector (Flat) is the shard's, which compressed indexes read instead
+        searcher = Searcher(str(store), "serving", device="cpu")
+        shards = StoredVectors(served["location"], served["slug"], searcher.spec.dim)
+        assert np.allclose(shards.vector("007.png"), searcher.stored_vector("007.png"), atol=1e-6)
+        with pytest.raises(ItemNotFound, match="no live item"):
+            shards.vector("no-such.png")
         by_image = http.post("/search", json={"image_b64": b64, "k": 6}).json()["hits"]  # its own picture
         assert by_image[0]["item_id"] == "007.png" and [h["item_id"] for h in by_item] == \
             [h["item_id"] for h in by_image[1:]]

@@ -20,7 +20,7 @@ from imgest.flows.nightly import nightly
 from imgest.storage import Location, RecordError
 from imgest.tasks.migration import shadow as records
 from imgest.tasks.migration.aliases import read_alias
-from imgest.tasks.search.following import FollowingSearcher
+from imgest.tasks.search.following import Answer, FollowingSearcher
 from imgest.tasks.search.query import Query, Searcher
 from imgest.tasks.search.service import create_app
 from imgest.tasks.search.shadow import ShadowTraffic
@@ -136,5 +136,6 @@ def test_shadow_traffic_is_recorded_shown_in_status_and_gates_promote(tmp_path, 
     assert promoted.exit_code == 0, promoted.output
     event = [e for e in json.loads(promoted.stdout)["events"] if e["event"] == "promoted"][-1]
     assert event["shadow"]["queries"] == 35 and event["shadow"]["mean_overlap"] == summary["mean_overlap"]
-    traffic.check()
-    assert traffic.window is None  # promoted: no candidate left to compare
+    traffic.check()  # promoted: serving answers with the candidate itself, so nothing is compared
+    now_serving = Answer([[]], {"serving": (window["to"]["slug"], 1)})
+    assert traffic.window is not None and not traffic.offer([Query("q", text="x")], 5, {}, now_serving, 1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 
@@ -13,6 +14,17 @@ from imgest.tasks.ingest.shards import embedding_matrix
 from imgest.tasks.state.committed import LIVE, CatalogueState, load_state, shard_key
 
 MAX_ITEM_ID_CHARS = 1024
+
+
+EXACT_FACTORY = re.compile(r"Flat|HNSW\d+(,Flat)?")  # indexes whose storage is the float vectors themselves
+
+
+def exact_vector(opened, position: int | None) -> np.ndarray | None:
+    """The vector an index stores for a faiss id when it stores them uncompressed; None otherwise (the shard
+    then holds the only exact copy)."""
+    if position is None or not EXACT_FACTORY.fullmatch(str(opened.card.get("factory", ""))):
+        return None
+    return opened.index.reconstruct(int(position))
 
 
 class ItemNotFound(LookupError):

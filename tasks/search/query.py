@@ -136,9 +136,13 @@ class Searcher:
         return vectors
 
     def stored_vector(self, item_id: str) -> np.ndarray:
-        """An item's own embedding in this model, as its shard holds it (SearchError when it is not live)."""
-        from imgest.tasks.search.items import ItemNotFound, StoredVectors
+        """An item's own embedding in this model: the float vector this index holds for it when it stores vectors
+        uncompressed (Flat, HNSW,Flat: no I/O), else the one its shard holds (UnknownItem when it is not live)."""
+        from imgest.tasks.search.items import ItemNotFound, StoredVectors, exact_vector
 
+        vector = exact_vector(self.opened, self.position(item_id)) if isinstance(item_id, str) else None
+        if vector is not None:
+            return vector
         if self._stored is None:
             self._stored = StoredVectors(self.store, self.card["slug"], self.spec.dim)
         try:
@@ -196,8 +200,10 @@ class Searcher:
         if self._table is None:
             self._table = load_metadata(self.store)
             if self._table is None:
-                raise SearchError("this store holds no catalogue metadata to filter or group by: ingest with "
-                                  "--metadata FILE_OR_URL first")
+                self._table = False  # read once: a store without metadata is not asked again per query
+        if self._table is False:
+            raise SearchError("this store holds no catalogue metadata to filter or group by: ingest with "
+                              "--metadata FILE_OR_URL first")
         return self._table
 
     def _allowed(self, where: str) -> np.ndarray:
@@ -219,12 +225,17 @@ class Searcher:
             self._index_ids = pa.array(self.opened.item_ids, pa.string())
         return self._index_ids
 
-    def uri_of(self, item_id: str) -> str | None:
-        """The catalogue uri this index recorded for an item; None when the item is not in it."""
+    def position(self, item_id: str) -> int | None:
+        """An item's faiss id in this index; None when the item is not in it."""
         import pyarrow.compute as pc
 
-        position = pc.index(self._ids(), item_id).as_py()
-        return None if position is None or position < 0 else self.opened.uris[position]
+        found = pc.index(self._ids(), item_id).as_py()
+        return None if found is None or found < 0 else found
+
+    def uri_of(self, item_id: str) -> str | None:
+        """The catalogue uri this index recorded for an item; None when the item is not in it."""
+        position = self.position(item_id)
+        return None if position is None else self.opened.uris[position]
 
     def metadata_columns(self) -> list[dict]:
         """The catalogue metadata columns a search can filter or group by ([] when the store holds none)."""

@@ -65,11 +65,10 @@ class ShadowTraffic:
         self._thread: threading.Thread | None = None
 
     def check(self) -> None:
-        """Follow the window and the candidate: shadow traffic applies while a window is open and `shadow`
-        serves the window's new model."""
+        """Follow the window and the candidate: shadow traffic applies while a window is open (until finish,
+        through a rollback) and `shadow` serves the window's new model; `offer` takes only queries the old model
+        answered as `serving`."""
         window = read_window(self.store)
-        if window is None or window["status"] != "open":
-            window = None
         if self.window is not None and (window is None or window["id"] != self.window["id"]):
             self.flush()  # rows belong to the window they were measured in
         if window is not None:
