@@ -4,8 +4,8 @@
 
 A store is written directly: `--n` items as clustered vectors under two real models' cards (raw-pixels, 768-d,
 serving; efficientnet-lite0, 1280-d, the migration candidate), the same item ids and content under both, in
-shards of ingest's default size, and their indexes built by build-index at its defaults. Queries are by item id (the item's stored vector), so the
-figures are the service's and the index's, not an image model's.
+shards of ingest's default size, and their indexes built by build-index at its defaults. Queries are by item
+id (the item's stored vector), so the figures are the service's and the index's, not an image model's.
 
 1. Overhead: the same 500 queries (k=10), sequential, answered in-process by a FollowingSearcher (with each hit's
    metadata, as the service does) and through `imgest api` on loopback (HTTP, JSON, the thread pool): p50, p99,
@@ -190,7 +190,7 @@ def served_version(url: str) -> tuple[str, int]:
     return status["model"], status["version"]
 
 
-def swaps(store_path: str, service: Service, ids: list[str], rate: float, phase_s: float, old: dict) -> None:
+def swaps(store_path: str, service: Service, ids: list[str], rate: float, phase_s: float, old: dict, n: int) -> None:
     from imgest.config import IndexConfig
     from imgest.flows.build_index import build_index
     from imgest.storage import Location
@@ -219,13 +219,13 @@ def swaps(store_path: str, service: Service, ids: list[str], rate: float, phase_
     marks.append((time.monotonic(), "end"))
     load.finish()
     memory.stop.set()
-    print(f"\n## Swaps under load: {len(ids):,}-item store, {rate:g} requests/s from 4 clients, item-id queries, "
+    print(f"\n## Swaps under load: {n:,}-item store, {rate:g} requests/s from 4 clients, item-id queries, "
           "k=10\n")
-    print(f"{'phase':34s} {'seconds':>7s} {'requests':>8s} {'failed':>6s} {'p50 ms':>7s} {'p99 ms':>8s} "
+    print(f"{'phase':40s} {'seconds':>7s} {'requests':>8s} {'failed':>6s} {'p50 ms':>7s} {'p99 ms':>8s} "
           f"{'RSS high MiB':>12s}")
     for (start, name), (end, _) in zip(marks, marks[1:]):
         inside = [(ms, ok) for t, ms, ok in load.results if start <= t < end]
-        print(f"{name:34s} {end - start:7.1f} {len(inside):8d} {sum(not ok for _, ok in inside):6d} "
+        print(f"{name:40s} {end - start:7.1f} {len(inside):8d} {sum(not ok for _, ok in inside):6d} "
               f"{percentiles([ms for ms, _ in inside])} {memory.high(start, end):12.0f}")
     failed = sum(not ok for _, _, ok in load.results)
     print(f"total: {len(load.results)} requests, {failed} failed", flush=True)
@@ -247,7 +247,7 @@ def main() -> None:
     try:
         service.wait_ready()
         overhead(store, service, ids)
-        swaps(store, service, ids, args.rate, args.phase_s, old)
+        swaps(store, service, ids, args.rate, args.phase_s, old, args.n)
     finally:
         service.stop()
 

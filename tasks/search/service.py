@@ -184,15 +184,29 @@ def create_app(follower: FollowingSearcher, token: str | None = None, shadow: Sh
                      registry=registry)
     routes = {"/", "/search", "/aliases", "/columns", "/thumbnail", "/healthz", "/metrics"}
 
-    @app.middleware("http")
-    async def measure(request: Request, call_next):
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.url.path if request.url.path in routes else "other"
-        alias = getattr(request.state, "alias", "")
-        requests.labels(route, alias, str(response.status_code)).inc()
-        latency.labels(route, alias).observe(time.perf_counter() - started)
-        return response
+    def measured(route_app):
+        """Count and time every request, refusals included (plain ASGI: no response object in between)."""
+        async def measure(scope, receive, send):
+            if scope["type"] != "http":
+                return await route_app(scope, receive, send)
+            started, status = time.perf_counter(), 500
+
+            async def tracked(message):
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                await send(message)
+
+            try:
+                await route_app(scope, receive, tracked)
+            finally:
+                route = scope["path"] if scope["path"] in routes else "other"
+                alias = scope.get("state", {}).get("alias", "")  # request.state, set by /search
+                requests.labels(route, alias, str(status)).inc()
+                latency.labels(route, alias).observe(time.perf_counter() - started)
+        return measure
+
+    app.add_middleware(measured)
 
     @app.exception_handler(SearchError)
     async def refused(request: Request, exc: SearchError) -> JSONResponse:
@@ -203,7 +217,7 @@ def create_app(follower: FollowingSearcher, token: str | None = None, shadow: Sh
         return JSONResponse({"detail": _one_line(exc)}, status_code=422)
 
     @app.post("/search", dependencies=[Depends(authorised)])
-    async def search(request: Request) -> dict:
+    async def search(request: Request) -> JSONResponse:
         started = time.perf_counter()
         body, image = await _read_request(request)
         request.state.alias = ",".join(body.alias) if body.alias else "" if body.query_class else follower.aliases[0]
@@ -220,8 +234,8 @@ def create_app(follower: FollowingSearcher, token: str | None = None, shadow: Sh
             raise HTTPException(400, redact(str(exc))) from None
         if shadow is not None:  # queued for the candidate, never waited for
             shadow.offer([query], body.k, options, answer, 1000 * (time.perf_counter() - searched))
-        return {"hits": _hits(answer), "took_ms": round(1000 * (time.perf_counter() - started), 3),
-                "how": answer.how}
+        return JSONResponse({"hits": _hits(answer), "took_ms": round(1000 * (time.perf_counter() - started), 3),
+                             "how": answer.how})
 
     @app.get("/aliases", dependencies=[Depends(authorised)])
     def aliases() -> dict:
