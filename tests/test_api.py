@@ -203,6 +203,67 @@ def test_an_alias_moved_under_concurrent_requests_fails_none(served):
     assert 'imgest_api_request_seconds_count{alias="serving",route="/search"}' in metrics
 
 
+def test_the_command_serves_the_page_and_follows_with_its_options(served, tmp_path):
+    """`imgest api` as a user starts it: its flags reach the service (the routing table, the token from the
+    environment), and bad flags exit 2 in one line before anything listens."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    bad = CliRunner().invoke(app, ["api", "--store", str(served["store"]), "--shadow-share", "1.5"])
+    assert bad.exit_code == 2 and "--shadow-share must be between 0 and 1" in bad.output
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "IMGEST_API_TOKEN": TOKEN}
+    command = [os.path.join(os.path.dirname(sys.executable), "imgest"), "api", "--store", str(served["store"]),
+               "--port", str(port), "--route", str(served["route"]), "--shadow-share", "0.5", "--device", "cpu"]
+    service = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/healthz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert "<title>imgest search</title>" in httpx.get(url).text  # the page itself needs no token
+        assert set(httpx.get(f"{url}/aliases", headers=_auth()).json()) == {"serving", "shadow"}  # --route's
+        routed = httpx.post(f"{url}/search", json={"item_id": "007.png", "query_class": "mixed"}, headers=_auth())
+        assert routed.status_code == 200 and routed.json()["how"]["route"] == "rrf", routed.text
+    finally:
+        service.terminate()
+        output = service.communicate(timeout=60)[0]
+    assert TOKEN not in output and "Traceback" not in output, output
+
+
+def test_thumbnails_are_read_only_under_the_catalogue_root_and_bounded(tmp_path):
+    import io
+
+    from PIL import Image
+
+    from imgest.storage import ContainmentError, RecordError
+    from imgest.tasks.search import thumbnails
+    from imgest.tasks.state.catalogue_images import record_root
+
+    cat, store = tmp_path / "cat", Location(str(tmp_path / "store"))
+    write_files(str(cat), {"a.png": png_bytes(gradient(1, (600, 300))), "big.png": b"x" * 2048})
+    record_root(store, "m", Location(str(cat)))
+    root = Location(str(cat)).uri().rstrip("/")
+    thumbs = thumbnails.Thumbnails(store)
+    small = Image.open(io.BytesIO(thumbs.get("m", f"{root}/a.png")))
+    assert small.format == "JPEG" and max(small.size) == thumbnails.SIDE
+    with pytest.raises(ContainmentError):
+        thumbs.get("m", str(tmp_path / "store" / "state" / "model=m" / "catalogue.json"))
+    original, thumbnails.MAX_SOURCE_BYTES = thumbnails.MAX_SOURCE_BYTES, 1024
+    try:
+        with pytest.raises(RecordError, match="larger than 1024 bytes"):
+            thumbs.get("m", f"{root}/big.png")
+    finally:
+        thumbnails.MAX_SOURCE_BYTES = original
+
+
 def test_the_search_page_searches_by_image_filters_and_shows_thumbnails_in_chromium(served):
     import shutil
 
