@@ -97,6 +97,8 @@ def test_search_answers_as_the_command_does_and_bad_requests_get_one_line(served
         refused = httpx.post(f"{url}/search", json=bad, headers=_auth())
         assert refused.status_code == status and says in refused.json()["detail"], (bad.keys(), refused.text)
         assert "Traceback" not in refused.text
+    metrics = httpx.get(f"{url}/metrics", headers=_auth()).text  # a request's alias names never become labels
+    assert 'alias="captions"' not in metrics and 'alias="not served",route="/search",status="400"' in metrics
 
 
 def _cli_hits(store, *args: str) -> list[dict]:

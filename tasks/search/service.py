@@ -34,6 +34,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from imgest.redact import one_line, redact
+from imgest.tasks.ingest.decode import DecodeError
+from imgest.tasks.search.filters import FilterError
 from imgest.tasks.search.following import Answer, FollowingSearcher
 from imgest.tasks.search.items import MAX_ITEM_ID_CHARS
 from imgest.tasks.search.query import Query, SearchError, UnknownItem
@@ -149,6 +151,13 @@ async def _read_request(request: Request) -> tuple[SearchRequest, bytes | None]:
     return body, image
 
 
+def _alias_label(body: SearchRequest, served: tuple[str, ...]) -> str:
+    """The metrics label of a request's aliases: only served names (a request cannot grow the label set)."""
+    if body.alias:
+        return ",".join(body.alias) if set(body.alias) <= set(served) else "not served"
+    return "routed" if body.query_class else served[0]
+
+
 def _hits(answer: Answer) -> list[dict]:
     hits = []
     for hit in answer.hits[0]:
@@ -220,7 +229,7 @@ def create_app(follower: FollowingSearcher, token: str | None = None, shadow: Sh
     async def search(request: Request) -> JSONResponse:
         started = time.perf_counter()
         body, image = await _read_request(request)
-        request.state.alias = ",".join(body.alias) if body.alias else "" if body.query_class else follower.aliases[0]
+        request.state.alias = _alias_label(body, follower.aliases)
         query = Query("request", text=body.text, image_bytes=image, item_id=body.item_id)
         options = {"where": body.where, "group_by": body.group_by, "per_group": body.per_group}
         searched = time.perf_counter()
@@ -228,9 +237,7 @@ def create_app(follower: FollowingSearcher, token: str | None = None, shadow: Sh
             answer = await run_in_threadpool(follower.search, [query], body.k, body.alias, fuse=body.fuse,
                                              query_class=body.query_class, rrf_k=body.rrf_k, with_metadata=True,
                                              **options)
-        except SearchError:
-            raise
-        except ValueError as exc:  # an image that does not decode, a bad predicate: the request's fault
+        except (DecodeError, FilterError) as exc:  # an image that does not decode, a bad predicate: the request's
             raise HTTPException(400, redact(str(exc))) from None
         if shadow is not None:  # queued for the candidate, never waited for
             shadow.offer([query], body.k, options, answer, 1000 * (time.perf_counter() - searched))
