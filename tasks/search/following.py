@@ -89,6 +89,7 @@ class FollowingSearcher:
                         continue
                     searcher = self._loaded(entry["slug"], entry["version"]) or Searcher(self.store.url, alias,
                                                                                            device=self.device)
+                    searcher.encoder()  # the weights too: the first query after a swap does not wait for them
                     card = searcher.card
                     # the new one is whole and verified: one assignment makes it the one queries take
                     self._served[alias] = _Served(searcher, card["slug"], int(card["version"]),
