@@ -79,6 +79,7 @@ def search_cmd(
     from dataclasses import asdict
 
     try:
+        from imgest.tasks.search.combined import fusion
         from imgest.tasks.search.query import Query, Searcher, SearchError, read_queries
 
         given = [x for x in (image, text, item_id, queries) if x is not None]
@@ -92,16 +93,12 @@ def search_cmd(
             results, how = routed_search(store, batch, k, route, query_class, device, where, group_by, per_group)
             card = {"model_id": f"route {how['route']} ({', '.join(how['aliases'])}; {how['from']})",
                     "version": None}
-        elif fuse is not None:
-            if fuse != "rrf":
-                raise SearchError(f"unknown fusion {fuse!r}; allowed: rrf")
+        elif (chosen := fusion(aliases, fuse, rrf_k)).combine is not None:
             from imgest.tasks.search.combined import fused_search
 
-            aliases = aliases if len(aliases) > 1 else ("serving", "shadow")
+            aliases = chosen.aliases
             results = fused_search(store, batch, k, aliases, rrf_k, device, where, group_by, per_group)
             card = {"model_id": f"rrf({', '.join(aliases)})", "version": None}
-        elif len(aliases) > 1:
-            raise SearchError(f"{len(aliases)} aliases given: add --fuse rrf to fuse them, or give one")
         else:
             searcher = Searcher(store, aliases[0], model, version, device)
             results = searcher.search(batch, k, where, group_by, per_group)

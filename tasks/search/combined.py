@@ -47,7 +47,20 @@ class Route:
 
     aliases: tuple[str, ...]
     combine: Combine | None  # None: the one alias answers alone
-    how: dict  # route, query_class, from, aliases: said with the results
+    how: dict | None  # how several were chosen and combined, said with the results (None: one alias asked)
+
+
+def fusion(aliases: Sequence[str], fuse: str | None, rrf_k: int = RRF_K) -> Route:
+    """Which aliases answer and how, as `imgest search` and the service take them: one alias alone, or with
+    `fuse="rrf"` several (one alias with it fuses serving and shadow, the pair of a migration window)."""
+    if fuse is None:
+        if len(aliases) > 1:
+            raise SearchError(f"{len(aliases)} aliases given: add fuse rrf (--fuse rrf) to fuse them, or give one")
+        return Route(tuple(aliases), None, None)
+    if fuse != "rrf":
+        raise SearchError(f"unknown fusion {fuse!r}; allowed: rrf")
+    names = tuple(aliases) if len(aliases) > 1 else ("serving", "shadow")
+    return Route(names, rrf_combine(rrf_k), {"fuse": "rrf", "rrf_k": rrf_k, "aliases": list(names)})
 
 
 def read_route(url: str) -> dict:

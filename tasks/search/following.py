@@ -21,7 +21,7 @@ from imgest.redact import one_line
 from imgest.storage import open_location
 from imgest.tasks.evaluate.fusion import RRF_K
 from imgest.tasks.migration.aliases import read_alias
-from imgest.tasks.search.combined import answer, choose, rrf_combine
+from imgest.tasks.search.combined import answer, choose, fusion
 from imgest.tasks.search.query import Hit, Query, Searcher, SearchError
 
 
@@ -89,7 +89,7 @@ class FollowingSearcher:
                         continue
                     searcher = self._loaded(entry["slug"], entry["version"]) or Searcher(self.store.url, alias,
                                                                                            device=self.device)
-                    searcher.encoder()  # the weights too: the first query after a swap does not wait for them
+                    searcher.warm()  # weights and metadata map: the first query after a swap does not wait
                     card = searcher.card
                     # the new one is whole and verified: one assignment makes it the one queries take
                     self._served[alias] = _Served(searcher, card["slug"], int(card["version"]),
@@ -148,15 +148,9 @@ class FollowingSearcher:
                 raise SearchError("query_class lets the routing table choose the aliases: give no alias or fuse")
             route = choose(self.route, query_class)
             names, combine, how = list(route.aliases), route.combine, route.how
-        elif fuse is not None:
-            if fuse != "rrf":
-                raise SearchError(f"unknown fusion {fuse!r}; allowed: rrf")
-            names = names if len(names) > 1 else ["serving", "shadow"]
-            combine, how = rrf_combine(rrf_k), {"fuse": "rrf", "rrf_k": rrf_k, "aliases": names}
-        elif len(names) > 1:
-            raise SearchError(f"{len(names)} aliases given: add fuse rrf to fuse them, or give one")
         else:
-            names, combine = names or [self.aliases[0]], None
+            route = fusion(names or [self.aliases[0]], fuse, rrf_k)
+            names, combine, how = list(route.aliases), route.combine, route.how
         taken = {name: self._take(name) for name in names}  # one read each: the request keeps these versions
         hits = answer([(name, served.searcher) for name, served in taken.items()], queries, k, combine, where,
                       group_by, per_group)

@@ -19,12 +19,10 @@ MAX_ITEM_ID_CHARS = 1024
 EXACT_FACTORY = re.compile(r"Flat|HNSW\d+(,Flat)?")  # indexes whose storage is the float vectors themselves
 
 
-def exact_vector(opened, position: int | None) -> np.ndarray | None:
-    """The vector an index stores for a faiss id when it stores them uncompressed; None otherwise (the shard
-    then holds the only exact copy)."""
-    if position is None or not EXACT_FACTORY.fullmatch(str(opened.card.get("factory", ""))):
-        return None
-    return opened.index.reconstruct(int(position))
+def stores_vectors(card: dict) -> bool:
+    """Whether an index keeps its vectors uncompressed, so that `reconstruct` gives an item's own embedding
+    (otherwise the shard holds the only exact copy)."""
+    return bool(EXACT_FACTORY.fullmatch(str(card.get("factory", ""))))
 
 
 class ItemNotFound(LookupError):
