@@ -139,3 +139,20 @@ def test_shadow_traffic_is_recorded_shown_in_status_and_gates_promote(tmp_path, 
     traffic.check()  # promoted: serving answers with the candidate itself, so nothing is compared
     now_serving = Answer([[]], {"serving": (window["to"]["slug"], 1)})
     assert traffic.window is not None and not traffic.offer([Query("q", text="x")], 5, {}, now_serving, 1.0)
+
+
+def test_a_store_that_cannot_take_the_rows_loses_those_samples_not_the_service(tmp_path, caplog):
+    """A flush that cannot write (here a file stands where the window's folder must go) drops its rows with a
+    warning; the next rows are still measured and written once the store takes them."""
+    store = tmp_path / "store"
+    (store / "migration").mkdir(parents=True)
+    (store / "migration" / "shadow").write_text("in the way")
+    traffic = ShadowTraffic(str(store), 1.0)
+    traffic.window = {"id": "w-1", "status": "open", "from": {"slug": "a"}, "to": {"slug": "b"}}
+    traffic._rows = [_row()]
+    traffic.flush()
+    assert "shadow traffic: 1 rows not written" in caplog.text and traffic._rows == []
+    (store / "migration" / "shadow").unlink()
+    traffic._rows = [_row(), _row()]
+    traffic.flush()
+    assert records.summary(Location(str(store)), "w-1")["queries"] == 2
