@@ -63,7 +63,7 @@ def migrate_start(config: MigrateConfig) -> dict:
         migration.record(store_loc, window, "reencode-started", lock.fence)
     summary = reencode(ReencodeConfig(catalogue=window["catalogue"], store=store_loc.url, model=config.to,
                                       batch_size=config.batch_size, device=config.device,
-                                      shard_size=config.shard_size))
+                                      runtime=config.runtime, precision=config.precision, shard_size=config.shard_size))
     migration.check_window_model(window["to"]["slug"], summary)
     with StoreLock(store_loc, owner=owner, wait=LOCK_WAIT_S) as lock:
         migration.record(store_loc, window, "reencode-finished", lock.fence, encoded=summary["encoded"],

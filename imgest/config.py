@@ -26,8 +26,10 @@ from imgest.fields import (
     Memory,
     Model,
     OptionalUrl,
+    Precision,
     RecallK,
     Runner,
+    Runtime,
     ShardSize,
     Store,
     TargetRecall,
@@ -66,11 +68,13 @@ from imgest.names import (
     DEFAULT_MAX_PIXELS,
     DEFAULT_MEMORY,
     DEFAULT_MODEL,
+    DEFAULT_PRECISION,
     DEFAULT_RECALL_QUERIES,
     DEFAULT_RESAMPLES,
     DEFAULT_RETAIN_DAYS,
     DEFAULT_RETRAIN_SHARE,
     DEFAULT_RUNNER,
+    DEFAULT_RUNTIME,
     DEFAULT_SHARD_SIZE,
     DEFAULT_TARGET_RECALL,
     DEFAULT_VIEWS,
@@ -119,6 +123,8 @@ class EncodeConfig(FlowConfig):
     model: Model = DEFAULT_MODEL
     batch_size: BatchSize = DEFAULT_BATCH_SIZE
     device: Device = DEFAULT_DEVICE
+    runtime: Runtime = DEFAULT_RUNTIME
+    precision: Precision = DEFAULT_PRECISION
     shard_size: ShardSize = DEFAULT_SHARD_SIZE
     decode_workers: DecodeWorkers = DEFAULT_DECODE_WORKERS
     max_pixels: MaxPixels = DEFAULT_MAX_PIXELS
@@ -258,6 +264,8 @@ class MigrateConfig(FlowConfig):
         description="finish: keep the retired model's data this long")] = DEFAULT_RETAIN_DAYS
     batch_size: BatchSize = DEFAULT_BATCH_SIZE
     device: Device = DEFAULT_DEVICE
+    runtime: Runtime = DEFAULT_RUNTIME
+    precision: Precision = DEFAULT_PRECISION
     kind: Kind = DEFAULT_KIND
     memory: Memory = DEFAULT_MEMORY
     target_recall: TargetRecall = DEFAULT_TARGET_RECALL

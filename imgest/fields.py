@@ -16,7 +16,9 @@ from imgest.names import (
     ALIAS_NAME,
     DTYPES,
     KINDS,
+    PRECISIONS,
     RUNNERS,
+    RUNTIMES,
     parse_augmentations,
     parse_disk,
     parse_memory,
@@ -191,6 +193,13 @@ Workers = Annotated[int, AfterValidator(at_least(0)),
 Dtype = Annotated[str, AfterValidator(one_of(DTYPES)),
                   Field(description="Vectors in the shards this run writes: float32 or float16 (half the bytes; "
                                     "indexes, export, eval and heads read both)")]
+Runtime = Annotated[str, AfterValidator(one_of(RUNTIMES)),
+                    Field(description="What runs the encoder: auto (the fastest installed runtime that passes the "
+                                      "parity check, measured on this model and device and cached), torch or "
+                                      "openvino (CPU)")]
+Precision = Annotated[str, AfterValidator(one_of(PRECISIONS)),
+                      Field(description="The encoder's arithmetic: auto (bf16 where the device runs it natively and "
+                                        "it passes the parity check, else fp32), fp32, bf16 or fp16")]
 Kind = Annotated[str, AfterValidator(_kind),
                  Field(description=f"Index kind: {', '.join(KINDS)} or a faiss factory string")]
 Memory = Annotated[str, AfterValidator(_size(parse_memory)),

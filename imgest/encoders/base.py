@@ -66,6 +66,11 @@ class Encoder(Protocol):
     device: str
     input_shape: tuple[int, int, int]
     decode_side: int | None  # the shorter side preprocessing needs: a JPEG may decode down to it (None: full)
+    runtime: str  # what runs it: torch, openvino (imgest/encoders/runtimes.py); numpy for raw pixels
+    precision: str  # fp32, bf16, fp16
+
+    def graphs(self) -> dict:
+        """Its towers as torch graphs a runtime can compile ({} when it runs as it is)."""
 
     def preprocess(self, image) -> np.ndarray:
         """PIL RGB image -> CHW float32 array; runs in decode threads, so it must be thread-safe."""
@@ -98,8 +103,9 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def device_key(device: str) -> str:
-    """Stable name of the hardware a tuning result was measured on."""
+def device_key(device: str, threads: bool = True) -> str:
+    """Stable name of the hardware a tuning result was measured on (with torch's thread count on a CPU, unless
+    `threads` is False: a parity figure does not depend on it)."""
     import torch
 
     if device.startswith("cuda"):
@@ -107,7 +113,7 @@ def device_key(device: str) -> str:
         name = torch.cuda.get_device_name(index)
     else:
         name = _cpu_model()
-        name = f"{name}-{torch.get_num_threads()}threads"
+        name = f"{name}-{torch.get_num_threads()}threads" if threads else name
     return re.sub(r"[^a-zA-Z0-9._-]+", "-", f"{device.split(':')[0]}-{name}").strip("-").lower()
 
 
@@ -118,16 +124,6 @@ def _cpu_model() -> str:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
     return os.uname().machine
-
-
-def autocast(device: str):
-    """bf16 (or fp16 where bf16 is missing) autocast on CUDA; plain fp32 on CPU."""
-    import torch
-
-    if not device.startswith("cuda"):
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.autocast("cuda", dtype=dtype)
 
 
 def to_device(batch, device: str):
@@ -144,8 +140,11 @@ def to_device(batch, device: str):
 
 
 def l2_normalise(features) -> np.ndarray:
+    """Features (a tensor, or the float32 array a compiled runtime returns) -> L2-normalised float32 rows."""
     import torch
 
+    if isinstance(features, np.ndarray):
+        features = torch.from_numpy(features)
     features = features.float()
     features = torch.nn.functional.normalize(features, dim=-1)
     return features.detach().cpu().numpy().astype(np.float32, copy=False)

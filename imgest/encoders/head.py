@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from imgest.encoders.base import EncoderError, EncoderSpec
+from imgest.encoders.base import EncoderError, EncoderSpec, l2_normalise
+from imgest.encoders.runtimes import Graph, GraphEncoder, default_precision, torch_module
 
 PREFIX = "head:"
 # A head's folder: head.json (written last: a folder without it is not a head), the weights, and what
@@ -142,7 +143,14 @@ def project(module, vectors: np.ndarray, device: str = "cpu", batch: int = 65536
     return out
 
 
-class HeadEncoder:
+def _headed(self, pixels):
+    """The base model's tower, its features L2-normalised (as stored base embeddings are), then the head."""
+    import torch
+
+    return self.head(torch.nn.functional.normalize(self.base(pixels).float(), dim=-1))
+
+
+class HeadEncoder(GraphEncoder):
     def __init__(self, spec: EncoderSpec, device: str):
         from imgest import encoders
 
@@ -151,12 +159,30 @@ class HeadEncoder:
         self.input_shape = self.base.input_shape
         self.decode_side = getattr(self.base, "decode_side", None)
         self.module = load_module(spec.source, spec.extra["config"], device, sha256=spec.revision)
+        self._run_on("torch", default_precision(device))
+
+    def graphs(self) -> dict[str, Graph]:
+        if "image" not in (self.base.graphs() if isinstance(self.base, GraphEncoder) else {}):
+            return {}  # a base that runs as it is (raw pixels): so does the head
+        base = self.base.graphs()["image"]
+        tower = torch_module(_headed, base=base.module, head=self.module)
+        return {"image": Graph("image", tower, base.example, base.dynamic)}
+
+    def _run_on(self, runtime: str, precision: str) -> None:
+        if (runtime, precision) == ("torch", default_precision(self.device)):
+            # as it always ran: the base model's own encoder, then the head in fp32 (`project`)
+            self.runtime, self.precision, self._projected = runtime, precision, True
+            self.runners = {"image": lambda batch: project(self.module, self.base.encode_images(batch), self.device)}
+            return
+        self._projected = False
+        super()._run_on(runtime, precision)
 
     def preprocess(self, image) -> np.ndarray:
         return self.base.preprocess(image)
 
     def encode_images(self, batch: np.ndarray) -> np.ndarray:
-        return project(self.module, self.base.encode_images(batch), self.device)
+        out = self.runners["image"](batch)
+        return out if self._projected else l2_normalise(out)  # `project` normalises already
 
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         raise EncoderError(f"{self.spec.name} is trained on image embeddings: search it by image, not by text")

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from imgest.encoders.base import EncoderError, EncoderSpec, autocast, file_digest, l2_normalise, to_device
+from imgest.encoders.base import EncoderError, EncoderSpec, file_digest, l2_normalise
+from imgest.encoders.runtimes import Graph, GraphEncoder, default_precision, torch_module
 from imgest.encoders.text import is_sentence_transformer, text_spec
 
 PREFIX = "hf:"
@@ -107,7 +108,22 @@ def _decode_side(processor) -> int | None:
     return max(sides) if sides else None
 
 
-class HFEncoder:
+def _image_features(self, pixel_values):
+    if self.model_type == "dinov2":
+        return self.model(pixel_values=pixel_values).pooler_output
+    return _pooled(self.model.get_image_features(pixel_values=pixel_values))
+
+
+def _text_features(self, input_ids, attention_mask=None):
+    tokens = {"input_ids": input_ids} if attention_mask is None else \
+        {"input_ids": input_ids, "attention_mask": attention_mask}
+    return _pooled(self.model.get_text_features(**tokens))
+
+
+TOKEN_INPUTS = ("input_ids", "attention_mask")  # what the text tower reads of the tokenizer's output, in order
+
+
+class HFEncoder(GraphEncoder):
     def __init__(self, spec: EncoderSpec, device: str):
         from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
@@ -123,34 +139,38 @@ class HFEncoder:
         self.tokenizer = AutoTokenizer.from_pretrained(spec.source) if "text" in spec.modalities else None
         self.input_shape = tuple(self.preprocess(_blank()).shape)
         self.decode_side = _decode_side(self.processor)
+        self._image_tower = torch_module(_image_features, model=self.model)
+        self._image_tower.model_type = self.model_type
+        self._text_tower = None
+        if self.tokenizer is not None:
+            self._text_tower = torch_module(_text_features, model=self.model)
+        self._run_on("torch", default_precision(device))
+
+    def graphs(self) -> dict[str, Graph]:
+        towers = {"image": Graph("image", self._image_tower, (np.zeros((2, *self.input_shape), np.float32),),
+                                 ((0,),))}
+        if self._text_tower is not None:
+            example = tuple(v.numpy() for v in self._tokens(["a photo", "a photo of a red shoe"]).values())
+            towers["text"] = Graph("text", self._text_tower, example, tuple((0, 1) for _ in example))
+        return towers
+
+    def _tokens(self, texts: Sequence[str]) -> dict:
+        padding = "max_length" if self.model_type == "siglip" else True
+        max_len = self.model.config.text_config.max_position_embeddings
+        tokens = self.tokenizer(list(texts), padding=padding, truncation=True, max_length=max_len,
+                                return_tensors="pt")
+        return {k: tokens[k] for k in TOKEN_INPUTS if k in tokens}
 
     def preprocess(self, image) -> np.ndarray:
         return np.asarray(self.processor(images=[image], return_tensors="np")["pixel_values"][0], np.float32)
 
     def encode_images(self, batch: np.ndarray) -> np.ndarray:
-        import torch
-
-        with torch.inference_mode(), autocast(self.device):
-            pixels = to_device(batch, self.device)
-            if self.model_type == "dinov2":
-                features = self.model(pixel_values=pixels).pooler_output
-            else:
-                features = _pooled(self.model.get_image_features(pixel_values=pixels))
-        return l2_normalise(features)
+        return l2_normalise(self.runners["image"](batch))
 
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
-        import torch
-
         if self.tokenizer is None:
             raise EncoderError(f"{self.spec.name} ({self.model_type}) is image-only: it has no text tower")
-        padding = "max_length" if self.model_type == "siglip" else True
-        max_len = self.model.config.text_config.max_position_embeddings
-        tokens = self.tokenizer(list(texts), padding=padding, truncation=True, max_length=max_len,
-                                return_tensors="pt")
-        tokens = {k: v.to(self.device) for k, v in tokens.items() if k in ("input_ids", "attention_mask")}
-        with torch.inference_mode(), autocast(self.device):
-            features = _pooled(self.model.get_text_features(**tokens))
-        return l2_normalise(features)
+        return l2_normalise(self.runners["text"](*self._tokens(texts).values()))
 
 
 def _pooled(output):

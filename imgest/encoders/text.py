@@ -68,6 +68,10 @@ class TextEncoder:
 
     input_shape = None
     decode_side = None
+    runtime, precision, runners = "torch", "fp32", {}  # sentence-transformers runs it as it is
+
+    def graphs(self) -> dict:
+        return {}
 
     def __init__(self, spec: EncoderSpec, device: str):
         from sentence_transformers import SentenceTransformer

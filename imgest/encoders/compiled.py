@@ -1,0 +1,95 @@
+"""The compiled-model cache: a runtime's converted models and their parity records, on this host's own disk.
+
+An entry is a folder named by hashing what the converted model depends on: the model id (its weights'
+revision and its preprocessing), the tower, the runtime and its version, the inputs' shapes and dtypes. A
+changed revision, runtime release or input shape is a new entry, so it is converted again; nothing is ever
+read back under another model's name. Entries are written into a temporary folder and renamed into place, so
+a kill leaves no half-written entry and two processes converting at once both end with a whole one. The cache
+is local disk that imgest itself wrote: a worker never compiles from bytes read out of a store.
+
+`IMGEST_COMPILED_CACHE` moves it (default `~/.cache/imgest/compiled`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+CACHE_ENV = "IMGEST_COMPILED_CACHE"
+KEY_FILE, MODEL_FILE = "key.json", "model.xml"
+
+
+def root() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "imgest", "compiled")
+
+
+@dataclass(frozen=True)
+class Entry:
+    folder: str
+    key: dict[str, Any]
+
+
+def entry(model_id: str, graph, runtime: str, runtime_version: str) -> Entry:
+    key = {"model_id": model_id, "graph": graph.name, "runtime": runtime, "runtime_version": runtime_version,
+           "input_shapes": graph.input_shapes(), "input_dtypes": [str(x.dtype) for x in graph.example]}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return Entry(os.path.join(root(), f"{runtime}-{graph.name}-{digest}"), key)
+
+
+def _whole(entry: Entry) -> bool:
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(entry.folder, KEY_FILE)) as fh:
+            return json.load(fh) == entry.key and os.path.exists(os.path.join(entry.folder, MODEL_FILE))
+    return False
+
+
+def ensure(entry: Entry, convert: Callable[[str], None]) -> str:
+    """The entry's model file, converted by `convert(folder)` first if the cache does not hold it whole."""
+    if not _whole(entry):
+        os.makedirs(os.path.dirname(entry.folder), exist_ok=True)
+        tmp = f"{entry.folder}.tmp-{uuid.uuid4().hex}"
+        os.makedirs(tmp)
+        try:
+            convert(tmp)
+            with open(os.path.join(tmp, KEY_FILE), "w") as fh:
+                json.dump(entry.key, fh, indent=1, sort_keys=True)
+            if os.path.isdir(entry.folder) and not _whole(entry):
+                shutil.rmtree(entry.folder, ignore_errors=True)  # a folder under this name that is not whole
+            try:
+                os.rename(tmp, entry.folder)
+            except OSError:  # another process put its whole entry there first: keep that one
+                if not _whole(entry):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return os.path.join(entry.folder, MODEL_FILE)
+
+
+def blob_dir(entry: Entry) -> str:
+    """Where the runtime keeps its own compiled blobs for this entry (OpenVINO's CACHE_DIR)."""
+    folder = os.path.join(entry.folder, "blobs")
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def read_record(entry: Entry, name: str) -> dict | None:
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(entry.folder, name)) as fh:
+            record = json.load(fh)
+            return record if isinstance(record, dict) else None
+    return None
+
+
+def write_record(entry: Entry, name: str, record: dict) -> None:
+    os.makedirs(entry.folder, exist_ok=True)
+    tmp = os.path.join(entry.folder, f".{name}.{uuid.uuid4().hex}")
+    with open(tmp, "w") as fh:
+        json.dump(record, fh, indent=1, sort_keys=True)
+    os.replace(tmp, os.path.join(entry.folder, name))
