@@ -22,7 +22,7 @@ from imgest.tasks.ingest.listing import check_apart
 from imgest.tasks.ingest.runners import shard_runner
 from imgest.tasks.ingest.steps import (
     attach_base_task,
-    choose_batch_size_task,
+    choose_encoding_task,
     commit_run_task,
     encode_shard_task,
     list_catalogue_fanned,
@@ -44,6 +44,7 @@ from imgest.timing import Stopwatch
 def ingest(config: IngestConfig) -> dict:
     spec = encoders.resolve(config.model)
     device = encoders.resolve_device(config.device)
+    encoders.runtimes.runtime_candidates(config.runtime, device)  # a runtime this device cannot run: refused now
     store_loc = open_location(config.store)
     catalogue_loc = open_location(config.catalogue, must_exist=True, what="catalogue", follow_links=True)
     check_apart(catalogue_loc, store_loc)
@@ -65,11 +66,13 @@ def ingest(config: IngestConfig) -> dict:
                                 config.max_bytes, config.delete_limit)
         if spec.base is not None and plan.shards:  # a head: derive from current base embeddings, decode the rest
             plan = attach_base_task(store_loc.url, spec.base.slug, quote(plan))
-        batch, source = (0, "nothing to encode")
+        batch, source, chosen = (0, "nothing to encode", None)
         if metadata_seq is not None and plan.shards:
             batch, source = (config.fixed_batch_size or 64, "fixed" if config.fixed_batch_size else "text model: 64")
         elif any(not item.base_shard for shard in plan.shards for item in shard.items):
-            batch, source = choose_batch_size_task(store_loc.url, spec, device, config.fixed_batch_size)
+            chosen = choose_encoding_task(store_loc.url, spec, device, config.runtime, config.precision,
+                                            config.fixed_batch_size)
+            batch, source = chosen.batch_size, chosen.source
         elif plan.shards:
             batch, source = (1, "every item derived from stored base embeddings")
         results = []
@@ -85,7 +88,9 @@ def ingest(config: IngestConfig) -> dict:
                     "batch_size": unmapped(batch), "decode_workers": unmapped(config.decode_workers),
                     "max_pixels": unmapped(config.max_pixels), "encode_limit": unmapped(config.encode_limit),
                     "fence": unmapped(lock.fence), "dtype": unmapped(config.dtype),
-                    "metadata_seq": unmapped(metadata_seq)})
+                    "metadata_seq": unmapped(metadata_seq),
+                    "runtime": unmapped(chosen.runtime if chosen else "torch"),
+                    "precision": unmapped(chosen.precision if chosen else None)})
                 for shard, future in zip(plan.shards, futures):  # in order: progress moves as shards commit
                     try:
                         results.append(future.result())
@@ -97,6 +102,7 @@ def ingest(config: IngestConfig) -> dict:
                     report(spec.slug, sum(len(s.items) for s in plan.shards[:len(results)]), plan.to_read)
                 summary.encode_wall_seconds = encoding.seconds
         summary.batch_size, summary.batch_size_source, summary.device = batch, source, device
+        summary.record_encoding(chosen, results)
         summary.removed_orphans = orphans
         summary = commit_run_task(store_loc.url, quote(state), quote(plan), quote(results), summary, lock.fence)
     create_markdown_artifact(render_summary(summary), key="ingest-summary",

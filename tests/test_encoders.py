@@ -98,6 +98,6 @@ def test_tuning_picks_the_measured_best_and_caches_it(tiny_models, tmp_path):
     assert all(rate > 0 for rate in tuning.measured.values())
     store = Location(str(tmp_path))
     first, cached = cached_or_tuned(store, encoder)
-    key = f"tuning/model={encoder.spec.slug}/{tuning.device_key}.json"
+    key = f"tuning/model={encoder.spec.slug}/{tuning.device_key}-torch-fp32-batch-auto.json"
     assert store.exists(key) and not cached
     assert cached_or_tuned(store, encoder) == (first, True)  # read back, not measured again

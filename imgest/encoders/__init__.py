@@ -128,9 +128,9 @@ def load(spec: EncoderSpec, device: str = "auto", runtime: str = "torch", precis
 
 
 def _compiled(plain: Encoder, spec: EncoderSpec, device: str, runtime: str, precision: str) -> Encoder:
-    runtimes.runtime_candidates(runtime, device)  # refuses a runtime that does not run on this device
-    if not plain.graphs():
+    if not plain.graphs():  # runs as it is, whatever was asked (its `runtime` says what it is)
         return plain
+    runtimes.runtime_candidates(runtime, device)  # refuses a runtime that does not run on this device
     if precision not in runtimes.native_precisions(device):
         raise EncoderError(f"{device} does not compute in {precision} natively (it does: "
                            f"{', '.join(runtimes.native_precisions(device))}); use --precision auto or fp32")

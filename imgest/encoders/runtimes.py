@@ -193,17 +193,13 @@ def _convert(graph: Graph, folder: str) -> None:
     import torch
 
     example = tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in graph.example)
-    shapes = [(ov.PartialShape(shape), ov.Type(_ov_type(x.dtype)))
+    shapes = [(ov.PartialShape(shape), ov.Type(np.dtype(x.dtype).type))
               for shape, x in zip(graph.input_shapes(), graph.example)]
     with torch.inference_mode():
         model = ov.convert_model(graph.module, example_input=example if len(example) > 1 else example[0],
                                  input=shapes)
     # compress_to_fp16 would round the weights to fp16 in the file: fp32 must give torch fp32's embeddings
     ov.save_model(model, os.path.join(folder, "model.xml"), compress_to_fp16=False)
-
-
-def _ov_type(dtype: np.dtype) -> str:
-    return {"uint8": "u8", "float32": "f32", "int64": "i64", "int32": "i32"}[np.dtype(dtype).name]
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,12 +1,22 @@
-"""Pick the encode batch size by measuring throughput on the real model and device, cached in the store."""
+"""How a run encodes: runtime, precision and batch size, measured on the real model and device, cached in the store.
+
+The candidates are every installed runtime that runs on the device (`--runtime auto`) at every precision the
+device computes in natively (`--precision auto`), or the ones named. Each must pass the parity check against
+torch fp32 before it is measured (imgest/encoders/parity.py); each one kept is measured at the candidate batch
+sizes, and the fastest (runtime, precision, batch) wins. A measurement is cached per (model, device,
+runtime, precision) as the batch size always was, so a later run reads it instead of measuring. When nothing
+that was asked for can run, the run encodes with torch fp32 (the reference) and says why in one warning.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import logging
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from imgest.encoders import Encoder, device_key
+from imgest import encoders
+from imgest.encoders import Encoder, EncoderError, device_key, runtimes
 from imgest.storage import Location
 from imgest.tasks.state.committed import now_iso
 from imgest.timing import Stopwatch
@@ -24,6 +34,25 @@ class Tuning:
     measured: dict[int, float]  # batch size -> images/s
     stopped: str
     created: str
+    runtime: str = "torch"
+    precision: str = "fp32"
+
+
+@dataclass
+class Encoding:
+    """What a run encodes with, decided once before its first shard: every shard uses it."""
+
+    runtime: str
+    precision: str
+    batch_size: int
+    source: str  # how the batch size was chosen, with the figures: the run summary's batch_size_source
+    measured: dict[str, float] = field(default_factory=dict)  # "openvino fp32" -> images/s at its best batch
+    refused: list[str] = field(default_factory=list)  # candidates not used, each with its reason
+    parity: float | None = None  # the min cosine against torch fp32 of the one chosen (1.0: it is torch fp32)
+    warning: str | None = None  # what was asked for could not run: why, and what runs instead
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -40,7 +69,7 @@ def measure(encoder: Encoder, batch_size: int, min_seconds: float = 1.0, min_bat
     noise = np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8)
     sample = encoder.preprocess(Image.fromarray(noise))
     batch = np.repeat(sample[None], batch_size, axis=0)
-    encoder.encode_images(batch)  # warm-up: allocator, kernels, autotuning
+    encoder.encode_images(batch)  # warm-up: allocator, kernels, autotuning, a runtime's first compile
     done, running = 0, Stopwatch()
     while done < min_batches or running.elapsed < min_seconds:
         encoder.encode_images(batch)
@@ -77,33 +106,90 @@ def tune_batch_size(encoder: Encoder, candidates: tuple[int, ...] | None = None,
     if not measured:
         raise RuntimeError(f"could not run even batch {candidates[0]} on {device}: {stopped}")
     best_size = max(measured, key=measured.get)
-    return Tuning(best_size, device, device_key(device), encoder.spec.model_id, measured, stopped, now_iso())
+    return Tuning(best_size, device, device_key(device), encoder.spec.model_id, measured, stopped, now_iso(),
+                  encoder.runtime, encoder.precision)
 
 
-def tuning_key(slug: str, key: str) -> str:
-    return f"tuning/model={slug}/{key}.json"
+def tuning_key(slug: str, key: str, runtime: str = "torch", precision: str = "fp32",
+               batch: int | None = None) -> str:
+    return f"tuning/model={slug}/{key}-{runtime}-{precision}-batch-{batch or 'auto'}.json"
 
 
-def cached_or_tuned(store: Location, encoder: Encoder) -> tuple[Tuning, bool]:
-    """The (model, device) tuning from the store, or a fresh measurement saved there; and whether cached."""
-    key = tuning_key(encoder.spec.slug, device_key(encoder.device))
-    if store.exists(key):
+def _read_tuning(store: Location, key: str, encoder: Encoder) -> Tuning | None:
+    """A cached tuning, if it is whole and about this model, device, runtime and precision (the store is
+    untrusted: a planted or older file is measured again, never believed)."""
+    try:
         cached = store.read_json(key)
-        cached["measured"] = {int(k): v for k, v in cached["measured"].items()}
-        return Tuning(**cached), True
-    tuning = tune_batch_size(encoder)
+        tuning = Tuning(**cached)
+        tuning.measured = {int(k): float(v) for k, v in dict(tuning.measured).items()}
+    except (TypeError, ValueError, AttributeError, OSError) as exc:
+        logging.getLogger("imgest").warning("tuning %s measured again: %s", key, exc)
+        return None
+    if (tuning.model_id, tuning.runtime, tuning.precision) != (encoder.spec.model_id, encoder.runtime,
+                                                               encoder.precision) \
+            or tuning.batch_size not in tuning.measured or not all(v > 0 for v in tuning.measured.values()):
+        return None
+    return tuning
+
+
+def cached_or_tuned(store: Location, encoder: Encoder, fixed: int | None = None) -> tuple[Tuning, bool]:
+    """The (model, device, runtime, precision) tuning from the store, or a fresh measurement saved there; and
+    whether it was cached. With `fixed`, only that batch size is measured."""
+    key = tuning_key(encoder.spec.slug, device_key(encoder.device), encoder.runtime, encoder.precision, fixed)
+    if store.exists(key) and (cached := _read_tuning(store, key, encoder)) is not None:
+        return cached, True
+    tuning = tune_batch_size(encoder, candidates=(fixed,) if fixed else None)
     store.write_json(key, asdict(tuning))
     return tuning, False
 
 
-def choose_batch_size(store_url: str, spec, device: str, fixed: int | None) -> tuple[int, str]:
-    """A fixed size wins; otherwise the cached or freshly measured best for (model, device)."""
-    if fixed is not None:
-        return fixed, "fixed"
-    from imgest import encoders
+def _label(encoder: Encoder) -> str:
+    return f"{encoder.runtime} {encoder.precision}"
 
+
+def candidates(spec, device: str, runtime: str, precision: str) -> tuple[list[Encoder], list[str]]:
+    """The encoders a run may use, each loaded and past its parity check, and the refused ones with why."""
+    usable: dict[str, Encoder] = {}
+    refused = []
+    for name in runtimes.runtime_candidates(runtime, device):
+        for prec in runtimes.precision_candidates(precision, device):
+            try:
+                encoder = encoders.load(spec, device, name, prec)
+            except EncoderError as exc:  # parity, a precision the device lacks, a model it cannot convert
+                refused.append(f"{name} {prec}: {exc}")
+                continue
+            usable.setdefault(_label(encoder), encoder)  # one that runs as it is appears once
+    return list(usable.values()), refused
+
+
+def choose_encoding(store_url: str, spec, device: str, runtime: str = "auto", precision: str = "auto",
+                    fixed: int | None = None) -> Encoding:
+    """The runtime, precision and batch size of a run (module docstring)."""
+    usable, refused = candidates(spec, device, runtime, precision)
+    warning = None
+    if not usable:
+        warning = (f"runtime {runtime}, precision {precision} cannot encode {spec.name} here ("
+                   f"{'; '.join(refused)}): encoding with torch fp32 instead")
+        logging.getLogger("imgest").warning(warning)
+        usable = [encoders.load(spec, device, "torch", "fp32")]
     store = Location(store_url)
-    encoder = encoders.load(spec, device)
-    tuning, cached = cached_or_tuned(store, encoder)
-    rates = ", ".join(f"{b}: {r}" for b, r in sorted(tuning.measured.items()))
-    return tuning.batch_size, f"auto, {'cached' if cached else 'measured'} img/s by batch {{{rates}}}"
+    if len(usable) == 1 and fixed is not None:  # nothing to choose between: nothing to measure
+        chosen, tunings = usable[0], {}
+    else:
+        tunings = {_label(e): (e, *cached_or_tuned(store, e, fixed)) for e in usable}
+        chosen = max(usable, key=lambda e: tunings[_label(e)][1].measured[tunings[_label(e)][1].batch_size])
+    if fixed is not None:
+        batch, source = fixed, "fixed"
+    else:
+        _, tuning, cached = tunings[_label(chosen)]
+        rates = ", ".join(f"{b}: {r}" for b, r in sorted(tuning.measured.items()))
+        batch, source = tuning.batch_size, f"auto, {'cached' if cached else 'measured'} img/s by batch {{{rates}}}"
+    measured = {label: t.measured[t.batch_size] for label, (_, t, _) in tunings.items()}
+    figure = 1.0 if _label(chosen) == "torch fp32" or not chosen.graphs() else _parity(chosen, device)
+    return Encoding(chosen.runtime, chosen.precision, batch, source, measured, refused, figure, warning)
+
+
+def _parity(encoder: Encoder, device: str) -> float:
+    return encoders.parity.check(encoders.load(encoder.spec, device, "torch", "fp32"), encoder,
+                                 device_key(device, threads=False)).min_cosine
+

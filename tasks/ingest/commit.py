@@ -44,6 +44,9 @@ class RunSummary:
     batch_size: int = 0
     batch_size_source: str = ""
     device: str = ""
+    runtime: str = ""  # what ran the encoder, and at which precision: the same for every shard of a run
+    precision: str = ""
+    encoding: dict | None = None  # how they were chosen: measured img/s per candidate, the refused, parity
     images_per_second: float = 0.0
     encode_seconds: float = 0.0  # summed over shards (busy time of all workers)
     encode_wall_seconds: float = 0.0  # first shard started to last shard done, as the flow saw it
@@ -61,6 +64,16 @@ class RunSummary:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def record_encoding(self, encoding, results: list) -> None:
+        """The runtime and precision the shards say they ran on (one pair: every worker loads the run's choice or
+        fails its shard), and how it was chosen."""
+        ran = sorted({(r.runtime, r.precision) for r in results if r.encoded - r.derived > 0})
+        if ran:
+            self.runtime, self.precision = ",".join(sorted({r for r, _ in ran})), ",".join(sorted({p for _, p in ran}))
+        elif encoding is not None:
+            self.runtime, self.precision = encoding.runtime, encoding.precision
+        self.encoding = encoding.to_dict() if encoding is not None else None
 
 
 def summary_key(run_id: str) -> str:
@@ -81,6 +94,8 @@ def shard_timeline(results: list[ShardResult]) -> pa.Table:
         "seconds": pa.array([r.seconds for r in results], pa.float64()),
         "encode_seconds": pa.array([r.encode_seconds for r in results], pa.float64()),
         "wait_seconds": pa.array([r.wait_seconds for r in results], pa.float64()),
+        "runtime": pa.array([r.runtime for r in results], pa.string()),
+        "precision": pa.array([r.precision for r in results], pa.string()),
         "encoded": pa.array([r.encoded for r in results], pa.int64()),
         "rejected": pa.array([len(r.rejected) for r in results], pa.int64()),
         "bytes": pa.array([r.bytes for r in results], pa.int64()),

@@ -288,7 +288,7 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     total, encoding, waiting = Stopwatch(), Stopwatch(running=False), Stopwatch(running=False)
     if jpeg_decoder == "auto":
         jpeg_decoder = BatchJpegDecoder.for_encoder(encoder, max_pixels)
-    writer = ShardWriter(store, encoder.spec, plan, fence, dtype)
+    writer = ShardWriter(store, encoder.spec, plan, fence, dtype, encoder.runtime, encoder.precision)
     writer.result.worker, writer.result.started = f"{socket.gethostname()}:{os.getpid()}", _now()
     batch: list[Prepared] = []
 

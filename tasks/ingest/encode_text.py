@@ -60,7 +60,7 @@ def encode_text_shard(plan: ShardPlan, encoder: Encoder, texts: dict[str, str], 
     from datetime import UTC, datetime
 
     total, encoding = Stopwatch(), Stopwatch(running=False)
-    writer = ShardWriter(store, encoder.spec, plan, fence, dtype)
+    writer = ShardWriter(store, encoder.spec, plan, fence, dtype, encoder.runtime, encoder.precision)
     writer.result.worker = f"{socket.gethostname()}:{os.getpid()}"
     writer.result.started = datetime.now(UTC).isoformat(timespec="microseconds")
     batch: list[tuple[WorkItem, str, str]] = []

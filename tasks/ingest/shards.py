@@ -72,6 +72,8 @@ class ShardResult:
     seconds: float = 0.0
     encode_seconds: float = 0.0
     wait_seconds: float = 0.0  # encoder idle, waiting on decode
+    runtime: str = ""  # what ran the encoder (imgest/encoders/runtimes.py) and at which precision
+    precision: str = ""
     decode: str = ""  # where decoding ran: "1 decode process, torch 1 thread(s)" (tasks/ingest/encode.py plan_decode)
     worker: str = ""  # host:pid of the process that encoded it
     started: str = ""  # UTC ISO times of the encode, for a timeline of the workers
@@ -87,11 +89,11 @@ class ShardWriter:
     """Collects one shard's outcome; ``flush`` makes it durable and then visible."""
 
     def __init__(self, store: Location, spec: EncoderSpec, plan: ShardPlan, fence: Fence | None = None,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", runtime: str = "torch", precision: str = "fp32"):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
         self.store, self.spec, self.plan, self.fence, self.dtype = store, spec, plan, fence, dtype
-        self.result = ShardResult(shard=plan.name)
+        self.result = ShardResult(shard=plan.name, runtime=runtime, precision=precision)
         self._rows: list[dict] = []
         self._vectors: list[np.ndarray] = []
         self._rejected: list[dict] = []
@@ -138,7 +140,8 @@ class ShardWriter:
         }, schema=schema)
         meta = dict(schema.metadata or {})
         meta.update({b"imgest.run_id": self.plan.run_id.encode(), b"imgest.shard": self.plan.name.encode(),
-                     b"imgest.rows": str(n).encode()})
+                     b"imgest.rows": str(n).encode(), b"imgest.runtime": self.result.runtime.encode(),
+                     b"imgest.precision": self.result.precision.encode()})
         return table.replace_schema_metadata(meta)
 
     def flush(self) -> ShardResult:
@@ -153,6 +156,8 @@ class ShardWriter:
             "shard": self.plan.name,
             "model_id": self.spec.model_id,
             "dtype": self.dtype,
+            "runtime": self.result.runtime,
+            "precision": self.result.precision,
             "file": shard_key(self.spec.slug, self.plan.name) if self._rows else None,
             "rows": len(self._rows),
             "bytes": self.result.bytes,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from prefect import task, unmapped
+from prefect import get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
 
 from imgest import encoders
@@ -15,7 +15,7 @@ from imgest.encoders import EncoderSpec
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DTYPE
 from imgest.storage import Location
-from imgest.tasks.ingest.batch_size import choose_batch_size
+from imgest.tasks.ingest.batch_size import Encoding, choose_encoding
 from imgest.tasks.ingest.commit import RunSummary, commit_run
 from imgest.tasks.ingest.encode import encode_shard
 from imgest.tasks.ingest.encode_text import encode_text_shard, text_listing, text_of
@@ -36,7 +36,19 @@ from imgest.tasks.state.catalogue_images import record_root
 from imgest.tasks.state.committed import CatalogueState, load_state, prepare_state
 from imgest.tasks.watch.events import emit
 
-choose_batch_size_task = task(choose_batch_size, name="tune-batch-size", cache_policy=NO_CACHE)
+
+@task(name="choose-encoding", cache_policy=NO_CACHE)
+def choose_encoding_task(store_url: str, spec: EncoderSpec, device: str, runtime: str, precision: str,
+                         fixed_batch_size: int | None) -> Encoding:
+    """Runtime, precision and batch size for the run; what was asked for and could not run is one warning."""
+    encoding = choose_encoding(store_url, spec, device, runtime, precision, fixed_batch_size)
+    logger = get_run_logger()
+    if encoding.warning:
+        logger.warning(encoding.warning)
+    logger.info("encoding with %s %s at batch %d (%s); measured img/s: %s; not used: %s", encoding.runtime,
+                encoding.precision, encoding.batch_size, encoding.source, encoding.measured or "nothing to compare",
+                "; ".join(encoding.refused) or "none")
+    return encoding
 
 
 @task(name="load-state", cache_policy=NO_CACHE, **IO_RETRIES)
@@ -162,9 +174,12 @@ def encode_slot(name: str | None) -> Iterator[None]:
 def encode_shard_task(plan: ShardPlan, spec: EncoderSpec, device: str, catalogue_url: str, store_url: str,
                       batch_size: int, decode_workers: int, max_pixels: int, encode_limit: str = "auto",
                       fence: Fence | None = None, dtype: str = DEFAULT_DTYPE,
-                      metadata_seq: int | None = None) -> ShardResult:
-    # The spec crosses the task boundary; the weights are loaded here, once per worker process.
-    encoder = encoders.load(spec, device)
+                      metadata_seq: int | None = None, runtime: str = "torch",
+                      precision: str | None = None) -> ShardResult:
+    # The spec crosses the task boundary; the weights are loaded (and compiled, behind the parity check that
+    # the flow's choice passed on this hardware) here, once per worker process. A worker that cannot run the
+    # run's runtime and precision fails its shard: a run never mixes two.
+    encoder = encoders.load(spec, device, runtime, precision)
     with encode_slot(encode_slot_name(encode_limit, device)):
         if "image" not in spec.modalities:  # a caption model: its objects are the metadata snapshot's texts
             store = Location(store_url)

@@ -18,6 +18,7 @@ def render_summary(summary: RunSummary, max_rejects: int = 20) -> str:
         f"- catalogue: `{summary.catalogue}`",
         f"- store: `{summary.store}`",
         f"- device: `{summary.device}`, batch size **{summary.batch_size}** ({summary.batch_size_source})",
+        *([_encoding_line(summary)] if summary.runtime else []),
         f"- throughput: **{summary.images_per_second} images/s** over {summary.shards} shard(s) on "
         f"{max(len(summary.workers), 1)} worker process(es), "
         f"{summary.encode_seconds} s encoding, {summary.seconds} s total",
@@ -48,6 +49,20 @@ def render_summary(summary: RunSummary, max_rejects: int = 20) -> str:
         if len(summary.rejected_items) > max_rejects:
             lines.append(f"| ... | {len(summary.rejected_items) - max_rejects} more in `imgest status` |")
     return "\n".join(lines) + "\n"
+
+
+def _encoding_line(summary: RunSummary) -> str:
+    line = f"- runtime: **{summary.runtime} {summary.precision}**"
+    encoding = summary.encoding or {}
+    if encoding.get("parity") is not None:
+        line += f", min cosine {encoding['parity']} against torch fp32 on the parity sample"
+    if encoding.get("measured"):
+        line += "; measured img/s: " + ", ".join(f"{k} {v}" for k, v in sorted(encoding["measured"].items()))
+    if encoding.get("refused"):
+        line += "; not used: " + "; ".join(r.replace("|", "/") for r in encoding["refused"])
+    if encoding.get("warning"):
+        line += f"; **{encoding['warning'].replace('|', '/')}**"
+    return line
 
 
 def _metadata_line(m: dict) -> str:

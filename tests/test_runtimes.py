@@ -1,0 +1,210 @@
+"""Encoder runtimes: OpenVINO against torch, the parity gate and its fallback, the compiled-model cache, what a
+run records, and the options' refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from imgest import encoders
+from imgest.config import ConfigError, IngestConfig, build
+from imgest.encoders import compiled, parity, runtimes
+from imgest.encoders.base import EncoderError
+from imgest.encoders.parity import ParityError
+from tests.helpers import small_catalogue, write_files
+
+LITE0 = "efficientnet-lite0"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A compiled-model cache of the test's own, so conversions and parity records are seen happening."""
+    folder = tmp_path / "compiled"
+    monkeypatch.setenv(compiled.CACHE_ENV, str(folder))
+    monkeypatch.setattr(encoders, "_loaded", {})
+    return folder
+
+
+def _cosine(a, b):
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def test_openvino_fp32_gives_torch_fp32_embeddings_on_photos(cache):
+    spec = encoders.resolve(LITE0)
+    reference, compiled_ = encoders.load(spec, "cpu"), encoders.load(spec, "cpu", "openvino", "fp32")
+    assert (compiled_.runtime, compiled_.precision) == ("openvino", "fp32")
+    batch = parity.sample_batch(reference)
+    assert _cosine(reference.encode_images(batch), compiled_.encode_images(batch)).min() >= parity.FP32_MIN_COSINE
+    record = json.loads(next(cache.glob("openvino-image-*/parity-fp32-*.json")).read_text())
+    assert record["passed"] and record["min_cosine"] >= 0.99999 and record["reference"] == "torch fp32"
+    assert record["model_id"] == spec.model_id
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip", "dinov2"])
+def test_transformers_towers_compile_with_openvino(cache, tiny_models, kind):
+    spec = encoders.resolve(f"hf:{tiny_models[kind]}")
+    reference, compiled_ = encoders.load(spec, "cpu"), encoders.load(spec, "cpu", "openvino", "fp32")
+    assert set(compiled_.runners) == ({"image", "text"} if kind != "dinov2" else {"image"})
+    batch = parity.sample_batch(reference)
+    assert _cosine(reference.encode_images(batch), compiled_.encode_images(batch)).min() >= 0.99999
+    if kind != "dinov2":  # texts of another length than the traced example: the sequence axis is dynamic
+        texts = ["a shoe", "a much longer description of a pair of red leather ankle boots with a zip"]
+        assert _cosine(reference.encode_texts(texts), compiled_.encode_texts(texts)).min() >= 0.99999
+
+
+def _wrong(monkeypatch, runtime_cls, scale: float = 0.3):
+    """Make a runtime return wrong vectors: its runner's features plus seeded noise."""
+    original = runtime_cls.compile
+
+    def compile_noisy(self, graph, precision, device, model_id):
+        run = original(self, graph, precision, device, model_id)
+        rng = np.random.default_rng(0)
+
+        def noisy(*inputs):
+            out = np.asarray(run(*inputs), np.float32)
+            return out + scale * np.abs(out).mean() * rng.standard_normal(out.shape).astype(np.float32)
+        return noisy
+    monkeypatch.setattr(runtime_cls, "compile", compile_noisy)
+
+
+def test_a_runtime_that_returns_wrong_vectors_is_refused_and_the_figure_is_kept(cache, monkeypatch):
+    _wrong(monkeypatch, runtimes.OpenVINORuntime)
+    spec = encoders.resolve(LITE0)
+    with pytest.raises(ParityError, match=r"openvino fp32 agrees with torch fp32 to a min cosine of 0\.\d+ on the "
+                                          r"parity sample, below the 0\.99999 it needs"):
+        encoders.load(spec, "cpu", "openvino", "fp32")
+    record = json.loads(next(cache.glob("openvino-image-*/parity-fp32-*.json")).read_text())
+    assert not record["passed"] and record["min_cosine"] < 0.99999
+    # kept: a second load in a fresh process state reads the figure instead of measuring again
+    monkeypatch.setattr(encoders, "_loaded", {})
+    monkeypatch.setattr(parity, "measure", lambda *a: pytest.fail("measured again"))
+    with pytest.raises(ParityError, match=str(record["min_cosine"])[:8]):
+        encoders.load(spec, "cpu", "openvino", "fp32")
+
+
+def test_the_choice_falls_back_to_torch_with_one_warning(cache, monkeypatch, tmp_path, caplog):
+    from imgest.tasks.ingest.batch_size import choose_encoding
+
+    _wrong(monkeypatch, runtimes.OpenVINORuntime)
+    spec = encoders.resolve(LITE0)
+    with caplog.at_level("WARNING", logger="imgest"):
+        chosen = choose_encoding(str(tmp_path / "store"), spec, "cpu", "openvino", "fp32", fixed=4)
+    assert (chosen.runtime, chosen.precision, chosen.batch_size) == ("torch", "fp32", 4)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "runtime openvino, precision fp32 cannot encode efficientnet-lite0" in warnings[0]
+    assert "min cosine" in warnings[0] and warnings[0].endswith("encoding with torch fp32 instead")
+    assert chosen.warning == warnings[0] and chosen.parity == 1.0
+
+
+def test_auto_measures_the_runtimes_that_pass_and_caches_each(cache, monkeypatch, tmp_path):
+    from imgest.tasks.ingest.batch_size import choose_encoding
+
+    monkeypatch.setattr(runtimes, "precision_candidates", lambda p, d: ("fp32",))  # fp32 only: a short test
+    spec = encoders.resolve(LITE0)
+    store = tmp_path / "store"
+    chosen = choose_encoding(str(store), spec, "cpu", "auto", "auto", fixed=8)
+    assert set(chosen.measured) == {"torch fp32", "openvino fp32"} and chosen.batch_size == 8
+    assert f"{chosen.runtime} {chosen.precision}" == max(chosen.measured, key=chosen.measured.get)
+    keys = sorted(p.name for p in (store / "tuning" / f"model={spec.slug}").glob("*.json"))
+    assert len(keys) == 2 and all(k.endswith("-fp32-batch-8.json") for k in keys)
+    assert {k.split("threads-")[1].split("-")[0] for k in keys} == {"torch", "openvino"}
+    again = choose_encoding(str(store), spec, "cpu", "auto", "auto", fixed=8)
+    assert again.measured == chosen.measured  # read back, not measured again
+
+
+def test_the_converted_model_is_keyed_by_revision_runtime_version_and_shape(cache, monkeypatch):
+    spec = encoders.resolve(LITE0)
+    graph = encoders.load(spec, "cpu").graphs()["image"]
+    conversions = []
+
+    def convert(folder):
+        conversions.append(folder)
+        open(f"{folder}/model.xml", "w").close()
+
+    first = compiled.entry(spec.model_id, graph, "openvino", "2026.4")
+    compiled.ensure(first, convert)
+    compiled.ensure(first, convert)
+    assert len(conversions) == 1  # cached
+    changed_revision = spec.model_id.replace(spec.revision[:16], "0" * 16)
+    for other in (compiled.entry(changed_revision, graph, "openvino", "2026.4"),
+                  compiled.entry(spec.model_id, graph, "openvino", "2027.0"),
+                  compiled.entry(spec.model_id, runtimes.Graph("image", graph.module, (np.zeros((2, 3, 256, 256),
+                                                                                              np.uint8),), ((0,),)),
+                                 "openvino", "2026.4")):
+        assert other.folder != first.folder
+        compiled.ensure(other, convert)
+    assert len(conversions) == 4
+    assert not list(cache.glob("*.tmp-*"))  # converted in a temporary folder, renamed whole
+
+
+def test_a_half_written_entry_is_converted_again(cache):
+    spec = encoders.resolve(LITE0)
+    graph = encoders.load(spec, "cpu").graphs()["image"]
+    entry = compiled.entry(spec.model_id, graph, "openvino", runtimes.get("openvino").version())
+    (cache / entry.folder.rsplit("/", 1)[-1]).mkdir(parents=True)  # a folder without its key file: a kill mid-way
+    runner = runtimes.get("openvino").compile(graph, "fp32", "cpu", spec.model_id)
+    batch = np.zeros((2, 3, 224, 224), np.uint8)
+    assert np.asarray(runner(batch)).shape == (2, 1280)
+
+
+def test_precisions_follow_the_cpu(monkeypatch):
+    monkeypatch.setattr(runtimes, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert runtimes.native_precisions("cpu") == ("fp32",)
+    assert runtimes.precision_candidates("auto", "cpu") == ("fp32",)
+    monkeypatch.setattr(runtimes, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
+    assert runtimes.precision_candidates("auto", "cpu") == ("bf16", "fp32")
+    assert runtimes.precision_candidates("fp16", "cpu") == ("fp16",)  # named: tried, and refused if not native
+
+
+def test_a_precision_the_cpu_lacks_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(runtimes, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(encoders, "_loaded", {})
+    with pytest.raises(EncoderError, match=r"^cpu does not compute in bf16 natively \(it does: fp32\); use "
+                                           r"--precision auto or fp32$"):
+        encoders.load(encoders.resolve(LITE0), "cpu", "openvino", "bf16")
+
+
+def test_openvino_is_not_a_cuda_runtime():
+    with pytest.raises(EncoderError, match="runtime openvino runs on cpu, not on cuda"):
+        runtimes.runtime_candidates("openvino", "cuda")
+    assert runtimes.runtime_candidates("auto", "cuda") == ("torch",)
+
+
+@pytest.mark.parametrize("field, value, allowed", [("runtime", "tensorrt", "auto, torch, openvino"),
+                                                   ("precision", "int8", "auto, fp32, bf16, fp16")])
+def test_unknown_runtime_or_precision_is_refused_naming_the_allowed(tmp_path, field, value, allowed):
+    with pytest.raises(ConfigError, match=rf"^{field} must be one of {allowed}; got '{value}'$"):
+        build(IngestConfig, {"catalogue": str(tmp_path), "store": str(tmp_path / "s"), field: value})
+    from typer.testing import CliRunner
+
+    from imgest.cli import app
+
+    result = CliRunner().invoke(app, ["ingest", "--catalogue", str(tmp_path), "--store", str(tmp_path / "s"),
+                                      f"--{field}", value])
+    assert result.exit_code == 2 and f"{field} must be one of {allowed}; got '{value}'" in result.output
+    assert len([line for line in result.output.splitlines() if line.strip()]) == 1
+
+
+def test_a_run_records_its_runtime_and_precision(prefect_harness, tmp_path):
+    from imgest.flows.ingest import ingest
+    from imgest.tasks.ingest.commit import RunSummary
+    from imgest.tasks.reports.ingest import render_summary
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    write_files(str(cat), small_catalogue(6))
+    summary = ingest(IngestConfig(catalogue=str(cat), store=str(store), runtime="openvino", precision="fp32",
+                                  batch_size="4", shard_size=3))
+    assert (summary["runtime"], summary["precision"]) == ("openvino", "fp32") and summary["encoded"] == 6
+    assert summary["encoding"]["parity"] >= 0.99999 and summary["encoding"]["warning"] is None
+    shards = list((store / "embeddings" / f"model={summary['slug']}").glob("*.parquet"))
+    assert len(shards) == 2
+    for path in shards:
+        meta = pq.read_schema(path).metadata
+        assert (meta[b"imgest.runtime"], meta[b"imgest.precision"]) == (b"openvino", b"fp32")
+    timeline = pq.read_table(store / "runs" / f"{summary['run_id']}.shards.parquet").to_pydict()
+    assert set(zip(timeline["runtime"], timeline["precision"])) == {("openvino", "fp32")}
+    assert json.loads((store / "runs" / f"{summary['run_id']}.json").read_text())["runtime"] == "openvino"
+    assert "- runtime: **openvino fp32**, min cosine" in render_summary(RunSummary(**summary))
