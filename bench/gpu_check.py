@@ -12,7 +12,10 @@ OOM stop; end-to-end img/s of encode_shard on product-sized JPEGs (800-2000 px, 
 scikit-image's photos) with CPU decode (threads, reduced JPEG decode) at several thread counts; the
 cosine between CPU-fp32 and GPU-bf16 embeddings of the same images; the GPU memory peak. With
 torchvision installed (`imgest[gpu]`), also end to end with nvJPEG decode (JPEGs decoded in batches on the
-GPU, the rest by Pillow), and the cosine of those embeddings with the CPU path's.
+GPU, the rest by Pillow), and the cosine of those embeddings with the CPU path's. And the runtimes a GPU
+can run, to say which to default to: torch at fp32, bf16 and fp16, and torch.compile of the same tower,
+each with img/s at the tuned batch, its min cosine against CUDA fp32 on the parity sample and whether the
+parity check (imgest/encoders/parity.py) would let it run.
 """
 
 from __future__ import annotations
@@ -112,10 +115,50 @@ def main() -> None:
         cosine = np.sum(a * b, axis=1)
         report["cpu_fp32_vs_gpu_bf16_cosine"] = {"min": float(cosine.min()), "mean": float(cosine.mean())}
         print(f"CPU fp32 vs GPU bf16 cosine: min {cosine.min():.5f}, mean {cosine.mean():.5f} (goal >= 0.999)")
+    report["runtimes"] = compare_runtimes(gpu, tuning.batch_size)
     report["gpu_memory_peak_bytes"] = int(torch.cuda.max_memory_allocated())
     print(f"GPU memory peak: {report['gpu_memory_peak_bytes'] / 2**20:.0f} MiB")
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2, default=str)
+
+
+def compare_runtimes(gpu, batch: int) -> dict:
+    """torch fp32 / bf16 / fp16 and torch.compile on CUDA: img/s, min cosine against CUDA fp32, parity."""
+    import torch
+
+    from imgest.encoders import parity
+    from imgest.encoders.base import l2_normalise
+    from imgest.tasks.ingest.batch_size import measure
+
+    sample = parity.sample_batch(gpu)
+    reference = gpu.compiled_as("torch", "fp32")
+    truth = reference.encode_images(sample)
+    out = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        encoder = gpu.compiled_as("torch", precision)
+        low = float(np.sum(truth * encoder.encode_images(sample), axis=1).min())
+        out[f"torch {precision}"] = {"images_per_second": round(measure(encoder, batch, min_seconds=2.0), 1),
+                                     "min_cosine_vs_cuda_fp32": low,
+                                     "passes_parity": low >= parity.threshold(precision)}
+        print(f"runtime torch {precision}: {out[f'torch {precision}']}")
+    try:
+        tower = torch.compile(gpu.graphs()["image"].module)
+        compiled = gpu.compiled_as("torch", "bf16")
+        run = compiled.runners["image"]
+
+        def through_compile(batch_):
+            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+                return tower(torch.from_numpy(np.ascontiguousarray(batch_)).to("cuda"))
+        compiled.runners = {"image": through_compile}
+        compiled.encode_images(sample)  # compile outside the timing
+        low = float(np.sum(truth * l2_normalise(through_compile(sample)), axis=1).min())
+        out["torch.compile bf16"] = {"images_per_second": round(measure(compiled, batch, min_seconds=2.0), 1),
+                                     "min_cosine_vs_cuda_fp32": low}
+        compiled.runners = {"image": run}
+    except Exception as exc:  # triton missing, a graph break it cannot handle: say so, measure the rest
+        out["torch.compile"] = f"not measured: {type(exc).__name__}: {str(exc)[:200]}"
+    print(f"runtime torch.compile: {out.get('torch.compile bf16', out.get('torch.compile'))}")
+    return out
 
 
 if __name__ == "__main__":

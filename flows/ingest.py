@@ -71,7 +71,8 @@ def ingest(config: IngestConfig) -> dict:
             batch, source = (config.fixed_batch_size or 64, "fixed" if config.fixed_batch_size else "text model: 64")
         elif any(not item.base_shard for shard in plan.shards for item in shard.items):
             chosen = choose_encoding_task(store_loc.url, spec, device, config.runtime, config.precision,
-                                            config.fixed_batch_size)
+                                          config.fixed_batch_size, catalogue_url, quote(plan.decode_sample()),
+                                          config.max_pixels)
             batch, source = chosen.batch_size, chosen.source
         elif plan.shards:
             batch, source = (1, "every item derived from stored base embeddings")
@@ -90,7 +91,8 @@ def ingest(config: IngestConfig) -> dict:
                     "fence": unmapped(lock.fence), "dtype": unmapped(config.dtype),
                     "metadata_seq": unmapped(metadata_seq),
                     "runtime": unmapped(chosen.runtime if chosen else "torch"),
-                    "precision": unmapped(chosen.precision if chosen else None)})
+                    "precision": unmapped(chosen.precision if chosen else None),
+                    "costs": unmapped(chosen.costs() if chosen else None)})
                 for shard, future in zip(plan.shards, futures):  # in order: progress moves as shards commit
                     try:
                         results.append(future.result())

@@ -75,8 +75,8 @@ def build_demo_catalogue(root: str, fashion_per_class: int = 60, seed: int = 0) 
     return counts
 
 
-def product_photos(n: int, seed: int = 0) -> dict[str, bytes]:
-    """A product catalogue from real photos: scaled to 800-2000 px, cropped, JPEG at quality 85-95.
+def product_photos(n: int, seed: int = 0, sides: tuple[int, int] = (800, 2000)) -> dict[str, bytes]:
+    """A product catalogue from real photos: scaled to `sides` (800-2000 px), cropped, JPEG at quality 85-95.
 
     Like a real one it is mixed: every third JPEG is progressive, every fifth object is stored sideways with
     an EXIF orientation tag (decoders must turn it upright), and every tenth is a PNG cut-out with an alpha
@@ -87,7 +87,7 @@ def product_photos(n: int, seed: int = 0) -> dict[str, bytes]:
     out = {}
     for i in range(n):
         image = bases[i % len(bases)]
-        side = int(rng.integers(800, 2001))
+        side = int(rng.integers(sides[0], sides[1] + 1))
         scaled = image.resize((side, max(1, int(side * image.height / image.width))), Image.Resampling.BICUBIC)
         w, h = scaled.size
         left, top = int(rng.integers(0, max(1, w // 10))), int(rng.integers(0, max(1, h // 10)))

@@ -78,7 +78,7 @@ def test_encode_shard_encodes_rejects_skips_and_writes_the_marker_last(tmp_path,
     assert [i for i, _ in result.rejected] == ["bad.jpg"] and "UnidentifiedImageError" in result.rejected[0][1]
     table = pq.read_table(store.path(shard_key(pixels.spec.slug, plan.name)))
     assert table.column("item_id").to_pylist() == ["a.png", "b.jpg", "c.png"]  # plan order, across batches of 2
-    expected = pixels.encode_images(np.stack([pixels.preprocess(decode_image(files[k]))
+    expected = pixels.encode_images(np.stack([pixels.preprocess(decode_image(files[k], min_side=pixels.decode_side))
                                               for k in ("a.png", "b.jpg", "c.png")]))
     np.testing.assert_allclose(embedding_matrix(table, pixels.spec.dim), expected, rtol=1e-6, atol=1e-6)
     assert table.column("content_hash").to_pylist() == [hashlib.sha256(files[k]).hexdigest()
@@ -260,7 +260,8 @@ def test_a_decode_process_that_dies_costs_its_object_only(tmp_path):
 
     lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
     dying = SimpleNamespace(spec=lite0.spec, device="cpu", decode_side=lite0.decode_side, preprocess=lite0.preprocess,
-                            preprocess_fn=preprocess_or_die, encode_images=lite0.encode_images)
+                            preprocess_fn=preprocess_or_die, encode_images=lite0.encode_images, runtime="torch",
+                            precision="fp32")
     files = {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, (300, 200))) for i in range(70)}
     files["p/030-killer.jpg"] = jpeg_bytes(gradient(999, (301, 201)))
     write_files(str(tmp_path / "cat"), files)

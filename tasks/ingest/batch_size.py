@@ -50,9 +50,20 @@ class Encoding:
     refused: list[str] = field(default_factory=list)  # candidates not used, each with its reason
     parity: float | None = None  # the min cosine against torch fp32 of the one chosen (1.0: it is torch fp32)
     warning: str | None = None  # what was asked for could not run: why, and what runs instead
+    encode_seconds: float | None = None  # core-seconds per image of the one chosen (threads / its img/s)
+    decode_seconds: float | None = None  # core-seconds per image of reading and decoding (tasks/ingest/encode.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def costs(self) -> tuple[float, float] | None:
+        """(decode, encode) core-seconds per image, when both were measured: how the cores are split."""
+        return (self.decode_seconds, self.encode_seconds) if self.decode_seconds and self.encode_seconds else None
+
+    def work_bound(self, cores: int) -> float | None:
+        """Images/s the cores could make if nothing but decode and encode ran: cores / (decode + encode)."""
+        costs = self.costs()
+        return round(cores / sum(costs), 1) if costs else None
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -186,7 +197,16 @@ def choose_encoding(store_url: str, spec, device: str, runtime: str = "auto", pr
         batch, source = tuning.batch_size, f"auto, {'cached' if cached else 'measured'} img/s by batch {{{rates}}}"
     measured = {label: t.measured[t.batch_size] for label, (_, t, _) in tunings.items()}
     figure = 1.0 if _label(chosen) == "torch fp32" or not chosen.graphs() else _parity(chosen, device)
-    return Encoding(chosen.runtime, chosen.precision, batch, source, measured, refused, figure, warning)
+    rate = (tunings[_label(chosen)][1].measured.get(batch) if _label(chosen) in tunings else None)
+    cost = _threads(device) / rate if rate else None
+    return Encoding(chosen.runtime, chosen.precision, batch, source, measured, refused, figure, warning,
+                    round(cost, 6) if cost else None)
+
+
+def _threads(device: str) -> int:
+    import torch
+
+    return 1 if device.startswith("cuda") else torch.get_num_threads()
 
 
 def _parity(encoder: Encoder, device: str) -> float:

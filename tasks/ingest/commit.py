@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
@@ -47,6 +48,7 @@ class RunSummary:
     runtime: str = ""  # what ran the encoder, and at which precision: the same for every shard of a run
     precision: str = ""
     encoding: dict | None = None  # how they were chosen: measured img/s per candidate, the refused, parity
+    work_bound: float | None = None  # img/s the flow host's cores could make: cores / (decode + encode core-s)
     images_per_second: float = 0.0
     encode_seconds: float = 0.0  # summed over shards (busy time of all workers)
     encode_wall_seconds: float = 0.0  # first shard started to last shard done, as the flow saw it
@@ -74,6 +76,9 @@ class RunSummary:
         elif encoding is not None:
             self.runtime, self.precision = encoding.runtime, encoding.precision
         self.encoding = encoding.to_dict() if encoding is not None else None
+        if encoding is not None:
+            self.work_bound = encoding.work_bound(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                                  else os.cpu_count() or 1)
 
 
 def summary_key(run_id: str) -> str:

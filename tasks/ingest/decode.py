@@ -16,7 +16,8 @@ from imgest.names import DEFAULT_MAX_PIXELS
 # (it warns above MAX_IMAGE_PIXELS and refuses above twice that inside open()), set to imgest's limit and
 # raised, never lowered, to the largest --max-pixels a call asks for.
 Image.MAX_IMAGE_PIXELS = DEFAULT_MAX_PIXELS
-REDUCING_GAP = 2  # a reduced decode keeps at least this many times the pixels preprocessing needs
+JPEG_REDUCING_GAP = 1  # a JPEG's DCT-scaled decode keeps its shorter side at least this many times the needed side
+REDUCING_GAP = 2  # a 16-bit or float image's box reduction keeps at least this many times the needed side
 WIDE_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N", "F")  # more than 8 bits a sample: scaled to 8 bits
 BAND_PIXELS = 1 << 20  # wide samples are converted this many at a time: float64 temporaries stay at 8 MB
 
@@ -38,12 +39,12 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: in
     Every mode becomes RGB: alpha is composited on white, 16-bit and float images are scaled to
     8 bits, CMYK and palettes are converted, animations give their first frame. With `min_side` (the
     shorter side the encoder's preprocessing needs), a JPEG is decoded at 1/2, 1/4 or 1/8 scale in the
-    DCT domain (libjpeg's scaled decode, Pillow's `draft`) while its shorter side stays at least twice
-    `min_side` (Pillow's own `reducing_gap=2` for thumbnails): 1.3-1.5x faster decode + preprocessing on
-    product photos, and the encoder sees the same picture (cosine >= 0.999 on real photos, tested; 0.997
-    at worst on dense fine textures such as gravel; stopping at 1x `min_side` fell to 0.98: see docs/ingest.md).
-    A 16-bit or float image is box-averaged by the same rule (an integer factor, the shorter side kept at
-    least twice `min_side`) while it is scaled to 8 bits.
+    DCT domain (libjpeg's scaled decode, Pillow's `draft`) while its shorter side stays at least `min_side`:
+    about 2x faster decode + preprocessing than the full decode on product photos. The embeddings move a
+    little (cosine 0.996 on average on real photos, 0.98 at worst on dense fine textures such as gravel), and
+    retrieval does not: recall@1 and @10 across a real shift equal the full decode's (BENCHMARKS.md, "Encoder
+    runtimes"; docs/ingest.md). A 16-bit or float image is box-averaged (an integer factor, the shorter side
+    kept at least twice `min_side`) while it is scaled to 8 bits.
 
     Memory follows the decoded image and the output, never a float copy of the whole image: a declared
     size over `max_pixels` is refused after the header is read, before any pixel is decoded, and wide
@@ -69,8 +70,8 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: in
                 )
             if getattr(image, "n_frames", 1) > 1:
                 image.seek(0)
-            if min_side and image.format == "JPEG" and min(width, height) >= 4 * min_side:
-                scale = REDUCING_GAP * min_side / min(width, height)
+            if min_side and image.format == "JPEG" and min(width, height) >= 2 * JPEG_REDUCING_GAP * min_side:
+                scale = JPEG_REDUCING_GAP * min_side / min(width, height)
                 image.draft(None, (math.ceil(width * scale), math.ceil(height * scale)))
             image.load()
             ImageOps.exif_transpose(image, in_place=True)  # not in place, it copies every upright image

@@ -4,9 +4,11 @@ Where decoding runs (`plan_decode`): on 2 CPU cores the model and the JPEG decod
 cores, and measured (BENCHMARKS.md, "Threads or processes for decoding") the split that wins is one core
 each, with the decode in a process (no GIL shared with the encoder's thread): 0.71 x the bare model against
 0.66 for one decode thread and 0.60 for two decode threads beside two torch threads. So with
---decode-workers 0 (the default) the decode gets half the cores (all but one on a GPU, where the model
-does not need them) and torch the rest, and a shard with enough images to pay for starting them decodes in
-processes when the encoder's preprocessing can run in one.
+--decode-workers 0 (the default) the cores are split between decode and encoder in the proportion of their
+measured cost per image (the run measures both before its first shard; half each when it has not), all but
+one decode on a GPU, where the model does not need them; a shard with enough images to pay for starting them
+decodes in processes when the encoder's preprocessing can run in one, and their pixels come back through
+shared memory (tasks/ingest/handoff.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from imgest.encoders import Encoder
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DECODE_WORKERS, DEFAULT_DTYPE, DEFAULT_MAX_PIXELS
 from imgest.storage import Location, StorageError, is_transient, one_line
+from imgest.tasks.ingest import handoff
 from imgest.tasks.ingest.decode import DecodeError, decode_image
 from imgest.tasks.ingest.gpu_decode import BatchJpegDecoder, plain_jpeg
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
@@ -54,6 +57,7 @@ class Prepared:
     revived: bool = False
     vanished: bool = False
     jpeg: bytes | None = None  # bytes for the batch's GPU decode (tasks/ingest/gpu_decode.py), pixels not yet made
+    slot: tuple | None = None  # (slot, shape, dtype): the pixels wait in the shared hand-off block
 
 
 def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixels: int,
@@ -121,13 +125,17 @@ class DecodePlan:
                                                   if self.torch_threads else "")
 
 
-def plan_decode(encoder: Encoder, decode_workers: int, to_read: int, gpu_jpeg: bool) -> DecodePlan:
-    """How many decode workers, threads or processes, and torch's threads beside them (module docstring)."""
+def plan_decode(encoder: Encoder, decode_workers: int, to_read: int, gpu_jpeg: bool,
+                costs: tuple[float, float] | None = None) -> DecodePlan:
+    """How many decode workers, threads or processes, and the encoder's threads beside them (module docstring).
+    With `costs` (decode and encode core-seconds per image, measured by the run), a CPU's cores are split in
+    their proportion; without, in half."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     on_gpu = str(getattr(encoder, "device", "cpu")).startswith("cuda")
     torch_threads = None
     if decode_workers == 0:
-        decode_workers = max(1, cores - 1) if on_gpu else max(1, cores // 2)
+        share = costs[0] / sum(costs) if costs and all(c and c > 0 for c in costs) else 0.5
+        decode_workers = max(1, cores - 1) if on_gpu else min(max(1, round(cores * share)), max(1, cores - 1))
         torch_threads = None if on_gpu else max(1, cores - decode_workers)
     processes = (getattr(encoder, "preprocess_fn", None) is not None and to_read >= PROCESS_MIN_ITEMS
                  and not gpu_jpeg  # a GPU decode leaves the workers only reading and hashing
@@ -135,16 +143,38 @@ def plan_decode(encoder: Encoder, decode_workers: int, to_read: int, gpu_jpeg: b
     return DecodePlan(decode_workers, processes, torch_threads)
 
 
+def decode_cost(catalogue: Location, items: tuple[WorkItem, ...], encoder: Encoder, max_pixels: int,
+                sample: int = 16) -> float | None:
+    """Core-seconds per image of what a decode worker does (read, hash, decode, preprocess), measured on up
+    to `sample` of `items` in this thread (CPU time: waits on the store do not count). None without a sample,
+    or when the catalogue cannot be read now: the shards meet that fault themselves and name it."""
+    start, done = time.thread_time(), 0
+    try:
+        for item in items[:sample]:
+            done += prepare(catalogue, item, encoder.preprocess, max_pixels,
+                            getattr(encoder, "decode_side", None)).pixels is not None
+    except (StorageError, OSError):
+        return None
+    return round((time.thread_time() - start) / done, 6) if done else None
+
+
 @functools.lru_cache(maxsize=8)
 def _catalogue(url: str) -> Location:
     return Location(url, follow_links=True)
 
 
-def _prepare_in_process(catalogue_url: str, item: WorkItem, preprocess: Callable, max_pixels: int,
-                        min_side: int | None) -> Prepared:
+def _prepare_in_process(catalogue_url: str, item: WorkItem, position: int, preprocess: Callable, max_pixels: int,
+                        min_side: int | None, slots: tuple[str, int, int] | None = None) -> Prepared:
     """prepare() in a decode process: the catalogue travels as its URL (credentials come from the
-    environment the process inherited), the preprocessing as a module-level function."""
-    return prepare(_catalogue(catalogue_url), item, preprocess, max_pixels, min_side)
+    environment the process inherited), the preprocessing as a module-level function. With `slots` (the
+    shared block's name, its slot count and size), the pixels go into the object's slot (tasks/ingest/handoff.py)
+    and only their shape and dtype come back."""
+    done = prepare(_catalogue(catalogue_url), item, preprocess, max_pixels, min_side)
+    if slots is not None and done.pixels is not None:
+        name, count, nbytes = slots
+        if handoff.write(name, position % count, nbytes, done.pixels):
+            done.slot, done.pixels = (position % count, done.pixels.shape, done.pixels.dtype.str), None
+    return done
 
 
 @contextlib.contextmanager
@@ -186,55 +216,56 @@ DIED = ("the decode process died on this object (killed or crashed: out of memor
         "decoder); the other objects were decoded in a new process")
 
 
-def _alone(fn: Callable[[WorkItem], Prepared], item: WorkItem) -> Prepared:
+def _alone(fn: Callable[[WorkItem, int], Prepared], item: WorkItem, position: int) -> Prepared:
     """One object in a fresh decode process of its own: its result, or its rejection if that dies too."""
     with decode_pool(DecodePlan(1, True, None)) as solo:
         try:
-            return solo.submit(fn, item).result()
+            return solo.submit(fn, item, position).result()
         except BrokenProcessPool:
             return Prepared(item, reason=DIED)
 
 
-def read_ahead(items: tuple[WorkItem, ...], fn: Callable[[WorkItem], Prepared], make_pool: Callable[[], Executor],
-               depth: int) -> Iterator[Prepared]:
-    """Yield ``fn(item)`` in order while up to ``depth`` items are in flight: memory stays flat. Closing the
-    generator early (the shard failed) cancels what has not started and stops the workers.
+def read_ahead(items: tuple[WorkItem, ...], fn: Callable[[WorkItem, int], Prepared],
+               make_pool: Callable[[], Executor], depth: int) -> Iterator[Prepared]:
+    """Yield ``fn(item, position)`` in order while up to ``depth`` items are in flight: memory stays flat. Closing
+    the generator early (the shard failed) cancels what has not started and stops the workers. When the n-th
+    object is sent, the (n - depth - 1)-th has been taken by the consumer (the hand-off's slots rely on it).
 
     A decode process that dies (the kernel's OOM killer, a crash inside a decoder) breaks its pool: the
     object being waited for is tried again alone, in a process of its own, and rejected if that dies too
     (one object's fault); the objects in flight go to a new pool. Threads never break a pool."""
     pool = make_pool()
-    pending: deque[tuple[WorkItem, Future]] = deque()
+    pending: deque[tuple[WorkItem, int, Future]] = deque()
 
     def renew() -> None:
         """The pool broke: a new one, and every object in flight that did not finish sent to it."""
         nonlocal pool
         pool.shutdown(wait=True, cancel_futures=True)
         pool = make_pool()
-        for n, (it, fut) in enumerate(pending):
+        for n, (it, at, fut) in enumerate(pending):
             if fut.cancelled() or isinstance(fut.exception(), BrokenProcessPool):
-                pending[n] = (it, pool.submit(fn, it))
+                pending[n] = (it, at, pool.submit(fn, it, at))
 
     try:
-        source = iter(items)
-        for item in source:
-            pending.append((item, pool.submit(fn, item)))
+        source = enumerate(items)
+        for at, item in source:
+            pending.append((item, at, pool.submit(fn, item, at)))
             if len(pending) >= depth:
                 break
         while pending:
-            item, future = pending.popleft()
+            item, at, future = pending.popleft()
             try:
                 done = future.result()
             except (BrokenProcessPool, CancelledError):  # this object, or one beside it, killed the process
-                done = _alone(fn, item)
+                done = _alone(fn, item, at)
                 renew()
             nxt = next(source, None)
             if nxt is not None:
                 try:
-                    pending.append((nxt, pool.submit(fn, nxt)))
+                    pending.append((nxt[1], nxt[0], pool.submit(fn, nxt[1], nxt[0])))
                 except BrokenProcessPool:
                     renew()
-                    pending.append((nxt, pool.submit(fn, nxt)))
+                    pending.append((nxt[1], nxt[0], pool.submit(fn, nxt[1], nxt[0])))
             yield done
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -282,7 +313,8 @@ def _now() -> str:
 def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: Location, batch_size: int,
                  decode_workers: int = DEFAULT_DECODE_WORKERS, max_pixels: int = DEFAULT_MAX_PIXELS,
                  fence: Fence | None = None, dtype: str = DEFAULT_DTYPE,
-                 jpeg_decoder: BatchJpegDecoder | None | str = "auto") -> ShardResult:
+                 jpeg_decoder: BatchJpegDecoder | None | str = "auto",
+                 costs: tuple[float, float] | None = None) -> ShardResult:
     """Encode one shard's objects and commit it. `jpeg_decoder`: "auto" decodes JPEGs on the GPU when the
     encoder runs on CUDA and torchvision is installed (BatchJpegDecoder.for_encoder); None: Pillow only."""
     total, encoding, waiting = Stopwatch(), Stopwatch(running=False), Stopwatch(running=False)
@@ -314,21 +346,27 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     to_read = derive_from_base(plan.items, encoder, store, writer) if encoder.spec.base is not None else plan.items
     decode_side = getattr(encoder, "decode_side", None)  # JPEGs decode at reduced size down to this
     gpu_jpeg = jpeg_decoder is not None
-    where = plan_decode(encoder, decode_workers, len(to_read), gpu_jpeg)
+    where = plan_decode(encoder, decode_workers, len(to_read), gpu_jpeg, costs)
     writer.result.decode = where.describe()
+    depth = max(2 * batch_size, 4 * where.workers)
+    slots = handoff.PixelSlots(depth + 1, handoff.slot_bytes(encoder)) if where.processes else None
     if where.processes:
         fn = functools.partial(_prepare_in_process, catalogue.url, preprocess=encoder.preprocess_fn,
-                               max_pixels=max_pixels, min_side=decode_side)
+                               max_pixels=max_pixels, min_side=decode_side, slots=(slots.name, depth + 1,
+                                                                                  slots.nbytes))
     else:
-        def fn(item: WorkItem) -> Prepared:
+        def fn(item: WorkItem, position: int) -> Prepared:
             return prepare(catalogue, item, encoder.preprocess, max_pixels, decode_side, gpu_jpeg)
-    stream = read_ahead(to_read, fn, functools.partial(decode_pool, where), max(2 * batch_size, 4 * where.workers))
-    with torch_threads(where.torch_threads), contextlib.closing(stream):
+    stream = read_ahead(to_read, fn, functools.partial(decode_pool, where), depth)
+    with torch_threads(where.torch_threads), contextlib.closing(stream), \
+            contextlib.closing(slots) if slots is not None else contextlib.nullcontext():
         while True:
             with waiting:
                 prepared = next(stream, None)
             if prepared is None:
                 break
+            if prepared.slot is not None:  # copied out now: the slot is sent again depth + 1 objects later
+                prepared.pixels, prepared.slot = slots.read(*prepared.slot), None
             if prepared.vanished:
                 writer.vanished(prepared.item)
             elif prepared.unchanged:

@@ -59,6 +59,12 @@ class Plan:
     def to_read(self) -> int:
         return sum(len(s.items) for s in self.shards)
 
+    def decode_sample(self, n: int = 16) -> tuple[WorkItem, ...]:
+        """Up to `n` objects of the first shard that will be read and decoded (not derived, not refused from
+        their listing): where the run measures what a decode costs."""
+        items = self.shards[0].items if self.shards else ()
+        return tuple(i for i in items if i.verdict is None and not i.base_shard)[:n]
+
 
 def same_signature(obj: ObjectInfo, prev: ItemState) -> bool:
     """ETag when both sides have one (object stores), otherwise size and mtime (file systems)."""

@@ -13,11 +13,11 @@ from prefect.cache_policies import NO_CACHE
 from imgest import encoders
 from imgest.encoders import EncoderSpec
 from imgest.lock import Fence
-from imgest.names import DEFAULT_DTYPE
+from imgest.names import DEFAULT_DTYPE, DEFAULT_MAX_PIXELS
 from imgest.storage import Location
 from imgest.tasks.ingest.batch_size import Encoding, choose_encoding
 from imgest.tasks.ingest.commit import RunSummary, commit_run
-from imgest.tasks.ingest.encode import encode_shard
+from imgest.tasks.ingest.encode import decode_cost, encode_shard
 from imgest.tasks.ingest.encode_text import encode_text_shard, text_listing, text_of
 from imgest.tasks.ingest.inventory import read_inventory
 from imgest.tasks.ingest.listing import Listing, catalogue_parts, list_catalogue, merge_listings
@@ -29,7 +29,7 @@ from imgest.tasks.ingest.metadata import (
     snapshot_key,
     store_metadata,
 )
-from imgest.tasks.ingest.plan import MassDeleteError, Plan, ShardPlan, attach_base, plan_ingest
+from imgest.tasks.ingest.plan import MassDeleteError, Plan, ShardPlan, WorkItem, attach_base, plan_ingest
 from imgest.tasks.ingest.policy import COMMIT_TIMEOUT_S, IO_RETRIES, LIST_TIMEOUT_S, SHARD_RETRIES
 from imgest.tasks.ingest.shards import ShardResult
 from imgest.tasks.state.catalogue_images import record_root
@@ -39,9 +39,15 @@ from imgest.tasks.watch.events import emit
 
 @task(name="choose-encoding", cache_policy=NO_CACHE)
 def choose_encoding_task(store_url: str, spec: EncoderSpec, device: str, runtime: str, precision: str,
-                         fixed_batch_size: int | None) -> Encoding:
-    """Runtime, precision and batch size for the run; what was asked for and could not run is one warning."""
+                         fixed_batch_size: int | None, catalogue_url: str, sample: tuple[WorkItem, ...] = (),
+                         max_pixels: int = DEFAULT_MAX_PIXELS) -> Encoding:
+    """Runtime, precision and batch size for the run, and the decode's cost on a sample of the images to read
+    (the split of the cores follows both); what was asked for and could not run is one warning."""
     encoding = choose_encoding(store_url, spec, device, runtime, precision, fixed_batch_size)
+    if sample:
+        encoder = encoders.load(spec, device, encoding.runtime, encoding.precision)
+        encoding.decode_seconds = decode_cost(Location(catalogue_url, follow_links=True), sample, encoder,
+                                              max_pixels)
     logger = get_run_logger()
     if encoding.warning:
         logger.warning(encoding.warning)
@@ -175,7 +181,7 @@ def encode_shard_task(plan: ShardPlan, spec: EncoderSpec, device: str, catalogue
                       batch_size: int, decode_workers: int, max_pixels: int, encode_limit: str = "auto",
                       fence: Fence | None = None, dtype: str = DEFAULT_DTYPE,
                       metadata_seq: int | None = None, runtime: str = "torch",
-                      precision: str | None = None) -> ShardResult:
+                      precision: str | None = None, costs: tuple[float, float] | None = None) -> ShardResult:
     # The spec crosses the task boundary; the weights are loaded (and compiled, behind the parity check that
     # the flow's choice passed on this hardware) here, once per worker process. A worker that cannot run the
     # run's runtime and precision fails its shard: a run never mixes two.
@@ -186,4 +192,4 @@ def encode_shard_task(plan: ShardPlan, spec: EncoderSpec, device: str, catalogue
             texts = text_of(store.read_table(snapshot_key(metadata_seq)), spec, {item.item_id for item in plan.items})
             return encode_text_shard(plan, encoder, texts, store, batch_size, fence, dtype)
         return encode_shard(plan, encoder, Location(catalogue_url, follow_links=True), Location(store_url), batch_size,
-                            decode_workers, max_pixels, fence, dtype)
+                            decode_workers, max_pixels, fence, dtype, costs=costs)

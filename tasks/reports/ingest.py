@@ -60,6 +60,9 @@ def _encoding_line(summary: RunSummary) -> str:
         line += "; measured img/s: " + ", ".join(f"{k} {v}" for k, v in sorted(encoding["measured"].items()))
     if encoding.get("refused"):
         line += "; not used: " + "; ".join(r.replace("|", "/") for r in encoding["refused"])
+    if encoding.get("decode_seconds") and encoding.get("encode_seconds") and summary.work_bound:
+        line += (f"; decode {encoding['decode_seconds'] * 1e3:.1f} and encode {encoding['encode_seconds'] * 1e3:.1f} "
+                 f"core-ms a picture: work bound {summary.work_bound} img/s")
     if encoding.get("warning"):
         line += f"; **{encoding['warning'].replace('|', '/')}**"
     return line

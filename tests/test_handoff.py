@@ -1,0 +1,95 @@
+"""Decoded pixels through shared memory, and the cores split between decode and encoder by measured cost."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from imgest import encoders
+from imgest.storage import Location
+from imgest.tasks.ingest import encode as encode_module
+from imgest.tasks.ingest import handoff
+from imgest.tasks.ingest.decode import decode_image
+from imgest.tasks.ingest.encode import _prepare_in_process, encode_shard, plan_decode, prepare
+from imgest.tasks.ingest.plan import ShardPlan, WorkItem
+from imgest.tasks.ingest.shards import embedding_matrix
+from imgest.tasks.state.committed import shard_key
+from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
+
+RUN = "r00000001-20261202T000000-abcdef"
+
+
+def _catalogue(root, n: int) -> tuple[Location, tuple[WorkItem, ...]]:
+    files = {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, (700 + i, 560))) for i in range(n - 2)}
+    files["p/cut-out.png"] = png_bytes(gradient(7, (600, 600)).convert("RGBA"))
+    files["p/broken.jpg"] = b"\xff\xd8 not a jpeg"
+    write_files(str(root), files)
+    cat = Location(str(root))
+    return cat, tuple(WorkItem(k, cat.uri(k), len(files[k]), 1.0, None, None) for k in sorted(files))
+
+
+def test_a_decode_process_hands_back_a_slot_not_the_pixels(tmp_path):
+    lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
+    cat, items = _catalogue(tmp_path / "cat", 4)
+    by_id = {item.item_id: item for item in items}
+    slots = handoff.PixelSlots(3, handoff.slot_bytes(lite0))
+    try:
+        done = _prepare_in_process(cat.url, by_id["p/001.jpg"], 5, lite0.preprocess_fn, 10**8, lite0.decode_side,
+                                   (slots.name, 3, slots.nbytes))
+        assert done.pixels is None and done.slot == (5 % 3, (3, 224, 224), "|u1")
+        expected = prepare(cat, by_id["p/001.jpg"], lite0.preprocess, 10**8, lite0.decode_side).pixels
+        np.testing.assert_array_equal(slots.read(*done.slot), expected)
+        broken = _prepare_in_process(cat.url, by_id["p/broken.jpg"], 0, lite0.preprocess_fn, 10**8, lite0.decode_side,
+                                     (slots.name, 3, slots.nbytes))
+        assert broken.slot is None and broken.reason  # a rejection carries no pixels at all
+    finally:
+        slots.close()
+
+
+def _shm_segments() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_processes_and_threads_encode_the_same_shard_alike_and_the_block_is_freed(tmp_path):
+    lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
+    cat, items = _catalogue(tmp_path / "cat", 80)
+    before = _shm_segments()
+    tables = {}
+    for workers, kind in ((2, "process"), (1, "thread")):
+        store = Location(str(tmp_path / f"store-{kind}"))
+        if kind == "thread":  # fewer objects than PROCESS_MIN_ITEMS decode in threads: lower the bar instead
+            encode_module.PROCESS_MIN_ITEMS, old = 10**9, encode_module.PROCESS_MIN_ITEMS
+        try:
+            result = encode_shard(ShardPlan(RUN, 0, items), lite0, cat, store, batch_size=8, decode_workers=workers)
+        finally:
+            if kind == "thread":
+                encode_module.PROCESS_MIN_ITEMS = old
+        assert kind in result.decode and result.encoded == 79 and len(result.rejected) == 1
+        tables[kind] = pq.read_table(store.path(shard_key(lite0.spec.slug, result.shard)))
+    assert tables["process"].column("item_id").to_pylist() == tables["thread"].column("item_id").to_pylist()
+    np.testing.assert_array_equal(embedding_matrix(tables["process"], 1280), embedding_matrix(tables["thread"], 1280))
+    assert _shm_segments() <= before  # the shared block is unlinked when the shard ends
+
+
+def test_the_cores_split_in_the_proportion_of_measured_costs(monkeypatch):
+    lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    # decode 7 ms, encode 5 ms a picture: 16 x 7 / 12 = 9.3 -> 9 decode processes, 7 encoder threads
+    plan = plan_decode(lite0, 0, 2000, False, costs=(0.007, 0.005))
+    assert (plan.workers, plan.torch_threads, plan.processes) == (9, 7, True)
+    assert plan_decode(lite0, 0, 2000, False, costs=(0.05, 0.0001)).workers == 15  # one core stays the encoder's
+    assert plan_decode(lite0, 0, 2000, False, costs=(0.0001, 0.05)).workers == 1
+    assert plan_decode(lite0, 0, 2000, False).workers == 8  # nothing measured: half each
+    assert plan_decode(lite0, 4, 2000, False, costs=(0.007, 0.005)).workers == 4  # --decode-workers N wins
+
+
+def test_the_decode_cost_is_measured_on_what_will_be_read(tmp_path):
+    lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
+    cat, items = _catalogue(tmp_path / "cat", 10)
+    cost = encode_module.decode_cost(cat, items, lite0, 10**8)
+    assert 0 < cost < 1.0  # core-seconds per decoded picture: the broken one counts for nothing
+    broken = tuple(item for item in items if item.item_id == "p/broken.jpg")
+    assert encode_module.decode_cost(cat, broken, lite0, 10**8) is None  # only the broken one: no figure
+    assert decode_image(jpeg_bytes(gradient(1, (700, 560))), min_side=256).size == (350, 280)
