@@ -1,11 +1,10 @@
 """One configuration model per flow: each field's type, default, help and check written once.
 
 A flow takes its model as its one parameter (Prefect renders it as a form and validates it at the API); the
-command line derives its options from the same models (`imgest/cli/options.py`); the deployments set only
-what differs from these defaults; docs/configuration.md is generated from them. A bad value fails before
-any work with one line naming the field and what is allowed. Credentials are never a field: a URL carrying
-one is refused here, before it can reach run parameters, logs or artifacts.
-"""
+CLI derives its options from it (`imgest/cli/options.py`), the deployments set what differs, and
+docs/configuration.md is generated from it. A bad value fails before any work in one line naming the field
+and what is allowed. Credentials are never a field: a URL carrying one is refused before it can reach run
+parameters, logs or artifacts."""
 
 from __future__ import annotations
 
@@ -158,8 +157,7 @@ class IngestConfig(EncodeConfig):
     max_delete_fraction: Annotated[float, AfterValidator(fraction()), Field(
         description="A run that would tombstone more than this share of the live items stops before writing "
                     "anything (exit 2)")] = DEFAULT_MAX_DELETE_FRACTION
-    allow_mass_delete: Annotated[bool, Field(
-        description="The deletions are real: lift max_delete_fraction for this run")] = False
+    allow_mass_delete: Annotated[bool, Field(description="The deletions are real: lift max_delete_fraction")] = False
     metadata: Annotated[OptionalUrl, Field(
         description="Catalogue metadata, one row per item_id (Parquet, CSV or JSONL: item_id, product_id, title, "
                     "caption, attributes): stored with the run; text models such as minilm-l6 embed its text")] = None
@@ -227,8 +225,7 @@ class NightlyConfig(IngestConfig):
     index_parts: Annotated[int, AfterValidator(at_least(1)), Field(
         description="IVF and flat indexes: add this many slices in parallel on runner, merge")] = DEFAULT_INDEX_PARTS
     disk: Disk = DEFAULT_DISK
-    report_duplicates: Annotated[bool, Field(
-        description="After the builds, report the serving model's duplicate groups and how many are new")] = False
+    report_duplicates: Annotated[bool, Field(description="After the builds, report duplicate groups, new ones")] = False
 
     def ingest(self, model: str) -> IngestConfig:
         return IngestConfig(**{**self.model_dump(include=set(IngestConfig.model_fields)), "model": model})
@@ -326,8 +323,8 @@ class DuplicatesConfig(FlowConfig):
     calibration_sample: Annotated[int, AfterValidator(at_least(8)), Field(
         description="Live images the calibration copies and embeds (each in every way a catalogue copies "
                     "one)")] = 100
-    calibration_recall: Annotated[float, Field(gt=0, le=1, description=(
-        "Share of the planted copies the calibrated threshold must find"))] = 0.95
+    calibration_recall: Annotated[float, Field(gt=0, le=1, description="Share of the planted copies the "
+                                               "calibrated threshold must find")] = 0.95
 
 
 class HeadConfig(FlowConfig):
