@@ -6,6 +6,7 @@ image) stands in for it."""
 
 from __future__ import annotations
 
+import copy
 import io
 
 import numpy as np
@@ -98,7 +99,9 @@ def test_a_batch_mixes_gpu_decodes_pillow_fallbacks_and_rejects(tmp_path, lite0)
 
     gpu = encode_shard(ShardPlan("r00000001-gpu", 0, items), lite0, cat, Location(str(tmp_path / "a")), 4,
                        jpeg_decoder=decoder)
-    cpu = encode_shard(ShardPlan("r00000001-cpu", 0, items), lite0, cat, Location(str(tmp_path / "b")), 4,
+    full = copy.copy(lite0)  # nvJPEG decodes at full size: against Pillow's full decode, not its reduced one
+    full.decode_side = None
+    cpu = encode_shard(ShardPlan("r00000001-cpu", 0, items), full, cat, Location(str(tmp_path / "b")), 4,
                        jpeg_decoder=None)
 
     assert gpu.rejected == cpu.rejected and [i for i, _ in cpu.rejected] == ["p/bad.jpg", "p/trunc.jpg"]
