@@ -76,13 +76,17 @@ def test_processes_and_threads_encode_the_same_shard_alike_and_the_block_is_free
 def test_the_cores_split_in_the_proportion_of_measured_costs(monkeypatch):
     lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    # decode 7 ms, encode 5 ms a picture: 16 x 7 / 12 = 9.3 -> 9 decode processes, 7 encoder threads
+    # decode 7 ms, encode 5 ms a picture: 16 x 7 / 12 = 9.3 -> 9 decode cores, 7 encoder threads; one more
+    # decode process, all of them niced: they take what the encoder leaves idle
     plan = plan_decode(lite0, 0, 2000, False, costs=(0.007, 0.005))
-    assert (plan.workers, plan.torch_threads, plan.processes) == (9, 7, True)
-    assert plan_decode(lite0, 0, 2000, False, costs=(0.05, 0.0001)).workers == 15  # one core stays the encoder's
-    assert plan_decode(lite0, 0, 2000, False, costs=(0.0001, 0.05)).workers == 1
-    assert plan_decode(lite0, 0, 2000, False).workers == 8  # nothing measured: half each
-    assert plan_decode(lite0, 4, 2000, False, costs=(0.007, 0.005)).workers == 4  # --decode-workers N wins
+    assert (plan.workers, plan.torch_threads, plan.processes, plan.nice) == (10, 7, True, encode_module.DECODE_NICE)
+    assert plan.describe() == "10 decode processes (nice 10), torch 7 thread(s)"
+    assert plan_decode(lite0, 0, 2000, False, costs=(0.05, 0.0001)).torch_threads == 1  # one core stays the encoder's
+    assert plan_decode(lite0, 0, 2000, False, costs=(0.0001, 0.05)).torch_threads == 15
+    assert plan_decode(lite0, 0, 2000, False).torch_threads == 8  # nothing measured: half each
+    assert plan_decode(lite0, 0, 20, False).nice == 0  # decode threads are not niced (nor outnumber)
+    assert (plan_decode(lite0, 4, 2000, False, costs=(0.007, 0.005)).workers, plan.nice) == (4, 10)  # N wins
+    assert plan_decode(lite0, 4, 2000, False).nice == 0
 
 
 def test_the_decode_cost_is_measured_on_what_will_be_read(tmp_path):

@@ -110,6 +110,7 @@ def catalogue_reachable(catalogue: Location) -> bool:
 
 
 PROCESS_MIN_ITEMS = 64  # fewer images to decode than this: starting processes costs more than it saves
+DECODE_NICE = 10  # how far below the encoder decode processes run when they outnumber their share of the cores
 
 
 @dataclass(frozen=True)
@@ -117,30 +118,35 @@ class DecodePlan:
     workers: int
     processes: bool
     torch_threads: int | None  # set for the shard's encode (CPU), restored after; None: leave as it is
+    nice: int = 0  # decode processes this much below the encoder: they take the cores it leaves idle
 
     def describe(self) -> str:
         kind = ("process" if self.processes else "thread") + ("es" if self.processes and self.workers > 1 else
                                                               "s" if self.workers > 1 else "")
-        return f"{self.workers} decode {kind}" + (f", torch {self.torch_threads} thread(s)"
-                                                  if self.torch_threads else "")
+        return f"{self.workers} decode {kind}" + (f" (nice {self.nice})" if self.nice else "") + \
+            (f", torch {self.torch_threads} thread(s)" if self.torch_threads else "")
 
 
 def plan_decode(encoder: Encoder, decode_workers: int, to_read: int, gpu_jpeg: bool,
                 costs: tuple[float, float] | None = None) -> DecodePlan:
     """How many decode workers, threads or processes, and the encoder's threads beside them (module docstring).
     With `costs` (decode and encode core-seconds per image, measured by the run), a CPU's cores are split in
-    their proportion; without, in half."""
+    their proportion; without, in half. Decode processes on a CPU get one more than their share, at a lower
+    priority: the encoder's threads take their cores when they have work, the decoders what they leave idle
+    (measured on 2 cores: +7-11% images/s over one decode process beside one encoder thread)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     on_gpu = str(getattr(encoder, "device", "cpu")).startswith("cuda")
-    torch_threads = None
+    processes = (getattr(encoder, "preprocess_fn", None) is not None and to_read >= PROCESS_MIN_ITEMS
+                 and not gpu_jpeg  # a GPU decode leaves the workers only reading and hashing
+                 and not multiprocessing.current_process().daemon)  # a Dask worker may not start processes
+    torch_threads, nice = None, 0
     if decode_workers == 0:
         share = costs[0] / sum(costs) if costs and all(c and c > 0 for c in costs) else 0.5
         decode_workers = max(1, cores - 1) if on_gpu else min(max(1, round(cores * share)), max(1, cores - 1))
         torch_threads = None if on_gpu else max(1, cores - decode_workers)
-    processes = (getattr(encoder, "preprocess_fn", None) is not None and to_read >= PROCESS_MIN_ITEMS
-                 and not gpu_jpeg  # a GPU decode leaves the workers only reading and hashing
-                 and not multiprocessing.current_process().daemon)  # a Dask worker may not start processes
-    return DecodePlan(decode_workers, processes, torch_threads)
+        if processes and not on_gpu and cores > 1:
+            decode_workers, nice = decode_workers + 1, DECODE_NICE
+    return DecodePlan(decode_workers, processes, torch_threads, nice)
 
 
 def decode_cost(catalogue: Location, items: tuple[WorkItem, ...], encoder: Encoder, max_pixels: int,
@@ -192,10 +198,13 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _exit_with_parent(parent: int) -> None:
+def _exit_with_parent(parent: int, nice: int = 0) -> None:
     """In a decode process: end when the process that started it is gone (killed with -9, say), instead of
-    waiting for work that will never come."""
+    waiting for work that will never come; at a lower priority when `nice` (it yields to the encoder)."""
     import threading
+
+    if nice:
+        os.nice(nice)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -208,7 +217,7 @@ def _exit_with_parent(parent: int) -> None:
 def decode_pool(plan: DecodePlan) -> Executor:
     if plan.processes:  # spawn: never fork a process that holds torch's and Prefect's threads
         return ProcessPoolExecutor(plan.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_exit_with_parent, initargs=(os.getpid(),))
+                                   initializer=_exit_with_parent, initargs=(os.getpid(), plan.nice))
     return ThreadPoolExecutor(max_workers=plan.workers, thread_name_prefix="imgest-decode")
 
 
