@@ -115,6 +115,18 @@ def test_auto_measures_the_runtimes_that_pass_and_caches_each(cache, monkeypatch
     assert again.measured == chosen.measured  # read back, not measured again
 
 
+def test_converting_sends_no_telemetry(cache, monkeypatch):
+    """OpenVINO's converter would fork a process to report usage; from a worker holding threads that fork can
+    hang or crash, and a catalogue job does not report home."""
+    from openvino_telemetry.backend import backend_ga4
+
+    sent = []
+    monkeypatch.setattr(backend_ga4.GA4Backend, "send", lambda self, message: sent.append(message))
+    encoder = encoders.load(encoders.resolve(LITE0), "cpu", "openvino", "fp32")
+    assert encoder.runtime == "openvino" and list(cache.glob("openvino-image-*/model.xml"))
+    assert sent == []
+
+
 def test_the_converted_model_is_keyed_by_revision_runtime_version_and_shape(cache, monkeypatch):
     spec = encoders.resolve(LITE0)
     graph = encoders.load(spec, "cpu").graphs()["image"]

@@ -161,6 +161,7 @@ class OpenVINORuntime:
     name = "openvino"
 
     def missing(self) -> str | None:
+        _decline_telemetry()  # before openvino is first imported: importing its converter reports too
         try:
             import openvino  # noqa: F401
         except ImportError as exc:
@@ -168,6 +169,7 @@ class OpenVINORuntime:
         return None
 
     def version(self) -> str:
+        _decline_telemetry()
         import openvino
 
         return openvino.get_version()
@@ -195,11 +197,27 @@ def _convert(graph: Graph, folder: str) -> None:
     example = tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in graph.example)
     shapes = [(ov.PartialShape(shape), ov.Type(np.dtype(x.dtype).type))
               for shape, x in zip(graph.input_shapes(), graph.example)]
+    _decline_telemetry()
     with torch.inference_mode():
         model = ov.convert_model(graph.module, example_input=example if len(example) > 1 else example[0],
                                  input=shapes)
     # compress_to_fp16 would round the weights to fp16 in the file: fp32 must give torch fp32's embeddings
     ov.save_model(model, os.path.join(folder, "model.xml"), compress_to_fp16=False)
+
+
+@functools.lru_cache(maxsize=1)
+def _decline_telemetry() -> None:
+    """OpenVINO's converter reports usage to Google Analytics unless the user opted out (on importing it and on
+    every conversion), forking a process to send each event: from a worker holding threads (Prefect's,
+    torch's) that fork can deadlock or crash (seen here: a child stuck on OpenSSL's lock, segfaults), and a
+    batch job over a catalogue does not report home. This process answers the consent check as declined,
+    which is what `opt_in_out --opt_out` records for a user."""
+    try:
+        from openvino_telemetry.utils import opt_in_checker
+    except ImportError:  # a release without it sends nothing
+        return
+    declined = opt_in_checker.ConsentCheckResult.DECLINED
+    opt_in_checker.OptInChecker.check = lambda self, *args, **kwargs: declined
 
 
 @functools.lru_cache(maxsize=1)
