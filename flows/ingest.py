@@ -44,7 +44,7 @@ from imgest.timing import Stopwatch
 def ingest(config: IngestConfig) -> dict:
     spec = encoders.resolve(config.model)
     device = encoders.resolve_device(config.device)
-    encoders.runtimes.runtime_candidates(config.runtime, device)  # a runtime this device cannot run: refused now
+    encoders.runtimes.refuse_unusable(config.runtime, config.precision, device)  # before any listing or encoding
     store_loc = open_location(config.store)
     catalogue_loc = open_location(config.catalogue, must_exist=True, what="catalogue", follow_links=True)
     check_apart(catalogue_loc, store_loc)

@@ -221,9 +221,8 @@ def test_derived_shards_equal_base_then_head_on_the_same_images(labelled, tmp_pa
     derived = ingest(IngestConfig(catalogue=str(cat), store=str(labelled / "store"), model=head, batch_size="8",
                                   shard_size=10))
     assert derived["derived"] == derived["encoded"] == 36 and derived["batch_size_source"].startswith("every item")
-    # fp32: the same arithmetic both ways (auto may take bf16 where the head passes its parity check)
     decoded = ingest(IngestConfig(catalogue=str(cat), store=str(tmp_path / "fresh"), model=head, batch_size="8",
-                                  shard_size=10, precision="fp32"))
+                                  shard_size=10, precision="fp32"))  # fp32: auto may pass a head in bf16
     assert decoded["derived"] == 0 and decoded["encoded"] == 36, "no base embeddings there: base then head"
 
     def vectors(store, out):

@@ -179,6 +179,46 @@ def test_a_precision_the_cpu_lacks_is_refused_in_one_line(monkeypatch):
         encoders.load(encoders.resolve(LITE0), "cpu", "openvino", "bf16")
 
 
+def test_a_run_refuses_what_this_host_cannot_run_before_any_work(prefect_harness, tmp_path, monkeypatch):
+    from imgest.flows.ingest import ingest
+
+    write_files(str(tmp_path / "catalogue"), small_catalogue(3))
+    monkeypatch.setattr(runtimes, "cpu_flags", lambda: frozenset({"avx2"}))
+    with pytest.raises(EncoderError, match=r"^precision bf16: cpu does not compute in bf16 natively"):
+        ingest(IngestConfig(catalogue=str(tmp_path / "catalogue"), store=str(tmp_path / "store"), precision="bf16"))
+    monkeypatch.setattr(runtimes.OpenVINORuntime, "missing", lambda self: "the openvino package is not installed")
+    with pytest.raises(EncoderError, match=r"^runtime openvino: the openvino package is not installed; use "):
+        ingest(IngestConfig(catalogue=str(tmp_path / "catalogue"), store=str(tmp_path / "store"), runtime="openvino"))
+    assert not (tmp_path / "store").exists()  # nothing listed, locked or written
+
+
+def test_a_model_the_runtime_cannot_compile_falls_back_with_one_warning(cache, monkeypatch, tmp_path, caplog):
+    from imgest.tasks.ingest.batch_size import choose_encoding
+
+    def cannot(graph, folder):
+        raise RuntimeError("Check 'is_conversion_supported' failed: aten::some_op has no translation\nmore")
+    monkeypatch.setattr(runtimes, "_convert", cannot)
+    with caplog.at_level("WARNING", logger="imgest"):
+        chosen = choose_encoding(str(tmp_path / "store"), encoders.resolve(LITE0), "cpu", "openvino", "fp32",
+                                 fixed=4)
+    assert (chosen.runtime, chosen.precision) == ("torch", "fp32")
+    assert "openvino cannot compile the image tower of efficientnet-lite0@" in chosen.warning
+    assert "RuntimeError: Check 'is_conversion_supported' failed" in chosen.warning and "more" not in chosen.warning
+    assert not list(cache.glob("*"))  # nothing half-written left in the cache
+
+
+def test_a_damaged_cached_model_is_converted_again(cache):
+    spec = encoders.resolve(LITE0)
+    first = encoders.load(spec, "cpu", "openvino", "fp32")
+    xml = next(cache.glob("openvino-image-*/model.xml"))
+    xml.write_text("<net>not a model")  # damaged on disk after it was written whole
+    encoders._loaded.clear()
+    again = encoders.load(spec, "cpu", "openvino", "fp32")
+    batch = parity.sample_batch(first)
+    assert _cosine(first.encode_images(batch), again.encode_images(batch)).min() >= 0.99999
+    assert "not a model" not in xml.read_text()
+
+
 def test_openvino_is_not_a_cuda_runtime():
     with pytest.raises(EncoderError, match="runtime openvino runs on cpu, not on cuda"):
         runtimes.runtime_candidates("openvino", "cuda")

@@ -111,19 +111,23 @@ _lock = threading.RLock()  # re-entrant: a head loads its base model inside load
 def load(spec: EncoderSpec, device: str = "auto", runtime: str = "torch", precision: str | None = None) -> Encoder:
     """Load weights once per process and device; workers call this, never receive a loaded model.
 
-    `runtime` and `precision` (default: torch, at the precision this device always used) compile the encoder's
-    towers; anything but torch fp32 must pass the parity check first (imgest/encoders/parity.py), else
-    ParityError. An encoder with nothing to compile (raw pixels, a sentence-transformers model) runs as it is,
-    and says so in its `runtime`."""
+    Without `precision`: torch at the precision this device always used (search, heads, evaluation). With it, the
+    towers are compiled by `runtime` at that precision, and anything but torch fp32 must pass the parity check
+    first (imgest/encoders/parity.py), else ParityError: the CUDA default named explicitly is checked too. An
+    encoder with nothing to compile (raw pixels, a sentence-transformers model) runs as it is, and says so in
+    its `runtime`."""
     device = resolve_device(device)
-    precision = precision or runtimes.default_precision(device)
-    plain = (spec.model_id, spec.source, device, "torch", runtimes.default_precision(device))
+    plain = (spec.model_id, spec.source, device, "torch", None)
     key = (spec.model_id, spec.source, device, runtime, precision)
     with _lock:
         if plain not in _loaded:
             _loaded[plain] = REGISTRY[spec.family][1](spec, device)
         if key not in _loaded:
-            _loaded[key] = _compiled(_loaded[plain], spec, device, runtime, precision)
+            if runtime == "torch" and precision in (None, "fp32") and not device.startswith("cuda"):
+                _loaded[key] = _loaded[plain]  # the plain CPU encoder is torch fp32: the reference itself
+            else:
+                _loaded[key] = _compiled(_loaded[plain], spec, device, runtime,
+                                         precision or runtimes.default_precision(device))
         return _loaded[key]
 
 
@@ -134,9 +138,17 @@ def _compiled(plain: Encoder, spec: EncoderSpec, device: str, runtime: str, prec
     if precision not in runtimes.native_precisions(device):
         raise EncoderError(f"{device} does not compute in {precision} natively (it does: "
                            f"{', '.join(runtimes.native_precisions(device))}); use --precision auto or fp32")
-    candidate = plain.compiled_as(runtime, precision)
-    if (runtime, precision) != ("torch", "fp32"):
-        parity.check(load(spec, device, "torch", "fp32"), candidate, device_key(device, threads=False))
+    try:
+        candidate = plain.compiled_as(runtime, precision)
+        candidate.parity = 1.0
+        if (runtime, precision) != ("torch", "fp32"):
+            candidate.parity = parity.check(load(spec, device, "torch", "fp32"), candidate,
+                                            device_key(device, threads=False)).min_cosine
+    except EncoderError:
+        raise
+    except Exception as exc:  # a model a runtime cannot run is that runtime's refusal, never a failed night
+        raise EncoderError(f"{runtime} {precision} cannot run {spec.name}: {type(exc).__name__}: "
+                           f"{str(exc).strip()[:300]}") from exc
     return candidate
 
 

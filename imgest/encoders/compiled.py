@@ -72,6 +72,14 @@ def ensure(entry: Entry, convert: Callable[[str], None]) -> str:
     return os.path.join(entry.folder, MODEL_FILE)
 
 
+def discard(entry: Entry) -> bool:
+    """Remove a cached entry the runtime could not load (damaged on disk); False when there was none."""
+    if not os.path.isdir(entry.folder):
+        return False
+    shutil.rmtree(entry.folder, ignore_errors=True)
+    return True
+
+
 def blob_dir(entry: Entry) -> str:
     """Where the runtime keeps its own compiled blobs for this entry (OpenVINO's CACHE_DIR)."""
     folder = os.path.join(entry.folder, "blobs")

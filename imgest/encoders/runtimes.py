@@ -184,9 +184,22 @@ class OpenVINORuntime:
             raise EncoderError(f"openvino runs on the CPU here, not on {device}: use --runtime torch (or auto) there")
         if (why := self.missing()) is not None:
             raise EncoderError(f"runtime openvino: {why}")
+        import torch
+
         entry = compiled.entry(model_id, graph, self.name, self.version())
-        xml = compiled.ensure(entry, functools.partial(_convert, graph))
-        return _OpenVINORunner(xml, compiled.blob_dir(entry), OV_PRECISION[precision])
+        for attempt in (1, 2):
+            try:
+                xml = compiled.ensure(entry, functools.partial(_convert, graph))
+                runner = _OpenVINORunner(xml, compiled.blob_dir(entry), OV_PRECISION[precision])
+                runner.request(max(1, torch.get_num_threads()))  # compiled now, not in the middle of a shard
+                return runner
+            except Exception as exc:  # OpenVINO raises its own types for a graph it cannot convert or compile
+                if attempt == 1 and compiled.discard(entry):
+                    continue  # a damaged cached entry: converted once more
+                reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+                raise EncoderError(f"openvino cannot compile the {graph.name} tower of {model_id}: "
+                                   f"{type(exc).__name__}: {reason}") from exc
+        raise AssertionError("unreachable")
 
 
 def _convert(graph: Graph, folder: str) -> None:
@@ -234,7 +247,7 @@ class _OpenVINORunner:
         self._local = threading.local()
         self._lock = threading.Lock()
 
-    def _request(self, threads: int):
+    def request(self, threads: int):
         requests = self._local.__dict__.setdefault("requests", {})
         if threads not in requests:
             with self._lock:
@@ -251,7 +264,7 @@ class _OpenVINORunner:
         import torch
 
         arrays = [x.cpu().numpy() if isinstance(x, torch.Tensor) else np.ascontiguousarray(x) for x in inputs]
-        request = self._request(max(1, torch.get_num_threads()))
+        request = self.request(max(1, torch.get_num_threads()))
         out = request.infer(arrays)
         return np.array(out[request.model_outputs[0]], dtype=np.float32)  # a copy: the request reuses its buffer
 
@@ -283,12 +296,27 @@ def runtime_candidates(runtime: str, device: str) -> tuple[str, ...]:
     return (runtime,)
 
 
+def refuse_unusable(runtime: str, precision: str, device: str) -> None:
+    """What a run names and this host cannot run at all, refused in one line before any work: a runtime that
+    does not run on the device or is not installed, a precision the device does not compute in natively. (A
+    runtime that runs but fails its parity check falls back to torch fp32 with a warning instead.)"""
+    runtime_candidates(runtime, device)
+    if runtime != "auto" and (why := get(runtime).missing()) is not None:
+        raise EncoderError(f"runtime {runtime}: {why}; use --runtime auto or torch")
+    if precision not in PRECISIONS:
+        raise EncoderError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
+    if precision != "auto" and precision not in native_precisions(device):
+        raise EncoderError(f"precision {precision}: {device} does not compute in {precision} natively (it does: "
+                           f"{', '.join(native_precisions(device))}); use --precision auto or fp32")
+
+
 class GraphEncoder:
     """What an encoder whose towers are torch graphs shares: `runners` (tower -> Runner) made by a runtime at a
     precision, and `compiled_as`, the same encoder on another runtime or precision (the weights are shared)."""
 
     runtime: str = "torch"
     precision: str = "fp32"
+    parity: float = 1.0  # min cosine against torch fp32 on the parity sample, once checked (imgest/encoders/parity.py)
     runners: dict[str, Runner]
     device: str
     spec: Any

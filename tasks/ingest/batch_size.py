@@ -184,22 +184,21 @@ def choose_encoding(store_url: str, spec, device: str, runtime: str = "auto", pr
         logging.getLogger("imgest").warning(warning)
         usable = [encoders.load(spec, device, "torch", "fp32")]
     store = Location(store_url)
-    if len(usable) == 1 and fixed is not None:  # nothing to choose between: nothing to measure
-        chosen, tunings = usable[0], {}
-    else:
-        tunings = {_label(e): (e, *cached_or_tuned(store, e, fixed)) for e in usable}
-        chosen = max(usable, key=lambda e: tunings[_label(e)][1].measured[tunings[_label(e)][1].batch_size])
+    # label -> (tuning, whether cached); nothing to measure when a fixed batch leaves one candidate
+    tunings = {} if len(usable) == 1 and fixed is not None else \
+        {_label(e): cached_or_tuned(store, e, fixed) for e in usable}
+    best = {label: t.measured[t.batch_size] for label, (t, _) in tunings.items()}
+    chosen = max(usable, key=lambda e: best.get(_label(e), 0.0))
     if fixed is not None:
         batch, source = fixed, "fixed"
     else:
-        _, tuning, cached = tunings[_label(chosen)]
+        tuning, cached = tunings[_label(chosen)]
         rates = ", ".join(f"{b}: {r}" for b, r in sorted(tuning.measured.items()))
         batch, source = tuning.batch_size, f"auto, {'cached' if cached else 'measured'} img/s by batch {{{rates}}}"
-    measured = {label: t.measured[t.batch_size] for label, (_, t, _) in tunings.items()}
-    figure = 1.0 if _label(chosen) == "torch fp32" or not chosen.graphs() else _parity(chosen, device)
-    rate = (tunings[_label(chosen)][1].measured.get(batch) if _label(chosen) in tunings else None)
+    rate = tunings[_label(chosen)][0].measured.get(batch) if _label(chosen) in tunings else None
     cost = _threads(device) / rate if rate else None
-    return Encoding(chosen.runtime, chosen.precision, batch, source, measured, refused, figure, warning,
+    figure = getattr(chosen, "parity", 1.0)  # set when it was compiled (1.0: it is torch fp32, or runs as it is)
+    return Encoding(chosen.runtime, chosen.precision, batch, source, best, refused, figure, warning,
                     round(cost, 6) if cost else None)
 
 
@@ -208,8 +207,4 @@ def _threads(device: str) -> int:
 
     return 1 if device.startswith("cuda") else torch.get_num_threads()
 
-
-def _parity(encoder: Encoder, device: str) -> float:
-    return encoders.parity.check(encoders.load(encoder.spec, device, "torch", "fp32"), encoder,
-                                 device_key(device, threads=False)).min_cosine
 

@@ -361,8 +361,7 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     slots = handoff.PixelSlots(depth + 1, handoff.slot_bytes(encoder)) if where.processes else None
     if where.processes:
         fn = functools.partial(_prepare_in_process, catalogue.url, preprocess=encoder.preprocess_fn,
-                               max_pixels=max_pixels, min_side=decode_side, slots=(slots.name, depth + 1,
-                                                                                  slots.nbytes))
+                               max_pixels=max_pixels, min_side=decode_side, slots=slots.address)
     else:
         def fn(item: WorkItem, position: int) -> Prepared:
             return prepare(catalogue, item, encoder.preprocess, max_pixels, decode_side, gpu_jpeg)

@@ -22,9 +22,14 @@ class PixelSlots:
     before the encoder has copied it out (tasks/ingest/encode.py `read_ahead`)."""
 
     def __init__(self, count: int, nbytes: int):
-        self.nbytes = nbytes
+        self.count, self.nbytes = count, nbytes
         self._shm = shared_memory.SharedMemory(create=True, size=max(1, count * nbytes))
         self.name = self._shm.name
+
+    @property
+    def address(self) -> tuple[str, int, int]:
+        """What a decode process needs to write into the block: its name, slot count and slot size."""
+        return self.name, self.count, self.nbytes
 
     def read(self, slot: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         view = np.ndarray(shape, np.dtype(dtype), buffer=self._shm.buf, offset=slot * self.nbytes)
