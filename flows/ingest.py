@@ -46,6 +46,7 @@ def ingest(config: IngestConfig) -> dict:
     device = encoders.resolve_device(config.device)
     encoders.runtimes.refuse_unusable(config.runtime, config.precision, device)  # before any listing or encoding
     store_loc = open_location(config.store)
+    encoders.refuse_unrecordable(spec, store_loc)  # a name the nightly would refuse to read back: refused now
     catalogue_loc = open_location(config.catalogue, must_exist=True, what="catalogue", follow_links=True)
     check_apart(catalogue_loc, store_loc)
     catalogue_url = catalogue_loc.url

@@ -54,6 +54,7 @@ def migrate_start(config: MigrateConfig) -> dict:
     if serving is None:
         raise migration.MigrationError("nothing is serving yet: run `imgest nightly` first, then migrate")
     target = encoders.resolve(config.to)
+    encoders.refuse_unrecordable(target, store_loc)  # before the window opens: not after a full re-encode
     catalogue = config.catalogue or (last_run(store_loc, serving["slug"]) or {}).get("catalogue")
     if not catalogue:
         raise migration.MigrationError("no catalogue known for the serving model; pass --catalogue")

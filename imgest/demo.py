@@ -75,6 +75,26 @@ def build_demo_catalogue(root: str, fashion_per_class: int = 60, seed: int = 0) 
     return counts
 
 
+def write_demo_metadata(root: str, path: str) -> int:
+    """The demo catalogue's text, as a shop keeps it beside its images: one CSV row per image under ``root``
+    with a `title` (the class and the picture's number, "ankle boot 03217"; a photo's name) and a `category`
+    (the Fashion-MNIST class; "photo"). Returns the rows written."""
+    import csv
+
+    rows = []
+    for cls in FASHION_CLASSES:
+        for name in sorted(os.listdir(os.path.join(root, "fashion", cls))):
+            rows.append({"item_id": f"fashion/{cls}/{name}", "title": f"{cls.replace('-', ' ')} {name.split('.')[0]}",
+                         "category": cls})
+    for name in sorted(os.listdir(os.path.join(root, "photos"))):
+        rows.append({"item_id": f"photos/{name}", "title": name.split(".")[0].replace("_", " "), "category": "photo"})
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=("item_id", "title", "category"))
+        writer.writeheader()
+        writer.writerows(rows)
+    return len(rows)
+
+
 def product_photos(n: int, seed: int = 0, sides: tuple[int, int] = (800, 2000)) -> dict[str, bytes]:
     """A product catalogue from real photos: scaled to `sides` (800-2000 px), cropped, JPEG at quality 85-95.
 

@@ -64,19 +64,21 @@ def s3_endpoint():
         os.environ["AWS_ENDPOINT_URL"] = previous
 
 
-@pytest.fixture(scope="session", autouse=True)
-def model_dirs(tmp_path_factory):
-    """The tests' local model folders (tiny random transformers under pytest's temp root) are the ones an
-    operator listed: store records may name them (imgest.encoders.recorded)."""
-    os.environ["IMGEST_MODEL_DIRS"] = str(tmp_path_factory.getbasetemp())
-    yield
-
-
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, str]:
-    """Tiny random CLIP, SigLIP and DINOv2 saved as local transformers folders: the hf: path, offline."""
+def tiny_model_folders(tmp_path_factory) -> dict[str, str]:
+    """Tiny random CLIP, SigLIP and DINOv2 saved as local transformers folders: the hf: path, offline. Not
+    listed in IMGEST_MODEL_DIRS: a store may not name them until a test lists them (`tiny_models`)."""
     root = tmp_path_factory.mktemp("hf-models")
     return {kind: make_tiny_hf_model(kind, str(root / kind)) for kind in ("clip", "siglip", "dinov2")}
+
+
+@pytest.fixture
+def tiny_models(tiny_model_folders, monkeypatch) -> dict[str, str]:
+    """The tiny models' folders, listed for this test in IMGEST_MODEL_DIRS as an operator lists theirs (store
+    records may then name them: imgest.encoders.recorded)."""
+    root = os.path.dirname(next(iter(tiny_model_folders.values())))
+    monkeypatch.setenv("IMGEST_MODEL_DIRS", root)
+    return tiny_model_folders
 
 
 @pytest.fixture(scope="session")

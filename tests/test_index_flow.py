@@ -20,6 +20,7 @@ from imgest.flows.nightly import nightly
 from imgest.storage import Location
 from imgest.tasks.index.store import IndexIntegrityError, open_index
 from imgest.tasks.migration.aliases import read_alias, set_alias
+from imgest.tasks.reports.index import render_card
 from imgest.tasks.search.query import Query, Searcher, SearchError, search
 from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
 
@@ -61,6 +62,9 @@ def test_nightly_builds_a_verified_version_and_moves_serving(lite0_store):
     assert ids.column("faiss_id").to_pylist() == list(range(n))
     alias = read_alias(Location(str(store)), "serving")
     assert (alias["slug"], alias["version"], alias["sha256"]) == (card["slug"], 1, card["sha256"])
+    # the card as the UI shows it: a Flat index's one sweep row is the exact search, not a missing parameter
+    shown = render_card(card)
+    assert "None" not in shown and f"| exact | {card['recall']['sweep'][0]['recall']} |" in shown, shown
 
 
 def test_catalogue_photo_finds_itself_first(lite0_store):
@@ -144,9 +148,10 @@ def test_deleted_items_disappear_after_rebuild(lite0_store, tmp_path):
     assert "photos/chelsea.jpg" in old.opened.item_ids
 
 
-def test_text_search_through_tiny_clip_and_model_mismatch(tmp_path, tiny_models):
+def test_text_search_through_tiny_clip_and_model_mismatch(tmp_path, tiny_models, monkeypatch):
     clip = tmp_path / "clip"
     shutil.copytree(tiny_models["clip"], clip)
+    monkeypatch.setenv("IMGEST_MODEL_DIRS", str(tmp_path))  # the copy is the model the operator lists
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     write_files(str(cat), {f"{i:03d}.png": png_bytes(gradient(i)) for i in range(30)})
     ingest(IngestConfig(catalogue=str(cat), store=str(store), model=f"hf:{clip}", batch_size="8"))

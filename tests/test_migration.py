@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from imgest.cli import app
 from imgest.config import EvalConfig, MigrateConfig, NightlyConfig
+from imgest.encoders import EncoderError
 from imgest.flows.evaluate import evaluate
 from imgest.flows.migrate import migrate
 from imgest.flows.nightly import nightly
@@ -182,7 +183,7 @@ def test_promote_then_finish_with_kill_changes_and_searcher(tmp_path, tiny_model
     assert window_status(store_loc) == {"open": False}
 
 
-def test_promote_then_rollback_and_refusals(tmp_path, tiny_models):
+def test_promote_then_rollback_and_refusals(tmp_path, tiny_models, monkeypatch):
     started = time.time()
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     catalogue(cat, 12)
@@ -194,8 +195,28 @@ def test_promote_then_rollback_and_refusals(tmp_path, tiny_models):
     unknown = CliRunner().invoke(app, ["migrate", "start", "--store", str(store), "--to", "resnet9000"])
     assert unknown.exit_code == 2 and "unknown model 'resnet9000'" in unknown.output
 
+    # A model folder the operator has not listed: the nightly, build-index and search would refuse its name read
+    # back from the store, so migrate start refuses it first, in one line naming the variable, with nothing
+    # written: from the command (before Prefect starts) and from the flow (a deployment runs it directly).
+    listed = os.environ["IMGEST_MODEL_DIRS"]
+    monkeypatch.delenv("IMGEST_MODEL_DIRS")
+    before = sorted(str(p) for p in store.rglob("*"))
+    unlisted = CliRunner().invoke(app, ["migrate", "start", "--store", str(store), "--to", new])
+    assert unlisted.exit_code == 2, unlisted.output
+    assert "IMGEST_MODEL_DIRS" in unlisted.output and tiny_models["dinov2"] in unlisted.output, unlisted.output
+    with pytest.raises(EncoderError, match="IMGEST_MODEL_DIRS"):
+        migrate(MigrateConfig(store=str(store), action="start", to=new, batch_size="8"))
+    assert sorted(str(p) for p in store.rglob("*")) == before, "nothing written: no window, no shard"
+    monkeypatch.setenv("IMGEST_MODEL_DIRS", listed)
+
     start = migrate(MigrateConfig(store=str(store), action="start", to=new, batch_size="8"))
     new_slug = start["window"]["to"]["slug"]
+    # listed when it was encoded, unlisted since: build-index names the reason, not "no model" behind a warning
+    monkeypatch.delenv("IMGEST_MODEL_DIRS")
+    gone = CliRunner().invoke(app, ["build-index", "--store", str(store), "--model", new_slug])
+    assert gone.exit_code == 2 and "cannot be used" in gone.output and "IMGEST_MODEL_DIRS" in gone.output, \
+        gone.output
+    monkeypatch.setenv("IMGEST_MODEL_DIRS", listed)
     query = str(cat / "p" / "004.jpg")
     refused = CliRunner().invoke(app, ["migrate", "promote", "--store", str(store)])
     assert refused.exit_code == 2 and "no evaluation of shadow against serving" in refused.output

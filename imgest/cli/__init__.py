@@ -49,6 +49,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
             CatalogueRootError, RecordError, RoutingError, LockLostError, SizeError)
 
 
+def _check_model(name: str, store: str) -> None:
+    """Before Prefect starts: the model resolves, and the store's later readers will take its name back."""
+    from imgest import encoders
+    from imgest.storage import open_location
+
+    encoders.refuse_unrecordable(encoders.resolve(name), open_location(store))
+
+
 # Registers the commands on `app` (each module imports it from here).
 from imgest.cli import (  # noqa: E402, F401
     alerts_cmd,

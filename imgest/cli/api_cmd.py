@@ -15,8 +15,9 @@ def api(
     store: str = typer.Option(..., help="Folder or URL of the store"),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (put a proxy in front for other hosts)"),
     port: int = typer.Option(8000, help="Port to listen on"),
-    alias: list[str] = typer.Option(["serving"], help="Alias to serve; repeat for several (the first is the "
-                                                      "default of a request)"),
+    alias: Optional[list[str]] = typer.Option(None, help="Alias to serve; repeat for several (the first is the "
+                                                         "default of a request). Default: serving, and captions "
+                                                         "where the store has a caption retriever"),
     follow_every: float = typer.Option(5.0, help="Seconds between checks of the alias records"),
     device: str = typer.Option("auto", help="Where to embed the queries"),
     shadow_share: float = typer.Option(0.0, help="During a migration window, this share of the queries serving "
@@ -38,6 +39,13 @@ def api(
         from imgest.tasks.search.service import create_app
 
         table = read_route(route) if route else None
+        if not alias:  # text queries to an image-only serving model go to the caption retriever: serve it too
+            from imgest.storage import open_location
+            from imgest.tasks.migration.aliases import read_alias
+            from imgest.tasks.search.combined import CAPTIONS
+
+            has_captions = read_alias(open_location(store, must_exist=True, what="store"), CAPTIONS) is not None
+            alias = ["serving", *([CAPTIONS] if has_captions else [])]
         follower = FollowingSearcher(store, tuple(dict.fromkeys(alias)), device=device, route=table)
         follower.refresh()
         if not follower.ready():

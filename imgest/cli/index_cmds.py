@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Optional
 
@@ -45,6 +46,19 @@ def build_index_cmd(
         typer.echo(render_card(result["card"]))
 
 
+def _modalities(store: str, device: str, opened: dict, alias: str) -> tuple[str, ...] | None:
+    """The modalities of the model `alias` serves (None: no such alias); the searcher stays open for the query."""
+    from imgest.storage import open_location
+    from imgest.tasks.migration.aliases import read_alias
+    from imgest.tasks.search.query import Searcher
+
+    if alias not in opened:
+        if read_alias(open_location(store, must_exist=True, what="store"), alias) is None:
+            return None
+        opened[alias] = Searcher(store, alias, None, None, device)
+    return tuple(opened[alias].spec.modalities)
+
+
 @app.command("search")
 def search_cmd(
     store: str = typer.Option(..., help="Folder or URL of the store"),
@@ -79,14 +93,14 @@ def search_cmd(
     from dataclasses import asdict
 
     try:
-        from imgest.tasks.search.combined import fusion
+        from imgest.tasks.search.combined import fusion, text_to_captions
         from imgest.tasks.search.query import Query, Searcher, SearchError, read_queries
 
         given = [x for x in (image, text, item_id, queries) if x is not None]
         if len(given) != 1:
             raise SearchError("give exactly one of --image, --text, --item-id or --queries")
         batch = read_queries(queries) if queries else [Query("query", image, text, item_id=item_id)]
-        aliases = tuple(dict.fromkeys(alias))
+        aliases, how = tuple(dict.fromkeys(alias)), None
         if route is not None:
             from imgest.tasks.search.combined import routed_search
 
@@ -100,21 +114,28 @@ def search_cmd(
             results = fused_search(store, batch, k, aliases, rrf_k, device, where, group_by, per_group)
             card = {"model_id": f"rrf({', '.join(aliases)})", "version": None}
         else:
-            searcher = Searcher(store, aliases[0], model, version, device)
+            opened: dict[str, Searcher] = {}
+            if model is None:  # a text query to an image-only alias goes to the caption retriever, if any
+                chosen = text_to_captions(chosen, batch, functools.partial(_modalities, store, device, opened))
+                how = chosen.how
+            alias_name = chosen.aliases[0] if model is None else aliases[0]
+            searcher = opened.get(alias_name) or Searcher(store, alias_name, model, version, device)
             results = searcher.search(batch, k, where, group_by, per_group)
             card = searcher.card
     except _user_errors() as exc:
         _fail(exc)
     if as_json:
         payload = [{"query_id": q.query_id, "hits": [asdict(h) for h in hits]} for q, hits in zip(batch, results)]
-        typer.echo(json.dumps({"model_id": card["model_id"], "version": card["version"], "results": payload},
-                              indent=2))
+        typer.echo(json.dumps({"model_id": card["model_id"], "version": card["version"], "results": payload,
+                               **({"how": how} if how else {})}, indent=2))
         return
     from imgest.tasks.reports.index import served_parameters
 
     if route is not None:
         typer.echo(card["model_id"])
     elif fuse is None:
+        if how:
+            typer.echo(f"{how['asked']} has no text tower: the caption retriever ({how['route']}) answers")
         typer.echo(f"index model={card['slug']} v{card['version']:04d} ({card['factory']}, "
                    f"{served_parameters(card)})")
     else:

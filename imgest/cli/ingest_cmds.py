@@ -7,11 +7,12 @@ import os
 
 import typer
 
-from imgest.cli import _fail, _user_errors, app
+from imgest.cli import _check_model, _fail, _user_errors, app
 from imgest.cli.options import config_command
 from imgest.config import IngestConfig, NightlyConfig, ReencodeConfig
 from imgest.names import DEFAULT_DEVICE
 from imgest.progress import reporting
+from imgest.tasks.evaluate.fusion import RRF_K
 
 
 @app.command()
@@ -27,7 +28,7 @@ def ingest(
         from imgest.tasks.ingest.listing import check_apart
 
         # Fail on bad input before Prefect starts its server: a one-line reason, exit 2.
-        encoders.resolve(config.model)
+        _check_model(config.model, config.store)
         encoders.resolve_device(config.device)
         check_apart(open_location(config.catalogue, must_exist=True, what="catalogue"), open_location(config.store))
 
@@ -137,10 +138,9 @@ def export(
 def reencode(config: ReencodeConfig) -> None:
     """Encode the whole catalogue with a new model into its own namespace (resumable; old data untouched)."""
     try:
-        from imgest import encoders
         from imgest.storage import open_location
 
-        encoders.resolve(config.model)
+        _check_model(config.model, config.store)
         open_location(config.catalogue, must_exist=True, what="catalogue")
         from imgest.flows.reencode import reencode as reencode_flow
         from imgest.tasks.reports.ingest import render_reencode
@@ -157,12 +157,11 @@ def reencode(config: ReencodeConfig) -> None:
 def nightly(config: NightlyConfig) -> None:
     """Ingest, then build and verify a fresh index and move `serving` to it."""
     try:
-        from imgest import encoders
         from imgest.storage import open_location
         from imgest.tasks.ingest.listing import check_apart
 
         if config.model:
-            encoders.resolve(config.model)
+            _check_model(config.model, config.store)
         check_apart(open_location(config.catalogue, must_exist=True, what="catalogue"), open_location(config.store))
 
         from imgest.flows.nightly import nightly as nightly_flow
@@ -187,21 +186,55 @@ def demo(
     workdir: str = typer.Option("demo", help="Where to put the demo catalogue and store"),
     per_class: int = typer.Option(60, help="Fashion-MNIST images per class (10 classes)"),
 ) -> None:
-    """Build a demo catalogue of real offline images, run the nightly job on it, search it once."""
-    from imgest.demo import build_demo_catalogue
+    """Build a demo catalogue of real offline images with its catalogue text, run the nightly job on it (images
+    and the caption retriever), search it once, and print the commands to try next."""
+    from imgest.cli.index_cmds import build_index_cmd, search_cmd
+    from imgest.demo import build_demo_catalogue, write_demo_metadata
+    from imgest.encoders.text import NAME as CAPTION_MODEL
+    from imgest.storage import open_location
+    from imgest.tasks.migration.aliases import read_alias
+    from imgest.tasks.search.combined import CAPTIONS
 
     catalogue = os.path.join(workdir, "catalogue")
     store_dir = os.path.join(workdir, "store")
+    metadata = os.path.join(workdir, "metadata.csv")  # beside the catalogue, as a shop's product feed is
     if not os.path.exists(catalogue):
         counts = build_demo_catalogue(catalogue, fashion_per_class=per_class)
         typer.echo(f"demo catalogue written to {catalogue}: {counts}")
-    nightly(catalogue=catalogue, store=store_dir)  # every other option at its default, from the model
+    if not os.path.exists(metadata):
+        typer.echo(f"catalogue text (title, category) for {write_demo_metadata(catalogue, metadata)} images "
+                   f"written to {metadata}")
+    # every other option at its default, from the model; the nightly keeps every aliased model current, so
+    # after the first run it re-encodes the caption retriever's changed titles too
+    nightly(catalogue=catalogue, store=store_dir, metadata=metadata)
+    if read_alias(open_location(store_dir), CAPTIONS) is None:  # the first run: the caption retriever beside it
+        ingest(catalogue=catalogue, store=store_dir, model=CAPTION_MODEL, metadata=metadata, as_json=False)
+        build_index_cmd(store=store_dir, model=CAPTION_MODEL, alias=CAPTIONS, as_json=False)
     status(store=store_dir, as_json=False)
     query = os.path.join(catalogue, "photos", "chelsea.jpg")
     typer.echo(f"\n$ imgest search --store {store_dir} --image {query} --k 5")
-    from imgest.cli.index_cmds import search_cmd
-    from imgest.tasks.evaluate.fusion import RRF_K
-
     search_cmd(store=store_dir, image=query, text=None, item_id=None, queries=None, k=5, alias=["serving"], model=None,
                version=None, device=DEFAULT_DEVICE, fuse=None, rrf_k=RRF_K, where=None, group_by=None, per_group=1,
                route=None, query_class=None, as_json=False)
+    boots = os.path.join(catalogue, "fashion", "ankle-boot")
+    item = f"fashion/ankle-boot/{min(os.listdir(boots))}"
+    typer.echo("\n" + next_steps(store_dir, query, item))
+
+
+def next_steps(store: str, query: str, item: str) -> str:
+    """What to try after the demo, each command as it runs from here (the program as it was called)."""
+    import shlex
+    import sys
+
+    prog = sys.argv[0] if os.path.basename(sys.argv[0]) == "imgest" else "imgest"
+    prog, store, query, item = (shlex.quote(x) for x in (prog, store, query, item))
+    return "\n".join([
+        "Next, try:",
+        f"  {prog} api --store {store}    # the search page on http://127.0.0.1:8000/ (text, image drop, filters)",
+        f"  {prog} search --store {store} --text 'ankle boot' --k 10    # by the catalogue's titles",
+        f"  {prog} search --store {store} --text shoes --where \"category = 'sneaker'\"    # filtered",
+        f"  {prog} search --store {store} --item-id {item} --alias captions --alias serving --fuse rrf    "
+        "# more like this item, by its title and its picture",
+        f"  {prog} migrate start --store {store} --to raw-pixels    # a migration window beside serving; then "
+        "migrate status, promote or rollback",
+    ])

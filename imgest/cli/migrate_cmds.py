@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from imgest.cli import _fail, _user_errors, app
+from imgest.cli import _check_model, _fail, _user_errors, app
 from imgest.cli.options import config_command
 from imgest.config import MigrateConfig
 
@@ -21,6 +21,8 @@ def _migrate(config: MigrateConfig, as_json: bool = False) -> None:
         from imgest.storage import open_location
 
         open_location(config.store, must_exist=True, what="store")
+        if config.action == "start":
+            _check_model(config.to, config.store)
         if config.action == "status":  # read-only: no Prefect run needed
             from imgest.tasks.migration.window import window_status
 

@@ -92,8 +92,29 @@ def recorded(name: object, store, where: str) -> str:
             return name
         if not _listed(target):
             raise EncoderError(f"{where}: {name[:200]!r} names a local folder outside the model folders the operator "
-                               f"listed in {MODEL_DIRS_ENV} ({os.pathsep.join(model_dirs()) or 'none'}): refused")
+                               f"listed in {MODEL_DIRS_ENV} ({os.pathsep.join(model_dirs()) or 'none'}): refused; "
+                               f"to use it, list its folder: {MODEL_DIRS_ENV}={_parent(target)}")
     return name
+
+
+def _parent(target: str) -> str:
+    return os.path.dirname(os.path.realpath(target).rstrip("/")) or "/"
+
+
+def refuse_unrecordable(spec: EncoderSpec, store) -> None:
+    """Before a run writes `spec` into `store`: the readers after it (build-index, the nightly, search, the
+    migration window) take the model's name back from the store's records through `recorded`, so a name they
+    would refuse is refused now, in one line, before anything is listed or encoded, instead of after hours of
+    encoding. A head's base is read back the same way."""
+    for part, where in ((spec, store), (spec.base, None)):
+        if part is None:
+            continue
+        try:
+            recorded(part.name, where, "model")
+        except EncoderError as exc:
+            raise EncoderError(f"model {part.name[:200]!r} cannot be used with store {store.url}: runs after this "
+                               f"one read its name back from the store and would refuse it "
+                               f"({str(exc).removeprefix('model: ')})") from exc
 
 
 def resolve_recorded(name: object, store, where: str) -> EncoderSpec:
@@ -153,4 +174,4 @@ def _compiled(plain: Encoder, spec: EncoderSpec, device: str, runtime: str, prec
 
 
 __all__ = ["DEFAULT_MODEL", "Encoder", "EncoderError", "EncoderSpec", "REGISTRY", "device_key", "load", "parity",
-           "recorded", "resolve", "resolve_device", "resolve_recorded", "runtimes"]
+           "recorded", "refuse_unrecordable", "resolve", "resolve_device", "resolve_recorded", "runtimes"]

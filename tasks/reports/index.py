@@ -33,7 +33,9 @@ def render_card(card: dict) -> str:
         lines += [f"| {p['param']} | {p['k_factor']} | {p['recall']} | {p['ms_per_query']} |" for p in rec["sweep"]]
         return "\n".join(lines) + "\n"
     lines += ["", f"| {card['search']['param'] or 'exact'} | recall@{rec['k']} | ms/query |", "|---:|---:|---:|"]
-    lines += [f"| {p['param']} | {p['recall']} | {p['ms_per_query']} |" for p in rec["sweep"]]
+    # a Flat index has no search parameter: its one row is the exact search itself
+    lines += [f"| {'exact' if p['param'] is None else p['param']} | {p['recall']} | {p['ms_per_query']} |"
+              for p in rec["sweep"]]
     return "\n".join(lines) + "\n"
 
 

@@ -63,6 +63,26 @@ def fusion(aliases: Sequence[str], fuse: str | None, rrf_k: int = RRF_K) -> Rout
     return Route(names, rrf_combine(rrf_k), {"fuse": "rrf", "rrf_k": rrf_k, "aliases": list(names)})
 
 
+CAPTIONS = "captions"  # the alias of a store's caption retriever (docs/catalogue-text.md)
+
+
+def text_to_captions(route: Route, queries: Sequence[Query],
+                     modalities_of: Callable[[str], tuple[str, ...] | None]) -> Route:
+    """Text queries asked of one alias whose model has no text tower go to the store's caption retriever when
+    it has one (the `captions` alias on a text model), and the answer's `how` says so; otherwise the route is
+    as it was (and the image-only model refuses the text, naming why). `modalities_of(alias)`: the modalities
+    of the model an alias serves, None where the store has no such alias."""
+    if route.combine is not None or len(route.aliases) != 1 or not queries or \
+            any(q.text is None for q in queries):
+        return route
+    asked = route.aliases[0]
+    served = modalities_of(asked) if asked != CAPTIONS else None
+    if served is None or "text" in served or "text" not in (modalities_of(CAPTIONS) or ()):
+        return route
+    return Route((CAPTIONS,), None, {"route": CAPTIONS, "aliases": [CAPTIONS], "asked": asked,
+                                     "from": f"{asked} has no text tower: the caption retriever answers"})
+
+
 def read_route(url: str) -> dict:
     """A routing table written by `imgest eval --compare ... --out DIR` (routing.json), size-limited and checked
     field by field (routing.read_routing)."""

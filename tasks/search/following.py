@@ -21,7 +21,7 @@ from imgest.redact import one_line
 from imgest.storage import open_location
 from imgest.tasks.evaluate.fusion import RRF_K
 from imgest.tasks.migration.aliases import read_alias
-from imgest.tasks.search.combined import answer, choose, fusion
+from imgest.tasks.search.combined import answer, choose, fusion, text_to_captions
 from imgest.tasks.search.query import Hit, Query, Searcher, SearchError
 
 
@@ -149,7 +149,7 @@ class FollowingSearcher:
             route = choose(self.route, query_class)
             names, combine, how = list(route.aliases), route.combine, route.how
         else:
-            route = fusion(names or [self.aliases[0]], fuse, rrf_k)
+            route = text_to_captions(fusion(names or [self.aliases[0]], fuse, rrf_k), queries, self._modalities)
             names, combine, how = list(route.aliases), route.combine, route.how
         taken = {name: self._take(name) for name in names}  # one read each: the request keeps these versions
         hits = answer([(name, served.searcher) for name, served in taken.items()], queries, k, combine, where,
@@ -177,6 +177,10 @@ class FollowingSearcher:
     def columns(self) -> list[dict]:
         """The metadata columns a request can filter or group by."""
         return self._take(None).searcher.metadata_columns()
+
+    def _modalities(self, alias: str) -> tuple[str, ...] | None:
+        served = self._served.get(alias) if alias in self.aliases else None
+        return tuple(served.searcher.spec.modalities) if served is not None else None
 
     def _take(self, alias: str | None) -> _Served:
         name = alias or self.aliases[0]

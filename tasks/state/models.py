@@ -14,22 +14,27 @@ class ModelNotFoundError(LookupError):
 
 def find_model(store: Location, model: str) -> dict:
     """Match a model by slug, model id or name (``efficientnet-lite0``), among those in the store."""
-    models = list_models(store)
+    left_out: dict[str, str] = {}
+    models = list_models(store, left_out)
     exact = [m for m in models if model in (m["slug"], m["model_id"])]
     by_name = [m for m in models if m["name"] == model]
     found = exact or by_name
     if len(found) == 1:
         return found[0]
     have = ", ".join(f"{m['name']} ({m['slug']})" for m in models) or "none"
+    if not found and model in left_out:  # the reason it was left out is the error, not a warning above it
+        raise ModelNotFoundError(f"store {store.url}: model {model!r} is there but cannot be used: {left_out[model]}")
     if not found:
-        raise ModelNotFoundError(f"store {store.url} has no model {model!r}; models in the store: {have}")
+        others = "".join(f"; left out: {slug} ({why})" for slug, why in left_out.items())
+        raise ModelNotFoundError(f"store {store.url} has no model {model!r}; models in the store: {have}{others}")
     raise ModelNotFoundError(f"model {model!r} is ambiguous in {store.url} (weights changed between runs); "
                              f"name one by its slug: {have}")
 
 
-def list_models(store: Location) -> list[dict]:
+def list_models(store: Location, left_out: dict[str, str] | None = None) -> list[dict]:
     """The models of the store whose model.json is well-formed: its slug the folder's, its name one this
-    installation has (`encoders.recorded`). Any other is left out with a warning: never a URL to open."""
+    installation has (`encoders.recorded`). Any other is left out with a warning (and its reason in
+    `left_out`, by slug, when given): never a URL to open."""
     models = []
     for name in store.list_names("state"):
         if name.startswith("model="):
@@ -39,6 +44,8 @@ def list_models(store: Location) -> list[dict]:
                     models.append(checked_model(store, key, name.removeprefix("model=")))
                 except (RecordError, encoders.EncoderError) as exc:
                     logging.getLogger("imgest").warning("model %s left out: %s", key, exc)
+                    if left_out is not None:
+                        left_out[name.removeprefix("model=")] = str(exc)
     return models
 
 
