@@ -211,7 +211,7 @@ def test_head_weights_are_checked_against_their_hash_at_resolve_and_at_load(labe
         encoders.resolve(f"head:{folder}")
 
 
-def test_derived_shards_equal_base_then_head_on_the_same_images(labelled, tmp_path):
+def test_derived_shards_equal_base_then_head_on_the_same_images(labelled, tmp_path, monkeypatch):
     from imgest.flows.ingest import ingest
     from imgest.storage import Location
     from imgest.tasks.state.export import export_live
@@ -221,6 +221,7 @@ def test_derived_shards_equal_base_then_head_on_the_same_images(labelled, tmp_pa
     derived = ingest(IngestConfig(catalogue=str(cat), store=str(labelled / "store"), model=head, batch_size="8",
                                   shard_size=10))
     assert derived["derived"] == derived["encoded"] == 36 and derived["batch_size_source"].startswith("every item")
+    monkeypatch.setenv("IMGEST_MODEL_DIRS", str(labelled / "store" / "heads"))  # a head trained in another store
     decoded = ingest(IngestConfig(catalogue=str(cat), store=str(tmp_path / "fresh"), model=head, batch_size="8",
                                   shard_size=10, precision="fp32"))  # fp32: auto may pass a head in bf16
     assert decoded["derived"] == 0 and decoded["encoded"] == 36, "no base embeddings there: base then head"
@@ -271,7 +272,7 @@ def test_head_goes_through_the_migration_window(labelled):
     assert Location(store).exists(f"state/model={base_slug}/model.json")
 
 
-def test_nightly_on_a_head_keeps_its_base_current_and_decodes_new_images_once(labelled, tmp_path):
+def test_nightly_on_a_head_keeps_its_base_current_and_decodes_new_images_once(labelled, tmp_path, monkeypatch):
     import shutil
 
     from imgest.flows.nightly import nightly
@@ -280,7 +281,8 @@ def test_nightly_on_a_head_keeps_its_base_current_and_decodes_new_images_once(la
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     shutil.copytree(labelled / "catalogue", cat)  # copy2: same mtimes, so the 36 images are unchanged
     shutil.copytree(labelled / "store", store)
-    head = _train(labelled)["head"]
+    head = _train(labelled)["head"]  # trained in the original store: listed, as an operator lists it
+    monkeypatch.setenv("IMGEST_MODEL_DIRS", str(labelled / "store" / "heads"))
     write_files(str(cat), {f"new/{n}.png": png_bytes(gradient(40 + n, (48, 48))) for n in range(4)})
 
     run = nightly(NightlyConfig(catalogue=str(cat), store=str(store), model=head, batch_size="8", shard_size=10))
