@@ -260,6 +260,55 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
         assert payload["model_id"].startswith(f"route {route} ") and len(payload["results"][0]["hits"]) == 4
 
 
+class _Retriever:
+    """A searcher's reading and ranking, without an index: `ranking` is what it finds for any query it reads."""
+
+    def __init__(self, name, modalities, ranking):
+        from types import SimpleNamespace
+
+        self.spec, self.ranking, self.asked = SimpleNamespace(name=name, modalities=modalities), ranking, []
+
+    def modality(self, query):
+        from imgest.tasks.search.query import Searcher
+
+        return Searcher.modality(self, query)
+
+    def search(self, queries, k, where=None, group_by=None, per_group=1):
+        from imgest.tasks.search.query import Hit
+
+        self.asked.append([q.query_id for q in queries])
+        return [[Hit(r, item, f"file:///{item}", 1.0 / r) for r, item in enumerate(self.ranking[:k], 1)]
+                for _ in queries]
+
+
+def test_text_to_an_image_only_alias_goes_to_captions_and_fusion_lets_each_read_what_it_can():
+    from imgest.tasks.search.combined import fuse, fusion, rrf_combine, text_to_captions
+    from imgest.tasks.search.query import Query, SearchError
+
+    captions = _Retriever("minilm-l6", ("text",), ["boot/1", "boot/2"])
+    lite0 = _Retriever("efficientnet-lite0", ("image",), ["boot/2", "bag/1"])
+    served = {"serving": ("image",), "captions": ("text",)}
+    text, photo = Query("t", text="ankle boot"), Query("p", image="boot.jpg")
+    routed = text_to_captions(fusion(["serving"], None), [text], served.get)
+    assert routed.aliases == ("captions",) and routed.how["asked"] == "serving"
+    assert "no text tower" in routed.how["from"]
+    assert text_to_captions(fusion(["serving"], None), [photo], served.get).aliases == ("serving",)
+    assert text_to_captions(fusion(["serving"], None), [text], {"serving": ("image",)}.get).aliases == \
+        ("serving",), "no caption retriever: the image model's refusal stands"
+    assert text_to_captions(fusion(["serving"], None), [text], {**served, "serving": ("image", "text")}.get) \
+        .aliases == ("serving",), "a model with a text tower answers text itself"
+
+    # fused: the text query is read by captions alone, the photo by the image model alone, both in one call
+    named = [("captions", captions), ("serving", lite0)]
+    answered = fuse(named, [text, photo], 2, rrf_combine())
+    assert [h.item_id for h in answered[0]] == ["boot/1", "boot/2"]
+    assert all(h.found_by == [("captions", h.rank)] for h in answered[0])
+    assert [h.item_id for h in answered[1]] == ["boot/2", "bag/1"]
+    assert captions.asked == [["t"]] and lite0.asked == [["p"]]
+    with pytest.raises(SearchError, match="no text tower"):
+        fuse([("serving", lite0)], [text], 2, rrf_combine())
+
+
 def test_a_query_with_a_photo_and_words_goes_to_each_retriever_as_it_reads():
     from types import SimpleNamespace
 

@@ -8,8 +8,6 @@ import subprocess
 import sys
 import zipfile
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -58,18 +56,6 @@ def test_installed_package_loads_every_deployment_entrypoint(installed_imgest, t
     result = _run(installed_imgest["python"], code, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["nightly", "reencode", "migrate", "eval", "train-head"]
-
-
-@pytest.mark.slow
-def test_demo_runs_from_the_installed_package(installed_imgest, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PREFECT_API_URL")}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    result = subprocess.run([installed_imgest["imgest"], "demo", "--workdir", "demo", "--per-class", "3"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "index `model=efficientnet-lite0-" in result.stdout.replace("## Index ", "index ")
-    assert "photos/chelsea.jpg" in result.stdout.split("imgest search", 1)[1]  # the query finds itself
-    assert (tmp_path / "demo" / "store" / "aliases" / "serving.json").exists()
 
 
 def test_the_checkout_is_not_what_the_installed_package_runs(installed_imgest, tmp_path):

@@ -25,9 +25,22 @@ def rrf_combine(rrf_k: int = RRF_K) -> Combine:
 def fuse(named: Named, queries: list[Query], k: int, combine: Combine, where: str | None = None,
          group_by: str | None = None, per_group: int = 1) -> list[list[Hit]]:
     """Search each alias deep enough, combine each query's lists into one ranking, group it if asked. Each hit
-    says which aliases found it, at which rank (`found_by`); with RRF its score is the RRF score."""
+    says which aliases found it, at which rank (`found_by`); with RRF its score is the RRF score. An alias
+    whose model cannot read a query (a text query to an image-only model) sits that query out, so captions
+    and images fuse in one request; a query that no alias can read is refused with the first one's reason."""
     depth = max(k, 100) * (4 * per_group if group_by else 1)
-    per_alias = [searcher.search(queries, depth, where) for _, searcher in named]
+    per_alias = []
+    readable = [[_reads(searcher, q) for q in queries] for _, searcher in named]
+    for q, query in enumerate(queries):
+        if not any(can[q] for can in readable):
+            named[0][1].modality(query)  # raises: why the first alias cannot read it
+    for (_, searcher), can in zip(named, readable):
+        rows = [q for q, ok in enumerate(can) if ok]
+        found = searcher.search([queries[q] for q in rows], depth, where) if rows else []
+        results: list[list[Hit]] = [[] for _ in queries]
+        for q, hits in zip(rows, found):
+            results[q] = hits
+        per_alias.append(results)
     uris = {h.item_id: h.uri for results in per_alias for hits in results for h in hits}
     group_of = named[0][1].groups(group_by) if group_by else None
     fused = []
@@ -39,6 +52,14 @@ def fuse(named: Named, queries: list[Query], k: int, combine: Combine, where: st
                 for rank, (item, score) in enumerate(combine(lists), 1)]
         fused.append(grouped(hits, group_of, k, per_group)[0] if group_of is not None else hits[:k])
     return fused
+
+
+def _reads(searcher: Searcher, query: Query) -> bool:
+    try:
+        searcher.modality(query)
+    except SearchError:
+        return False
+    return True
 
 
 @dataclass
