@@ -9,6 +9,7 @@ from imgest.config import TrainHeadConfig
 from imgest.flow_params import configured_flow
 from imgest.names import parse_augmentations
 from imgest.storage import open_location
+from imgest.storage.probe import check_writable
 from imgest.tasks.heads.evaluate import query_scorer
 from imgest.tasks.heads.files import augment_task, heldout_set, labelled_set, save_head, train_task
 from imgest.tasks.reports.heads import render_head
@@ -27,6 +28,7 @@ def train_head_flow(config: TrainHeadConfig) -> dict:
     # without labels, held-out items are unseen instances: the split is by label (each item its own)
     training = config.training if config.labels else config.training.model_copy(update={"split": "labels"})
     store_loc = open_location(config.store, must_exist=True, what="store")
+    check_writable(store_loc, "heads")  # the head is written after training: a read-only store is refused first
     base = find_model(store_loc, config.base_model)
     training.out_dim(int(base["dim"]))  # a residual head of another dimension: refused before any work
     live = load_live_vectors(store_loc, base["slug"], int(base["dim"]))

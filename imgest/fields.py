@@ -11,7 +11,6 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo
 
-from imgest.credentials import check_no_credentials
 from imgest.names import (
     ALIAS_NAME,
     DTYPES,
@@ -24,6 +23,7 @@ from imgest.names import (
     parse_memory,
 )
 from imgest.storage import StorageError
+from imgest.storage.credentials import check_no_credentials
 
 
 class Cli:

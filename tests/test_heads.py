@@ -177,6 +177,18 @@ def _train(root, **kw):
     return train_head_flow(TrainHeadConfig.model_validate(gather_flat(TrainHeadConfig, args)[0]["config"]))
 
 
+def test_a_store_that_takes_no_writes_is_refused_before_training(labelled, tmp_path):
+    import shutil
+
+    from imgest.storage import StorageError
+
+    store = tmp_path / "store"
+    shutil.copytree(labelled / "store", store, ignore=shutil.ignore_patterns("heads"))
+    (store / "heads").write_text("a file where the heads folder goes")  # as root, a file stops writes as chmod can't
+    with pytest.raises(StorageError, match="does not take writes under heads/"):
+        _train(labelled, store=str(store))
+
+
 def test_head_model_id_follows_the_weights(labelled):
     from imgest import encoders
 

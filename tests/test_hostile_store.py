@@ -290,7 +290,7 @@ def test_forged_index_header_is_refused_before_faiss_allocates(store):
 def test_cache_names_are_hashed_never_a_records_text(tmp_path, checksum):
     """An object store's index is downloaded into the local cache under a name hashed from the location, the
     key and the checksum: a card's checksum of `../..` or an absolute path cannot place a file elsewhere."""
-    from imgest.cache import local_copy
+    from imgest.storage.cache import local_copy
 
     remote = Location(f"memory://hostile-{tmp_path.name}")
     remote.write_bytes("indexes/model=m-1a2b3c4d/v0001/index.faiss", b"faiss bytes")

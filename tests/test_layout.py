@@ -66,8 +66,8 @@ def _layer(module: str) -> str:
         return "names"
     if len(parts) > 1 and parts[1] in ("tasks", "flows", "cli"):
         return parts[1]
-    if module in ("imgest", "imgest.prefect_stack"):
-        return "cli"  # the package's API facade (imports lazily) and what `imgest serve` starts
+    if module == "imgest":
+        return "cli"  # the package's API facade (imports lazily)
     return "core"  # storage, lock, config, records, encoders, ...
 
 

@@ -50,7 +50,7 @@ def test_installed_outside_the_checkout_has_no_top_level_flows_or_tasks(installe
 
 def test_installed_package_loads_every_deployment_entrypoint(installed_imgest, tmp_path):
     """What a worker does with prefect.yaml: each module-path entrypoint loads from the installed package."""
-    code = ("import yaml, imgest.prefect_stack as s; from prefect.flows import load_flow_from_entrypoint as load; "
+    code = ("import yaml, imgest.cli.prefect_stack as s; from prefect.flows import load_flow_from_entrypoint as load; "
             "spec = yaml.safe_load(open(s.deployments_file())); "
             "print(' '.join(load(d['entrypoint']).name for d in spec['deployments']))")
     result = _run(installed_imgest["python"], code, tmp_path)

@@ -357,8 +357,7 @@ def test_credentials_from_a_named_aws_credentials_block(s3_endpoint, monkeypatch
     from prefect_aws import AwsCredentials
     from prefect_aws.client_parameters import AwsClientParameters
 
-    from imgest import credentials
-    from imgest.storage import Location
+    from imgest.storage import Location, credentials
 
     block_secret = "bl0ck/Key+" + os.urandom(8).hex()
     name = f"imgest-test-{os.urandom(3).hex()}"

@@ -19,8 +19,8 @@ def serve(
                                                                               "within this many hours"),
 ) -> None:
     """Start a Prefect server, the process pool, the package's deployments and a worker; Ctrl-C stops them."""
-    from imgest.prefect_stack import ServeError
-    from imgest.prefect_stack import serve as serve_all
+    from imgest.cli.prefect_stack import ServeError
+    from imgest.cli.prefect_stack import serve as serve_all
     from imgest.tasks.watch.alerts import AlertError
 
     try:

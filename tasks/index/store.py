@@ -19,9 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from imgest import records
-from imgest.cache import local_copy
 from imgest.lock import Fence
 from imgest.storage import Location
+from imgest.storage.cache import local_copy
 from imgest.tasks.migration.aliases import list_aliases, read_alias
 from imgest.tasks.state.committed import now_iso
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
-import time
 from importlib import resources
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -41,6 +40,7 @@ from imgest.tasks.search.items import MAX_ITEM_ID_CHARS
 from imgest.tasks.search.query import Query, SearchError, UnknownItem
 from imgest.tasks.search.shadow import ShadowTraffic
 from imgest.tasks.search.thumbnails import Thumbnails
+from imgest.timing import Stopwatch
 
 MAX_IMAGE_BYTES = 20 << 20  # an upload larger than this is refused before it is decoded (413)
 MAX_BODY_BYTES = (MAX_IMAGE_BYTES * 4) // 3 + (64 << 10)  # a base64 image plus the other fields
@@ -198,7 +198,7 @@ def create_app(follower: FollowingSearcher, token: str | None = None, shadow: Sh
         async def measure(scope, receive, send):
             if scope["type"] != "http":
                 return await route_app(scope, receive, send)
-            started, status = time.perf_counter(), 500
+            took, status = Stopwatch(), 500
 
             async def tracked(message):
                 nonlocal status
@@ -212,7 +212,7 @@ def create_app(follower: FollowingSearcher, token: str | None = None, shadow: Sh
                 route = scope["path"] if scope["path"] in routes else "other"
                 alias = scope.get("state", {}).get("alias", "")  # request.state, set by /search
                 requests.labels(route, alias, str(status)).inc()
-                latency.labels(route, alias).observe(time.perf_counter() - started)
+                latency.labels(route, alias).observe(took.elapsed)
         return measure
 
     app.add_middleware(measured)
@@ -227,12 +227,12 @@ def create_app(follower: FollowingSearcher, token: str | None = None, shadow: Sh
 
     @app.post("/search", dependencies=[Depends(authorised)])
     async def search(request: Request) -> JSONResponse:
-        started = time.perf_counter()
+        took = Stopwatch()
         body, image = await _read_request(request)
         request.state.alias = _alias_label(body, follower.aliases)
         query = Query("request", text=body.text, image_bytes=image, item_id=body.item_id)
         options = {"where": body.where, "group_by": body.group_by, "per_group": body.per_group}
-        searched = time.perf_counter()
+        searching = Stopwatch()
         try:
             answer = await run_in_threadpool(follower.search, [query], body.k, body.alias, fuse=body.fuse,
                                              query_class=body.query_class, rrf_k=body.rrf_k, with_metadata=True,
@@ -240,8 +240,8 @@ def create_app(follower: FollowingSearcher, token: str | None = None, shadow: Sh
         except (DecodeError, FilterError) as exc:  # an image that does not decode, a bad predicate: the request's
             raise HTTPException(400, redact(str(exc))) from None
         if shadow is not None:  # queued for the candidate, never waited for
-            shadow.offer([query], body.k, options, answer, 1000 * (time.perf_counter() - searched))
-        return JSONResponse({"hits": _hits(answer), "took_ms": round(1000 * (time.perf_counter() - started), 3),
+            shadow.offer([query], body.k, options, answer, 1000 * searching.elapsed)
+        return JSONResponse({"hits": _hits(answer), "took_ms": round(1000 * took.elapsed, 3),
                              "how": answer.how})
 
     @app.get("/aliases", dependencies=[Depends(authorised)])

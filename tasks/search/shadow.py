@@ -27,6 +27,7 @@ from imgest.tasks.migration.shadow import overlap, write_part
 from imgest.tasks.migration.window import read_window
 from imgest.tasks.search.following import Answer, FollowingSearcher
 from imgest.tasks.search.query import Query
+from imgest.timing import Stopwatch
 
 
 @dataclass
@@ -101,13 +102,13 @@ class ShadowTraffic:
         row = {"at": served.at, "kind": _kind(served.queries[0]), "k": served.k, "serving": served.serving,
                "served_ms": round(served.served_ms, 3), "overlap": None, "shadow_ms": None, "shadow": None,
                "error": None}
-        started = time.perf_counter()
+        took = Stopwatch()
         try:
             answer = self.candidate.search(served.queries, served.k, **served.options)
         except Exception as exc:  # noqa: BLE001 - the candidate's failure is what shadow traffic is for: recorded
             row["error"], self.failed = one_line(exc)[:500], self.failed + 1
             return row
-        row.update(shadow_ms=round(1000 * (time.perf_counter() - started), 3),
+        row.update(shadow_ms=round(1000 * took.elapsed, 3),
                    shadow=f"model={answer.model} v{answer.version}",
                    overlap=overlap(served.items, [h.item_id for h in answer.hits[0]]))
         return row

@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from imgest import records
-from imgest.cache import local_copy
 from imgest.storage import TEMP_PREFIX, Location, StorageError
+from imgest.storage.cache import local_copy
 from imgest.tasks.state.rows import STATE_SCHEMA, StateBase, write_rows
 
 # live: a current embedding; rejected: this content cannot be used (retried when the object changes);

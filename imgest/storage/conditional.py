@@ -44,7 +44,7 @@ def _io(verb: str) -> Callable:
 
 
 class ConditionalWrites:
-    """The compare-and-swap half of `imgest.storage.Location` (it provides path, fs, is_local, url, failure)."""
+    """The compare-and-swap half of a storage `Location` (it provides path, fs, is_local, url, failure)."""
 
     def read_versioned(self, key: str, limit: int = MAX_RECORD_BYTES) -> tuple[bytes | None, str | None]:
         """``key``'s bytes and their version token for `write_if` / `delete_if`; (None, None) when it does not

@@ -46,7 +46,7 @@ def storage_options(url: str, *, clock: Callable[[], float] = time.monotonic) ->
 
 
 def _fail(message: str) -> Exception:
-    from imgest.storage import StorageError  # imgest.storage asks this module for options: imported on use
+    from imgest.storage.location import StorageError  # the location asks this module for options: on use
 
     return StorageError(f"{BLOCK_VARIABLE}: {message}")
 
@@ -104,7 +104,7 @@ def check_no_credentials(url: str, what: str = "URL", *, signed_ok: bool = False
     its user part, whatever the secret holds (``s3://KEY:ab/c+d@bucket``), nor as a presigned or SAS query
     (``signed_ok``: accepted where the URL is read and never stored, e.g. a query image of a query set)."""
     from imgest.redact import redact_url, url_secrets
-    from imgest.storage import StorageError
+    from imgest.storage.location import StorageError
 
     found = url_secrets(url, query=not signed_ok)
     if found:

@@ -7,7 +7,7 @@ import os
 import re
 import uuid
 
-from imgest.storage import Location
+from imgest.storage.location import Location
 
 
 def local_copy(loc: Location, key: str, cache_dir: str, checksum: str, suffix: str = "") -> str:

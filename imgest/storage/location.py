@@ -1,4 +1,5 @@
-"""Object storage: the one module that talks to fsspec; everything else passes URLs and keys."""
+"""A location in object storage (a folder, file://, s3://...): keys made paths inside its root, reads, atomic
+writes, exclusive create, listing; the one place that calls fsspec."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from imgest.conditional import TEMP_PREFIX, ConditionalWrites  # noqa: F401  (callers import TEMP_PREFIX here)
-from imgest.credentials import check_no_credentials  # noqa: F401  (callers import it from here)
-from imgest.credentials import storage_options as credential_options
-from imgest.faults import is_transient  # noqa: F401  (callers import it from here)
 from imgest.records import MAX_RECORD_BYTES, RecordError, parse_record  # noqa: F401  (callers import them here)
 from imgest.redact import USERINFO, one_line, redact  # noqa: F401  (callers import them from here)
+from imgest.storage.conditional import TEMP_PREFIX, ConditionalWrites
+from imgest.storage.credentials import check_no_credentials  # noqa: F401  (callers import it from here)
+from imgest.storage.credentials import storage_options as credential_options
+from imgest.storage.faults import is_transient  # noqa: F401  (callers import it from here)
 
 
 class StorageError(RuntimeError):
