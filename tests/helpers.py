@@ -336,3 +336,11 @@ def served_app(app) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def commit_markers(root, pattern: str) -> list:
+    """The commit markers under `root` matching `pattern`, renamed into place: pathlib's glob also matches a
+    local atomic write's hidden temp file (`.tmp-...json`), which is not a commit until its rename."""
+    from imgest.storage import TEMP_PREFIX
+
+    return [p for p in root.glob(pattern) if not p.name.startswith(TEMP_PREFIX)]

@@ -59,6 +59,18 @@ def test_the_demo_finds_things_as_printed_and_on_its_page(installed_imgest, tmp_
     assert _hits(filtered) and all(item.startswith("fashion/sneaker/") for item in _hits(filtered)), filtered
     assert "reciprocal rank fusion" in fused and len(_hits(fused)) == 10
     assert (store / "aliases" / "shadow.json").exists(), migrated  # the window is open beside serving
+    # the window says how to get the evaluation promote needs, as commands that run as printed
+    imgest = shlex.quote(installed_imgest["imgest"])
+    status = subprocess.run(f"{imgest} migrate status --store demo/store", shell=True, cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    hint = status.stdout.split("- evaluation: none recorded yet", 1)[1].splitlines()[0]
+    for command in re.findall(r"`(imgest [^`]+)`", hint):
+        done = subprocess.run(f"{imgest} {command.removeprefix('imgest ')}", shell=True, cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (command, done.stderr[-2000:])
+    status = subprocess.run(f"{imgest} migrate status --store demo/store --json", shell=True, cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert '"metric": "recall@10"' in status.stdout, status.stdout[-2000:]
 
     _page(installed_imgest["imgest"], env, tmp_path)
 
@@ -91,6 +103,8 @@ def _page(imgest: str, env: dict, cwd: pathlib.Path) -> None:
                 page.wait_for_function("() => document.querySelector('#status').textContent === 'ready'")
                 options = page.locator("#alias option").all_inner_texts()
                 assert [o.split(" ")[0] for o in options] == ["serving", "captions", "all,"], options
+                filters = page.locator("[data-column]").evaluate_all("fs => fs.map(f => f.dataset.column)")
+                assert filters == ["title", "category"], "only the columns the catalogue fills are offered"
 
                 def shown() -> list[str]:
                     return page.locator(cards).evaluate_all("cs => cs.map(c => c.dataset.item)")

@@ -21,6 +21,7 @@ from imgest.tasks.state.export import export_live
 from imgest.tasks.state.status import store_status
 from tests.helpers import (
     HANG_AFTER_FIRST_SHARD,
+    commit_markers,
     gradient,
     hostile_files,
     jpeg_bytes,
@@ -178,7 +179,7 @@ def test_kill_mid_run_then_rerun_is_exactly_once_and_second_writer_refused(tmp_p
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     commits = store / "state"
     deadline = time.time() + 120
-    while time.time() < deadline and not list(commits.glob("model=*/commits/*.json")):
+    while time.time() < deadline and not commit_markers(commits, "model=*/commits/*.json"):
         assert proc.poll() is None, "ingest ended before committing a shard"
         time.sleep(0.02)
 
@@ -189,7 +190,7 @@ def test_kill_mid_run_then_rerun_is_exactly_once_and_second_writer_refused(tmp_p
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not list(commits.glob("model=*/snapshots/*.parquet")), "killed before its snapshot"
-    committed = sum(json.loads(p.read_text())["rows"] for p in commits.glob("model=*/commits/*.json"))
+    committed = sum(json.loads(p.read_text())["rows"] for p in commit_markers(commits, "model=*/commits/*.json"))
     assert 0 < committed < n
 
     rerun = _run(cat, store, batch_size="4", shard_size=10)

@@ -23,7 +23,7 @@ from imgest.tasks.migration.aliases import read_alias
 from imgest.tasks.migration.window import MigrationError, read_window, window_status
 from imgest.tasks.search.combined import fused_search
 from imgest.tasks.search.query import Query, Searcher
-from tests.helpers import HANG_AFTER_FIRST_SHARD, events_seen, gradient, jpeg_bytes, write_files
+from tests.helpers import HANG_AFTER_FIRST_SHARD, commit_markers, events_seen, gradient, jpeg_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -99,13 +99,13 @@ def test_promote_then_finish_with_kill_changes_and_searcher(tmp_path, tiny_model
         proc = subprocess.Popen([sys.executable, "-c", KILL_START, str(store), "efficientnet-lite0"], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 180
-        while time.time() < deadline and not [p for p in store.glob("state/model=efficientnet*/commits/*.json")]:
+        while time.time() < deadline and not commit_markers(store, "state/model=efficientnet*/commits/*.json"):
             assert proc.poll() is None, "migrate start ended before the re-encode committed a shard"
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         committed = sum(json.loads(p.read_text())["rows"]
-                        for p in store.glob("state/model=efficientnet*/commits/*.json"))
+                        for p in commit_markers(store, "state/model=efficientnet*/commits/*.json"))
         assert 0 < committed < 45
         window = read_window(Location(str(store)))
         assert window["status"] == "open" and window["events"][-1]["event"] == "reencode-started"

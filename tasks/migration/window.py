@@ -158,6 +158,7 @@ def window_status(store: Location) -> dict:
     aliases = {name: {"slug": a["slug"], "version": a["version"]} for name, a in list_aliases(store).items()}
     return {
         "open": True,
+        "store": store.url,
         "window": {k: v for k, v in window.items() if k != "events"},
         "events": window.get("events", [])[-10:],
         "coverage": coverage(store, window),

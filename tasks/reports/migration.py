@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 
-def _evaluation_line(e: dict | None) -> str:
-    if not e:
-        return "none recorded yet (promote needs one: `imgest eval --alias serving --compare shadow`)"
+def _evaluation_line(e: dict | None, window: dict, store: str | None) -> str:
+    if not e:  # the whole way there, runnable as printed: a query set from the catalogue's folders, then eval
+        return ("none recorded yet; promote needs one, e.g. `imgest queries class --catalogue "
+                f"{window['catalogue']} --out queries.jsonl` (or your own labelled queries), then `imgest eval "
+                f"--store {store or 'STORE'} --queries queries.jsonl --alias serving --compare shadow`")
     interval = e.get("interval", {})
-    span = f", {interval['of']} in [{interval['low']}, {interval['high']}]" if "low" in interval else ""
-    return (f"{e['metric']} shadow {e['shadow']} vs serving {e['serving']}{span} on {e.get('queries')} queries "
-            f"of `{e.get('query_file')}` ({e.get('source', 'imgest eval')}, {e['at']})")
+    span = f", {interval['of']} in [{_num(interval['low'])}, {_num(interval['high'])}]" if "low" in interval else ""
+    return (f"{e['metric']} shadow {_num(e['shadow'])} vs serving {_num(e['serving'])}{span} on {e.get('queries')} "
+            f"queries of `{e.get('query_file')}` ({e.get('source', 'imgest eval')}, {e['at']})")
+
+
+def _num(value) -> str:
+    return f"{value:+.4f}".lstrip("+") if isinstance(value, float) else str(value)
 
 
 def _shadow_line(s: dict | None) -> str:
@@ -33,7 +39,7 @@ def render_window(status: dict) -> str:
         f"- opened by {w['opened_by']} at {w['opened_at']}; catalogue `{w['catalogue']}`",
         f"- coverage: {cov['covered']}/{cov['live']} live items ({cov['share']:.2%})",
         "- aliases: " + ", ".join(f"{n} -> {a['slug']} v{a['version']}" for n, a in sorted(status["aliases"].items())),
-        f"- evaluation: {_evaluation_line(status['evaluation'])}",
+        f"- evaluation: {_evaluation_line(status['evaluation'], w, status.get('store'))}",
         f"- shadow traffic: {_shadow_line(status.get('shadow'))}",
         "",
         "| side | model | index version | current | storage MiB |",

@@ -283,6 +283,8 @@ def describe_columns(table, max_values: int = 50) -> list[dict]:
         if field.name in ("item_id", "row_hash"):
             continue
         column = table.column(field.name)
+        if column.null_count == len(column):  # a standard column this catalogue does not fill: nothing to choose
+            continue
         if pa.types.is_integer(field.type) or pa.types.is_floating(field.type):
             bounds = pc.min_max(column).as_py()
             columns.append({"name": field.name, "type": "number", "min": bounds["min"], "max": bounds["max"]})
