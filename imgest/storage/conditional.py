@@ -9,38 +9,19 @@ and rename: writers on one machine exclude each other; NFS and other network dis
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from imgest.records import MAX_RECORD_BYTES, RecordError
 from imgest.redact import redact
+from imgest.storage.faults import store_io
 
 TEMP_PREFIX = ".tmp-"  # a local atomic write's file before its rename (see Location.write_bytes)
 
 
-def _io(verb: str) -> Callable:
-    """As imgest.storage's: a failure of the store itself is one StorageError line (`Location.failure`)."""
-
-    def wrap(method: Callable) -> Callable:
-        @functools.wraps(method)
-        def call(self, key: str, *args: Any, **kwargs: Any) -> Any:
-            from imgest.storage import StorageError
-
-            try:
-                return method(self, key, *args, **kwargs)
-            except (FileNotFoundError, FileExistsError, StorageError, RecordError):
-                raise
-            except Exception as exc:
-                raise self.failure(verb, key, exc) from exc
-
-        return call
-
-    return wrap
 
 
 class ConditionalWrites:
@@ -56,7 +37,7 @@ class ConditionalWrites:
                               "of a record")
         return data, token
 
-    @_io("reading")
+    @store_io("reading")
     def _read_versioned(self, key: str, limit: int) -> tuple[bytes | None, str | None, int]:
         path = self.path(key)
         if self.is_local:
@@ -86,7 +67,7 @@ class ConditionalWrites:
 
         return sync(self.fs.loop, get)
 
-    @_io("writing")
+    @store_io("writing")
     def write_if(self, key: str, data: bytes, token: str | None) -> str | None:
         """Write ``data`` only if ``key`` is still the version `token` names (None: only if it does not exist);
         S3: `If-Match` / `If-None-Match: *` on the PUT. Returns the new version's token, or None when the record
@@ -98,7 +79,7 @@ class ConditionalWrites:
         response = self._s3_if(path, "put_object", Body=data, **condition)
         return None if response is None else response["ETag"]
 
-    @_io("deleting")
+    @store_io("deleting")
     def delete_if(self, key: str, token: str) -> bool:
         """Delete ``key`` only if it is still the version `token` names; False when it changed or is gone.
         (S3: `If-Match` on the DELETE; an S3-compatible server that ignores it deletes unconditionally.)"""

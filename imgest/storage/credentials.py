@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from imgest.redact import one_line, register_secret
+from imgest.storage.faults import StorageError
 
 BLOCK_VARIABLE = "IMGEST_AWS_CREDENTIALS_BLOCK"
 BLOCK_TYPE = "aws-credentials"  # prefect-aws's AwsCredentials
@@ -46,7 +47,6 @@ def storage_options(url: str, *, clock: Callable[[], float] = time.monotonic) ->
 
 
 def _fail(message: str) -> Exception:
-    from imgest.storage.location import StorageError  # the location asks this module for options: on use
 
     return StorageError(f"{BLOCK_VARIABLE}: {message}")
 
@@ -104,7 +104,6 @@ def check_no_credentials(url: str, what: str = "URL", *, signed_ok: bool = False
     its user part, whatever the secret holds (``s3://KEY:ab/c+d@bucket``), nor as a presigned or SAS query
     (``signed_ok``: accepted where the URL is read and never stored, e.g. a query image of a query set)."""
     from imgest.redact import redact_url, url_secrets
-    from imgest.storage.location import StorageError
 
     found = url_secrets(url, query=not signed_ok)
     if found:

@@ -1,6 +1,41 @@
-"""Faults of the moment: which failures of a store may go away by themselves (and deserve another try)."""
+"""Failures of a store: the one error they become (`StorageError`, naming the location), the wrapper that makes
+them so, and which of them are of the moment (worth another try)."""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from imgest.records import RecordError
+
+
+class StorageError(RuntimeError):
+    """An object store could not be reached or used; the message names the URL (redacted)."""
+
+
+class ContainmentError(StorageError, ValueError):
+    """A key or path (usually read from a store record) that would leave the store: refused, never opened."""
+
+
+def store_io(verb: str) -> Callable:
+    """A location's method whose failure of the store itself (unreachable, denied, full) becomes one
+    StorageError line naming the location, key and cause (`self.failure`); FileNotFoundError, FileExistsError
+    and RecordError stay what they are."""
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def call(self, key: str = "", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, key, *args, **kwargs)
+            except (FileNotFoundError, FileExistsError, StorageError, RecordError):
+                raise
+            except Exception as exc:
+                raise self.failure(verb, key, exc) from exc
+
+        return call
+
+    return wrap
 
 # Faults of the moment, worth another try later: by exception class anywhere in the cause chain (builtins,
 # botocore, aiohttp), or by the throttling and server-error codes S3 answers with.

@@ -4,7 +4,6 @@ writes, exclusive create, listing; the one place that calls fsspec."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import json
 import os
@@ -24,16 +23,7 @@ from imgest.redact import USERINFO, one_line, redact  # noqa: F401  (callers imp
 from imgest.storage.conditional import TEMP_PREFIX, ConditionalWrites
 from imgest.storage.credentials import check_no_credentials  # noqa: F401  (callers import it from here)
 from imgest.storage.credentials import storage_options as credential_options
-from imgest.storage.faults import is_transient  # noqa: F401  (callers import it from here)
-
-
-class StorageError(RuntimeError):
-    """An object store could not be reached or used; the message names the URL (redacted)."""
-
-
-class ContainmentError(StorageError, ValueError):
-    """A key or path (usually read from a store record) that would leave the store: refused, never opened."""
-
+from imgest.storage.faults import ContainmentError, StorageError, is_transient, store_io  # noqa: F401
 
 MAX_KEY_CHARS = 1024
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
@@ -94,23 +84,6 @@ def _url_to_fs(url: str, **storage_options: Any):
         raise StorageError(f"cannot open {redact(url)}: {exc}") from exc
 
 
-def _io(verb: str) -> Callable:
-    """Store failures (unreachable, denied, full) become one StorageError line naming the location, key and
-    cause; FileNotFoundError, FileExistsError and RecordError stay what they are."""
-
-    def wrap(method: Callable) -> Callable:
-        @functools.wraps(method)
-        def call(self: Location, key: str = "", *args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(self, key, *args, **kwargs)
-            except (FileNotFoundError, FileExistsError, StorageError, RecordError):
-                raise
-            except Exception as exc:
-                raise self.failure(verb, key, exc) from exc
-
-        return call
-
-    return wrap
 
 
 class Location(ConditionalWrites):
@@ -176,18 +149,18 @@ class Location(ConditionalWrites):
         return path if self.is_local else self.fs.unstrip_protocol(path)
 
     # -- listing -----------------------------------------------------------------------------
-    @_io("checking")
+    @store_io("checking")
     def exists(self, key: str = "") -> bool:
         return self.fs.exists(self.path(key))
 
-    @_io("checking")
+    @store_io("checking")
     def reachable(self) -> bool:
         """Whether the root answers now, asked over the wire (never from fsspec's listing cache): how a
         store-wide fault is told apart from one object's."""
         self.fs.invalidate_cache(self.root)
         return self.fs.exists(self.root)
 
-    @_io("checking")
+    @store_io("checking")
     def modified(self, key: str) -> float | None:
         """When ``key`` was last written (epoch seconds), or None when it does not exist."""
         try:
@@ -258,7 +231,7 @@ class Location(ConditionalWrites):
         return sorted(n for n in names if temp or not n.startswith(TEMP_PREFIX))
 
     # -- reading -----------------------------------------------------------------------------
-    @_io("reading")
+    @store_io("reading")
     def read_bytes(self, key: str, limit: int | None = None) -> bytes:
         """The object's bytes; with ``limit``, at most that many (the caller refuses a longer object)."""
         path = self.path(key)
@@ -272,7 +245,7 @@ class Location(ConditionalWrites):
         """A JSON record, read at most to its size limit and checked for nesting (RecordError otherwise)."""
         return parse_record(self.read_bytes(key, limit=MAX_RECORD_BYTES + 1), f"{redact(self.url)}: {key}")
 
-    @_io("reading")
+    @store_io("reading")
     def read_table(self, key: str, columns: list[str] | None = None, max_rows: int | None = None) -> pa.Table:
         with self.fs.open(self.path(key), "rb") as fh:  # with max_rows, the footer's count is checked first
             if max_rows is not None and (rows := pq.ParquetFile(fh).metadata.num_rows) > max_rows:
@@ -280,7 +253,7 @@ class Location(ConditionalWrites):
             fh.seek(0)
             return pq.read_table(fh, columns=columns)
 
-    @_io("reading")
+    @store_io("reading")
     def read_parquet_metadata(self, key: str) -> dict[str, str]:
         """The key-value metadata of a Parquet file, from its footer only."""
         with self.fs.open(self.path(key), "rb") as fh:
@@ -299,7 +272,7 @@ class Location(ConditionalWrites):
             os.fsync(fh.fileno())
         os.replace(tmp, path)
 
-    @_io("writing")
+    @store_io("writing")
     def write_bytes(self, key: str, data: bytes) -> None:
         """Make ``key`` appear whole or not at all: a single PUT is atomic on object stores, a local disk gets
         a temp file renamed over the target."""
@@ -308,7 +281,7 @@ class Location(ConditionalWrites):
         else:
             self.fs.pipe_file(self.path(key), data)
 
-    @_io("writing")
+    @store_io("writing")
     def put_file(self, key: str, local_path: str) -> None:
         """Upload a local file too large to hold, whole or not at all (an object store's multipart upload is
         visible only once completed)."""
@@ -333,7 +306,7 @@ class Location(ConditionalWrites):
         self.write_bytes(key, data)
         return data
 
-    @_io("creating")
+    @store_io("creating")
     def create_exclusive(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if it does not exist (O_EXCL locally, If-None-Match on S3)."""
         path = self.path(key)
@@ -346,17 +319,17 @@ class Location(ConditionalWrites):
             return False
         return True
 
-    @_io("deleting")
+    @store_io("deleting")
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(key))
 
-    @_io("deleting")
+    @store_io("deleting")
     def delete_tree(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(key), recursive=True)
 
-    @_io("opening")
+    @store_io("opening")
     def open_output(self, key: str):
         path = self.path(key)
         if self.is_local:
