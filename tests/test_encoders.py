@@ -14,7 +14,8 @@ from imgest.tasks.ingest.decode import to_rgb
 
 
 def test_unknown_model_lists_the_registry():
-    with pytest.raises(EncoderError, match=r"unknown model 'clip-big'; known: efficientnet-lite0, minilm-l6, hf:"):
+    with pytest.raises(EncoderError, match=r"unknown model 'clip-big'; known: efficientnet-lite0, "
+                                           r"efficientnet-lite0-gem, minilm-l6, hf:"):
         encoders.resolve("clip-big")
 
 
@@ -48,6 +49,37 @@ def test_lite0_real_photo_and_its_crop_are_nearest(lite0):
     sims = vectors @ vectors.T
     assert sims[0, 1] > sims[0, 2] and sims[0, 1] > sims[0, 3]
     assert sims[0, 1] > sims[2, 3]  # photo vs its crop beats any two different photos
+
+
+def test_gem_pooling_worked_out_by_hand():
+    import torch
+
+    from imgest.encoders.efficientnet import GEM_EPS, gem
+
+    # one image, two channels of a 2x2 map. Channel 0: (1^3 + 2^3 + 3^3 + 4^3) / 4 = 100 / 4 = 25, and
+    # 25^(1/3) = 2.9240 where the average is 2.5. Channel 1: three zeros clamped to eps and one 8:
+    # (3 eps^3 + 512) / 4 = 128, and 128^(1/3) = 5.0397 where the average is 2: the salient cell dominates.
+    fmap = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]], [[0.0, 0.0], [0.0, 8.0]]]])
+    np.testing.assert_allclose(gem(fmap, 3.0).numpy(), [[25 ** (1 / 3), ((3 * GEM_EPS ** 3 + 512) / 4) ** (1 / 3)]],
+                               rtol=1e-6)
+    np.testing.assert_allclose(gem(fmap, 1.0).numpy(), [[2.5, 2.0]], rtol=1e-5)  # p = 1 is the average
+
+
+def test_gem_model_is_a_model_of_its_own_on_the_same_weights(lite0):
+    avg, gem_spec = encoders.resolve("efficientnet-lite0"), encoders.resolve("efficientnet-lite0-gem")
+    assert gem_spec.revision == avg.revision and gem_spec.family == avg.family
+    assert gem_spec.preprocessing == {**avg.preprocessing, "pooling": "gem", "gem_p": 3.0}
+    assert gem_spec.model_id != avg.model_id and gem_spec.slug.startswith("efficientnet-lite0-gem-")
+    assert encoders.recorded("efficientnet-lite0-gem", None, "test") == "efficientnet-lite0-gem"  # a built-in
+    pooled = encoders.load(gem_spec, "cpu")
+    images = [photo("astronaut"), photo("coffee"), photo("chelsea")]
+    a, g = _embed(lite0, images), _embed(pooled, images)
+    assert np.allclose(np.linalg.norm(g, axis=1), 1.0, atol=1e-5)
+    same = (a * g).sum(1)
+    assert np.all(same < 0.999) and np.all(same > 0.5), same  # another pooling of the same feature maps
+    w, h = images[0].size
+    crop = _embed(pooled, [images[0].crop((w // 10, h // 10, w - w // 10, h - h // 10))])[0]
+    assert g[0] @ crop > max(g[0] @ g[1], g[0] @ g[2])  # a photo's crop is still its nearest
 
 
 def test_lite0_has_no_text_tower(lite0):

