@@ -12,7 +12,9 @@ from imgest.storage import open_location
 from imgest.storage.probe import check_writable
 from imgest.tasks.heads.evaluate import query_scorer
 from imgest.tasks.heads.files import augment_task, heldout_set, labelled_set, save_head, train_task
-from imgest.tasks.reports.heads import render_head
+from imgest.tasks.heads.train import HeadError
+from imgest.tasks.heads.whiten import whiten_task
+from imgest.tasks.reports.heads import render_head, render_whitening
 from imgest.tasks.reports.plots import markdown_image
 from imgest.tasks.reports.run_names import run_name
 from imgest.tasks.state.live import load_live_vectors
@@ -30,6 +32,13 @@ def train_head_flow(config: TrainHeadConfig) -> dict:
     store_loc = open_location(config.store, must_exist=True, what="store")
     check_writable(store_loc, "heads")  # the head is written after training: a read-only store is refused first
     base = find_model(store_loc, config.base_model)
+    if training.head_type == "whiten":  # fitted on the base's live vectors alone: no labels, no images
+        if config.labels:
+            raise HeadError("a whitening learns from the base model's vectors alone: give no --labels")
+        saved = whiten_task(store_loc, base, load_live_vectors(store_loc, base["slug"], int(base["dim"])), training)
+        create_markdown_artifact(render_whitening(saved), key="head-training",
+                                 description=f"whitening of {base['model_id']}")
+        return saved
     training.out_dim(int(base["dim"]))  # a residual head of another dimension: refused before any work
     live = load_live_vectors(store_loc, base["slug"], int(base["dim"]))
     live.catalogue = config.catalogue  # images are read only under it (or the root recorded at ingest)

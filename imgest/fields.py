@@ -129,6 +129,18 @@ def alias_name(value: str | None, info: ValidationInfo) -> str | None:
     return value
 
 
+def shrinkage_value(value: str) -> str:
+    """'auto', or a number from 0 to 1 (a whitening's eigenvalue shrinkage)."""
+    if value != "auto":
+        try:
+            number = float(value)
+        except ValueError:
+            number = -1.0
+        if not 0.0 <= number <= 1.0:
+            raise ValueError(f"shrinkage must be auto or a number from 0 to 1, got {value!r}")
+    return value
+
+
 def one_of(allowed: tuple[str, ...]):
     def check(value: str, info: ValidationInfo) -> str:
         if value not in allowed:

@@ -15,12 +15,17 @@ from imgest.config import TrainHeadConfig
 @config_command(TrainHeadConfig)
 def train_head_cmd(
     config: TrainHeadConfig,
+    whiten: bool = typer.Option(False, "--whiten", help="Fit a learned whitening of the base model's vectors "
+                                                          "instead (no labels; --dim, --shrinkage, --sample)"),
     as_json: bool = typer.Option(False, "--json", help="Print the training summary as JSON"),
 ) -> None:
-    """Train a projection head with a metric loss on frozen base embeddings read from the shards."""
+    """Train a projection head with a metric loss on frozen base embeddings read from the shards, or fit a
+    learned whitening of them (--whiten)."""
     from imgest.flows.train_head import train_head_flow
-    from imgest.tasks.reports.heads import render_head
+    from imgest.tasks.reports.heads import render_head, render_whitening
 
+    if whiten:  # the same as --head-type whiten
+        config = config.model_copy(update={"training": config.training.model_copy(update={"head_type": "whiten"})})
     try:
         summary = train_head_flow(config)
     except _user_errors() as exc:
@@ -28,5 +33,5 @@ def train_head_cmd(
     if as_json:
         typer.echo(json.dumps(summary, indent=2, default=str))
     else:
-        typer.echo(render_head(summary))
+        typer.echo(render_whitening(summary) if summary["config"]["head_type"] == "whiten" else render_head(summary))
         typer.echo(f"use it like any model: imgest migrate start --store {config.store} --to {summary['head']}")

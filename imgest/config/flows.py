@@ -46,6 +46,7 @@ from imgest.fields import (
     not_empty,
     one_of,
     parse_batch_size,
+    shrinkage_value,
     workers_need_dask,
 )
 from imgest.names import (
@@ -302,11 +303,15 @@ class HeadConfig(FlowConfig):
 
     loss: Annotated[str, AfterValidator(one_of(LOSSES)), Field(
         description="triplet (semi-hard mining), infonce (NT-Xent) or proxynca")] = "infonce"
-    head_type: Annotated[str, AfterValidator(one_of(("residual", "mlp"))), Field(
-        description="residual (starts as the identity: the untrained head is the base) or mlp (a new space of "
-                    "dim_out dimensions)")] = "residual"
+    head_type: Annotated[str, AfterValidator(one_of(("residual", "mlp", "whiten"))), Field(
+        description="residual (starts as the identity: the untrained head is the base), mlp (a new space of "
+                    "dim_out dimensions) or whiten (learned whitening, no labels: `train-head --whiten`)")] = "residual"
     dim_out: Annotated[int, AfterValidator(at_least(0)), Cli("--dim"), Field(
-        description="Output dimension of an mlp head (0: the base model's)")] = 0
+        description="Output dimension of an mlp or whitening head (0: the base model's)")] = 0
+    shrinkage: Annotated[str, AfterValidator(shrinkage_value), Field(
+        description="Whitening: how far its eigenvalues are pulled to their mean, 0-1, or auto (Ledoit-Wolf)")] = "auto"
+    sample: Annotated[int, AfterValidator(at_least(1)), Field(
+        description="Whitening: live vectors it is fitted on at most (a seeded sample)")] = 100_000
     hidden: Annotated[int, AfterValidator(at_least(1)), Field(description="Hidden width")] = 1024
     epochs: Annotated[int, AfterValidator(at_least(1)), Field(
         description="Most epochs; early stopping on held-out recall@1 usually ends sooner")] = 50

@@ -29,7 +29,10 @@ ARCHITECTURES = {
     "mlp": "Linear(dim_in, hidden) -> GELU -> Linear(hidden, dim_out) -> L2 normalise",
     "residual": "x + Linear(hidden, dim_in)(GELU(Linear(dim_in, hidden)(x))) -> L2 normalise; the second layer "
                 "starts at zero, so the untrained head is the identity (equal to the base model)",
+    "whiten": "projection @ (x - mean) -> L2 normalise: learned whitening, fitted without labels (its mean and "
+              "projection are the weights)",
 }
+WHITENING_TENSORS = ("mean", "projection")
 
 
 def mlp(dim_in: int, hidden: int, dim_out: int):
@@ -59,7 +62,27 @@ def residual(dim: int, hidden: int):
 def build_module(architecture: str, dim_in: int, hidden: int, dim_out: int):
     if architecture == "residual":
         return residual(dim_in, hidden)
+    if architecture == "whiten":  # an affine map: weight the projection, bias -projection @ mean
+        import torch
+
+        return torch.nn.Linear(dim_in, dim_out)
     return mlp(dim_in, hidden, dim_out)
+
+
+def whitening_state(tensors: dict, config: dict[str, Any], url: str) -> dict:
+    """A whitening head's mean and projection, checked (names, dtype, shape) before use, as the Linear's
+    weight and bias. A damaged or foreign file is refused in one line."""
+    import torch
+
+    shapes = {"mean": (config["dim_in"],), "projection": (config["dim_out"], config["dim_in"])}
+    if set(tensors) != set(WHITENING_TENSORS):
+        raise EncoderError(f"head {url}: {WEIGHTS} holds {sorted(tensors)}, not a whitening's mean and projection")
+    for name, shape in shapes.items():
+        if tensors[name].dtype != torch.float32 or tuple(tensors[name].shape) != shape:
+            raise EncoderError(f"head {url}: {name} is {tensors[name].dtype} {tuple(tensors[name].shape)}; "
+                               f"{CONFIG} says float32 {shape}")
+    projection = tensors["projection"]
+    return {"weight": projection, "bias": -(projection @ tensors["mean"])}
 
 
 def out_features(module) -> int:
@@ -119,7 +142,16 @@ def load_module(url: str, config: dict[str, Any], device: str = "cpu", sha256: s
         raise EncoderError(f"head {url}: {WEIGHTS} changed since it was resolved (sha256 {digest[:16]}..., "
                            f"model id pins {sha256[:16]}...): refusing to load other weights under its model id")
     module = build_module(config.get("head_type", "mlp"), config["dim_in"], config["hidden"], config["dim_out"])
-    module.load_state_dict(load_tensors(weights))
+    try:
+        tensors = load_tensors(weights)
+        if config.get("head_type") == "whiten":
+            tensors = whitening_state(tensors, config, url)
+        module.load_state_dict(tensors)
+    except EncoderError:
+        raise
+    except Exception as exc:  # safetensors' own errors, a state that does not fit: never a half-loaded head
+        raise EncoderError(f"head {url}: {WEIGHTS} does not hold the head {CONFIG} describes: "
+                           f"{type(exc).__name__}: {str(exc)[:200]}") from exc
     return module.to(device).eval()
 
 
@@ -196,7 +228,7 @@ def serialise_weights(state_dict) -> bytes:
 
 
 def write_head(store, weights: bytes, config: dict, queries: list[dict], views: dict[str, bytes],
-               loss_curves: bytes) -> dict:
+               loss_curves: bytes | None) -> dict:
     """Write `heads/head-<sha256[:12]>/` in `store` (a Location): weights, held-out views (keys under
     HELDOUT_VIEWS), the query set pointing at them, loss curves, then head.json. Returns the head's name."""
     head_id = "head-" + hashlib.sha256(weights).hexdigest()[:12]
@@ -206,7 +238,8 @@ def write_head(store, weights: bytes, config: dict, queries: list[dict], views: 
         store.write_bytes(f"{folder}/{key}", data)
     queries = [q | {"image": store.uri(f"{folder}/{q['image']}")} if q["image"] in views else q for q in queries]
     store.write_bytes(f"{folder}/{HELDOUT_QUERIES}", "".join(json.dumps(q) + "\n" for q in queries).encode())
-    store.write_bytes(f"{folder}/{LOSS_CURVES}", loss_curves)
+    if loss_curves is not None:  # a whitening is fitted, not trained: no curves
+        store.write_bytes(f"{folder}/{LOSS_CURVES}", loss_curves)
     store.write_json(f"{folder}/{CONFIG}", config)
     return {"head": f"{PREFIX}{store.uri(folder)}", "head_id": head_id, "folder": store.uri(folder),
             "queries": store.uri(f"{folder}/{HELDOUT_QUERIES}")}

@@ -11,12 +11,20 @@ query vectors alike: it is an affine map followed by normalisation.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from imgest.encoders.head import ARCHITECTURES, write_head
+from imgest.names import VERSION
+from imgest.tasks.heads.train import HeadError
+from imgest.tasks.state.committed import now_iso
 
 
-class WhiteningError(ValueError):
+class WhiteningError(HeadError):
     """Whitening cannot be fitted on these vectors as asked; the message says why in one line."""
 
 
@@ -73,3 +81,40 @@ def fit_whitening(vectors: np.ndarray, dim: int = 0, shrinkage: float | str = "a
     kept = float(np.einsum("ij,ik,kj->", vecs, empirical, vecs))  # variance along the kept directions
     return Whitening(x.mean(0).astype(np.float32), (vecs / np.sqrt(values)).T.astype(np.float32), alpha, source,
                      kept / float(np.trace(empirical)), n)
+
+
+def sample_rows(n: int, limit: int, seed: int) -> np.ndarray:
+    """A seeded sample of at most `limit` of `n` rows, in order: memory bounded whatever the catalogue's size."""
+    if n <= limit:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, size=limit, replace=False))
+
+
+def whitening_weights(fitted: Whitening) -> bytes:
+    """The mean and projection as safetensors (read back by imgest.encoders.head, checked; never a pickle)."""
+    import torch
+    from safetensors.torch import save
+
+    return save({"mean": torch.from_numpy(np.ascontiguousarray(fitted.mean)),
+                 "projection": torch.from_numpy(np.ascontiguousarray(fitted.projection))})
+
+
+@task(name="whiten", cache_policy=NO_CACHE)
+def whiten_task(store, base: dict, live, cfg) -> dict:
+    return whiten_head(store, base, live, cfg)
+
+
+def whiten_head(store, base: dict, live, cfg) -> dict:
+    """Fit a whitening of `base`'s live vectors (`cfg`: a HeadConfig with head_type whiten) and save it as a
+    model of its own, `head:<folder>`, whose record says what it is."""
+    if base.get("base") is not None:
+        raise WhiteningError(f"{base['name']} is itself a head: whiten a model's own embeddings (its base's)")
+    rows = sample_rows(len(live.item_ids), cfg.sample, cfg.seed)
+    shrinkage = cfg.shrinkage if cfg.shrinkage == "auto" else float(cfg.shrinkage)
+    fitted = fit_whitening(np.asarray(live.vectors[rows]), cfg.dim_out, shrinkage)
+    weights = whitening_weights(fitted)
+    record = {"base_model": base["name"], "base_model_id": base["model_id"], "base_slug": base["slug"],
+              "head_type": "whiten", "architecture": ARCHITECTURES["whiten"], "hidden": 0, **fitted.describe(),
+              "live_items": len(live.item_ids), "seed": cfg.seed,
+              "weights_sha256": hashlib.sha256(weights).hexdigest(), "created": now_iso(), "imgest_version": VERSION}
+    return {**write_head(store, weights, record, [], {}, None), "config": record}

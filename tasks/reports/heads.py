@@ -35,3 +35,17 @@ def _head_eval_lines(e: dict | None) -> list[str]:
         lines.append(f"| {metric} | {e['base'][metric]} | {e['head'][metric]} | {b['difference']:+.4f} "
                      f"[{b['low']:+.4f}, {b['high']:+.4f}] |")
     return lines + [""]
+
+
+def render_whitening(saved: dict) -> str:
+    c = saved["config"]
+    return "\n".join([
+        f"## Whitening `{saved['head_id']}` on `{c['base_model_id']}`",
+        "",
+        f"- model name: `{saved['head']}` (use it like any model: `imgest migrate start --to` it)",
+        f"- {c['dim_in']} -> {c['dim_out']} dimensions, keeping {c['explained_variance']:.1%} of the variance; "
+        f"eigenvalue shrinkage {c['shrinkage']:g} ({c['shrinkage_source']})",
+        f"- fitted on {c['sample']:,} of {c['live_items']:,} live vectors (seed {c['seed']}), no labels; "
+        f"weights sha256 `{c['weights_sha256'][:16]}...`",
+        "",
+    ])
