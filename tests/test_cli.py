@@ -15,7 +15,8 @@ def _ingest(*args):
 def test_unknown_model(tmp_path):
     result = _ingest("--catalogue", str(tmp_path), "--store", str(tmp_path / "s"), "--model", "resnet9000")
     assert result.exit_code == 2
-    assert "unknown model 'resnet9000'; known: efficientnet-lite0, minilm-l6, hf:" in result.output
+    known = "known: efficientnet-lite0, efficientnet-lite0-gem, minilm-l6, hf:"
+    assert f"unknown model 'resnet9000'; {known}" in result.output
 
 
 def test_missing_catalogue(tmp_path):
