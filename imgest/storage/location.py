@@ -317,6 +317,12 @@ class Location(ConditionalWrites):
                 fh.write(data)
         except FileExistsError:
             return False
+        except OSError as exc:
+            # s3fs makes a 412 a FileExistsError only when the answer names its condition, which S3 and moto
+            # do and SeaweedFS does not; a 409 (S3: a racing conditional write won) it leaves an OSError too.
+            if not self.is_local and self._precondition_failed(exc):
+                return False
+            raise
         return True
 
     @store_io("deleting")
