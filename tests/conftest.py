@@ -1,4 +1,5 @@
-"""Shared fixtures: a real Prefect server (one per session), a real S3 endpoint on loopback, tiny models."""
+"""Shared fixtures: a real Prefect server (one per session), real S3 servers on loopback (moto, SeaweedFS), tiny
+models."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
-os.environ["AWS_ACCESS_KEY_ID"] = "imgest-test-key-id"
-os.environ["AWS_SECRET_ACCESS_KEY"] = "imgest-test-secret-never-logged"
-os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
+# No AWS configuration of the machine's reaches a test: the S3 fixtures set endpoint and keys per test, as a user
+# sets theirs, and a test that reaches S3 without them meets what a user without keys meets.
+for _name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE",
+              "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+    os.environ.pop(_name, None)
+os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.environ["AWS_CONFIG_FILE"] = os.devnull
 # Prefect's retries wait 0.05 s instead of 2-20 s: the tests of a store fault see every retry, not the wait.
 os.environ.setdefault("IMGEST_RETRY_BACKOFF_S", "0.05")
 
@@ -25,6 +29,9 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.helpers import make_tiny_hf_model  # noqa: E402
+from tests.s3servers import SERVERS as S3_SERVERS  # noqa: E402
+from tests.s3servers import MotoServer, SeaweedServer  # noqa: E402
+from tests.s3servers import use as use_s3  # noqa: E402
 
 SLOW_FIXTURES = {"prefect_harness", "installed_imgest", "s3_endpoint"}
 
@@ -46,22 +53,27 @@ def prefect_harness():
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint():
-    """A real S3 API server on 127.0.0.1 (moto's), reached by s3fs through AWS_ENDPOINT_URL."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    previous = os.environ.get("AWS_ENDPOINT_URL")
-    os.environ["AWS_ENDPOINT_URL"] = url
-    yield url
+def moto_server():
+    """moto's S3 server, once per test process (its keys unchecked)."""
+    server = MotoServer().start()
+    yield server
     server.stop()
-    if previous is None:
-        os.environ.pop("AWS_ENDPOINT_URL", None)
-    else:
-        os.environ["AWS_ENDPOINT_URL"] = previous
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_server(tmp_path_factory):
+    """SeaweedFS 4.48, once per test process, its data and log under the session's temporary folder."""
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=S3_SERVERS)
+def s3_endpoint(request) -> str:
+    """A real S3 API server on 127.0.0.1, moto's then SeaweedFS's: the test runs once on each. Its endpoint and
+    keys are in the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) for this test only; both servers
+    live for the session, so a test's environment names only its own."""
+    return use_s3(request, request.param)
 
 
 @pytest.fixture(scope="session")

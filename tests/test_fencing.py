@@ -1,7 +1,7 @@
 """Fencing that holds against a paused writer: records replaced in place (aliases, the migration window) are
 written by compare-and-swap after the fence check, so a writer paused between its check and its write cannot
 overwrite what its successor wrote; a lock file with garbage fields is a clear refusal, then a take-over. Local
-disk and S3 (moto's server on loopback)."""
+disk and S3 (moto's server and SeaweedFS on loopback)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from imgest.lock import (
 from imgest.storage import Location, RecordError
 from imgest.tasks.migration import window as migration
 from imgest.tasks.migration.aliases import delete_alias, read_alias, set_alias
+from tests.s3servers import on as on_s3
+from tests.s3servers import use as use_s3
 
 if TYPE_CHECKING:
     from tests.conftest import Clock  # the time the locks see (the `clock` fixture): moved, never slept through
@@ -32,16 +34,27 @@ if TYPE_CHECKING:
 TTL = 60.0
 
 
-@pytest.fixture(params=["local", "s3"])
-def store_url(request, tmp_path) -> str:
+def _store_url(request, tmp_path) -> str:
     if request.param == "local":
         return str(tmp_path / "store")
     import s3fs
 
-    endpoint = request.getfixturevalue("s3_endpoint")
+    endpoint = use_s3(request, request.param)
     bucket = f"fence-{os.urandom(4).hex()}"
     s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).mkdir(bucket)
     return f"s3://{bucket}/store"
+
+
+@pytest.fixture(params=["local", *on_s3("moto", "seaweedfs")])
+def store_url(request, tmp_path) -> str:
+    return _store_url(request, tmp_path)
+
+
+# Not moto: its server checks If-Match, then stores, without a lock between, so racing writers from one read can
+# both pass there. A disk's flock and SeaweedFS are atomic, as S3 is.
+@pytest.fixture(params=["local", *on_s3("seaweedfs")])
+def atomic_store_url(request, tmp_path) -> str:
+    return _store_url(request, tmp_path)
 
 
 def card(version: int, slug: str = "m-1a2b3c4d") -> dict:
@@ -206,22 +219,22 @@ def test_two_writers_from_the_same_read_one_wins(store_url):
     assert two.delete_if("aliases/x.json", new) and not two.exists("aliases/x.json")
     assert two.write_if("aliases/x.json", b"v3", new) is None, "a version that is gone matches nothing"
     assert not two.exists("aliases/x.json")
+    assert one.create_exclusive("aliases/y.json", b"first") and not two.create_exclusive("aliases/y.json", b"second")
+    assert two.read_bytes("aliases/y.json") == b"first"
     one.write_bytes("aliases/big.json", b"x" * 100)
     with pytest.raises(RecordError, match="100 bytes or more, over the 99-byte limit"):
         one.read_versioned("aliases/big.json", limit=99)  # refused before it is read
 
 
-def test_racing_local_writers_from_the_same_read_exactly_one_wins(tmp_path):
-    # Local only: moto's server checks If-Match and stores in two steps without a lock, so racing requests can
-    # both pass there (real S3 is atomic); the S3 case of the same read is the sequential test above.
+def test_racing_writers_from_the_same_read_exactly_one_wins(atomic_store_url):
     key = "migration/window.json"
     for trial in range(20):
-        Location(str(tmp_path / "store")).write_bytes(key, b"start %d" % trial)
-        _, token = Location(str(tmp_path / "store")).read_versioned(key)
+        Location(atomic_store_url).write_bytes(key, b"start %d" % trial)
+        _, token = Location(atomic_store_url).read_versioned(key)
         barrier, results = threading.Barrier(4), []
 
         def write(n: int, barrier=barrier, results=results, token=token) -> None:
-            store = Location(str(tmp_path / "store"))
+            store = Location(atomic_store_url)
             barrier.wait()
             results.append((n, store.write_if(key, b"writer %d" % n, token)))
 
@@ -232,8 +245,8 @@ def test_racing_local_writers_from_the_same_read_exactly_one_wins(tmp_path):
             t.join()
         winners = [n for n, new in results if new is not None]
         assert len(winners) == 1, results
-        assert Location(str(tmp_path / "store")).read_bytes(key) == b"writer %d" % winners[0]
-    assert [n for n in os.listdir(tmp_path / "store" / "migration") if n != "window.json"] == [], "no temp left"
+        assert Location(atomic_store_url).read_bytes(key) == b"writer %d" % winners[0]
+    assert Location(atomic_store_url).list_names("migration", temp=True) == ["window.json"], "no temp left"
 
 
 # -- lock files with garbage fields --------------------------------------------------------------------------

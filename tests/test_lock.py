@@ -1,5 +1,6 @@
 """The writer lock: one holder, stale holders taken over by exactly one successor, and a holder that lost the
-lock (paused past the heartbeat window) stopped at its next commit point. Local disk and S3 (moto's server).
+lock (paused past the heartbeat window) stopped at its next commit point. Local disk and S3 (moto's server and
+SeaweedFS on loopback).
 Time is the locks' injected clock, moved by the tests (`clock`); heartbeats are beaten by hand (`renew`), except in
 the one test of the real heartbeat thread."""
 
@@ -14,20 +15,33 @@ import pytest
 
 from imgest.lock import LockLostError, StoreLock, StoreLockedError, current_holder, generation_key, generations
 from imgest.storage import Location
+from tests.s3servers import on as on_s3
+from tests.s3servers import use as use_s3
 
 TTL = 60.0
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path) -> Location:
+def _store(request, tmp_path) -> Location:
     if request.param == "local":
         return Location(str(tmp_path / "store"))
     import s3fs
 
-    endpoint = request.getfixturevalue("s3_endpoint")
+    endpoint = use_s3(request, request.param)
     bucket = f"lock-{os.urandom(4).hex()}"
     s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).mkdir(bucket)
     return Location(f"s3://{bucket}/store")
+
+
+@pytest.fixture(params=["local", *on_s3("moto", "seaweedfs")])
+def store(request, tmp_path) -> Location:
+    return _store(request, tmp_path)
+
+
+# Not moto: its server checks If-None-Match, then stores, without a lock between, so two racing creates can both
+# pass there. A disk's O_EXCL and SeaweedFS's create are atomic, as S3's is.
+@pytest.fixture(params=["local", *on_s3("seaweedfs")])
+def atomic_store(request, tmp_path) -> Location:
+    return _store(request, tmp_path)
 
 
 def test_one_holder_at_a_time_then_the_next_generation(store):
@@ -102,7 +116,8 @@ def test_the_heartbeat_thread_beats_on_the_clock_and_ends_once_the_lock_is_lost(
     successor.release()
 
 
-def test_racing_breakers_of_a_stale_lock_one_wins(store):
+def test_racing_breakers_of_a_stale_lock_one_wins(atomic_store):
+    store = atomic_store
     # The dead holder's last heartbeat is stamped TTL + 1 s ago; the breakers read the real time, the time the
     # store stamps files with: a breaker that finds a rival's lock file still empty judges it by its mtime,
     # which must be on the same clock, or a file written a moment ago would look stale.
