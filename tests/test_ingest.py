@@ -29,9 +29,9 @@ from tests.helpers import (
     small_catalogue,
     write_files,
 )
+from tests.s3servers import SECRET
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
-SECRET = os.environ["AWS_SECRET_ACCESS_KEY"]
 BAD = {"empty.jpg", "truncated.jpg", "not-an-image.png", "huge.png"}
 
 

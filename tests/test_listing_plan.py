@@ -111,9 +111,10 @@ def test_location_atomic_write_and_exclusive_create(tmp_path):
     assert loc.read_bytes("lock") == b"1"
 
 
-def test_redact_hides_credentials():
+def test_redact_hides_credentials(monkeypatch):
     from imgest.storage import redact
 
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "imgest-test-secret-never-logged")
     text = redact("s3://AKIA:topsecret@bucket/x failed with imgest-test-secret-never-logged")
     assert "topsecret" not in text and "imgest-test-secret-never-logged" not in text
     assert "bucket/x" in text

@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 from tests.helpers import WebhookReceiver, gradient, jpeg_bytes, write_files
+from tests.s3servers import KEY_ID, SECRET
 
 
 def _free_port() -> int:
@@ -111,7 +112,8 @@ def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_pa
     write_files(str(work / "catalogue"), {f"p/{i}.jpg": jpeg_bytes(gradient(i, (96, 96))) for i in range(6)})
     port, dead_port = _free_port(), _free_port()  # nothing listens on dead_port: the failing object store
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{dead_port}"}
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{dead_port}", "AWS_ACCESS_KEY_ID": KEY_ID,
+           "AWS_SECRET_ACCESS_KEY": SECRET}  # with keys, as a user has them: the endpoint is what fails
     env.pop("PREFECT_API_URL", None)
     env.pop("PYTHONPATH", None)
     receiver = WebhookReceiver()
@@ -151,7 +153,7 @@ def test_serve_deploys_runs_nightly_on_a_worker_reports_failure_and_stops(tmp_pa
             assert bad.state.is_failed()
             message = bad.state.message
             assert "\n" not in message and "StorageError: s3://imgest-e2e/store: " in message, message
-            assert "failed: EndpointConnectionError" in message and os.environ["AWS_SECRET_ACCESS_KEY"] not in message
+            assert "failed: EndpointConnectionError" in message and SECRET not in message
             # the alert served with the stack: the failed run's name and a link to it reached the webhook
             post = receiver.wait_for(bad.name)
             assert f"http://127.0.0.1:{port}/runs/flow-run/{bad.id}" in post["body"], post

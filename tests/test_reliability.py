@@ -2,7 +2,8 @@
 moments, the endpoint cut for 20 s mid-run, a lock holder paused past the heartbeat window, two ingests
 started together, kills during build-index and during promote. After each, a clean run: the live set equals
 a clean run's on a fresh store (ids, content hashes, embeddings), with no duplicate, `serving` answers, and
-nothing secret was printed. Figures go to $IMGEST_RELIABILITY_OUT (JSON) when set; BENCHMARKS.md has them."""
+nothing secret was printed. Each runs on moto's server and on SeaweedFS; figures go to $IMGEST_RELIABILITY_OUT
+(JSON, by server) when set; BENCHMARKS.md has them."""
 
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ from imgest.storage import Location
 from imgest.tasks.search.query import Query, Searcher
 from imgest.tasks.state.committed import load_state
 from tests.helpers import TcpProxy, gradient, png_bytes
+from tests.s3servers import SECRET
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 MODEL = "raw-pixels"
-SECRET = os.environ["AWS_SECRET_ACCESS_KEY"]
-FIGURES: dict[str, dict] = {}
+FIGURES: dict[str, dict[str, dict]] = {}  # server -> scenario -> figures
 STARTING_GUN = """
 import os, sys, time
 import imgest.flows.ingest
@@ -45,11 +46,17 @@ ingest(config=dict(catalogue=sys.argv[1], store=sys.argv[2], model="raw-pixels",
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def s3(s3_endpoint):
     import s3fs
 
     return s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint})
+
+
+@pytest.fixture
+def figures(request, s3_endpoint) -> dict[str, dict]:
+    """The figures of the scenarios run on this test's server."""
+    return FIGURES.setdefault(request.node.callspec.params["s3_endpoint"], {})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -129,7 +136,7 @@ def _no_secret(*logs) -> None:
         assert SECRET not in text, "the secret key was printed"
 
 
-def test_kill_9_at_random_moments_then_a_clean_rerun(s3, tmp_path):
+def test_kill_9_at_random_moments_then_a_clean_rerun(s3, figures, tmp_path):
     rng = random.Random(20261130)
     bucket = _bucket(s3, "kill")
     catalogue, store = f"s3://{bucket}/cat", f"s3://{bucket}/store"
@@ -159,11 +166,11 @@ def test_kill_9_at_random_moments_then_a_clean_rerun(s3, tmp_path):
         lost += len(set(expected) - set(live))
         assert live == expected
     _no_secret(*logs)
-    FIGURES["kill -9 during ingest"] = {"faults": kills, "finished before the kill": survived, "items lost": lost,
+    figures["kill -9 during ingest"] = {"faults": kills, "finished before the kill": survived, "items lost": lost,
                                         "duplicates": duplicates, "runs after": 4}
 
 
-def test_the_endpoint_cut_for_20_seconds_mid_run(s3, s3_endpoint, tmp_path):
+def test_the_endpoint_cut_for_20_seconds_mid_run(s3, figures, s3_endpoint, tmp_path):
     bucket = _bucket(s3, "cut")
     catalogue, store = f"s3://{bucket}/cat", f"s3://{bucket}/store"
     _put_images(s3, bucket, range(60))
@@ -187,12 +194,12 @@ def test_the_endpoint_cut_for_20_seconds_mid_run(s3, s3_endpoint, tmp_path):
     assert _live(store) == _reference(s3, catalogue)
     _no_secret(log)
     log.seek(0)
-    FIGURES["endpoint cut 20 s mid-ingest"] = {
+    figures["endpoint cut 20 s mid-ingest"] = {
         "faults": 1, "run outcome": "finished (retries)" if proc.returncode == 0 else "failed cleanly, rerun resumed",
         "items lost": 0, "duplicates": 0}
 
 
-def test_a_paused_lock_holder_cannot_commit_over_its_successor(s3, tmp_path, monkeypatch):
+def test_a_paused_lock_holder_cannot_commit_over_its_successor(s3, figures, tmp_path, monkeypatch):
     bucket = _bucket(s3, "pause")
     catalogue, store = f"s3://{bucket}/cat", f"s3://{bucket}/store"
     _put_images(s3, bucket, range(60))
@@ -217,11 +224,11 @@ def test_a_paused_lock_holder_cannot_commit_over_its_successor(s3, tmp_path, mon
     ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
     assert _live(store) == _reference(s3, catalogue)
     _no_secret(log)
-    FIGURES["lock holder paused past the heartbeat window"] = {
+    figures["lock holder paused past the heartbeat window"] = {
         "faults": 1, "paused run": "stopped at its next commit (LockLostError)", "items lost": 0, "duplicates": 0}
 
 
-def test_two_ingests_started_together(s3, tmp_path):
+def test_two_ingests_started_together(s3, figures, tmp_path):
     bucket = _bucket(s3, "two")
     catalogue, store = f"s3://{bucket}/cat", f"s3://{bucket}/store"
     _put_images(s3, bucket, range(60))
@@ -248,7 +255,7 @@ def test_two_ingests_started_together(s3, tmp_path):
         assert runs[1]["encoded"] == 0, "the second found nothing left to do"
     assert _live(store) == _reference(s3, catalogue)
     _no_secret(*logs)
-    FIGURES["two ingests started together"] = {"faults": 1, "finished": codes.count(0),
+    figures["two ingests started together"] = {"faults": 1, "finished": codes.count(0),
                                                "refused (store locked)": len(refused),
                                                "serialised (one after the other)": not refused, "items lost": 0,
                                                "duplicates": 0}
@@ -275,7 +282,7 @@ def _serving_answers(store: str) -> str:
     return searcher.card["slug"]
 
 
-def test_kills_during_build_index_and_during_promote(s3, tmp_path, tiny_models):
+def test_kills_during_build_index_and_during_promote(s3, figures, tmp_path, tiny_models):
     from imgest.flows.migrate import migrate
     from imgest.flows.nightly import nightly
 
@@ -314,5 +321,5 @@ def test_kills_during_build_index_and_during_promote(s3, tmp_path, tiny_models):
     assert promoted["aliases"]["serving"]["slug"] == resolve(new).slug
     assert _serving_answers(store) == resolve(new).slug
     _no_secret(*logs)
-    FIGURES["kill -9 during build-index and promote"] = {"faults": 3, "kills landed": kills,
+    figures["kill -9 during build-index and promote"] = {"faults": 3, "kills landed": kills,
                                                          "serving answered after each": True, "items lost": 0}

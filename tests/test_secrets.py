@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 from imgest.redact import redact, register_secret, url_secrets
 from imgest.storage import StorageError, check_no_credentials
 from tests.helpers import gradient, png_bytes
+from tests.s3servers import KEY_ID as S3_KEY_ID
+from tests.s3servers import SECRET as S3_SECRET
 
 SECRET = "wJalr/XUtnFEMI+K7MDENG/bPxRfiCYEXAMPLEKEY"
 KEY_ID = "AKIAIMGESTLEAKTEST01"
@@ -277,6 +279,7 @@ def test_a_secret_given_every_way_appears_nowhere(tmp_path, s3_endpoint):
     import s3fs
     from prefect.settings import PREFECT_API_URL
 
+    key_id, secret = S3_KEY_ID, S3_SECRET  # keys the S3 servers know (SeaweedFS checks them); the secret holds / and +
     bucket = f"secrets-{os.urandom(3).hex()}"
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint})
     fs.mkdir(bucket)
@@ -291,43 +294,43 @@ def test_a_secret_given_every_way_appears_nowhere(tmp_path, s3_endpoint):
                 AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "absent"))
     run = ["ingest", "--catalogue", catalogue, "--store", store, "--model", "raw-pixels", "--batch-size", "4"]
     presigned = (f"https://{bucket}.s3.amazonaws.com/meta.csv?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential="
-                 f"{KEY_ID}%2F20261201%2Fus-east-1%2Fs3%2Faws4_request&X-Amz-Signature={quote(SECRET, safe='')}")
+                 f"{key_id}%2F20261201%2Fus-east-1%2Fs3%2Faws4_request&X-Amz-Signature={quote(secret, safe='')}")
 
     # In the URL, or a presigned --metadata: refused by the command before a run exists, one line, exit 2.
-    refusals = [_cli(["ingest", "--catalogue", f"s3://{KEY_ID}:{SECRET}@{bucket}/cat", "--store", store], base),
+    refusals = [_cli(["ingest", "--catalogue", f"s3://{key_id}:{secret}@{bucket}/cat", "--store", store], base),
                 _cli(["nightly", "--catalogue", catalogue, "--store", store, "--metadata", presigned], base)]
     for proc in refusals:
         code, _, output = _finish(proc)
         assert code == 2 and len(output.strip().splitlines()) == 1, output
         assert "is refused" in output and "AWS_ACCESS_KEY_ID" in output and "AwsCredentials" in output, output
-        assert_absent(output, SECRET, KEY_ID, where="the terminal")
+        assert_absent(output, secret, key_id, where="the terminal")
 
     # Through the environment: the run works against the loopback S3.
-    env_vars = {**base, "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET}
+    env_vars = {**base, "AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret}
     code, summary, output = _finish(_cli([*run, "--json"], env_vars))
     assert code == 0, output
     assert json.loads(summary)["encoded"] == 3
-    assert_absent(output, SECRET, KEY_ID, where="the terminal")
+    assert_absent(output, secret, key_id, where="the terminal")
 
     # Through an AWS profile, nothing in the environment (botocore sends no unsigned request: the profile is read).
-    (tmp_path / "credentials").write_text(f"[imgest-test]\naws_access_key_id = {KEY_ID}\n"
-                                          f"aws_secret_access_key = {SECRET}\n")
+    (tmp_path / "credentials").write_text(f"[imgest-test]\naws_access_key_id = {key_id}\n"
+                                          f"aws_secret_access_key = {secret}\n")
     fs.pipe(f"{bucket}/cat/p/3.png", png_bytes(gradient(3)))
     profile = {**base, "AWS_PROFILE": "imgest-test", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials")}
     code, summary, output = _finish(_cli([*run, "--json"], profile))
     assert code == 0, output
     assert json.loads(summary)["encoded"] == 1
-    assert_absent(output, SECRET, KEY_ID, where="the terminal")
+    assert_absent(output, secret, key_id, where="the terminal")
 
     # The store: every object, records, shards and artifacts alike.
     for path in fs.find(f"{bucket}/store"):
-        assert_absent(fs.cat(path).decode("latin-1"), SECRET, KEY_ID, where=path)
+        assert_absent(fs.cat(path).decode("latin-1"), secret, key_id, where=path)
     # The runs' own files: Prefect's home (results, caches) and the temporary folder (scratch, listings).
     for root, _, names in os.walk(tmp_path):
         for name in names:
             if name != "credentials":
                 with open(os.path.join(root, name), "rb") as fh:
-                    assert_absent(fh.read().decode("latin-1"), SECRET, KEY_ID, where=os.path.join(root, name))
+                    assert_absent(fh.read().decode("latin-1"), secret, key_id, where=os.path.join(root, name))
 
     # Prefect's database: once the server has written the runs' events, no table holds the secret.
     database = _prefect_database()
@@ -342,11 +345,11 @@ def test_a_secret_given_every_way_appears_nowhere(tmp_path, s3_endpoint):
     assert len(runs) == 2, "two ingest runs, none for the refused commands"
     assert events and any(t == "log" for t, _, _ in rows), "the server has written events and logs"
     for table, column, text in rows:
-        assert_absent(text, SECRET, KEY_ID, where=f"Prefect's database, {table}.{column}")
+        assert_absent(text, secret, key_id, where=f"Prefect's database, {table}.{column}")
     for suffix in ("", "-wal"):
         if os.path.exists(database + suffix):
             with open(database + suffix, "rb") as fh:
-                assert_absent(fh.read().decode("latin-1"), SECRET, KEY_ID, where=f"prefect.db{suffix}")
+                assert_absent(fh.read().decode("latin-1"), secret, key_id, where=f"prefect.db{suffix}")
 
 
 # -- credentials from a named Prefect block ---------------------------------------------------------------------------
@@ -359,9 +362,9 @@ def test_credentials_from_a_named_aws_credentials_block(s3_endpoint, monkeypatch
 
     from imgest.storage import Location, credentials
 
-    block_secret = "bl0ck/Key+" + os.urandom(8).hex()
+    block_secret = S3_SECRET  # SeaweedFS opens the store only to the keys it knows
     name = f"imgest-test-{os.urandom(3).hex()}"
-    AwsCredentials(aws_access_key_id="AKIABLOCK0000000", aws_secret_access_key=block_secret,
+    AwsCredentials(aws_access_key_id=S3_KEY_ID, aws_secret_access_key=block_secret,
                    region_name="us-east-1",
                    aws_client_parameters=AwsClientParameters(endpoint_url=s3_endpoint)).save(name)
     bucket = f"block-{os.urandom(3).hex()}"
