@@ -32,10 +32,13 @@ def train_head_flow(config: TrainHeadConfig) -> dict:
     store_loc = open_location(config.store, must_exist=True, what="store")
     check_writable(store_loc, "heads")  # the head is written after training: a read-only store is refused first
     base = find_model(store_loc, config.base_model)
-    if training.head_type == "whiten":  # fitted on the base's live vectors alone: no labels, no images
+    if training.head_type == "whiten":  # no labels: the live vectors, and augmented views of some images
         if config.labels:
-            raise HeadError("a whitening learns from the base model's vectors alone: give no --labels")
-        saved = whiten_task(store_loc, base, load_live_vectors(store_loc, base["slug"], int(base["dim"])), training)
+            raise HeadError("a whitening learns without labels: give no --labels")
+        live = load_live_vectors(store_loc, base["slug"], int(base["dim"]))
+        live.catalogue = config.catalogue  # images are read only under it (or the root recorded at ingest)
+        saved = whiten_task(store_loc, base, live, training, config.views, parse_augmentations(config.augment),
+                            config.device)
         create_markdown_artifact(render_whitening(saved), key="head-training",
                                  description=f"whitening of {base['model_id']}")
         return saved

@@ -1,9 +1,10 @@
-"""Learned whitening: the transform worked out by hand on a tiny matrix, its shrinkage, and its refusals."""
+"""Learned whitening: the transforms (from the catalogue alone, and from matching pairs) worked out by hand on a
+tiny matrix, the shrinkage, the dimension kept for a share of the variance, and the refusals."""
 
 import numpy as np
 import pytest
 
-from imgest.tasks.heads.whiten import WhiteningError, fit_whitening
+from imgest.tasks.heads.whiten import WhiteningError, fit_pair_whitening, fit_whitening
 
 # Four points on the axes: mean 0; covariance (over n, as scikit-learn's empirical covariance) diag(2, 0.5):
 # x: (2^2 + 2^2 + 0 + 0) / 4 = 2, y: (0 + 0 + 1 + 1) / 4 = 0.5, no cross term.
@@ -23,6 +24,26 @@ def test_projection_by_hand_without_and_with_shrinkage():
     # the cut to the first direction keeps x's share of the variance: 2 / (2 + 0.5) = 0.8
     cut = fit_whitening(CROSS, dim=1, shrinkage=0.0)
     assert cut.dim == 1 and cut.explained_variance == pytest.approx(0.8)
+    # without --dim, the fewest directions holding a share of the variance: x alone holds 0.8
+    assert fit_whitening(CROSS, variance=0.8).dim == 1 and fit_whitening(CROSS, variance=0.81).dim == 2
+
+
+def test_pair_whitening_by_hand_weights_down_what_differs_between_two_pictures_of_an_item():
+    # Two pictures of one item differ along y only: differences (0, +-0.5), covariance diag(0, 0.25). Shrunk
+    # halfway to its mean eigenvalue 0.125: x 0.0625, y 0.1875, so it whitens by diag(1/sqrt): (4, 2.3094).
+    pairs = np.array([[0.0, 0.0], [0.0, 0.0]]), np.array([[0.0, 0.5], [0.0, -0.5]])
+    fitted = fit_pair_whitening(CROSS, *pairs, shrinkage=0.5)
+    # the whitened catalogue is (+-8, 0) and (0, +-2.3094): variance 32 along x, 2.6667 along y, x first
+    np.testing.assert_allclose(np.abs(fitted.projection), [[4.0, 0], [0, 2.30940]], atol=1e-5)
+    assert (fitted.method, fitted.pairs, fitted.shrinkage_source) == ("pairs", 2, "given")
+    # y, the direction a re-shoot changes, now weighs less than x (4 / 2.31), where the catalogue-only
+    # whitening weighted it more (0.71 / 1.41): a view shifted along y stays nearer its item
+    item, view, other = np.array([[2.0, 0.0]]), np.array([[2.0, 1.5]]), np.array([[0.0, 1.0]])
+    for whitening, nearer in ((fitted, True), (fit_whitening(CROSS, shrinkage=0.5), False)):
+        v, i, o = (whitening.apply(x)[0] for x in (view, item, other))
+        assert bool(v @ i > v @ o) == nearer
+    cut = fit_pair_whitening(CROSS, *pairs, dim=1, shrinkage=0.5)
+    assert cut.dim == 1 and cut.explained_variance == pytest.approx(32 / (32 + 8 / 3))
 
 
 def test_whitened_sample_has_identity_covariance_and_queries_transform_alike():
@@ -49,3 +70,10 @@ def test_whitened_sample_has_identity_covariance_and_queries_transform_alike():
 def test_bad_inputs_are_refused_in_one_line(vectors, kwargs, reason):
     with pytest.raises(WhiteningError, match=reason):
         fit_whitening(vectors, **kwargs)
+
+
+def test_bad_pairs_are_refused_in_one_line():
+    with pytest.raises(WhiteningError, match="at least 2 pairs of 2-dimensional vectors"):
+        fit_pair_whitening(CROSS, np.zeros((2, 3)), np.ones((2, 3)))
+    with pytest.raises(WhiteningError, match="span fewer than 2 dimensions with no shrinkage"):
+        fit_pair_whitening(CROSS, np.zeros((2, 2)), np.array([[0.0, 0.5], [0.0, -0.5]]), shrinkage=0.0)

@@ -40,7 +40,13 @@ def test_a_whitening_head_through_the_window_and_the_nightly(tmp_path, tiny_mode
     saved = json.loads(output[output.index("{"):])
     record = saved["config"]
     assert (record["head_type"], record["dim_in"], record["dim_out"], record["sample"]) == ("whiten", 32, 16, 48)
-    assert record["shrinkage_source"] == "ledoit-wolf" and 0 < record["explained_variance"] <= 1
+    assert 0 < record["explained_variance"] <= 1 and record["base_model_id"] == night["ingest"]["model_id"]
+    # by default learned from pairs: held-out images' views measure the proxy, named as one
+    assert (record["method"], record["shrinkage"], record["shrinkage_source"], record["views"]) == \
+        ("pairs", 0.5, "given", 3)
+    proxy = record["proxy"]
+    assert record["pairs"] == record["pair_images"] * 3 and record["pair_images"] + proxy["held_out_items"] == 48
+    assert "a proxy" in proxy["what"] and 0 <= proxy["base"] <= 1 and 0 <= proxy["whitened"] <= 1
     assert record["base_model_id"] == night["ingest"]["model_id"]
 
     # catalogue rows are derived from the stored base vectors; a query image goes base -> head: the same map
@@ -90,10 +96,11 @@ def test_a_foreign_matrix_file_is_refused_on_load(tmp_path, tiny_models):
     write_files(str(cat), {f"p/{i:03d}.png": png_bytes(gradient(i, (48, 48))) for i in range(40)})
     base = f"hf:{tiny_models['dinov2']}"
     nightly(NightlyConfig(catalogue=str(cat), store=str(store), model=base, batch_size="8"))
-    code, output = _whiten(store, "--base-model", base, "--shrinkage", "0.2")
+    code, output = _whiten(store, "--base-model", base, "--shrinkage", "auto", "--pair-images", "0")
     assert code == 0, output
-    saved = json.loads(output[output.index("{"):])
-    assert saved["config"]["shrinkage"] == 0.2 and saved["config"]["shrinkage_source"] == "given"
+    saved = json.loads(output[output.index("{"):])  # from the live vectors alone: Ledoit-Wolf, no image read
+    assert (saved["config"]["method"], saved["config"]["shrinkage_source"]) == ("pca", "ledoit-wolf")
+    assert "pair_images" not in saved["config"]
     folder = tmp_path / "store" / "heads" / saved["head_id"]
     for tensors, reason in (({"weight": torch.zeros(32, 32)}, "not a whitening's mean and projection"),
                             ({"mean": torch.zeros(32, dtype=torch.float64), "projection": torch.zeros(32, 32)},

@@ -309,9 +309,14 @@ class HeadConfig(FlowConfig):
     dim_out: Annotated[int, AfterValidator(at_least(0)), Cli("--dim"), Field(
         description="Output dimension of an mlp or whitening head (0: the base model's)")] = 0
     shrinkage: Annotated[str, AfterValidator(shrinkage_value), Field(
-        description="Whitening: how far its eigenvalues are pulled to their mean, 0-1, or auto (Ledoit-Wolf)")] = "auto"
+        description="Whitening: how far the eigenvalues of the covariance it whitens by are pulled to their mean, "
+                    "0-1, or auto (Ledoit-Wolf)")] = "0.5"
     sample: Annotated[int, AfterValidator(at_least(1)), Field(
         description="Whitening: live vectors it is fitted on at most (a seeded sample)")] = 100_000
+    pair_images: Annotated[int, AfterValidator(at_least(0)), Field(
+        description="Whitening: catalogue images (a seeded sample) whose augmented views, --views of each, make "
+                    "the (image, view) pairs it learns what a re-shoot changes from (0: whiten by the live "
+                    "vectors' own covariance, reading no image)")] = 1000
     hidden: Annotated[int, AfterValidator(at_least(1)), Field(description="Hidden width")] = 1024
     epochs: Annotated[int, AfterValidator(at_least(1)), Field(
         description="Most epochs; early stopping on held-out recall@1 usually ends sooner")] = 50

@@ -39,13 +39,24 @@ def _head_eval_lines(e: dict | None) -> list[str]:
 
 def render_whitening(saved: dict) -> str:
     c = saved["config"]
-    return "\n".join([
+    how = (f"whitened by what {c['pairs']:,} (image, augmented view) pairs differ by ({c['views']} views of each "
+           f"of {c['pair_images']:,} images: {', '.join(c['augmentations'])}), then rotated onto the "
+           "catalogue's principal directions" if c.get("method") == "pairs"
+           else "whitened by the live vectors' own covariance")
+    lines = [
         f"## Whitening `{saved['head_id']}` on `{c['base_model_id']}`",
         "",
         f"- model name: `{saved['head']}` (use it like any model: `imgest migrate start --to` it)",
+        f"- {how}",
         f"- {c['dim_in']} -> {c['dim_out']} dimensions, keeping {c['explained_variance']:.1%} of the variance; "
         f"eigenvalue shrinkage {c['shrinkage']:g} ({c['shrinkage_source']})",
         f"- fitted on {c['sample']:,} of {c['live_items']:,} live vectors (seed {c['seed']}), no labels; "
         f"weights sha256 `{c['weights_sha256'][:16]}...`",
-        "",
-    ])
+    ]
+    proxy = c.get("proxy") or {}
+    if proxy.get("held_out_items"):
+        lines.append(f"- proxy (augmented views of {proxy['held_out_items']:,} held-out images, each searched among "
+                     f"{proxy['searched']:,} live vectors; not a measure of real queries): recall@1 "
+                     f"{proxy['base']:.3f} base, {proxy['whitened']:.3f} whitened. Measure real queries with "
+                     "`imgest eval` before promoting.")
+    return "\n".join(lines + [""])
