@@ -225,7 +225,10 @@ def test_unchanged_catalogue_reuses_the_index_through_its_build_record(tmp_path,
     # The cached version disappears (deleted by hand): the next build notices and builds again.
     loc.delete_tree("indexes/model=" + changed["card"]["slug"] + "/v0003")
     rebuilt = build_index(IndexConfig(store=store, model="raw-pixels", kind="hnsw", alias=None))
-    assert not rebuilt["reused"] and rebuilt["card"]["version"] == 3 and rebuilt["card"]["n"] == 31
+    # v0003 again on a disk and on S3; SeaweedFS lists the emptied v0003 folder for minutes after (its folders are
+    # real, removed by a sweep at least 2 minutes later), and a new version never takes a listed number
+    expected = 4 if where == "seaweedfs" else 3
+    assert not rebuilt["reused"] and rebuilt["card"]["version"] == expected and rebuilt["card"]["n"] == 31
 
 
 def test_live_vectors_spill_to_an_unlinked_scratch_map_and_build_the_same_index(lite0_store, tmp_path, monkeypatch):
