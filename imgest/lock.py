@@ -4,7 +4,7 @@ heartbeat, and checked at every commit point, so a holder that lost the lock can
   locks/writer/<generation>.json   {token, owner, host, pid, started, heartbeat} (or {released: true, ...})
 
 The holder is the highest generation. Taking the lock is creating the next one with an exclusive create
-(O_EXCL on a disk, `If-None-Match: *` on S3: tested on moto's S3 server), which exactly one of several
+(O_EXCL on a disk, `If-None-Match: *` on S3: tested on moto's S3 server and SeaweedFS), which exactly one of several
 racing writers wins; the previous generation may be taken over only when it was released or is stale
 (same host and a dead pid, or no heartbeat for `ttl` seconds). A lock file that is empty, not JSON, or whose
 fields are not what imgest writes (a text pid, a heartbeat that is no time) is judged by its modification
