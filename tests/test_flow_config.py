@@ -25,6 +25,11 @@ from imgest.config import (
     build,
 )
 
+# Imported before any test starts: the first import of a flow configures Prefect's logging, which replaces the
+# root logger's handlers, caplog's among them, had a test already begun.
+from imgest.flows.nightly import nightly
+from imgest.flows.train_head import train_head_flow
+
 
 @pytest.mark.parametrize("model,values,match", [
     (NightlyConfig, dict(catalogue="c", store="s", memory="4Q"), "memory must look like 4G"),
@@ -137,9 +142,6 @@ def test_the_cli_flags_users_know_keep_their_names():
 
 def test_flat_parameters_of_an_earlier_deployment_are_moved_into_the_config(caplog):
     """A deployment made before the configuration models passes flat parameters; the run goes on, warned."""
-    from imgest.flows.nightly import nightly
-    from imgest.flows.train_head import train_head_flow
-
     with caplog.at_level("WARNING", logger="imgest.flows"):
         validated = nightly.validate_parameters({"catalogue": "demo/catalogue", "store": "demo/store",
                                                  "runner": "local", "memory": "2G"})
