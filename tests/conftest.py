@@ -33,7 +33,7 @@ from tests.s3servers import SERVERS as S3_SERVERS  # noqa: E402
 from tests.s3servers import MotoServer, SeaweedServer  # noqa: E402
 from tests.s3servers import use as use_s3  # noqa: E402
 
-SLOW_FIXTURES = {"prefect_harness", "installed_imgest", "s3_endpoint"}
+SLOW_FIXTURES = {"prefect_harness", "installed_imgest", "s3_endpoint", "moto_server", "seaweedfs_server"}
 
 
 def pytest_collection_modifyitems(items):
