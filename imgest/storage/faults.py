@@ -58,3 +58,29 @@ def is_transient(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+# The failures that mean the store's server did not answer at all (as against throttling or a 5xx it sent).
+_UNANSWERED_TYPES = {"ConnectionError", "EndpointConnectionError", "ClientConnectionError", "ConnectTimeoutError",
+                     "ServerDisconnectedError", "ClientConnectorError", "ConnectionRefusedError"}
+
+
+def unanswered(exc: BaseException) -> bool:
+    """Whether the store's server did not answer (refused, unreachable, dropped), anywhere in the cause chain."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if {t.__name__ for t in type(exc).__mro__} & _UNANSWERED_TYPES:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def what_to_do(endpoint: str | None, exc: BaseException) -> str:
+    """The advice a failure's line ends with when the store's server did not answer: which endpoint, and that a
+    rerun resumes (every commit is all-or-nothing, so nothing half-written is left to clean first)."""
+    if not unanswered(exc):
+        return ""
+    where = endpoint or "the store's endpoint"
+    return (f"; {where} did not answer: check that it is up (and that AWS_ENDPOINT_URL names it), then run again: "
+            "a rerun resumes where this one stopped")

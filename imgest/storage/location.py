@@ -23,7 +23,7 @@ from imgest.redact import USERINFO, one_line, redact  # noqa: F401  (callers imp
 from imgest.storage.conditional import TEMP_PREFIX, ConditionalWrites
 from imgest.storage.credentials import check_no_credentials  # noqa: F401  (callers import it from here)
 from imgest.storage.credentials import storage_options as credential_options
-from imgest.storage.faults import ContainmentError, StorageError, is_transient, store_io  # noqa: F401
+from imgest.storage.faults import ContainmentError, StorageError, is_transient, store_io, what_to_do  # noqa: F401
 
 MAX_KEY_CHARS = 1024
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
@@ -102,8 +102,15 @@ class Location(ConditionalWrites):
     def __repr__(self) -> str:
         return f"Location({redact(self.url)!r})"
 
+    @property
+    def endpoint(self) -> str | None:
+        """The S3 endpoint this location's client talks to (None: local, or the provider's default)."""
+        client = getattr(self.fs, "client_kwargs", None) or {}
+        return redact(getattr(self.fs, "endpoint_url", None) or client.get("endpoint_url") or "") or None
+
     def failure(self, verb: str, key: str, exc: BaseException) -> StorageError:
-        return StorageError(redact(f"{self.url}: {verb} {key.strip('/') or '/'} failed: ") + one_line(exc))
+        return StorageError(redact(f"{self.url}: {verb} {key.strip('/') or '/'} failed: ") + one_line(exc)
+                            + what_to_do(self.endpoint, exc))
 
     # -- paths -------------------------------------------------------------------------------
     def path(self, key: str = "") -> str:
@@ -359,7 +366,8 @@ def open_location(url: str, *, must_exist: bool = False, what: str = "location",
         try:
             return loc.fs.exists(path)
         except Exception as exc:  # botocore/aiohttp errors vary; the point is one readable line
-            raise StorageError(f"{what} {redact(loc.url)} is unreachable: {type(exc).__name__}: {redact(exc)}") from exc
+            raise StorageError(f"{what} {redact(loc.url)} is unreachable: {type(exc).__name__}: {redact(exc)}"
+                               + what_to_do(loc.endpoint, exc)) from exc
 
     # An S3 prefix "exists" only once it holds objects: an empty prefix in an existing bucket is fine.
     if not (probe(loc.root) or (not loc.is_local and probe(loc.root.split("/", 1)[0]))):
