@@ -269,3 +269,50 @@ def test_promote_rollback_finish_wait_for_the_writer_lock(tmp_path, tiny_models)
         assert read_window(loc)["status"] == "open"
     promoted = migrate(MigrateConfig(store=str(store), action="promote", force="lock test"))
     assert promoted["aliases"]["serving"]["slug"] == promoted["window"]["to"]["slug"]
+
+
+def test_the_window_on_an_s3_store_with_a_searcher_following_serving(s3_endpoint, tmp_path, tiny_models):
+    """The window on S3 (moto's server, then SeaweedFS): start, an evaluation, promote, rollback, promote,
+    finish, with a long-lived searcher following `serving` through each move."""
+    import s3fs
+
+    from imgest.tasks.search.following import FollowingSearcher
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint})
+    bucket = f"window-{os.urandom(3).hex()}"
+    fs.mkdir(bucket)
+    for i in range(12):
+        fs.pipe(f"{bucket}/cat/p/{i:03d}.jpg", jpeg_bytes(gradient(i, (96, 96))))
+    cat, store = f"s3://{bucket}/cat", f"s3://{bucket}/store"
+    old, new = "raw-pixels", f"hf:{tiny_models['dinov2']}"
+    base = nightly(NightlyConfig(catalogue=cat, store=store, model=old, batch_size="8"))
+    follower = FollowingSearcher(store, ("serving",), device="cpu")
+    assert follower.refresh() == ["serving"]
+    query = Query("q", image_bytes=fs.cat(f"{bucket}/cat/p/004.jpg"))
+
+    def served() -> str:
+        answer = follower.search([query], k=3)
+        assert answer.hits[0][0].item_id == "p/004.jpg"
+        return answer.served["serving"][0]
+
+    assert served() == base["ingest"]["slug"]
+    start = migrate(MigrateConfig(store=store, action="start", to=new, batch_size="8"))
+    new_slug = start["window"]["to"]["slug"]
+    assert start["coverage"]["share"] == 1.0 and read_alias(Location(store), "shadow")["slug"] == new_slug
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text("".join(json.dumps({"query_id": f"q{i}", "image": f"{cat}/p/{i:03d}.jpg",
+                                           "relevant": [f"p/{i:03d}.jpg"]}) + "\n" for i in range(8)))
+    evaluate(EvalConfig(store=store, queries=str(queries), alias="serving", compare="shadow", ks=(1, 5),
+                        resamples=100))
+    assert read_window(Location(store))["evaluation"]["queries"] == 8
+    migrate(MigrateConfig(store=store, action="promote", margin=1.0))
+    assert follower.refresh() == ["serving"] and served() == new_slug
+    migrate(MigrateConfig(store=store, action="rollback"))
+    assert follower.refresh() == ["serving"] and served() == base["ingest"]["slug"]
+    migrate(MigrateConfig(store=store, action="promote", force="tested: the evaluation above"))
+    finished = migrate(MigrateConfig(store=store, action="finish", retain_days=0))
+    assert base["ingest"]["slug"] in finished["finished"]["deleted"]
+    assert follower.refresh() == ["serving"] and served() == new_slug
+    fs.invalidate_cache()
+    assert not fs.glob(f"{bucket}/store/embeddings/model={base['ingest']['slug']}/*")
+    assert follower.status()["serving"]["error"] is None
