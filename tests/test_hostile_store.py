@@ -313,3 +313,61 @@ def test_a_head_record_naming_its_base_elsewhere_is_refused(store, listener, bas
     with pytest.raises(encoders.EncoderError):
         encoders.resolve.__wrapped__(f"head:{store.uri(folder)}")
     assert Recorder.seen == []
+
+
+def test_on_s3_records_never_reach_outside_the_store(s3_endpoint, listener):
+    """The attacks above on an S3 store (moto's server, then SeaweedFS), with a victim beside the store in its
+    bucket and in another bucket of the same server: records aiming at either are refused, nothing is deleted,
+    no request leaves for the listener, and serving still answers."""
+    import hashlib
+    import struct
+
+    import s3fs
+
+    from imgest import encoders
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint})
+    bucket, other = f"hostile-{os.urandom(3).hex()}", f"victim-{os.urandom(3).hex()}"
+    fs.mkdir(bucket)
+    fs.mkdir(other)
+    for i in range(12):
+        fs.pipe(f"{bucket}/catalogue/p/{i:03d}.jpg", jpeg_bytes(gradient(i, (160, 120))))
+    victims = [f"{bucket}/victim/keep.txt", f"{other}/keep.txt"]
+    for key in victims:
+        fs.pipe(key, b"precious")
+    nightly(NightlyConfig(catalogue=f"s3://{bucket}/catalogue", store=f"s3://{bucket}/store", model="raw-pixels",
+                          batch_size="4"))
+    store = Location(f"s3://{bucket}/store")
+    slug, version, card_key = serving(store)
+    Recorder.seen.clear()
+
+    for target in ("../victim", "../../" + other, f"s3://{other}/keep.txt", "/" + other):
+        store.write_json("migration/retire/evil.json", {"slug": target, "retire_after": "2000-01-01T00:00:00+00:00"})
+        assert collect_retired(store, now=FUTURE) == []
+    card = store.read_json(card_key)
+    for path in ("../../victim/keep.txt", f"s3://{other}/keep.txt", f"indexes/model={slug}/v0001/../../../../victim",
+                 f"{listener}/x.faiss"):
+        store.write_json(card_key, {**card, "index_file": path})
+        with pytest.raises(IndexIntegrityError, match="is not the version's own index.faiss"):
+            Searcher(store.url)
+    store.write_json(card_key, card)
+
+    folder = "heads/head-planted"  # a head whose base is a URL: never fetched
+    store.write_bytes(f"{folder}/head.safetensors", b"not weights")
+    store.write_json(f"{folder}/head.json", {"base_model": f"{listener}/model", "base_model_id": "x", "dim_in": 4,
+                                             "hidden": 4, "dim_out": 4})
+    with pytest.raises(encoders.EncoderError):
+        encoders.resolve.__wrapped__(f"head:{store.uri(folder)}")
+
+    fs.invalidate_cache()
+    assert all(fs.cat(key) == b"precious" for key in victims) and Recorder.seen == []
+    assert open_index(store, slug, version).index.ntotal == 12
+
+    # a forged header, its checksum matching: refused before FAISS reads it, on the copy fetched from S3
+    index_key = f"indexes/model={slug}/v{version:04d}/index.faiss"
+    data = bytearray(store.read_bytes(index_key))
+    struct.pack_into("<Q", data, 37, 1 << 34)
+    store.write_bytes(index_key, bytes(data))
+    store.write_json(card_key, {**card, "sha256": hashlib.sha256(bytes(data)).hexdigest()})
+    with pytest.raises(IndexIntegrityError, match="refused before reading it"):
+        Searcher(store.url)
