@@ -67,4 +67,5 @@ from imgest.cli import (  # noqa: E402, F401
     ingest_cmds,
     migrate_cmds,
     serve_cmd,
+    sync_cmd,
 )

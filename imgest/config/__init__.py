@@ -14,9 +14,10 @@ from imgest.config.flows import (
     MigrateConfig,
     NightlyConfig,
     ReencodeConfig,
+    SyncConfig,
     TrainHeadConfig,
 )
 
 __all__ = ["CONFIGS", "Cli", "ConfigError", "DuplicatesConfig", "EncodeConfig", "EvalConfig", "FlowConfig",
            "HeadConfig", "IndexConfig", "IngestConfig", "MigrateConfig", "NightlyConfig", "ReencodeConfig",
-           "TrainHeadConfig", "build", "describe"]
+           "SyncConfig", "TrainHeadConfig", "build", "describe"]

@@ -278,6 +278,22 @@ class EvalConfig(FlowConfig):
         return self
 
 
+class SyncConfig(FlowConfig):
+    """sync: a vector database (Milvus, Qdrant, LanceDB) brought in step with one model's live items."""
+
+    store: Store
+    to: Annotated[str, AfterValidator(not_empty), Field(
+        description="The target: milvus://HOST:PORT/COLLECTION, milvus:///path/db.db/COLLECTION (Milvus Lite), "
+                    "qdrant://HOST:PORT/COLLECTION, qdrant:///path/folder/COLLECTION (local mode), "
+                    "lancedb://PATH_OR_URL/TABLE; never credentials (MILVUS_TOKEN, QDRANT_API_KEY, AWS_*)")]
+    alias: Annotated[str, AfterValidator(not_empty), Field(
+        description="Sync the model this alias serves (ignored with --model)")] = "serving"
+    model: Annotated[str | None, Field(description="Sync this model (name, model id or slug) instead of an "
+                                                   "alias's")] = None
+    batch: Annotated[int, AfterValidator(at_least(1)), Field(
+        description="Rows per upsert or delete call to the target")] = 1000
+
+
 class DuplicatesConfig(FlowConfig):
     """duplicates: exact and near-duplicate groups of one image model's live items."""
 

@@ -1,0 +1,38 @@
+"""Command: sync (a vector database kept in step with a model's live items)."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from imgest.cli import _fail, _user_errors, app
+from imgest.cli.options import config_command
+from imgest.config import SyncConfig
+
+
+@app.command("sync")
+@config_command(SyncConfig)
+def sync_cmd(
+    config: SyncConfig,
+    as_json: bool = typer.Option(False, "--json", help="Print what was sent and the watermark as JSON"),
+) -> None:
+    """Upsert a model's new and changed items into Milvus, Qdrant or LanceDB and delete its deleted ones:
+    only what changed since the target's last sync, resumable after a crash."""
+    try:
+        from imgest.progress import reporting
+        from imgest.tasks.sync.run import sync
+        from imgest.tasks.sync.targets import SyncError
+        from imgest.tasks.sync.watermark import WatermarkError
+
+        with reporting():
+            result = sync(config)
+    except (*_user_errors(), SyncError, WatermarkError) as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    mark = result["watermark"]
+    typer.echo(f"synced {result['target']} with model {result['model']}: {result['upserted']} item(s) upserted, "
+               f"{result['deleted']} deleted; it now holds the {result['live']} live item(s) of the store's state "
+               f"{mark['state_seq']} (watermark {mark['key']}).")

@@ -1,0 +1,180 @@
+"""One sync of a target: the model's live items against what the target last acknowledged, the difference
+upserted and deleted in batches, then the watermark recorded."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from imgest.config import SyncConfig
+from imgest.lock import StoreLock, StoreLockedError
+from imgest.progress import report
+from imgest.storage import Location, open_location
+from imgest.tasks.ingest.metadata import load_metadata
+from imgest.tasks.ingest.shards import embedding_matrix
+from imgest.tasks.state.committed import LIVE, load_state, now_iso, shard_key
+from imgest.tasks.state.live import live_fingerprint
+from imgest.tasks.state.models import find_model
+from imgest.tasks.sync import watermark
+from imgest.tasks.sync.targets import Model, SyncError, Target, TargetSpec, open_target, parse_target
+
+log = logging.getLogger("imgest")
+_RESERVED = ("item_id", "vector")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one sync sends: ids to upsert (new or changed content or metadata) and to delete."""
+
+    upsert: list[str]
+    delete: list[str]
+    manifest: pa.Table  # every live item after the sync (watermark.MANIFEST_SCHEMA)
+
+
+def resolve_model(store: Location, alias: str | None, model: str | None) -> dict:
+    """The model card of --model, or of the model --alias points at."""
+    if model:
+        return find_model(store, model)
+    from imgest.tasks.migration.aliases import read_alias
+
+    target = read_alias(store, alias or "serving")
+    if target is None:
+        raise SyncError(f"store {store.url} has no alias {alias or 'serving'!r}: name one with --alias or a model "
+                        "with --model")
+    return find_model(store, target["slug"])
+
+
+def live_manifest(state, metadata: pa.Table | None) -> pa.Table:
+    """(item_id, content_hash, meta_hash) of every live item; meta_hash: its metadata row's hash, if any."""
+    live = state.query(f"SELECT item_id, content_hash FROM state WHERE status = '{LIVE}' ORDER BY item_id")
+    ids = live["item_id"].combine_chunks()
+    if metadata is None:
+        hashes = pa.nulls(len(ids), pa.string())
+    else:
+        hashes = metadata["row_hash"].cast(pa.string()).take(pc.index_in(ids, value_set=metadata["item_id"]))
+    return pa.table({"item_id": ids, "content_hash": live["content_hash"].cast(pa.string()), "meta_hash": hashes},
+                    schema=watermark.MANIFEST_SCHEMA)
+
+
+def plan(now: pa.Table, before: pa.Table, maybe_there: set[str]) -> Plan:
+    """Upsert what is new or whose content or metadata changed; delete what was (or may have been) sent and
+    is no longer live. Columnar: a join, no object per item."""
+    old = before.append_column("sent", pa.array([True] * before.num_rows, pa.bool_()))
+    joined = now.join(old, "item_id", join_type="left outer", right_suffix="_sent")
+
+    def same(name: str) -> pa.ChunkedArray:  # equal, a null equal to a null
+        a, b = joined[name], joined[f"{name}_sent"]
+        return pc.or_(pc.and_(pc.is_null(a), pc.is_null(b)), pc.fill_null(pc.equal(a, b), False))
+
+    unchanged = pc.and_(pc.fill_null(joined["sent"], False), pc.and_(same("content_hash"), same("meta_hash")))
+    upsert = sorted(joined.filter(pc.invert(unchanged))["item_id"].to_pylist())
+    gone = pa.concat_arrays([before["item_id"].combine_chunks(), pa.array(sorted(maybe_there), pa.string())])
+    delete = sorted(set(gone.filter(pc.invert(pc.is_in(gone, value_set=now["item_id"]))).to_pylist()))
+    return Plan(upsert, delete, now)
+
+
+def metadata_columns(metadata: pa.Table | None) -> pa.Schema:
+    """The metadata's columns as the target carries them (a name the target uses itself gets `metadata_`)."""
+    if metadata is None:
+        return pa.schema([])
+    return pa.schema([pa.field(f"metadata_{f.name}" if f.name in _RESERVED else f.name, f.type)
+                      for f in metadata.schema if f.name not in ("item_id", "row_hash")])
+
+
+def rows_for(store: Location, state, item_ids: list[str], metadata: pa.Table | None, columns: pa.Schema,
+             dim: int, batch: int):
+    """Batches of (item_id, vector, metadata columns) for these live items, one shard read at a time."""
+    wanted = pa.array(item_ids, pa.string())
+    live = state.live_table().select(["item_id", "shard"])
+    live = live.filter(pc.is_in(live["item_id"], value_set=wanted))
+    pending: list[pa.Table] = []
+    size = 0
+    for shard in sorted(set(live["shard"].to_pylist())):
+        keep = live.filter(pc.equal(live["shard"], shard))["item_id"]
+        table = store.read_table(shard_key(state.slug, shard))
+        table = table.filter(pc.is_in(table["item_id"], value_set=keep))
+        vectors = embedding_matrix(table, dim)
+        rows = pa.table({"item_id": table["item_id"].cast(pa.string()),
+                         "vector": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel(), pa.float32()), dim)})
+        if metadata is not None:
+            found = metadata.take(pc.index_in(rows["item_id"], value_set=metadata["item_id"]))
+            for field, source in zip(columns, (n for n in metadata.column_names if n not in ("item_id", "row_hash"))):
+                rows = rows.append_column(field, found[source])
+        pending.append(rows)
+        size += rows.num_rows
+        while size >= batch:
+            whole = pa.concat_tables(pending)
+            yield whole.slice(0, batch)
+            rest = whole.slice(batch)
+            pending, size = ([rest] if rest.num_rows else []), rest.num_rows
+    if size:
+        yield pa.concat_tables(pending)
+
+
+def sync(config: SyncConfig) -> dict:
+    """Bring the target `config.to` in step with the model's live items; returns what was sent and the
+    watermark."""
+    spec = parse_target(config.to)  # before anything is opened: a URL with credentials goes no further
+    batch = config.batch
+    store = open_location(config.store, must_exist=True, what="store")
+    card = resolve_model(store, config.alias, config.model)
+    wanted = Model(card["model_id"], card["slug"], int(card["dim"]))
+    folder = Location(store.uri(watermark.target_dir(spec.slug)))
+    owner = f"imgest sync to {spec.url} (pid {os.getpid()} on {socket.gethostname()})"
+    lock = StoreLock(folder, owner)
+    try:
+        fence = lock.acquire()
+    except StoreLockedError as exc:
+        raise StoreLockedError(f"target {spec.url}: another sync of it is running; wait for it to finish ({exc})") \
+            from None
+    try:
+        return _sync_locked(store, spec, card, wanted, batch, fence)
+    finally:
+        lock.release()
+
+
+def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, batch: int, fence) -> dict:
+    fingerprint = live_fingerprint(store, card["slug"])
+    state = load_state(store, card["slug"])
+    metadata = load_metadata(store)
+    columns = metadata_columns(metadata)
+    mark = watermark.last_watermark(store, spec.slug)
+    if mark is not None and mark["model_id"] != wanted.model_id:
+        raise SyncError(f"--to {spec.url}: the target was synced from model {mark['model_id']}, not "
+                        f"{wanted.model_id}; sync another collection")
+    target: Target = open_target(spec)
+    try:
+        created = target.open(wanted, columns)
+        before = watermark.read_manifest(store, spec.slug, None if created else mark)
+        maybe = set() if created else watermark.unfinished_ids(store, spec.slug, mark["seq"] if mark else 0)
+        todo = plan(live_manifest(state, metadata), before, maybe)
+        seq = watermark.next_seq(store, spec.slug)
+        fence.check()
+        watermark.write_intent(store, spec.slug, seq, todo.upsert)
+        total, done = len(todo.upsert) + len(todo.delete), 0
+        what = f"sync {spec.engine}:{spec.name}"
+        for start in range(0, len(todo.delete), batch):
+            target.delete(todo.delete[start:start + batch])
+            done += len(todo.delete[start:start + batch])
+            report(what, done, total, "items")
+        for rows in rows_for(store, state, todo.upsert, metadata, columns, wanted.dim, batch):
+            target.upsert(rows)
+            done += rows.num_rows
+            report(what, done, total, "items")
+        record = {"target": spec.url, "engine": spec.engine, "collection": spec.name, "model_id": wanted.model_id,
+                  "slug": wanted.slug, "state_seq": state.seq, "pending_commits": list(state.pending),
+                  "live_fingerprint": fingerprint, "live": todo.manifest.num_rows, "upserted": len(todo.upsert),
+                  "deleted": len(todo.delete), "created": now_iso(), "created_collection": created}
+        mark = watermark.commit(store, spec.slug, seq, todo.manifest, record, fence)
+    finally:
+        target.close()
+    return {"target": spec.url, "model": wanted.model_id, "upserted": len(todo.upsert), "deleted": len(todo.delete),
+            "live": todo.manifest.num_rows,
+            "watermark": {"seq": mark["seq"], "key": f"{watermark.target_dir(spec.slug)}/{mark['seq']:08d}.json",
+                          "state_seq": state.seq, "live_fingerprint": fingerprint}}
+

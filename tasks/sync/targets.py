@@ -1,0 +1,174 @@
+"""Sync targets: the URL forms, the protocol every vector database meets, and the registry of them.
+
+  milvus://HOST:PORT/COLLECTION          a Milvus server           (pymilvus MilvusClient)
+  milvus:///path/db.db/COLLECTION        a Milvus Lite file        (the same client, milvus-lite)
+  qdrant://HOST:PORT/COLLECTION          a Qdrant server           (qdrant-client)
+  qdrant:///path/folder/COLLECTION       Qdrant's local mode in a folder
+  lancedb://PATH_OR_URL/TABLE            LanceDB, embedded: a folder (lancedb:///data/lance/TABLE) or an object
+                                         store (lancedb://s3://bucket/prefix/TABLE)
+
+A URL never carries credentials (they would land in logs, run parameters and the store's watermarks): a user
+part or a query is refused in one line; MILVUS_TOKEN, QDRANT_API_KEY and the object store's usual variables
+(AWS_ACCESS_KEY_ID, ...) come from the environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import pyarrow as pa
+
+from imgest.redact import redact_url, url_secrets
+
+
+class SyncError(ValueError):
+    """A target that cannot be synced as asked (bad URL, another model's collection); one line saying why."""
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """A parsed target URL: which engine, where, which collection or table."""
+
+    url: str
+    engine: str
+    where: str  # milvus/qdrant: host:port, or a local path (a file for Milvus Lite, a folder for Qdrant/LanceDB)
+    name: str  # the collection or table
+    local: bool
+
+    @property
+    def slug(self) -> str:
+        """The target's name in the store (sync/<slug>/): readable, and unique by a hash of the whole URL."""
+        readable = re.sub(r"[^a-z0-9._-]+", "-", f"{self.engine}-{self.where}-{self.name}".lower()).strip("-.")
+        return f"{readable[-60:].lstrip('-.')}-{hashlib.sha256(self.url.encode()).hexdigest()[:10]}"
+
+
+@dataclass(frozen=True)
+class Model:
+    """What a collection is made for: vectors of one model, of one dimension, compared by inner product."""
+
+    model_id: str
+    slug: str
+    dim: int
+
+
+class Target(Protocol):
+    """One vector database collection. Upserts and deletes are idempotent (keyed by item_id): a sync killed
+    at any moment and run again converges to the same collection."""
+
+    def open(self, model: Model, columns: pa.Schema) -> bool:
+        """Create the collection for `model` (True), or check an existing one was made for it (False); a
+        collection of another model raises SyncError. `columns`: the metadata columns rows will carry."""
+
+    def upsert(self, rows: pa.Table) -> None:
+        """Write rows (item_id, vector, metadata columns), replacing those with the same item_id."""
+
+    def delete(self, item_ids: list[str]) -> None:
+        """Remove these items; ids the collection does not hold are ignored."""
+
+    def search(self, vector: Iterable[float], k: int) -> list[tuple[str, float]]:
+        """(item_id, inner product) of the k nearest, best first (for checks and tests)."""
+
+    def get(self, item_ids: list[str]) -> dict[str, dict]:
+        """The stored rows of these ids (metadata included, vector left out), for checks and tests."""
+
+    def count(self) -> int:
+        """Rows the collection holds."""
+
+    def close(self) -> None:
+        ...
+
+
+MODEL_KEY = "imgest.model_id"  # where each engine keeps the model id: properties, collection metadata, schema
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A registered engine: where its Target class lives (imported only when a target of it is opened, so the
+    other engines' clients need not be installed) and its URL forms."""
+
+    module: str
+    cls: str
+    forms: str
+
+
+TARGETS = {
+    "milvus": Engine("imgest.tasks.sync.milvus", "MilvusTarget",
+                     "milvus://HOST:PORT/COLLECTION or milvus:///path/db.db/COLLECTION (Milvus Lite)"),
+    "qdrant": Engine("imgest.tasks.sync.qdrant", "QdrantTarget",
+                     "qdrant://HOST:PORT/COLLECTION or qdrant:///path/folder/COLLECTION (local mode)"),
+    "lancedb": Engine("imgest.tasks.sync.lance", "LanceTarget",
+                      "lancedb:///path/folder/TABLE or lancedb://s3://bucket/prefix/TABLE"),
+}
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}$")  # Milvus's rule, the strictest of the three
+
+
+def _forms() -> str:
+    return "; ".join(f"{name}: {engine.forms}" for name, engine in TARGETS.items())
+
+
+def parse_target(url: str) -> TargetSpec:
+    """The target a URL names, or SyncError in one line (credentials, unknown engine, missing collection)."""
+    url = str(url).strip()
+    engine, sep, rest = url.partition("://")
+    if not sep or engine not in TARGETS:
+        raise SyncError(f"--to {redact_url(url)!r}: unknown target; the forms are {_forms()}")
+    found = url_secrets(url)
+    nested = rest.partition("://")[2] if engine == "lancedb" else rest
+    if found or "@" in nested.split("/", 1)[0] or "@" in rest.split("/", 1)[0]:
+        raise SyncError(f"--to {redact_url(url)} is refused: it carries {', '.join(found) or 'credentials'}; give "
+                        "the plain URL, and credentials through MILVUS_TOKEN, QDRANT_API_KEY or the object store's "
+                        "environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE)")
+    if "?" in url or "#" in url:
+        raise SyncError(f"--to {redact_url(url)}: a target URL takes no query or fragment (credentials come from "
+                        "the environment: MILVUS_TOKEN, QDRANT_API_KEY, AWS_*)")
+    where, _, name = rest.rstrip("/").rpartition("/")
+    if not where or not _NAME.match(name):
+        raise SyncError(f"--to {url!r}: name the {'table' if engine == 'lancedb' else 'collection'} last (letters, "
+                        f"digits and '_', starting with a letter or '_'); the forms are {TARGETS[engine].forms}")
+    local = where.startswith("/") or (engine == "lancedb" and "://" not in where)
+    if engine == "lancedb" and where.startswith("file://"):
+        where, local = where[len("file://"):], True
+    if not local and engine != "lancedb" and not re.match(r"^[A-Za-z0-9.\-\[\]:]+:\d+$", where):
+        raise SyncError(f"--to {url!r}: expected HOST:PORT or an absolute path before the collection; the forms are "
+                        f"{TARGETS[engine].forms}")
+    return TargetSpec(url=url, engine=engine, where=where, name=name, local=local)
+
+
+def open_target(spec: TargetSpec) -> Target:
+    """The client for a target (the engine's package imported here, so other engines need not be installed)."""
+    import importlib
+
+    engine = TARGETS[spec.engine]
+    try:
+        factory = getattr(importlib.import_module(engine.module), engine.cls)
+        return factory(spec)
+    except ImportError as exc:
+        raise SyncError(f"--to {spec.engine}: its client is not installed ({exc.name}); install imgest[sync]") \
+            from None
+
+
+def check_model(spec: TargetSpec, found: str | None, model: Model, rows: int) -> None:
+    """Refuse a collection made by another model (or by something else than imgest, when it holds rows)."""
+    if found == model.model_id:
+        return
+    what = "collection" if spec.engine != "lancedb" else "table"
+    if found is None and rows == 0:
+        return  # created by a sync killed before it recorded the model: adopted
+    made = f"by model {found}" if found else "outside imgest (no model id recorded)"
+    raise SyncError(f"--to {spec.url}: the {what} {spec.name} was made {made}, not {model.model_id}; sync another "
+                    f"{what}, or drop that one first")
+
+
+def plain(value: object) -> object:
+    """A metadata value as JSON (Milvus dynamic fields and Qdrant payloads): dates and decimals as text."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    return str(value)

@@ -1,0 +1,102 @@
+"""What a store remembers of each sync target, below `sync/<target-slug>/`:
+
+  <seq>.intent.parquet     the item ids a sync is about to upsert, written before the target is touched
+  <seq>.manifest.parquet   every item the target holds after that sync (item_id, content_hash, meta_hash)
+  <seq>.json               the watermark, created (never replaced) once the target acknowledged every batch
+  locks/writer/...         the target's writer lock (imgest/lock.py): one sync of a target at a time
+
+The last watermark names the committed state the target reflects. A sync killed before its watermark left an
+intent: the next one treats the intent's ids as possibly in the target (deleted there if no longer live), and
+upserts are keyed by item_id, so a rerun converges with nothing missing, duplicated or left deleted.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pyarrow as pa
+
+from imgest import records
+from imgest.lock import Fence
+from imgest.storage import Location
+
+SYNC_DIR = "sync"
+_NAME = re.compile(r"^(\d{8})(\.json|\.intent\.parquet|\.manifest\.parquet)$")
+MANIFEST_SCHEMA = pa.schema([("item_id", pa.string()), ("content_hash", pa.string()), ("meta_hash", pa.string())])
+
+
+class WatermarkError(RuntimeError):
+    """The watermark could not be created (another sync wrote that sequence number): nothing recorded."""
+
+
+def target_dir(target_slug: str) -> str:
+    return f"{SYNC_DIR}/{target_slug}"
+
+
+def _key(target_slug: str, seq: int, suffix: str) -> str:
+    return f"{target_dir(target_slug)}/{seq:08d}{suffix}"
+
+
+def listing(store: Location, target_slug: str) -> dict[str, list[int]]:
+    """Sequence numbers by kind: watermarks (`json`), `intent`s and `manifest`s, each ascending."""
+    found: dict[str, list[int]] = {"json": [], "intent": [], "manifest": []}
+    for name in store.list_names(target_dir(target_slug)):
+        if m := _NAME.match(name):
+            found[m.group(2).split(".")[1]].append(int(m.group(1)))
+    return {kind: sorted(seqs) for kind, seqs in found.items()}
+
+
+def last_watermark(store: Location, target_slug: str) -> dict | None:
+    seqs = listing(store, target_slug)["json"]
+    if not seqs:
+        return None
+    key = _key(target_slug, seqs[-1], ".json")
+    mark = store.read_json(key)
+    where = f"{store.url}: {key}"
+    records.field(mark, "seq", int, where)
+    records.field(mark, "model_id", str, where)
+    records.field(mark, "manifest", str, where)
+    return mark
+
+
+def read_manifest(store: Location, target_slug: str, mark: dict | None) -> pa.Table:
+    """The items the last synced target holds (empty before the first sync)."""
+    if mark is None:
+        return MANIFEST_SCHEMA.empty_table()
+    key = store.resolve(mark["manifest"], "manifest")
+    if not key.startswith(target_dir(target_slug) + "/"):
+        raise records.RecordError(f"{store.url}: the watermark of {target_slug} names a manifest outside its folder")
+    return store.read_table(key).select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
+
+
+def unfinished_ids(store: Location, target_slug: str, after: int) -> set[str]:
+    """Item ids that syncs killed after watermark `after` may have written to the target."""
+    ids: set[str] = set()
+    for seq in listing(store, target_slug)["intent"]:
+        if seq > after:
+            ids.update(store.read_table(_key(target_slug, seq, ".intent.parquet"))["item_id"].to_pylist())
+    return ids
+
+
+def next_seq(store: Location, target_slug: str) -> int:
+    return max((s for seqs in listing(store, target_slug).values() for s in seqs), default=0) + 1
+
+
+def write_intent(store: Location, target_slug: str, seq: int, item_ids: list[str]) -> None:
+    store.write_table(_key(target_slug, seq, ".intent.parquet"), pa.table({"item_id": pa.array(item_ids, pa.string())}))
+
+
+def commit(store: Location, target_slug: str, seq: int, manifest: pa.Table, mark: dict, fence: Fence) -> dict:
+    """Record a finished sync: its manifest, then (fenced, create-only) its watermark; older records go."""
+    manifest_key = _key(target_slug, seq, ".manifest.parquet")
+    store.write_table(manifest_key, manifest.cast(MANIFEST_SCHEMA))
+    mark = {**mark, "seq": seq, "manifest": manifest_key}
+    fence.check()  # the target's lock, in its own folder
+    if store.write_json_if(_key(target_slug, seq, ".json"), mark, None) is None:
+        raise WatermarkError(f"{store.url}: {_key(target_slug, seq, '.json')} exists: another sync of this target "
+                             "recorded the same sequence; run the sync again")
+    for kind, seqs in listing(store, target_slug).items():  # the watermarks stay, as the target's history
+        for old in seqs:
+            if kind != "json" and old < seq or kind == "intent" and old == seq:
+                store.delete(_key(target_slug, old, f".{kind}.parquet"))
+    return mark
