@@ -8,7 +8,7 @@ import socket
 from prefect.artifacts import create_markdown_artifact
 
 from imgest import encoders
-from imgest.config import DuplicatesConfig, NightlyConfig
+from imgest.config import DuplicatesConfig, NightlyConfig, SyncConfig
 from imgest.flow_params import configured_flow
 from imgest.flows.build_index import build_index
 from imgest.flows.duplicates import duplicates
@@ -19,12 +19,16 @@ from imgest.tasks.migration.retention import collect_retired
 from imgest.tasks.migration.window import check_window_model, nightly_models
 from imgest.tasks.reports.nightly import render_nightly
 from imgest.tasks.reports.run_names import run_name
+from imgest.tasks.sync.run import sync_task
+from imgest.tasks.sync.targets import parse_target
 from imgest.tasks.watch.steps import drift_task, record_night_task, trend_artifact_task
 
 
 @configured_flow(name="nightly", flow_run_name=run_name("nightly", None))
 def nightly(config: NightlyConfig) -> dict:
     store_loc = open_location(config.store)
+    for target in config.sync_to:  # a bad target URL refuses the night before it starts, not after its builds
+        parse_target(target)
     runs, bases, ingested = [], [], set()
     models, left_out = nightly_models(store_loc, config.model)
     for name, expected_slug in models:
@@ -52,8 +56,9 @@ def nightly(config: NightlyConfig) -> dict:
         found.pop("groups")
     if runs:
         trend_artifact_task(store_loc.url)
+    synced = [sync_task(SyncConfig(store=config.store, to=target, alias="serving")) for target in config.sync_to]
     base_rows = [{"ingest": b, "index": {"built": False, "reason": "base of a head"}} for b in bases]
     create_markdown_artifact(render_nightly(base_rows + runs, retired, left_out, found), key="nightly-summary",
                              description=f"nightly {store_loc.url}")
     return {**(runs[0] if runs else {}), "models": runs, "bases": bases, "retired": retired, "left_out": left_out,
-            "duplicates": found}
+            "duplicates": found, "synced": synced}

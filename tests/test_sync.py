@@ -250,3 +250,39 @@ def test_kill_9_mid_sync_then_a_rerun_converges(engine, tmp_path, synced_store):
         assert rerun["live"] == len(images)
         _check_target(url, tmp_path, titles)
     assert kills >= 1, "no kill landed before the watermark"
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_nightly_syncs_the_serving_model_to_each_target(tmp_path):
+    from imgest.config import NightlyConfig
+    from imgest.flows.nightly import nightly
+
+    cat, meta = tmp_path / "cat", tmp_path / "meta.csv"
+    images = {f"{i:03d}.png": i for i in range(20)}
+    titles = {n: f"gradient {s}" for n, s in images.items()}
+    urls = (_url("lancedb", tmp_path), _url("qdrant", tmp_path), _url("milvus", tmp_path))
+    config = NightlyConfig(catalogue=str(cat), store=str(tmp_path / "store"), model=MODEL, batch_size="8",
+                           metadata=str(meta), sync_to=urls)
+    for night in range(2):
+        if night:
+            del images["000.png"], titles["000.png"]
+            images["050.png"], titles["050.png"] = 50, "new tonight"
+        _catalogue(cat, meta, images, titles)
+        result = nightly(config)
+        assert [s["target"] for s in result["synced"]] == list(urls)
+        assert all(s["live"] == len(images) for s in result["synced"]), result["synced"]
+        assert all((s["upserted"], s["deleted"]) == ((20, 0) if not night else (1, 1)) for s in result["synced"])
+        for url in urls:
+            _check_target(url, tmp_path, titles)
+
+
+def test_nightly_refuses_a_bad_sync_target_before_it_starts(tmp_path):
+    (tmp_path / "cat").mkdir()
+    base = ["nightly", "--catalogue", str(tmp_path / "cat"), "--store", str(tmp_path / "store"), "--model", MODEL]
+    for url, words in (("qdrant://localhost:6333/c?api_key=qd-s3cret", "refused"),
+                       ("weaviate://localhost:8080/c", "unknown target")):
+        result = CliRunner().invoke(app, [*base, "--sync-to", _url("lancedb", tmp_path), "--sync-to", url])
+        assert result.exit_code == 2, result.output
+        assert len(result.output.strip().splitlines()) == 1 and words in result.output
+        assert "qd-s3cret" not in result.output
+    assert not (tmp_path / "store").exists()  # nothing ran

@@ -42,11 +42,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from imgest.tasks.search.query import SearchError
     from imgest.tasks.state.catalogue_images import CatalogueRootError
     from imgest.tasks.state.models import ModelNotFoundError
+    from imgest.tasks.sync.targets import SyncError
 
     return (ConfigError, EncoderError, StoreLockedError, StorageError, ModelNotFoundError, FileNotFoundError,
             IndexChoiceError, IndexIntegrityError, IndexNotFoundError, SearchError, MigrationError, QuerySetError,
             HeadError, MassDeleteError, MetadataError, InventoryError, AliasError,
-            CatalogueRootError, RecordError, RoutingError, LockLostError, SizeError)
+            CatalogueRootError, RecordError, RoutingError, LockLostError, SizeError, SyncError)
 
 
 def _check_model(name: str, store: str) -> None:

@@ -162,6 +162,10 @@ def nightly(config: NightlyConfig) -> None:
 
         if config.model:
             _check_model(config.model, config.store)
+        from imgest.tasks.sync.targets import parse_target
+
+        for target in config.sync_to:  # before Prefect starts: a bad target refuses the night, not its end
+            parse_target(target)
         check_apart(open_location(config.catalogue, must_exist=True, what="catalogue"), open_location(config.store))
 
         from imgest.flows.nightly import nightly as nightly_flow
@@ -179,6 +183,14 @@ def nightly(config: NightlyConfig) -> None:
         typer.echo(render_summary(RunSummary(**run["ingest"])))
         index = run["index"]
         typer.echo(render_card(index["card"]) if index["built"] else f"no index built: {index['reason']}")
+    for synced in result.get("synced", []):
+        if "error" in synced:
+            typer.echo(f"sync to {synced['target']} failed: {synced['error']} (the next sync catches up)")
+        else:
+            typer.echo(f"synced {synced['target']}: {synced['upserted']} upserted, {synced['deleted']} deleted, "
+                       f"{synced['live']} live (watermark {synced['watermark']['key']})")
+    if any("error" in synced for synced in result.get("synced", [])):
+        raise typer.Exit(code=1)
 
 
 @app.command()

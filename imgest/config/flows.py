@@ -84,6 +84,20 @@ from imgest.names import (
 )
 
 
+def _targets(value: object) -> tuple[str, ...]:
+    """Sync targets: one URL or several; none carrying credentials (the full URL check is the sync's own)."""
+    from imgest.redact import redact_url, url_secrets
+
+    values = (value,) if isinstance(value, str) else tuple(value or ())
+    for url in values:
+        if not isinstance(url, str) or not url.strip():
+            raise ValueError("sync_to must be target URLs (milvus://, qdrant://, lancedb://)")
+        if found := url_secrets(url):
+            raise ValueError(f"sync_to {redact_url(url)} is refused: it carries {', '.join(found)}; credentials come "
+                             "from the environment (MILVUS_TOKEN, QDRANT_API_KEY, AWS_*)")
+    return values
+
+
 # -- one configuration per flow ----------------------------------------------------------------------------
 class EncodeConfig(FlowConfig):
     """What every encode of a catalogue into a store takes (ingest and reencode)."""
@@ -197,6 +211,9 @@ class NightlyConfig(IngestConfig):
         description="IVF and flat indexes: add this many slices in parallel on runner, merge")] = DEFAULT_INDEX_PARTS
     disk: Disk = DEFAULT_DISK
     report_duplicates: Annotated[bool, Field(description="After the builds, report duplicate groups, new ones")] = False
+    sync_to: Annotated[tuple[str, ...], BeforeValidator(_targets), Cli("--sync-to", list[str]), Field(
+        description="After the builds, sync the serving model to this vector database (repeat it for several): "
+                    "milvus://..., qdrant://..., lancedb://... as imgest sync --to takes")] = ()
 
     def ingest(self, model: str) -> IngestConfig:
         return IngestConfig(**{**self.model_dump(include=set(IngestConfig.model_fields)), "model": model})

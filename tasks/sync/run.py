@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from imgest.config import SyncConfig
 from imgest.lock import StoreLock, StoreLockedError
@@ -178,3 +180,20 @@ def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, b
             "watermark": {"seq": mark["seq"], "key": f"{watermark.target_dir(spec.slug)}/{mark['seq']:08d}.json",
                           "state_seq": state.seq, "live_fingerprint": fingerprint}}
 
+
+
+def sync_or_record(config: SyncConfig) -> dict:
+    """A sync as one step of a larger run (the nightly): a target that fails is that target's failure, recorded
+    in one line with the store untouched (no watermark), and the run goes on; the next sync catches up."""
+    from imgest.redact import one_line, redact
+
+    try:
+        return sync(config)
+    except Exception as exc:  # a target down or refusing: that target's, never the night's
+        log.error("sync to %s failed: %s", redact(config.to), redact(one_line(exc)))
+        return {"target": redact(config.to), "error": redact(one_line(exc))}
+
+
+@task(name="sync", cache_policy=NO_CACHE)
+def sync_task(config: SyncConfig) -> dict:
+    return sync_or_record(config)
