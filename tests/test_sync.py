@@ -286,3 +286,15 @@ def test_nightly_refuses_a_bad_sync_target_before_it_starts(tmp_path):
         assert len(result.output.strip().splitlines()) == 1 and words in result.output
         assert "qd-s3cret" not in result.output
     assert not (tmp_path / "store").exists()  # nothing ran
+
+
+def test_a_failing_target_is_recorded_in_one_line_and_nothing_is_watermarked(tmp_path, synced_store):
+    from imgest.tasks.sync.run import sync_or_record
+
+    url = _url("lancedb", tmp_path)
+    target = open_target(parse_target(url))
+    target.open(Model("someone-else/model@1234", "someone-else-1234", 768), None)
+    result = sync_or_record(SyncConfig(store=str(tmp_path / "store"), to=url, model=MODEL))
+    assert set(result) == {"target", "error"} and "made by model someone-else" in result["error"]
+    assert "\n" not in result["error"]
+    assert watermark.listing(Location(str(tmp_path / "store")), parse_target(url).slug)["json"] == []
