@@ -298,3 +298,24 @@ def test_a_failing_target_is_recorded_in_one_line_and_nothing_is_watermarked(tmp
     assert set(result) == {"target", "error"} and "made by model someone-else" in result["error"]
     assert "\n" not in result["error"]
     assert watermark.listing(Location(str(tmp_path / "store")), parse_target(url).slug)["json"] == []
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def s3_for_lance(request):
+    """An S3 API server on loopback (moto's, SeaweedFS), its endpoint and keys in the environment as users set them."""
+    from tests.s3servers import use
+
+    return use(request, request.param)
+
+
+@pytest.mark.slow
+def test_lancedb_on_an_object_store_with_credentials_from_the_environment(tmp_path, synced_store, s3_for_lance):
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_for_lance).create_bucket(Bucket="lance-target")
+    images, titles = synced_store
+    url = "lancedb://s3://lance-target/vectors/products"
+    first = _sync(url, tmp_path)
+    assert (first["upserted"], first["deleted"], first["live"]) == (30, 0, 30)
+    _check_target(url, tmp_path, titles)
+    assert _sync(url, tmp_path)["upserted"] == 0

@@ -3,11 +3,33 @@ columns as a table, rows merged on item_id, the model id in the table's schema m
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import pyarrow as pa
 
 from imgest.tasks.sync.targets import MODEL_KEY, Model, TargetSpec, check_model
+
+
+def object_store_options(url: str) -> dict[str, str]:
+    """Lance's options for an s3:// table: the keys of imgest's Prefect block when one is configured (Lance
+    reads AWS_* from the environment itself otherwise), and plain HTTP allowed when the endpoint is http://
+    (a loopback or in-cluster S3 server; Lance refuses it by default)."""
+    if not url.lower().startswith("s3://"):
+        return {}
+    from imgest.storage.credentials import storage_options
+
+    found = storage_options(url)
+    options = {lance: str(found[ours]) for ours, lance in (("key", "aws_access_key_id"), ("secret",
+               "aws_secret_access_key"), ("token", "aws_session_token"), ("endpoint_url", "aws_endpoint"))
+               if found.get(ours)}
+    if region := found.get("client_kwargs", {}).get("region_name"):
+        options["aws_region"] = region
+    endpoint = options.get("aws_endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or \
+        os.environ.get("AWS_ENDPOINT_URL", "")
+    if endpoint.lower().startswith("http://"):
+        options["allow_http"] = "true"
+    return options
 
 
 def _quoted(item_id: str) -> str:
@@ -19,7 +41,7 @@ class LanceTarget:
         import lancedb
 
         self.spec, self.name = spec, spec.name
-        self.db = lancedb.connect(spec.where)  # an object store's credentials: from its environment variables
+        self.db = lancedb.connect(spec.where, storage_options=object_store_options(spec.where))
         self.table = None
         self.schema: pa.Schema | None = None
 
