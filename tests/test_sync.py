@@ -129,9 +129,22 @@ def test_sync_follows_three_nights_of_churn(engine, tmp_path):
     third = _sync(url, tmp_path)
     assert (third["upserted"], third["deleted"], third["live"]) == (1, 2, 24)
     _check_target(url, tmp_path, titles)
+
+    # night 4: the feed gains a column: every row's metadata changed, so every item is sent again with it
+    meta.write_text("item_id,title,price,colour\n" + "".join(f"{n},{titles[n]},{images[n]}.5,red\n"
+                                                             for n in sorted(images)))
+    _ingest(tmp_path)
+    fourth = _sync(url, tmp_path)
+    assert (fourth["upserted"], fourth["deleted"]) == (24, 0)
+    target = open_target(parse_target(url))
+    try:
+        target.open(Model(first["model"], "", 0), None)
+        assert {row["colour"] for row in target.get(sorted(images)).values()} == {"red"}
+    finally:
+        target.close()
     store = Location(str(tmp_path / "store"))
     slug = parse_target(url).slug
-    assert watermark.listing(store, slug) == {"json": [1, 2, 3, 4], "intent": [], "manifest": [4]}
+    assert watermark.listing(store, slug) == {"json": [1, 2, 3, 4, 5], "intent": [], "manifest": [5]}
     assert watermark.last_watermark(store, slug)["live"] == 24
 
 

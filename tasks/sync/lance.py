@@ -56,6 +56,10 @@ class LanceTarget:
             self.schema = self.table.schema
             found = (self.schema.metadata or {}).get(MODEL_KEY.encode())
             check_model(self.spec, found.decode() if found else None, model, self.count())
+            missing = [f for f in (columns or []) if f.name not in self.schema.names]
+            if missing:  # a metadata column new since the table was made: added, null until its rows are sent
+                self.table.add_columns(pa.schema(missing))
+                self.schema = self.table.schema
             return False
         fields = [pa.field("item_id", pa.string(), nullable=False),
                   pa.field("vector", pa.list_(pa.float32(), model.dim))]
@@ -67,7 +71,7 @@ class LanceTarget:
     def upsert(self, rows: pa.Table) -> None:
         if not rows.num_rows:
             return
-        # the table's columns, in its order: a metadata column added after creation is left out
+        # the table's columns, in its order (a column the metadata no longer has: null)
         data = pa.table({f.name: rows[f.name].cast(f.type) if f.name in rows.column_names
                          else pa.nulls(rows.num_rows, f.type) for f in self.schema}, schema=self.schema)
         self.table.merge_insert("item_id").when_matched_update_all().when_not_matched_insert_all().execute(data)
