@@ -3,6 +3,7 @@ FLOAT_VECTOR searched by inner product (FLAT: exact), metadata as dynamic fields
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 
@@ -38,8 +39,16 @@ class MilvusTarget:
         schema.add_field("vector", DataType.FLOAT_VECTOR, dim=model.dim)
         index = self.client.prepare_index_params()
         index.add_index("vector", index_type="FLAT", metric_type="IP")  # exact; vectors are L2-normalised
-        self.client.create_collection(self.name, schema=schema, index_params=index,
-                                      properties={MODEL_KEY: model.model_id}, consistency_level="Strong")
+        grpc_log = logging.getLogger("grpc._server")
+        level, quiet = grpc_log.level, self.spec.local and grpc_log.level < logging.CRITICAL
+        if quiet:  # pymilvus 3.0 asks Milvus Lite's in-process server for AllocTimestamp, which it lacks; the
+            grpc_log.setLevel(logging.CRITICAL)  # server logs a traceback, the client goes on and the create holds
+        try:
+            self.client.create_collection(self.name, schema=schema, index_params=index,
+                                          properties={MODEL_KEY: model.model_id}, consistency_level="Strong")
+        finally:
+            if quiet:
+                grpc_log.setLevel(level)
         return True
 
     def upsert(self, rows: pa.Table) -> None:
