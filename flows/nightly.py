@@ -58,7 +58,7 @@ def nightly(config: NightlyConfig) -> dict:
         trend_artifact_task(store_loc.url)
     synced = [sync_task(SyncConfig(store=config.store, to=target, alias="serving")) for target in config.sync_to]
     base_rows = [{"ingest": b, "index": {"built": False, "reason": "base of a head"}} for b in bases]
-    create_markdown_artifact(render_nightly(base_rows + runs, retired, left_out, found), key="nightly-summary",
+    create_markdown_artifact(render_nightly(base_rows + runs, retired, left_out, found, synced), key="nightly-summary",
                              description=f"nightly {store_loc.url}")
     return {**(runs[0] if runs else {}), "models": runs, "bases": bases, "retired": retired, "left_out": left_out,
             "duplicates": found, "synced": synced}

@@ -5,7 +5,8 @@ from __future__ import annotations
 from imgest.tasks.duplicates.groups import describe_threshold
 
 
-def render_nightly(runs: list[dict], retired: list, left_out: list[str] = (), duplicates: dict | None = None) -> str:
+def render_nightly(runs: list[dict], retired: list, left_out: list[str] = (), duplicates: dict | None = None,
+                   synced: list[dict] = ()) -> str:
     lines = ["# imgest nightly", "", "| model | listed | encoded | rejected | deleted | images/s | index | recall@k "
              "| aliases |", "|---|---:|---:|---:|---:|---:|---|---:|---|"]
     for run in runs:
@@ -26,4 +27,8 @@ def render_nightly(runs: list[dict], retired: list, left_out: list[str] = (), du
         lines += ["", f"Duplicates of `{duplicates['model_id']}`: {duplicates['exact_groups']} exact groups, "
                       f"{duplicates['near_groups']} near, **{duplicates['new_groups']} new** since the last report "
                       f"(`{duplicates['key']}`); {describe_threshold(duplicates)}."]
+    for sync in synced:  # imgest nightly --sync-to: one line per target
+        lines.append(f"\nSync to `{sync['target']}` failed: {sync['error']}" if "error" in sync else
+                     f"\nSynced `{sync['target']}`: {sync['upserted']} upserted, {sync['deleted']} deleted, "
+                     f"{sync['live']} live (`{sync['watermark']['key']}`)")
     return "\n".join(lines)
