@@ -8,15 +8,14 @@ from imgest.config.flows import (
     DuplicatesConfig,
     EncodeConfig,
     EvalConfig,
-    HeadConfig,
     IndexConfig,
     IngestConfig,
     MigrateConfig,
     NightlyConfig,
     ReencodeConfig,
     SyncConfig,
-    TrainHeadConfig,
 )
+from imgest.config.heads import HeadConfig, TrainHeadConfig
 
 __all__ = ["CONFIGS", "Cli", "ConfigError", "DuplicatesConfig", "EncodeConfig", "EvalConfig", "FlowConfig",
            "HeadConfig", "IndexConfig", "IngestConfig", "MigrateConfig", "NightlyConfig", "ReencodeConfig",
