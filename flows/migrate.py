@@ -19,11 +19,15 @@ from imgest.tasks.migration.aliases import read_alias
 from imgest.tasks.reports.migration import render_finished, render_window
 from imgest.tasks.reports.run_names import run_name
 from imgest.tasks.state.status import last_run
+from imgest.tasks.sync.targets import parse_target
+from imgest.tasks.sync.window import switch_targets
 
 
 @configured_flow(name="migrate", flow_run_name=run_name("migrate", "to"))
 def migrate(config: MigrateConfig) -> dict:
     store_loc = open_location(config.store, must_exist=True, what="store")
+    for target in config.sync_to:  # a bad target URL refuses the step before anything moves
+        parse_target(target)
     if config.action == "start":  # its re-encode and index build take the writer lock themselves
         migrate_start(config)
     elif config.action in ("promote", "rollback", "finish"):
@@ -41,6 +45,8 @@ def migrate(config: MigrateConfig) -> dict:
         create_markdown_artifact(render_finished(finished), key="migration-window")
         return {"open": False, "finished": finished}
     status = migration.window_status(store_loc)
+    if config.action in ("promote", "rollback"):  # after the store's alias moved: it is what the targets follow
+        status["targets"] = switch_targets(store_loc, config.sync_to)
     create_markdown_artifact(render_window(status), key="migration-window", description=f"migrate {config.action}")
     return status
 

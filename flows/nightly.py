@@ -21,6 +21,7 @@ from imgest.tasks.reports.nightly import render_nightly
 from imgest.tasks.reports.run_names import run_name
 from imgest.tasks.sync.run import sync_task
 from imgest.tasks.sync.targets import parse_target
+from imgest.tasks.sync.window import window_companions
 from imgest.tasks.watch.steps import drift_task, record_night_task, trend_artifact_task
 
 
@@ -56,7 +57,10 @@ def nightly(config: NightlyConfig) -> dict:
         found.pop("groups")
     if runs:
         trend_artifact_task(store_loc.url)
-    synced = [sync_task(SyncConfig(store=config.store, to=target, alias="serving")) for target in config.sync_to]
+    # each target: the serving model (its name answers for it), then during a window the other model, into its own
+    companions = window_companions(store_loc)
+    synced = [sync_task(SyncConfig(store=config.store, to=target, **which)) for target in config.sync_to
+              for which in ({"alias": "serving"}, *({"model": slug} for slug in companions))]
     base_rows = [{"ingest": b, "index": {"built": False, "reason": "base of a head"}} for b in bases]
     create_markdown_artifact(render_nightly(base_rows + runs, retired, left_out, found, synced), key="nightly-summary",
                              description=f"nightly {store_loc.url}")

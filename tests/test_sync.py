@@ -52,18 +52,22 @@ def _ingest(tmp_path) -> None:
                         metadata=str(tmp_path / "meta.csv"), shard_size=8))
 
 
-def _live(tmp_path):
+def _live(tmp_path, model: str = MODEL):
     store = Location(str(tmp_path / "store"))
-    card = find_model(store, MODEL)
+    card = find_model(store, model)
     return load_live_vectors(store, card["slug"], int(card["dim"])), card
 
 
-def _check_target(url: str, tmp_path, titles: dict[str, str]) -> None:
-    """The target holds exactly the live items, their metadata, and answers like an exact search."""
-    live, card = _live(tmp_path)
+def _check_target(url: str, tmp_path, titles: dict[str, str], model: str = MODEL, named: bool = True) -> None:
+    """The target's name (or with named=False the model's own collection) answers for `model`: it holds exactly
+    its live items, their metadata, and answers like an exact search."""
+    live, card = _live(tmp_path, model)
     target = open_target(parse_target(url))
     try:
-        target.open(Model(card["model_id"], card["slug"], int(card["dim"])), None)
+        if named:
+            assert target.open_named() == card["model_id"]
+        else:
+            target.open(Model(card["model_id"], card["slug"], int(card["dim"])), None)
         assert target.count() == len(live)
         rows = target.get(live.item_ids)
         assert sorted(rows) == sorted(live.item_ids)
@@ -138,12 +142,12 @@ def test_sync_follows_three_nights_of_churn(engine, tmp_path):
     assert (fourth["upserted"], fourth["deleted"]) == (24, 0)
     target = open_target(parse_target(url))
     try:
-        target.open(Model(first["model"], "", 0), None)
+        assert target.open_named() == first["model"]
         assert {row["colour"] for row in target.get(sorted(images)).values()} == {"red"}
     finally:
         target.close()
     store = Location(str(tmp_path / "store"))
-    slug = parse_target(url).slug
+    slug = watermark.model_dir(parse_target(url).slug, find_model(store, MODEL)["slug"])
     assert watermark.listing(store, slug) == {"json": [1, 2, 3, 4, 5], "intent": [], "manifest": [5]}
     assert watermark.last_watermark(store, slug)["live"] == 24
 
@@ -157,12 +161,23 @@ def synced_store(tmp_path, prefect_harness):
     return images, titles
 
 
+def _plant_another_model(url: str, slug: str) -> None:
+    """The collection the model `slug` syncs into made by another model: <name>__<slug> (and, for LanceDB, TABLE
+    held by a third model, so the model does not take TABLE itself)."""
+    target = open_target(parse_target(url))
+    try:
+        target.open(Model("someone-else/other@1", "someone-else-other", 768), None, takes_name=True)
+        target.point(Model("someone-else/other@1", "someone-else-other", 768))
+        target.open(Model("someone-else/model@1234", slug, 768), None)
+    finally:
+        target.close()
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_target_made_by_another_model_is_refused_in_one_line(engine, tmp_path, synced_store):
-    url = _url(engine, tmp_path)
-    target = open_target(parse_target(url))
-    target.open(Model("someone-else/model@1234", "someone-else-1234", 768), None)
-    target.close()
+    """The collection a model syncs into holding another model's vectors: refused, never mixed."""
+    url, slug = _url(engine, tmp_path), find_model(Location(str(tmp_path / "store")), MODEL)["slug"]
+    _plant_another_model(url, slug)
     result = CliRunner().invoke(app, ["sync", "--store", str(tmp_path / "store"), "--to", url, "--model", MODEL])
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
@@ -234,7 +249,8 @@ sync(SyncConfig(store=sys.argv[1], to=sys.argv[2], model="raw-pixels", batch=1))
 def test_kill_9_mid_sync_then_a_rerun_converges(engine, tmp_path, synced_store):
     images, titles = synced_store
     url, store = _url(engine, tmp_path), Location(str(tmp_path / "store"))
-    slug, rng = parse_target(url).slug, random.Random(engine)
+    slug = watermark.model_dir(parse_target(url).slug, find_model(store, MODEL)["slug"])
+    rng = random.Random(engine)
     _sync(url, tmp_path)
     kills = 0
     for night in range(2):
@@ -304,13 +320,13 @@ def test_nightly_refuses_a_bad_sync_target_before_it_starts(tmp_path):
 def test_a_failing_target_is_recorded_in_one_line_and_nothing_is_watermarked(tmp_path, synced_store):
     from imgest.tasks.sync.run import sync_or_record
 
-    url = _url("lancedb", tmp_path)
-    target = open_target(parse_target(url))
-    target.open(Model("someone-else/model@1234", "someone-else-1234", 768), None)
+    url, store = _url("lancedb", tmp_path), Location(str(tmp_path / "store"))
+    slug = find_model(store, MODEL)["slug"]
+    _plant_another_model(url, slug)
     result = sync_or_record(SyncConfig(store=str(tmp_path / "store"), to=url, model=MODEL))
     assert set(result) == {"target", "error"} and "made by model someone-else" in result["error"]
     assert "\n" not in result["error"]
-    assert watermark.listing(Location(str(tmp_path / "store")), parse_target(url).slug)["json"] == []
+    assert watermark.listing(store, watermark.model_dir(parse_target(url).slug, slug))["json"] == []
 
 
 @pytest.fixture(params=["moto", "seaweedfs"])
@@ -332,3 +348,104 @@ def test_lancedb_on_an_object_store_with_credentials_from_the_environment(tmp_pa
     assert (first["upserted"], first["deleted"], first["live"]) == (30, 0, 30)
     _check_target(url, tmp_path, titles)
     assert _sync(url, tmp_path)["upserted"] == 0
+
+
+@pytest.mark.parametrize("engine", ["milvus", "qdrant"])
+def test_a_plain_collection_under_the_target_name_is_refused_in_one_line(engine, tmp_path, synced_store):
+    """Milvus and Qdrant keep an alias under the target's name: a collection there (made outside imgest, or by
+    a sync that wrote into the name itself) is refused before anything is created."""
+    url = _url(engine, tmp_path)
+    if engine == "milvus":
+        from pymilvus import MilvusClient
+
+        client = MilvusClient(uri=str(tmp_path / "vectors.db"))
+        client.create_collection("products", dimension=8)
+        client.close()
+        from milvus_lite.server_manager import server_manager_instance
+
+        server_manager_instance.release_server(str(tmp_path / "vectors.db"))
+    else:
+        from qdrant_client import QdrantClient, models
+
+        client = QdrantClient(path=str(tmp_path / "qdrant"))
+        client.create_collection("products", vectors_config=models.VectorParams(size=8, distance=models.Distance.DOT))
+        client.close()
+    result = CliRunner().invoke(app, ["sync", "--store", str(tmp_path / "store"), "--to", url, "--model", MODEL])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "products is a collection, not the alias imgest keeps there" in lines[0], lines
+
+
+def test_a_target_synced_with_the_earlier_layout_is_refused_in_one_line(tmp_path, synced_store):
+    """Watermarks written directly in the target's folder (before a collection per model): refused, naming
+    what to drop."""
+    url = _url("lancedb", tmp_path)
+    store = Location(str(tmp_path / "store"))
+    store.write_json(f"{watermark.target_dir(parse_target(url).slug)}/00000001.json", {"seq": 1})
+    result = CliRunner().invoke(app, ["sync", "--store", str(tmp_path / "store"), "--to", url, "--model", MODEL])
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1 and "synced by an earlier imgest" in result.output
+
+
+@pytest.mark.usefixtures("prefect_harness")
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_migration_window_in_the_target(engine, tmp_path, tiny_models):
+    """The nightly syncs both models of an open window, each into its own collection; promote and rollback
+    (with --sync-to) switch what the target's name answers for, its top-10 the exact top-10 of the model now
+    serving; after finish the nightly syncs the one model left, and drops the retired one's collection once the
+    store deleted its data."""
+    from imgest.config import MigrateConfig, NightlyConfig
+    from imgest.flows.migrate import migrate
+    from imgest.flows.nightly import nightly
+
+    cat, meta, url = tmp_path / "cat", tmp_path / "meta.csv", _url(engine, tmp_path)
+    images = {f"{i:03d}.png": i for i in range(16)}
+    titles = {n: f"gradient {s}" for n, s in images.items()}
+    _catalogue(cat, meta, images, titles)
+    config = NightlyConfig(catalogue=str(cat), store=str(tmp_path / "store"), model=MODEL, batch_size="8",
+                           metadata=str(meta), sync_to=(url,))
+    first = nightly(config)
+    assert [(s["model"], s["answers"]) for s in first["synced"]] == [(first["ingest"]["model_id"], True)]
+    _check_target(url, tmp_path, titles)
+    old, new = first["ingest"]["model_id"], f"hf:{tiny_models['dinov2']}"
+    start = migrate(MigrateConfig(store=str(tmp_path / "store"), action="start", to=new, batch_size="8"))
+    new_id, new_slug = start["window"]["to"]["model_id"], start["window"]["to"]["slug"]
+
+    # a night in the window, with changes: both models synced, the name still answers for the old one
+    del images["000.png"], titles["000.png"]
+    images["040.png"], titles["040.png"] = 40, "new in the window"
+    _catalogue(cat, meta, images, titles)
+    night = nightly(config)
+    assert [(s["model"], s["answers"]) for s in night["synced"]] == [(old, True), (new_id, False)], night["synced"]
+    assert night["synced"][1]["upserted"] == len(images)  # the candidate's first sync: every live item
+    _check_target(url, tmp_path, titles, MODEL)
+    _check_target(url, tmp_path, titles, new_slug, named=False)
+
+    store = str(tmp_path / "store")
+    promoted = migrate(MigrateConfig(store=store, action="promote", force="tested below", sync_to=(url,)))
+    switch = promoted["targets"]["switched"]
+    assert [(s["model"], s["answers"], s["upserted"], s["deleted"]) for s in switch] == [(new_id, True, 0, 0)]
+    _check_target(url, tmp_path, titles, new_slug)  # the name answers with the new model's vectors, exact top-10
+    rolled = migrate(MigrateConfig(store=store, action="rollback", sync_to=(url,)))
+    assert [(s["model"], s["answers"]) for s in rolled["targets"]["switched"]] == [(old, True)]
+    _check_target(url, tmp_path, titles, MODEL)
+    _check_target(url, tmp_path, titles, new_slug, named=False)  # kept beside, current for another promote
+    migrate(MigrateConfig(store=store, action="promote", force="tested above", sync_to=(url,)))
+    _check_target(url, tmp_path, titles, new_slug)
+    finished = migrate(MigrateConfig(store=store, action="finish", retain_days=0))
+    old_slug = first["ingest"]["slug"]
+    assert finished["finished"]["deleted"] == [old_slug]  # the retention passed (0 days): the store deleted it
+
+    # the next night syncs the one model left and drops the retired model's collection with its records
+    images["041.png"], titles["041.png"] = 41, "after the window"
+    _catalogue(cat, meta, images, titles)
+    after = nightly(config)
+    assert [(s["model"], s["answers"], s["upserted"], s["dropped"]) for s in after["synced"]] == \
+        [(new_id, True, 1, [old_slug])]
+    _check_target(url, tmp_path, titles, new_slug)
+    assert watermark.synced_models(Location(store), parse_target(url).slug) == [new_slug]
+    target = open_target(parse_target(url))
+    try:
+        assert not target.drop(Model(old, old_slug, 0)), "already dropped"
+    finally:
+        target.close()

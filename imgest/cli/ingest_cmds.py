@@ -187,8 +187,9 @@ def nightly(config: NightlyConfig) -> None:
         if "error" in synced:
             typer.echo(f"sync to {synced['target']} failed: {synced['error']} (the next sync catches up)")
         else:
-            typer.echo(f"synced {synced['target']}: {synced['upserted']} upserted, {synced['deleted']} deleted, "
-                       f"{synced['live']} live (watermark {synced['watermark']['key']})")
+            typer.echo(f"synced {synced['target']} with {synced['model']} into {synced['collection']}"
+                       f"{' (the name answers for it)' if synced['answers'] else ''}: {synced['upserted']} upserted, "
+                       f"{synced['deleted']} deleted, {synced['live']} live (watermark {synced['watermark']['key']})")
     if any("error" in synced for synced in result.get("synced", [])):
         raise typer.Exit(code=1)
 

@@ -42,6 +42,8 @@ def _migrate(config: MigrateConfig, as_json: bool = False) -> None:
         from imgest.tasks.reports.migration import render_window
 
         typer.echo(render_window(result))
+    if any("error" in sync for sync in result.get("targets", {}).get("switched", [])):
+        raise typer.Exit(code=1)  # the move stands; a target that did not follow is the operator's to look at
 
 
 JSON = typer.Option(False, "--json")
@@ -64,7 +66,8 @@ def migrate_status(config: MigrateConfig, as_json: bool = JSON) -> None:
 
 
 @migrate_app.command("promote")
-@config_command(MigrateConfig, only=("store", "margin", "force", "min_shadow_agreement"), fixed={"action": "promote"})
+@config_command(MigrateConfig, only=("store", "margin", "force", "min_shadow_agreement", "sync_to"),
+                fixed={"action": "promote"})
 def migrate_promote(
     config: MigrateConfig,
     gate: Optional[str] = typer.Option(None, "--gate", help=MigrateConfig.model_fields["gate"].description),
@@ -83,7 +86,7 @@ def migrate_promote(
 
 
 @migrate_app.command("rollback")
-@config_command(MigrateConfig, only=("store",), fixed={"action": "rollback"})
+@config_command(MigrateConfig, only=("store", "sync_to"), fixed={"action": "rollback"})
 def migrate_rollback(config: MigrateConfig, as_json: bool = JSON) -> None:
     """Swap `serving` back to the old model, any time before finish."""
     _migrate(config, as_json)

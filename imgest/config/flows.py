@@ -208,8 +208,9 @@ class NightlyConfig(IngestConfig):
     disk: Disk = DEFAULT_DISK
     report_duplicates: Annotated[bool, Field(description="After the builds, report duplicate groups, new ones")] = False
     sync_to: Annotated[tuple[str, ...], BeforeValidator(_targets), Cli("--sync-to", list[str]), Field(
-        description="After the builds, sync the serving model to this vector database (repeat it for several): "
-                    "milvus://..., qdrant://..., lancedb://... as imgest sync --to takes")] = ()
+        description="After the builds, sync the serving model to this vector database (repeat it for several; "
+                    "during a migration window the other model too, into its own collection): milvus://..., "
+                    "qdrant://..., lancedb://... as imgest sync --to takes")] = ()
 
     def ingest(self, model: str) -> IngestConfig:
         return IngestConfig(**{**self.model_dump(include=set(IngestConfig.model_fields)), "model": model})
@@ -243,6 +244,10 @@ class MigrateConfig(FlowConfig):
                     "least this much (mean overlap@k, 0-1)")] = None
     retain_days: Annotated[float, AfterValidator(non_negative()), Field(
         description="finish: keep the retired model's data this long")] = DEFAULT_RETAIN_DAYS
+    sync_to: Annotated[tuple[str, ...], BeforeValidator(_targets), Cli("--sync-to", list[str]), Field(
+        description="promote, rollback: also switch this vector database's collection alias (or LanceDB table) to "
+                    "the model now serving, as the nightly --sync-to would (repeat it for each target the nightly "
+                    "syncs to)")] = ()
     batch_size: BatchSize = DEFAULT_BATCH_SIZE
     device: Device = DEFAULT_DEVICE
     runtime: Runtime = DEFAULT_RUNTIME

@@ -48,6 +48,14 @@ def render_window(status: dict) -> str:
     for side in ("from", "to"):
         lines.append(f"| {side} | `{w[side]['slug']}` | {idx[side]['version']} | {idx[side]['current']} | "
                      f"{status['storage'][side]['total'] / 2**20:.1f} |")
+    targets = status.get("targets") or {}
+    for sync in targets.get("switched", []):  # promote/rollback --sync-to: one line per target
+        lines.append(f"\nTarget `{sync['target']}`: " + (f"not switched: {sync['error']} (the next nightly switches "
+                     "it)" if "error" in sync else f"answers for `{sync['model']}` (`{sync['collection']}`, "
+                     f"{sync['upserted']} upserted, {sync['deleted']} deleted before the switch)"))
+    if targets.get("not_switched"):
+        lines.append(f"\nSynced from this store but not named with --sync-to, not switched now (the nightly that "
+                     f"syncs them switches them): {', '.join(targets['not_switched'])}")
     return "\n".join(lines) + "\n"
 
 

@@ -27,8 +27,9 @@ def render_nightly(runs: list[dict], retired: list, left_out: list[str] = (), du
         lines += ["", f"Duplicates of `{duplicates['model_id']}`: {duplicates['exact_groups']} exact groups, "
                       f"{duplicates['near_groups']} near, **{duplicates['new_groups']} new** since the last report "
                       f"(`{duplicates['key']}`); {describe_threshold(duplicates)}."]
-    for sync in synced:  # imgest nightly --sync-to: one line per target
+    for sync in synced:  # imgest nightly --sync-to: one line per target and model (two during a window)
         lines.append(f"\nSync to `{sync['target']}` failed: {sync['error']}" if "error" in sync else
-                     f"\nSynced `{sync['target']}`: {sync['upserted']} upserted, {sync['deleted']} deleted, "
-                     f"{sync['live']} live (`{sync['watermark']['key']}`)")
+                     f"\nSynced `{sync['target']}` with `{sync['model']}` into `{sync.get('collection', '?')}`"
+                     f"{' (the name answers for it)' if sync.get('answers') else ''}: {sync['upserted']} upserted, "
+                     f"{sync['deleted']} deleted, {sync['live']} live (`{sync['watermark']['key']}`)")
     return "\n".join(lines)

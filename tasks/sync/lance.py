@@ -1,5 +1,8 @@
 """LanceDB as a sync target (embedded, on a folder or an object store URL): item_id, vector and the metadata
-columns as a table, rows merged on item_id, the model id in the table's schema metadata."""
+columns as a table, rows merged on item_id, the model id and slug in the table's schema metadata. LanceDB has no
+aliases: TABLE holds the serving model's rows and another model syncs into TABLE__<slug>; a switch copies TABLE
+aside to its model's TABLE__<slug>, then replaces TABLE with the new model's rows in one commit (a new version of
+TABLE: a reader opening it meets the old model or the new, never a mix nor no table, as a rename would leave)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from collections.abc import Iterable
 
 import pyarrow as pa
 
-from imgest.tasks.sync.targets import MODEL_KEY, Model, TargetSpec, check_model
+from imgest.tasks.sync.targets import MODEL_KEY, SLUG_KEY, Model, SyncError, TargetSpec, check_model, physical_name
 
 
 def object_store_options(url: str) -> dict[str, str]:
@@ -40,22 +43,39 @@ class LanceTarget:
     def __init__(self, spec: TargetSpec):
         import lancedb
 
-        self.spec, self.name = spec, spec.name
+        self.spec, self.name, self.collection = spec, spec.name, spec.name
         self.db = lancedb.connect(spec.where, storage_options=object_store_options(spec.where))
         self.table = None
         self.schema: pa.Schema | None = None
 
-    def _exists(self) -> bool:
-        listed = self.db.list_tables()
-        names = getattr(listed, "tables", listed)
-        return self.name in names
+    def _names(self) -> set[str]:
+        names, token = set(), None
+        while True:  # paged
+            listed = self.db.list_tables(page_token=token)
+            names.update(getattr(listed, "tables", listed))
+            token = getattr(listed, "page_token", None)
+            if not token:
+                return names
 
-    def open(self, model: Model, columns: pa.Schema) -> bool:
-        if self._exists():
-            self.table = self.db.open_table(self.name)
+    def _made_by(self, name: str) -> tuple[str | None, str | None]:
+        """(model id, model slug) a table records in its schema metadata."""
+        meta = self.db.open_table(name).schema.metadata or {}
+        return tuple(meta[k.encode()].decode() if k.encode() in meta else None for k in (MODEL_KEY, SLUG_KEY))
+
+    def open(self, model: Model, columns: pa.Schema, takes_name: bool = False) -> bool:
+        names = self._names()
+        # TABLE when it holds this model, or is missing and the model takes the name (no copy to make then); the
+        # model's own table beside it otherwise
+        if self.name in names:
+            mine = self._made_by(self.name)[0] == model.model_id
+        else:
+            mine = takes_name
+        self.collection = self.name if mine else physical_name(self.spec, model)
+        if self.collection in names:
+            self.table = self.db.open_table(self.collection)
             self.schema = self.table.schema
             found = (self.schema.metadata or {}).get(MODEL_KEY.encode())
-            check_model(self.spec, found.decode() if found else None, model, self.count())
+            check_model(self.spec, self.collection, found.decode() if found else None, model, self.count())
             missing = [f for f in (columns or []) if f.name not in self.schema.names]
             if missing:  # a metadata column new since the table was made: added, null until its rows are sent
                 self.table.add_columns(pa.schema(missing))
@@ -64,8 +84,52 @@ class LanceTarget:
         fields = [pa.field("item_id", pa.string(), nullable=False),
                   pa.field("vector", pa.list_(pa.float32(), model.dim))]
         fields += [f for f in (columns or []) if f.name not in ("item_id", "vector")]
-        self.schema = pa.schema(fields, metadata={MODEL_KEY: model.model_id, "imgest.metric": "dot"})
-        self.table = self.db.create_table(self.name, schema=self.schema, exist_ok=True)
+        self.schema = pa.schema(fields, metadata={MODEL_KEY: model.model_id, SLUG_KEY: model.slug,
+                                                  "imgest.metric": "dot"})
+        self.table = self.db.create_table(self.collection, schema=self.schema, exist_ok=True)
+        return True
+
+    def answers(self) -> str | None:
+        return self._made_by(self.name)[0] if self.name in self._names() else None
+
+    def _copy(self, source: str, to: str) -> None:
+        """`to` := `source`'s rows and schema, streamed; on an existing table one overwrite commit."""
+        table = self.db.open_table(source)
+        rows = table.search().limit(None).to_batches(8192)
+        self.db.create_table(to, data=rows, schema=table.schema, mode="overwrite")
+
+    def point(self, model: Model) -> None:
+        """The swap, in an order a crash at any step leaves safe: TABLE still answers for one model, and rerunning
+        finishes it (a sync writes to wherever open() finds the model, and the next switch overwrites leftovers)."""
+        names, own = self._names(), physical_name(self.spec, model)
+        if self.name in names:
+            held, slug = self._made_by(self.name)
+            if held != model.model_id:
+                if not slug:
+                    raise SyncError(f"--to {self.spec.url}: the table {self.name} holds model {held} without its "
+                                    "slug (made outside imgest, or by an earlier version): drop it, and the next sync "
+                                    "rebuilds it")
+                self._copy(self.name, physical_name(self.spec, Model(held, slug, 0)))  # kept current for a rollback
+                self._copy(own, self.name)  # the commit readers see
+        elif own in names:
+            self._copy(own, self.name)
+        if own in self._names():  # now a copy of TABLE (or a leftover of a swap killed after its commit)
+            self.db.drop_table(own)
+        self.table, self.collection = self.db.open_table(self.name), self.name
+        self.schema = self.table.schema
+
+    def open_named(self) -> str | None:
+        if self.name not in self._names():
+            return None
+        self.table, self.collection = self.db.open_table(self.name), self.name
+        self.schema = self.table.schema
+        return self._made_by(self.name)[0]
+
+    def drop(self, model: Model) -> bool:
+        collection = physical_name(self.spec, model)
+        if collection not in self._names():
+            return False
+        self.db.drop_table(collection)
         return True
 
     def upsert(self, rows: pa.Table) -> None:

@@ -1,5 +1,7 @@
-"""Milvus as a sync target (a server, or a Milvus Lite file): item_id the VARCHAR primary key, the vector a
-FLOAT_VECTOR searched by inner product (FLAT: exact), metadata as dynamic fields, the model id a property."""
+"""Milvus as a sync target (a server, or a Milvus Lite file): a collection per model (COLLECTION__<slug>) with
+item_id the VARCHAR primary key, the vector a FLOAT_VECTOR searched by inner product (FLAT: exact), metadata as
+dynamic fields, the model id a property; COLLECTION a collection alias of the serving model's (alter_alias: one
+call, so a search by COLLECTION meets one model or the other)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,16 @@ from collections.abc import Iterable
 
 import pyarrow as pa
 
-from imgest.tasks.sync.targets import MODEL_KEY, Model, TargetSpec, check_model, plain
+from imgest.tasks.sync.targets import (
+    MODEL_KEY,
+    SLUG_KEY,
+    Model,
+    TargetSpec,
+    check_model,
+    physical_name,
+    plain,
+    plain_collection,
+)
 
 MAX_ID_CHARS = 4096
 
@@ -23,16 +34,32 @@ class MilvusTarget:
         token = os.environ.get("MILVUS_TOKEN", "")  # user:password or an API key; never in the URL
         self.client = MilvusClient(uri=uri, token=token) if token else MilvusClient(uri=uri)
         self.name = spec.name
+        self.collection = spec.name
 
-    def open(self, model: Model, columns: pa.Schema) -> bool:
+    def _alias_of(self) -> str | None:
+        """The collection the target's name is an alias of; None when it is none (SyncError: a collection)."""
+        listed = self.client.list_aliases()
+        if self.name in (listed.get("aliases", []) if isinstance(listed, dict) else listed):
+            return self.client.describe_alias(self.name)["collection_name"]
+        if self.client.has_collection(self.name):
+            raise plain_collection(self.spec)
+        return None
+
+    def _model_of(self, collection: str) -> str | None:
+        return self.client.describe_collection(collection).get("properties", {}).get(MODEL_KEY)
+
+    def open(self, model: Model, columns: pa.Schema, takes_name: bool = False) -> bool:
         from pymilvus import DataType, MilvusClient
 
-        if self.client.has_collection(self.name):
-            found = self.client.describe_collection(self.name).get("properties", {}).get(MODEL_KEY)
-            check_model(self.spec, found, model, self.count())
+        self._alias_of()  # a collection under the target's own name is refused before anything is created
+        self.collection = physical_name(self.spec, model)
+        if self.client.has_collection(self.collection):
+            found = self._model_of(self.collection)
+            check_model(self.spec, self.collection, found, model, self.count())
             if found is None:
-                self.client.alter_collection_properties(self.name, properties={MODEL_KEY: model.model_id})
-            self.client.load_collection(self.name)
+                self.client.alter_collection_properties(self.collection, properties={MODEL_KEY: model.model_id,
+                                                                                     SLUG_KEY: model.slug})
+            self.client.load_collection(self.collection)
             return False
         schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=True)
         schema.add_field("item_id", DataType.VARCHAR, is_primary=True, max_length=MAX_ID_CHARS)
@@ -44,11 +71,38 @@ class MilvusTarget:
         if quiet:  # pymilvus 3.0 asks Milvus Lite's in-process server for AllocTimestamp, which it lacks; the
             grpc_log.setLevel(logging.CRITICAL)  # server logs a traceback, the client goes on and the create holds
         try:
-            self.client.create_collection(self.name, schema=schema, index_params=index,
-                                          properties={MODEL_KEY: model.model_id}, consistency_level="Strong")
+            self.client.create_collection(self.collection, schema=schema, index_params=index,
+                                          properties={MODEL_KEY: model.model_id, SLUG_KEY: model.slug},
+                                          consistency_level="Strong")
         finally:
             if quiet:
                 grpc_log.setLevel(level)
+        return True
+
+    def answers(self) -> str | None:
+        target = self._alias_of()
+        return self._model_of(target) if target else None
+
+    def point(self, model: Model) -> None:
+        collection, now = physical_name(self.spec, model), self._alias_of()
+        if now is None:
+            self.client.create_alias(collection, self.name)
+        elif now != collection:
+            self.client.alter_alias(collection, self.name)
+
+    def open_named(self) -> str | None:
+        target = self._alias_of()
+        if target is None:
+            return None
+        self.collection = self.name  # searches go through the alias, as a user's do
+        self.client.load_collection(target)
+        return self._model_of(target)
+
+    def drop(self, model: Model) -> bool:
+        collection = physical_name(self.spec, model)
+        if collection == self._alias_of() or not self.client.has_collection(collection):
+            return False
+        self.client.drop_collection(collection)
         return True
 
     def upsert(self, rows: pa.Table) -> None:
@@ -57,23 +111,23 @@ class MilvusTarget:
             entity = {k: plain(v) for k, v in row.items() if v is not None and k not in ("item_id", "vector")}
             data.append({**entity, "item_id": row["item_id"], "vector": row["vector"]})
         if data:
-            self.client.upsert(self.name, data)
+            self.client.upsert(self.collection, data)
 
     def delete(self, item_ids: list[str]) -> None:
         if item_ids:
-            self.client.delete(self.name, ids=list(item_ids))
+            self.client.delete(self.collection, ids=list(item_ids))
 
     def search(self, vector: Iterable[float], k: int) -> list[tuple[str, float]]:
-        hits = self.client.search(self.name, data=[list(map(float, vector))], limit=k, output_fields=["item_id"],
+        hits = self.client.search(self.collection, data=[list(map(float, vector))], limit=k, output_fields=["item_id"],
                                   search_params={"metric_type": "IP"})[0]
         return [(hit["entity"]["item_id"], float(hit["distance"])) for hit in hits]
 
     def get(self, item_ids: list[str]) -> dict[str, dict]:
-        rows = self.client.get(self.name, ids=list(item_ids), output_fields=["*"]) if item_ids else []
+        rows = self.client.get(self.collection, ids=list(item_ids), output_fields=["*"]) if item_ids else []
         return {row["item_id"]: {k: v for k, v in row.items() if k != "vector"} for row in rows}
 
     def count(self) -> int:
-        rows = self.client.query(self.name, filter="", output_fields=["count(*)"])
+        rows = self.client.query(self.collection, filter="", output_fields=["count(*)"])
         return int(rows[0]["count(*)"])
 
     def close(self) -> None:

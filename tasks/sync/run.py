@@ -1,5 +1,6 @@
 """One sync of a target: the model's live items against what the target last acknowledged, the difference
-upserted and deleted in batches, then the watermark recorded."""
+upserted and deleted in batches into the model's own collection, the watermark recorded, then the target's name
+pointed at it when the model is the store's serving one."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from imgest.config import SyncConfig
 from imgest.lock import StoreLock, StoreLockedError
 from imgest.progress import report
-from imgest.storage import Location, open_location
+from imgest.storage import Location, RecordError, open_location
 from imgest.tasks.ingest.metadata import load_metadata
 from imgest.tasks.ingest.shards import embedding_matrix
 from imgest.tasks.state.committed import LIVE, load_state, now_iso, shard_key
@@ -140,24 +141,40 @@ def sync(config: SyncConfig) -> dict:
         lock.release()
 
 
+def serving_slug(store: Location) -> str | None:
+    from imgest.tasks.migration.aliases import read_alias
+
+    serving = read_alias(store, "serving")
+    return serving["slug"] if serving else None
+
+
 def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, batch: int, fence) -> dict:
+    if watermark.listing(store, spec.slug)["json"]:
+        raise SyncError(f"--to {spec.url}: synced by an earlier imgest into {spec.name} itself (watermarks in "
+                        f"{store.url}/{watermark.target_dir(spec.slug)}); drop {spec.name} in the target and that "
+                        "folder in the store, and the next sync rebuilds it with a collection per model")
     fingerprint = live_fingerprint(store, card["slug"])
     state = load_state(store, card["slug"])
     metadata = load_metadata(store)
     columns = metadata_columns(metadata)
-    mark = watermark.last_watermark(store, spec.slug)
+    folder = watermark.model_dir(spec.slug, wanted.slug)
+    mark = watermark.last_watermark(store, folder)
     if mark is not None and mark["model_id"] != wanted.model_id:
         raise SyncError(f"--to {spec.url}: the target was synced from model {mark['model_id']}, not "
                         f"{wanted.model_id}; sync another collection")
+    # the name follows the store's serving alias; in a store with none yet (a first `sync --model`), the first
+    # model synced takes it
+    serving = serving_slug(store)
     target: Target = open_target(spec)
     try:
-        created = target.open(wanted, columns)
-        before = watermark.read_manifest(store, spec.slug, None if created else mark)
-        maybe = set() if created else watermark.unfinished_ids(store, spec.slug, mark["seq"] if mark else 0)
+        takes_name = wanted.slug == serving or serving is None and target.answers() is None
+        created = target.open(wanted, columns, takes_name)
+        before = watermark.read_manifest(store, folder, None if created else mark)
+        maybe = set() if created else watermark.unfinished_ids(store, folder, mark["seq"] if mark else 0)
         todo = plan(live_manifest(state, metadata), before, maybe)
-        seq = watermark.next_seq(store, spec.slug)
+        seq = watermark.next_seq(store, folder)
         fence.check()
-        watermark.write_intent(store, spec.slug, seq, todo.upsert)
+        watermark.write_intent(store, folder, seq, todo.upsert)
         total, done = len(todo.upsert) + len(todo.delete), 0
         what = f"sync {spec.engine}:{spec.name}"
         for start in range(0, len(todo.delete), batch):
@@ -168,18 +185,47 @@ def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, b
             target.upsert(rows)
             done += rows.num_rows
             report(what, done, total, "items")
-        record = {"target": spec.url, "engine": spec.engine, "collection": spec.name, "model_id": wanted.model_id,
-                  "slug": wanted.slug, "state_seq": state.seq, "pending_commits": list(state.pending),
-                  "live_fingerprint": fingerprint, "live": todo.manifest.num_rows, "upserted": len(todo.upsert),
-                  "deleted": len(todo.delete), "created": now_iso(), "created_collection": created}
-        mark = watermark.commit(store, spec.slug, seq, todo.manifest, record, fence)
+        record = {"target": spec.url, "engine": spec.engine, "collection": target.collection,
+                  "model_id": wanted.model_id, "slug": wanted.slug, "state_seq": state.seq,
+                  "pending_commits": list(state.pending), "live_fingerprint": fingerprint,
+                  "live": todo.manifest.num_rows, "upserted": len(todo.upsert), "deleted": len(todo.delete),
+                  "created": now_iso(), "created_collection": created}
+        mark = watermark.commit(store, folder, seq, todo.manifest, record, fence)
+        if takes_name:
+            fence.check()
+            target.point(wanted)
+        answers = target.answers()
+        dropped = drop_retired(store, spec, target, fence)
     finally:
         target.close()
-    return {"target": spec.url, "model": wanted.model_id, "upserted": len(todo.upsert), "deleted": len(todo.delete),
+    return {"target": spec.url, "model": wanted.model_id, "collection": record["collection"],
+            "answers": answers == wanted.model_id, "dropped": dropped, "upserted": len(todo.upsert),
+            "deleted": len(todo.delete),
             "live": todo.manifest.num_rows,
-            "watermark": {"seq": mark["seq"], "key": f"{watermark.target_dir(spec.slug)}/{mark['seq']:08d}.json",
+            "watermark": {"seq": mark["seq"], "key": f"{watermark.target_dir(folder)}/{mark['seq']:08d}.json",
                           "state_seq": state.seq, "live_fingerprint": fingerprint}}
 
+
+
+def drop_retired(store: Location, spec: TargetSpec, target: Target, fence) -> list[str]:
+    """The collections of models a finished window retired, dropped with their records once the store deleted
+    the models' data (after the window's retention, never while an alias needs them)."""
+    from imgest.tasks.migration.retention import retired_slugs, retirement
+
+    gone = []
+    for slug in sorted(set(watermark.synced_models(store, spec.slug)) & retired_slugs(store)):
+        try:
+            entry = retirement(store, f"{slug}.json")
+        except (RecordError, ValueError) as exc:  # malformed: nothing dropped, left for a person to look at
+            log.warning("sync to %s: kept the collection of model=%s: %s", spec.url, slug, exc)
+            continue
+        if not entry.get("deleted_at"):
+            continue
+        fence.check()
+        target.drop(Model(str(entry.get("model_id", "")), slug, 0))
+        store.delete_tree(watermark.target_dir(watermark.model_dir(spec.slug, slug)))
+        gone.append(slug)
+    return gone
 
 
 def sync_or_record(config: SyncConfig) -> dict:

@@ -7,6 +7,12 @@
   lancedb://PATH_OR_URL/TABLE            LanceDB, embedded: a folder (lancedb:///data/lance/TABLE) or an object
                                          store (lancedb://s3://bucket/prefix/TABLE)
 
+COLLECTION (or TABLE) always answers for the store's `serving` alias, and a model's vectors never share a physical
+collection with another model's. Milvus and Qdrant: each model syncs into its own collection,
+`COLLECTION__<model slug>`, and COLLECTION is a collection alias moved in one call to the serving model's. LanceDB has
+no aliases: TABLE holds the serving model's rows, another model syncs into `TABLE__<model slug>`, and a switch
+swaps the two tables' contents (TABLE replaced in one commit, so a reader sees one model or the other).
+
 A URL never carries credentials (they would land in logs, run parameters and the store's watermarks): a user
 part or a query is refused in one line; MILVUS_TOKEN, QDRANT_API_KEY and the object store's usual variables
 (AWS_ACCESS_KEY_ID, ...) come from the environment.
@@ -56,12 +62,27 @@ class Model:
 
 
 class Target(Protocol):
-    """One vector database collection. Upserts and deletes are idempotent (keyed by item_id): a sync killed
-    at any moment and run again converges to the same collection."""
+    """A target's name and the collections behind it, one per model. Upserts and deletes are idempotent (keyed
+    by item_id): a sync killed at any moment and run again converges to the same collection."""
 
-    def open(self, model: Model, columns: pa.Schema) -> bool:
-        """Create the collection for `model` (True), or check an existing one was made for it (False); a
-        collection of another model raises SyncError. `columns`: the metadata columns rows will carry."""
+    collection: str  # the physical collection or table open() opened (writes, reads and counts go there)
+
+    def open(self, model: Model, columns: pa.Schema, takes_name: bool = False) -> bool:
+        """Open `model`'s own collection: create it (True), or check an existing one was made for it (False);
+        a collection of another model raises SyncError. `columns`: the metadata columns rows will carry;
+        `takes_name`: point() follows (LanceDB then creates a missing TABLE itself rather than a copy)."""
+
+    def answers(self) -> str | None:
+        """The model id the target's name answers for now; None while it names nothing."""
+
+    def point(self, model: Model) -> None:
+        """Make the name answer for `model`'s collection (synced, and opened with open(), first)."""
+
+    def open_named(self) -> str | None:
+        """Open what the name answers for, to read it (search, get, count); its model id, None if nothing."""
+
+    def drop(self, model: Model) -> bool:
+        """Drop `model`'s own collection (never the one the name answers for); False: there was none."""
 
     def upsert(self, rows: pa.Table) -> None:
         """Write rows (item_id, vector, metadata columns), replacing those with the same item_id."""
@@ -83,6 +104,26 @@ class Target(Protocol):
 
 
 MODEL_KEY = "imgest.model_id"  # where each engine keeps the model id: properties, collection metadata, schema
+SLUG_KEY = "imgest.model_slug"  # beside it: the model's slug (LanceDB's swap names the table a model moves to)
+MAX_NAME = 255  # Milvus's limit on a collection or alias name, the strictest of the three
+
+
+def physical_name(spec: TargetSpec, model: Model) -> str:
+    """The collection (or non-serving table) a model syncs into: `<name>__<slug>`, the slug's '-' and '.' as
+    '_' (the three engines' names are letters, digits and '_')."""
+    name = f"{spec.name}__{re.sub(r'[^A-Za-z0-9_]', '_', model.slug)}"
+    if len(name) > MAX_NAME:
+        raise SyncError(f"--to {spec.url}: the collection for model={model.slug} would be named {name[:40]}... "
+                        f"({len(name)} characters, at most {MAX_NAME}); use a shorter collection name")
+    return name
+
+
+def plain_collection(spec: TargetSpec) -> SyncError:
+    """A collection under the target's own name, where imgest keeps an alias (made by an imgest that synced
+    into it directly, or by something else)."""
+    return SyncError(f"--to {spec.url}: {spec.name} is a collection, not the alias imgest keeps there (each model "
+                     f"syncs into {spec.name}__<model> and {spec.name} names the serving one); drop {spec.name}, "
+                     "or sync to another name, and the next sync rebuilds it")
 
 
 @dataclass(frozen=True)
@@ -151,15 +192,16 @@ def open_target(spec: TargetSpec) -> Target:
             from None
 
 
-def check_model(spec: TargetSpec, found: str | None, model: Model, rows: int) -> None:
-    """Refuse a collection made by another model (or by something else than imgest, when it holds rows)."""
+def check_model(spec: TargetSpec, name: str, found: str | None, model: Model, rows: int) -> None:
+    """Refuse a collection `name` made by another model (or by something else than imgest, when it holds
+    rows): a model change never mixes two models' vectors in one collection."""
     if found == model.model_id:
         return
     what = "collection" if spec.engine != "lancedb" else "table"
     if found is None and rows == 0:
         return  # created by a sync killed before it recorded the model: adopted
     made = f"by model {found}" if found else "outside imgest (no model id recorded)"
-    raise SyncError(f"--to {spec.url}: the {what} {spec.name} was made {made}, not {model.model_id}; sync another "
+    raise SyncError(f"--to {spec.url}: the {what} {name} was made {made}, not {model.model_id}; sync another "
                     f"{what}, or drop that one first")
 
 

@@ -1,9 +1,10 @@
 """What a store remembers of each sync target, below `sync/<target-slug>/`:
 
-  <seq>.intent.parquet     the item ids a sync is about to upsert, written before the target is touched
-  <seq>.manifest.parquet   every item the target holds after that sync (item_id, content_hash, meta_hash)
-  <seq>.json               the watermark, created (never replaced) once the target acknowledged every batch
-  locks/writer/...         the target's writer lock (imgest/lock.py): one sync of a target at a time
+  locks/writer/...         the target's writer lock (imgest/lock.py): one sync or switch of a target at a time
+  <model-slug>/            what one model's collection in the target holds:
+    <seq>.intent.parquet   the item ids a sync is about to upsert, written before the target is touched
+    <seq>.manifest.parquet every item the target holds after that sync (item_id, content_hash, meta_hash)
+    <seq>.json             the watermark, created (never replaced) once the target acknowledged every batch
 
 The last watermark names the committed state the target reflects. A sync killed before its watermark left an
 intent: the next one treats the intent's ids as possibly in the target (deleted there if no longer live), and
@@ -31,6 +32,17 @@ class WatermarkError(RuntimeError):
 
 def target_dir(target_slug: str) -> str:
     return f"{SYNC_DIR}/{target_slug}"
+
+
+def model_dir(target_slug: str, model_slug: str) -> str:
+    """The records of one model's collection in a target, as the `target_slug` the functions below take."""
+    return f"{target_slug}/{model_slug}"
+
+
+def synced_models(store: Location, target_slug: str) -> list[str]:
+    """Slugs of the models with a watermark in this target."""
+    return [name for name in store.list_names(target_dir(target_slug))
+            if records.SLUG.match(name) and listing(store, model_dir(target_slug, name))["json"]]
 
 
 def _key(target_slug: str, seq: int, suffix: str) -> str:
