@@ -426,8 +426,13 @@ def test_a_migration_window_in_the_target(engine, tmp_path, tiny_models):
     switch = promoted["targets"]["switched"]
     assert [(s["model"], s["answers"], s["upserted"], s["deleted"]) for s in switch] == [(new_id, True, 0, 0)]
     _check_target(url, tmp_path, titles, new_slug)  # the name answers with the new model's vectors, exact top-10
-    rolled = migrate(MigrateConfig(store=store, action="rollback", sync_to=(url,)))
-    assert [(s["model"], s["answers"]) for s in rolled["targets"]["switched"]] == [(old, True)]
+    # rollback from the command line, with a second target that cannot be opened (a file where LanceDB wants a
+    # folder): the rollback and the first target's switch stand, the other is one line, the command exits 1
+    broken = f"lancedb://{meta}/products"
+    rolled = CliRunner().invoke(app, ["migrate", "rollback", "--store", store, "--sync-to", url, "--sync-to", broken])
+    assert rolled.exit_code == 1, rolled.output
+    assert f"Target `{url}`: answers for `{old}`" in rolled.output, rolled.output
+    assert [line for line in rolled.output.splitlines() if line.startswith(f"Target `{broken}`: not switched")]
     _check_target(url, tmp_path, titles, MODEL)
     _check_target(url, tmp_path, titles, new_slug, named=False)  # kept beside, current for another promote
     migrate(MigrateConfig(store=store, action="promote", force="tested above", sync_to=(url,)))
