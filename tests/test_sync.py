@@ -25,7 +25,7 @@ from imgest.tasks.state.live import load_live_vectors
 from imgest.tasks.state.models import find_model
 from imgest.tasks.sync import watermark
 from imgest.tasks.sync.run import sync
-from imgest.tasks.sync.targets import Model, SyncError, open_target, parse_target
+from imgest.tasks.sync.targets import Model, SyncError, credential, open_target, parse_target
 from tests.helpers import gradient, png_bytes, write_files
 
 MODEL = "raw-pixels"
@@ -196,6 +196,31 @@ def test_a_target_url_with_credentials_is_refused_in_one_line(url, secret, tmp_p
     assert result.exit_code == 2
     assert len(result.output.strip().splitlines()) == 1 and "refused" in result.output
     assert secret not in result.output
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_targets_credential_from_a_prefect_secret_block(monkeypatch):
+    """As for S3: only the block's name travels (an environment variable); the value is loaded where the target is
+    opened and masked from then on; the variable itself, when set, wins."""
+    from prefect.blocks.system import Secret
+
+    from imgest.redact import redact
+
+    value = "qdrant-api-key-" + os.urandom(8).hex()
+    Secret(value=value).save("imgest-test-qdrant-key", overwrite=True)
+    monkeypatch.delenv("QDRANT_API_KEY", raising=False)
+    assert credential("QDRANT_API_KEY") is None
+    monkeypatch.setenv("IMGEST_QDRANT_API_KEY_BLOCK", "imgest-test-qdrant-key")
+    assert credential("QDRANT_API_KEY") == value
+    assert value not in redact(f"connecting with {value}")
+    monkeypatch.setenv("QDRANT_API_KEY", "from-the-environment")
+    assert credential("QDRANT_API_KEY") == "from-the-environment"
+    monkeypatch.delenv("QDRANT_API_KEY")
+    for name, reason in (("imgest-no-such-block", "could not be loaded"), ("Not A Name!", "not a Prefect block name")):
+        monkeypatch.setenv("IMGEST_QDRANT_API_KEY_BLOCK", name)
+        with pytest.raises(SyncError, match=reason) as caught:
+            credential("QDRANT_API_KEY")
+        assert "\n" not in str(caught.value) and "Not A Name!" not in str(caught.value)
 
 
 def test_target_url_forms():

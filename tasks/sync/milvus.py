@@ -6,7 +6,6 @@ call, so a search by COLLECTION meets one model or the other)."""
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 
 import pyarrow as pa
@@ -17,6 +16,7 @@ from imgest.tasks.sync.targets import (
     Model,
     TargetSpec,
     check_model,
+    credential,
     physical_name,
     plain,
     plain_collection,
@@ -31,7 +31,7 @@ class MilvusTarget:
 
         self.spec = spec
         uri = spec.where if spec.local else f"http://{spec.where}"
-        token = os.environ.get("MILVUS_TOKEN", "")  # user:password or an API key; never in the URL
+        token = credential("MILVUS_TOKEN")  # user:password or an API key; never in the URL
         self.client = MilvusClient(uri=uri, token=token) if token else MilvusClient(uri=uri)
         self.name = spec.name
         self.collection = spec.name

@@ -18,6 +18,7 @@ from imgest.tasks.sync.targets import (
     Model,
     TargetSpec,
     check_model,
+    credential,
     physical_name,
     plain,
     plain_collection,
@@ -40,7 +41,7 @@ class QdrantTarget:
         else:
             host, _, port = spec.where.rpartition(":")
             self.client = QdrantClient(host=host.strip("[]"), port=int(port),
-                                       api_key=os.environ.get("QDRANT_API_KEY") or None,
+                                       api_key=credential("QDRANT_API_KEY"),
                                        https=os.environ.get("QDRANT_HTTPS", "") == "1")
 
     def _alias_of(self) -> str | None:

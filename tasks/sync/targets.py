@@ -14,13 +14,15 @@ no aliases: TABLE holds the serving model's rows, another model syncs into `TABL
 swaps the two tables' contents (TABLE replaced in one commit, so a reader sees one model or the other).
 
 A URL never carries credentials (they would land in logs, run parameters and the store's watermarks): a user
-part or a query is refused in one line; MILVUS_TOKEN, QDRANT_API_KEY and the object store's usual variables
-(AWS_ACCESS_KEY_ID, ...) come from the environment.
+part or a query is refused in one line. MILVUS_TOKEN and QDRANT_API_KEY come from the environment, or from the
+Prefect Secret block that IMGEST_MILVUS_TOKEN_BLOCK or IMGEST_QDRANT_API_KEY_BLOCK names (only the block's name
+travels); the object store's from its usual variables (AWS_ACCESS_KEY_ID, ...) or its AwsCredentials block.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,11 +30,37 @@ from typing import Protocol
 
 import pyarrow as pa
 
-from imgest.redact import redact_url, url_secrets
+from imgest.redact import redact_url, register_secret, url_secrets
 
 
 class SyncError(ValueError):
     """A target that cannot be synced as asked (bad URL, another model's collection); one line saying why."""
+
+
+_BLOCK_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,127}")  # Prefect's block names; anything else is never echoed
+
+
+def credential(variable: str) -> str | None:
+    """A target's credential: the environment variable `variable` if set, else the value of the Prefect Secret
+    block named by IMGEST_<variable>_BLOCK (``name`` or ``secret/name``), masked in every message once loaded."""
+    value = os.environ.get(variable, "")
+    if value:
+        return value
+    named = f"IMGEST_{variable}_BLOCK"
+    name = os.environ.get(named, "").strip().removeprefix("secret/")
+    if not name:
+        return None
+    if not _BLOCK_NAME.fullmatch(name):
+        raise SyncError(f"{named}: not a Prefect block name (lowercase letters, digits and '-'); it names a Secret "
+                        "block, it never holds the credential")
+    from prefect.blocks.system import Secret
+
+    try:
+        value = str(Secret.load(name).get())
+    except Exception as exc:  # noqa: BLE001 - any failure to load is one line; its text never holds the secret
+        raise SyncError(f"{named}: the Secret block {name!r} could not be loaded ({type(exc).__name__})") from None
+    register_secret(value)
+    return value or None
 
 
 @dataclass(frozen=True)
