@@ -46,17 +46,27 @@ _TRANSIENT_CODES = ("SlowDown", "Throttling", "ThrottlingException", "RequestTim
                     "ServiceUnavailable", "InternalError", "503", "500")
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Whether a failure may go away by itself (timeout, throttling, a dropped connection, memory)."""
+def _chain(exc: BaseException | None):
+    """`exc` and its causes (or contexts), each once."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if {t.__name__ for t in type(exc).__mro__} & _TRANSIENT_TYPES:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _named(exc: BaseException, names: set[str]) -> bool:
+    return bool({t.__name__ for t in type(exc).__mro__} & names)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failure may go away by itself (timeout, throttling, a dropped connection, memory)."""
+    for cause in _chain(exc):
+        if _named(cause, _TRANSIENT_TYPES):
             return True
-        response = getattr(exc, "response", None)  # botocore's ClientError
+        response = getattr(cause, "response", None)  # botocore's ClientError
         if isinstance(response, dict) and str(response.get("Error", {}).get("Code", "")) in _TRANSIENT_CODES:
             return True
-        exc = exc.__cause__ or exc.__context__
     return False
 
 
@@ -67,13 +77,7 @@ _UNANSWERED_TYPES = {"ConnectionError", "EndpointConnectionError", "ClientConnec
 
 def unanswered(exc: BaseException) -> bool:
     """Whether the store's server did not answer (refused, unreachable, dropped), anywhere in the cause chain."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if {t.__name__ for t in type(exc).__mro__} & _UNANSWERED_TYPES:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(_named(cause, _UNANSWERED_TYPES) for cause in _chain(exc))
 
 
 def what_to_do(endpoint: str | None, exc: BaseException) -> str:
