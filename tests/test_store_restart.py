@@ -38,6 +38,7 @@ from tests.test_reliability import (
     _bucket,
     _live,
     _markers,
+    _no_secret,
     _put_images,
     _reference,
     _serving_answers,
@@ -93,10 +94,17 @@ def _command_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": os.getcwd(), **extra}
 
 
-def _no_secret(*logs) -> None:
-    for log in logs:
-        log.seek(0)
-        assert SECRET not in log.read().decode(errors="replace"), "the secret key was printed"
+def _kill_store_under(server: SeaweedServer, proc: subprocess.Popen, delay: float) -> None:
+    """`delay` s into a command, SIGKILL the store's server; the command must end by itself (never hang), then the
+    server starts again on its data. A command that outlives that is killed."""
+    try:
+        time.sleep(delay)
+        server.kill()
+        proc.wait(timeout=180)
+        server.start()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_an_ingest_rides_out_a_restart_of_the_store_and_a_rerun_gives_the_reference(server, s3, tmp_path):
@@ -172,15 +180,8 @@ def test_index_build_and_alias_move_killed_with_the_store(server, s3, tmp_path, 
         logs.append(log)
         before = len(generations(Location(store)))
         proc = _spawn(BUILD, store, env={"IMGEST_RETRY_BACKOFF_S": "0.05"}, log=log)
-        try:
-            _wait(lambda before=before: len(generations(Location(store))) > before, 60, proc)
-            time.sleep(rng.uniform(0.2, 2.0))
-            server.kill()
-            proc.wait(timeout=180)
-            server.start()
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        _wait(lambda before=before: len(generations(Location(store))) > before, 60, proc)
+        _kill_store_under(server, proc, rng.uniform(0.2, 2.0))
         assert _serving_answers(store) == resolve(MODEL).slug  # a half-written version is never served
     built = build_index(IndexConfig(store=store, model=MODEL, kind="hnsw", rebuild=True))
     assert built["built"] and _serving_answers(store) == resolve(MODEL).slug
@@ -190,14 +191,7 @@ def test_index_build_and_alias_move_killed_with_the_store(server, s3, tmp_path, 
     log = open(tmp_path / "promote.log", "w+b")
     logs.append(log)
     proc = _spawn(PROMOTE, store, env={"IMGEST_RETRY_BACKOFF_S": "0.05"}, log=log)
-    try:
-        time.sleep(rng.uniform(1.0, 4.0))
-        server.kill()
-        proc.wait(timeout=180)
-        server.start()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    _kill_store_under(server, proc, rng.uniform(1.0, 4.0))
     assert _serving_answers(store) in (resolve(MODEL).slug, resolve(new).slug)  # the old or the new, whole
     if _serving_answers(store) == resolve(MODEL).slug:
         migrate(MigrateConfig(store=store, action="promote", force="store restart test: no evaluation"))

@@ -94,6 +94,9 @@ def _targets(value: object) -> tuple[str, ...]:
     return values
 
 
+SyncTargets = Annotated[tuple[str, ...], BeforeValidator(_targets), Cli("--sync-to", list[str])]
+
+
 # -- one configuration per flow ----------------------------------------------------------------------------
 class EncodeConfig(FlowConfig):
     """What every encode of a catalogue into a store takes (ingest and reencode)."""
@@ -207,7 +210,7 @@ class NightlyConfig(IngestConfig):
         description="IVF and flat indexes: add this many slices in parallel on runner, merge")] = DEFAULT_INDEX_PARTS
     disk: Disk = DEFAULT_DISK
     report_duplicates: Annotated[bool, Field(description="After the builds, report duplicate groups, new ones")] = False
-    sync_to: Annotated[tuple[str, ...], BeforeValidator(_targets), Cli("--sync-to", list[str]), Field(
+    sync_to: Annotated[SyncTargets, Field(
         description="After the builds, sync the serving model to this vector database (repeat it for several; "
                     "during a migration window the other model too, into its own collection): milvus://..., "
                     "qdrant://..., lancedb://... as imgest sync --to takes")] = ()
@@ -244,7 +247,7 @@ class MigrateConfig(FlowConfig):
                     "least this much (mean overlap@k, 0-1)")] = None
     retain_days: Annotated[float, AfterValidator(non_negative()), Field(
         description="finish: keep the retired model's data this long")] = DEFAULT_RETAIN_DAYS
-    sync_to: Annotated[tuple[str, ...], BeforeValidator(_targets), Cli("--sync-to", list[str]), Field(
+    sync_to: Annotated[SyncTargets, Field(
         description="promote, rollback: also switch this vector database's collection alias (or LanceDB table) to "
                     "the model now serving, as the nightly --sync-to would (repeat it for each target the nightly "
                     "syncs to)")] = ()
