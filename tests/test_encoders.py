@@ -24,6 +24,24 @@ def test_unknown_device_lists_allowed():
         encoders.resolve_device("tpu")
 
 
+def test_raw_pixels_at_another_side_is_a_model_of_its_own(tmp_path):
+    """`raw-pixels-<side>`: the same baseline shrunk to side x side (the scale rehearsal's 48-d encoder), its own
+    model id and slug, stored under its name and read back from the store like any built-in; `raw-pixels` is the
+    16 x 16 one it always was."""
+    default, small = encoders.resolve("raw-pixels"), encoders.resolve("raw-pixels-4")
+    assert (default.dim, small.dim) == (768, 48)
+    assert default.model_id == encoders.resolve("raw-pixels-16").model_id.replace("raw-pixels-16", "raw-pixels")
+    assert small.model_id != default.model_id and small.slug.startswith("raw-pixels-4-")
+    encoder = encoders.load(small, "cpu")
+    image = photo("astronaut").resize((64, 64))
+    vector = encoder.encode_images(encoder.preprocess(image)[None])
+    assert vector.shape == (1, 48) and np.isclose(np.linalg.norm(vector), 1.0)
+    assert encoders.resolve_recorded("raw-pixels-4", Location(str(tmp_path)), "model.json").dim == 48
+    for name in ("raw-pixels-1", "raw-pixels-33", "raw-pixels-04", "raw-pixels-"):
+        with pytest.raises(EncoderError, match=r"unknown model .*raw-pixels-<side> \(2-32\)"):
+            encoders.resolve(name)
+
+
 @pytest.fixture(scope="module")
 def lite0():
     return encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")

@@ -1,14 +1,17 @@
 """An IVF version carried forward in place: the same index and the same exact lists as a fresh build on the
 same training, only the change read, and a retrain when the training no longer fits."""
 
+import os
+
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from imgest.config import IndexConfig, IngestConfig
 from imgest.flows.build_index import build_index
 from imgest.flows.ingest import ingest
 from imgest.storage import Location
-from imgest.tasks.index.store import open_index
+from imgest.tasks.index.store import IdMapFile, open_index
 from imgest.tasks.index.truth import carry_truth, exact_truth
 from imgest.tasks.index.update import Delta, apply_delta
 from imgest.tasks.state.live import load_live_vectors
@@ -72,7 +75,7 @@ def test_an_updated_ivf_index_searches_like_one_filled_afresh_with_the_same_trai
     new = np.empty((len(keep) + len(added), 32), np.float32)
     new[remap[keep]], new[added_ids] = old[keep], added
 
-    updated = apply_delta(first, Delta(ids=np.arange(len(new)), remap=remap, added_ids=added_ids, added=added))
+    updated = apply_delta(first, Delta(ids=IdMapFile(len(new)), remap=remap, added_ids=added_ids, added=added))
     fresh = faiss.clone_index(trained)
     fresh.add(new)
     for index in (updated, fresh):
@@ -178,3 +181,68 @@ def test_hnsw_is_built_again_and_says_why(tmp_path):
     ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
     card = build_index(IndexConfig(**common))["card"]
     assert card["lineage"]["method"] == "build" and "HNSW graph cannot remove" in card["lineage"]["why"]
+
+
+def _state_rows(keys: list[str], status: str, hashes: list[str], shards: list[str]):
+    from imgest.tasks.state.rows import STATE_SCHEMA
+
+    n = len(keys)
+    return pa.table({"item_id": keys, "uri": [f"s3://shop/{k}" for k in keys], "status": [status] * n,
+                     "etag": ["e"] * n, "size": [1] * n, "mtime": [0.0] * n, "content_hash": hashes, "shard": shards,
+                     "run_id": ["r"] * n, "reason": pa.nulls(n, pa.string()), "updated_at": ["t"] * n},
+                    schema=STATE_SCHEMA)
+
+
+def test_an_update_scans_the_state_in_place_and_brings_back_the_change_and_an_id_map_file(
+        tmp_path, monkeypatch):
+    """A night's state (a full snapshot and a delta, as load_state finds them) under a DuckDB memory cap about
+    the size of its rows (at 10M items the cap is 1 GB against 1.4 GB: BENCHMARKS.md): the full snapshot is
+    scanned in place, not copied; the update joins the previous id map with it in DuckDB, writes the new id
+    map to a file and brings back only the change and one int64 per previous vector. The numbers are those of
+    a fresh build."""
+    import pyarrow.parquet as pq
+
+    from imgest import encoders
+    from imgest.tasks.index.update import plan_delta
+    from imgest.tasks.ingest.plan import ShardPlan, WorkItem
+    from imgest.tasks.ingest.shards import ShardWriter
+    from imgest.tasks.state import rows
+    from imgest.tasks.state.committed import CatalogueState
+
+    monkeypatch.setattr(rows, "STATE_MEMORY", "128MB")
+    n, spec, store = 400_000, encoders.resolve("raw-pixels-2"), Location(str(tmp_path / "store"))
+    old_ids = [f"catalogue/products/brand-{i // 4000:05d}/sku-{i:010d}.jpg" for i in range(n)]
+    old_hashes = [f"{i:032x}" for i in range(n)]
+    full = _state_rows(old_ids, "live", old_hashes, ["part-old"] * n)  # ~130 MB of rows
+    pq.write_table(full, tmp_path / "full.parquet")
+    pq.write_table(full.select(["item_id", "uri", "content_hash"]).add_column(0, "faiss_id", pa.array(np.arange(n))),
+                   tmp_path / "previous-ids.parquet")
+    del full
+    deleted, changed = set(range(0, n, 997)), set(range(5, n, 1009)) - set(range(0, n, 997))
+    fresh = sorted([old_ids[i] for i in changed] + [f"catalogue/new-{i:03d}.jpg" for i in range(40)])
+    plan = ShardPlan("r00000002-20261203T000000-aaaaaa", 0, tuple(
+        WorkItem(k, f"s3://shop/{k}", 1, 0.0, "e", None) for k in fresh))
+    writer = ShardWriter(store, spec, plan)
+    vectors = clustered(len(fresh), spec.dim, 3)
+    writer.add([(item, "new") for item in plan.items], vectors)
+    writer.flush()
+    gone = sorted(old_ids[i] for i in deleted)
+    delta = pa.concat_tables([_state_rows(fresh, "live", ["new"] * len(fresh), [plan.name] * len(fresh)),
+                              _state_rows(gone, "deleted", ["d"] * len(gone), ["part-old"] * len(gone))])
+    pq.write_table(delta.sort_by("item_id"), tmp_path / "delta.parquet")
+    base = rows.StateBase().load([str(tmp_path / "full.parquet"), str(tmp_path / "delta.parquet")])
+    assert os.path.getsize(os.path.join(base.folder, "state.duckdb")) < 8 << 20, "the full snapshot is not copied"
+
+    got = plan_delta(store, spec.slug, spec.dim, str(tmp_path / "previous-ids.parquet"), CatalogueState(spec.slug,
+                                                                                                        base=base))
+
+    keys = sorted(set(old_ids) - set(gone) | set(fresh))
+    written = pq.read_table(got.ids.path)
+    assert isinstance(got.ids, IdMapFile) and got.ids.rows == len(written) == len(keys)
+    assert written["item_id"].to_pylist() == keys and written["faiss_id"].to_pylist() == list(range(len(keys)))
+    position = {k: i for i, k in enumerate(keys)}
+    expected = [-1 if i in deleted or i in changed else position[k] for i, k in enumerate(old_ids)]
+    assert got.remap.tolist() == expected and got.removed == len(deleted | changed)
+    assert got.added_ids.tolist() == [position[k] for k in fresh]
+    np.testing.assert_allclose(got.added, vectors, atol=1e-6)
+

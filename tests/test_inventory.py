@@ -128,3 +128,29 @@ def test_a_manifest_that_is_not_one_or_names_an_unread_format_lists_nothing(tmp_
                                "fileFormat": "Avro", "files": []}))
     with pytest.raises(InventoryError, match="imgest reads CSV, Parquet, ORC"):
         read_inventory(str(odd), "s3://shop/products")
+
+
+def test_a_report_file_is_decoded_and_spilled_a_batch_at_a_time(tmp_path, monkeypatch):
+    """A Parquet data file of a large bucket holds millions of rows: it is read a batch at a time and each
+    batch's images go to the listing's file as they come (its row groups show it), never the file's table
+    whole. A copy of the report on a file system reads as the bucket's would."""
+    from imgest.tasks.ingest import inventory
+
+    monkeypatch.setattr(inventory, "BATCH_ROWS", 100)
+    keys = [f"catalogue/p/{i:05d}.{'jpg' if i % 10 else 'txt'}" for i in range(1000)]
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"bucket": ["shop"] * 1000, "key": keys, "size": list(range(1000)),
+                             "e_tag": [f"e{i}" for i in range(1000)]}), sink, row_group_size=250)
+    data = sink.getvalue()
+    (tmp_path / "inv" / "data").mkdir(parents=True)
+    (tmp_path / "inv" / "data" / "a.parquet").write_bytes(data)
+    manifest = {"sourceBucket": "shop", "destinationBucket": "arn:aws:s3:::inventory", "fileFormat": "Parquet",
+                "files": [{"key": "inv/data/a.parquet", "size": len(data), "MD5checksum": hashlib.md5(data).hexdigest()}]}
+    (tmp_path / "inv" / "manifest.json").write_text(json.dumps(manifest))
+
+    listing = read_inventory(str(tmp_path / "inv" / "manifest.json"), "s3://shop/catalogue")
+
+    spilled = pq.ParquetFile(listing.files[0])
+    assert spilled.metadata.num_rows == 900 and listing.skipped == 100
+    assert spilled.num_row_groups == 10, "one row group per batch of 100 rows: written as read"
+    assert listing.read()["key"].to_pylist() == sorted(k[len("catalogue/"):] for k in keys if k.endswith(".jpg"))

@@ -23,6 +23,7 @@ REGISTRY = {
 }
 KNOWN_NAMES = (efficientnet.NAME, efficientnet.GEM_NAME, text.NAME,
                "hf:<hub id or local folder> (CLIP, SigLIP, DINOv2, sentence-transformers text models)", pixels.NAME,
+               f"{pixels.NAME}-<side> ({pixels.SIDES.start}-{pixels.SIDES.stop - 1})",
                "head:<folder or URL written by imgest train-head>")
 
 
@@ -33,6 +34,8 @@ def _family(name: str) -> str:
         return "head"
     if name in REGISTRY and REGISTRY[name][0] is not None:
         return name
+    if pixels.sized(name):
+        return pixels.NAME
     raise EncoderError(f"unknown model {name!r}; known: {', '.join(KNOWN_NAMES)}")
 
 

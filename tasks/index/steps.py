@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from dataclasses import dataclass
 
 import faiss
@@ -36,14 +38,15 @@ from imgest.tasks.index.card import ids_table, make_card
 from imgest.tasks.index.choice import IndexChoice, choose_index, refines
 from imgest.tasks.index.parts import PartSpec, add_store_part, merge_id_parts, merge_truth, plan_parts, read_rows
 from imgest.tasks.index.store import (
+    IdMapFile,
     IndexIntegrityError,
+    ids_file,
     index_prefix,
-    open_index,
     previous_version,
     read_card,
-    read_ids,
     read_index_for_update,
     read_truth,
+    version_counts,
     version_exists,
     write_version,
 )
@@ -147,7 +150,8 @@ def update_version(store_url: str, model: dict, previous: dict | None, kind: str
     if previous["recall"]["k"] != k:
         raise NotUpdatable(f"recall is now measured at k={k}; v{previous['version']:04d} kept lists for "
                            f"k={previous['recall']['k']}")
-    delta = plan_delta(store, slug, d, read_ids(store, previous), state)
+    delta = plan_delta(store, slug, d, ids_file(store, previous), state)
+    seq, state = state.seq, None  # its DuckDB (up to its memory cap) goes before the index comes into memory
     line = updated_lineage(previous, len(delta.added), delta.removed, retrain_share)
     check_drift(line)
     index = read_index_for_update(store, previous)
@@ -160,7 +164,7 @@ def update_version(store_url: str, model: dict, previous: dict | None, kind: str
     tuned = tune_with_truth(index, truth, target_recall, k)
     check_served(line, tuned)
     times = BuildTimes(0.0, adding.seconds, total.seconds)
-    card = make_card(model, len(delta.ids), d, state.seq, choice, memory, times, tuned, line, index, disk)
+    card = make_card(model, delta.ids.rows, d, seq, choice, memory, times, tuned, line, index, disk)
     card["build"] = {"parts": 1, "runner": "local", "method": "updated in place: faiss remove_ids, ids renumbered "
                                                               "to item_id order, add_with_ids of the new vectors"}
     get_run_logger().info("index model=%s: %s", slug, line["why"])
@@ -168,19 +172,21 @@ def update_version(store_url: str, model: dict, previous: dict | None, kind: str
 
 
 @task(name="write-version", cache_policy=NO_CACHE, **IO_RETRIES)
-def write_version_task(store_url: str, index, ids: pa.Table, card: dict, fence: Fence | None = None,
+def write_version_task(store_url: str, index, ids: pa.Table | IdMapFile, card: dict, fence: Fence | None = None,
                        truth: pa.Table | None = None) -> dict:
-    data = faiss.serialize_index(index).tobytes()
-    return write_version(Location(store_url), card["slug"], data, ids, card, fence, truth)
+    with tempfile.TemporaryDirectory(prefix="imgest-index-") as folder:  # a file, not a second copy in memory
+        path = os.path.join(folder, "index.faiss")
+        faiss.write_index(index, path)
+        return write_version(Location(store_url), card["slug"], path, ids, card, fence, truth)
 
 
 @task(name="verify-and-alias", cache_policy=NO_CACHE)
 def verify_and_alias_task(store_url: str, card: dict, alias: str | None, fence: Fence | None = None) -> list[dict]:
     """Re-open the written version (checksums, vector count) before any alias points at it."""
     store = Location(store_url)
-    opened = open_index(store, card["slug"], card["version"])
-    if opened.index.ntotal != card["n"] or len(opened.item_ids) != card["n"]:
-        raise RuntimeError(f"index v{card['version']} holds {opened.index.ntotal} vectors, card says {card['n']}")
+    vectors, rows = version_counts(store, card)
+    if vectors != card["n"] or rows != card["n"]:
+        raise RuntimeError(f"index v{card['version']} holds {vectors} vectors and {rows} ids, card says {card['n']}")
     return [set_alias(store, name, card, reason=f"build v{card['version']:04d}", fence=fence)
             for name in aliases_to_move(store, card["slug"], alias)]
 

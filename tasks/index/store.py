@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from imgest import records
 from imgest.lock import Fence
+from imgest.scratch import scratch_folder
 from imgest.storage import Location
 from imgest.storage.cache import local_copy
 from imgest.tasks.migration.aliases import list_aliases, read_alias
@@ -57,22 +58,39 @@ def list_versions(store: Location, slug: str) -> list[int]:
     return [v for v in _version_numbers(store, slug) if store.exists(f"{version_prefix(slug, v)}/card.json")]
 
 
-def write_version(store: Location, slug: str, index_bytes: bytes, ids: pa.Table, card: dict,
+class IdMapFile:
+    """A version's id map (faiss_id, item_id, uri, content_hash, in faiss id order) as a Parquet file on local
+    disk, removed with this object: an update writes it from DuckDB and the version uploads the file, so the N
+    rows of a large catalogue never sit in the flow's memory."""
+
+    def __init__(self, rows: int = 0) -> None:
+        self.path = os.path.join(scratch_folder(self, "ids"), "ids.parquet")
+        self.rows = rows  # set by the writer
+
+    def __len__(self) -> int:
+        return self.rows
+
+
+def write_version(store: Location, slug: str, index_file: str, ids: pa.Table | IdMapFile, card: dict,
                   fence: Fence | None = None, truth: pa.Table | None = None) -> dict:
-    """Write index, id map and exact lists, then the card with their checksums; returns the card. Never
-    overwrites."""
+    """Write index (from a local file, streamed), id map and exact lists, then the card with their checksums;
+    returns the card. Never overwrites."""
     version = max(_version_numbers(store, slug), default=0) + 1
     prefix = version_prefix(slug, version)
-    store.write_bytes(f"{prefix}/index.faiss", index_bytes)
-    ids_bytes = store.write_table(f"{prefix}/ids.parquet", ids)
+    store.put_file(f"{prefix}/index.faiss", index_file)
+    if isinstance(ids, IdMapFile):
+        store.put_file(f"{prefix}/ids.parquet", ids.path)
+        ids_sha256 = _file_sha256(ids.path)
+    else:
+        ids_sha256 = hashlib.sha256(store.write_table(f"{prefix}/ids.parquet", ids)).hexdigest()
     card = {
         **card,
         "version": version,
         "index_file": f"{prefix}/index.faiss",
         "ids_file": f"{prefix}/ids.parquet",
-        "sha256": hashlib.sha256(index_bytes).hexdigest(),
-        "ids_sha256": hashlib.sha256(ids_bytes).hexdigest(),
-        "bytes_on_disk": len(index_bytes),
+        "sha256": _file_sha256(index_file),
+        "ids_sha256": ids_sha256,
+        "bytes_on_disk": os.path.getsize(index_file),
         "created": now_iso(),
     }
     if truth is not None:
@@ -131,6 +149,16 @@ def _verified_bytes(store: Location, key: str, sha256: str) -> bytes:
 
 def read_ids(store: Location, card: dict) -> pa.Table:
     return pq.read_table(pa.BufferReader(_verified_bytes(store, version_file(card, "ids_file"), card["ids_sha256"])))
+
+
+def ids_file(store: Location, card: dict, cache_dir: str = DEFAULT_CACHE) -> str:
+    """The version's id map on local disk (the store's file itself when it is local), its checksum checked
+    against the card's before a reader opens it: for readers that scan it (DuckDB) instead of loading it."""
+    path = local_copy(store, version_file(card, "ids_file"), cache_dir, card["ids_sha256"], ".parquet")
+    if _file_sha256(path) != card["ids_sha256"]:
+        raise IndexIntegrityError(f"{version_file(card, 'ids_file')} does not match the checksum in its card: "
+                                  "refusing to use it")
+    return path
 
 
 def read_truth(store: Location, card: dict) -> pa.Table | None:
@@ -236,6 +264,16 @@ def read_served(path: str, kind: str, refine: str | None) -> tuple[object, tuple
     inner.base_index = faiss.deserialize_index(faiss.serialize_index(inner.base_index))
     inner.own_fields = False
     return index, (inner.base_index,)
+
+
+def version_counts(store: Location, card: dict, cache_dir: str = DEFAULT_CACHE) -> tuple[int, int]:
+    """(vectors in the index, rows of the id map) of a written version, both files checked as `open_index`
+    checks them, the index read as it is served (IVF memory-mapped) and the id map's rows counted from its
+    footer: what a build verifies before an alias moves, without the N ids in memory."""
+    footprint = card.get("footprint") if isinstance(card.get("footprint"), dict) else {}
+    kind, refine = records.field(card, "kind", str, card["slug"]), footprint.get("refine")
+    index, _ = read_served(verified_file(store, card, cache_dir, served_flags(kind, refine)), kind, refine)
+    return index.ntotal, pq.read_metadata(ids_file(store, card, cache_dir)).num_rows
 
 
 def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAULT_CACHE) -> OpenIndex:

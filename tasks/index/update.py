@@ -14,18 +14,23 @@ have no training to save: they are rebuilt too (a copy of the vectors, the cost 
 from __future__ import annotations
 
 import logging
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from imgest.storage import Location
 from imgest.tasks.index.build import refine_of
+from imgest.tasks.index.store import IdMapFile, IndexIntegrityError
 from imgest.tasks.ingest.shards import embedding_matrix
-from imgest.tasks.state.committed import CatalogueState, shard_key
+from imgest.tasks.state.committed import LIVE, CatalogueState, shard_key
 
+ID_MAP_SCHEMA = pa.schema([("faiss_id", pa.int64()), ("item_id", pa.string()), ("uri", pa.string()),
+                           ("content_hash", pa.string())])
 RETRAIN_PARAM_GROWTH = 2  # retrain when an update needs more than twice the nprobe its training served
 
 
@@ -35,7 +40,7 @@ class NotUpdatable(Exception):
 
 @dataclass
 class Delta:
-    ids: pa.Table  # the new version's id map: faiss_id (= row), item_id, uri, content_hash; item_id order
+    ids: IdMapFile  # the new version's id map: faiss_id (= row), item_id, uri, content_hash; item_id order
     remap: np.ndarray  # previous faiss id -> new faiss id; -1: the vector left (item deleted or content changed)
     added_ids: np.ndarray  # new faiss ids of the added vectors
     added: np.ndarray  # (A, d) float32 their vectors
@@ -43,17 +48,6 @@ class Delta:
     @property
     def removed(self) -> int:
         return int((self.remap < 0).sum())
-
-
-def live_table(state: CatalogueState) -> pa.Table:
-    live = state.live_table()
-    return pa.table({"item_id": live["item_id"], "uri": live["uri"],
-                     "content_hash": pc.fill_null(live["content_hash"], ""), "shard": live["shard"]})
-
-
-def _keys(table: pa.Table) -> pa.Array:
-    # an item is the same vector only with the same content: a changed item leaves and comes back
-    return pc.binary_join_element_wise(table["item_id"], pc.fill_null(table["content_hash"], ""), "\x00")
 
 
 def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table) -> tuple[pa.Table, np.ndarray]:
@@ -72,23 +66,65 @@ def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table) -> tupl
     return pa.concat_tables(tables), np.concatenate(vectors).astype(np.float32, copy=False)
 
 
-def plan_delta(store: Location, slug: str, dim: int, previous_ids: pa.Table, state: CatalogueState) -> Delta:
-    """What differs between the vectors in the previous version and the live state, new vectors read."""
-    live = live_table(state)
-    fresh = live.filter(pc.invert(pc.is_in(_keys(live), value_set=_keys(previous_ids))))
-    found, vectors = read_vectors(store, slug, dim, fresh)
-    missing = pc.invert(pc.is_in(fresh["item_id"], value_set=found["item_id"]))
-    if pc.any(missing).as_py():  # a live item without its row: index what is there, say what is not
-        gone = fresh.filter(missing)["item_id"]
-        logging.getLogger("imgest").warning("model=%s: %d live item(s) have no row in their shard (e.g. %s); "
-                                            "indexing the others", slug, len(gone), gone[:3].to_pylist())
-        live = live.filter(pc.invert(pc.is_in(live["item_id"], value_set=gone)))
-    live_keys = _keys(live)
-    remap = pc.fill_null(pc.index_in(_keys(previous_ids), value_set=live_keys), -1).to_numpy().astype(np.int64)
-    added_ids = pc.index_in(found["item_id"], value_set=live["item_id"]).to_numpy().astype(np.int64)
-    ids = pa.table({"faiss_id": pa.array(np.arange(len(live)), pa.int64()), "item_id": live["item_id"],
-                    "uri": live["uri"], "content_hash": live["content_hash"]})
-    return Delta(ids, remap, added_ids, vectors)
+def _sql_path(path: str) -> str:
+    return "'" + path.replace("'", "''") + "'"
+
+
+def plan_delta(store: Location, slug: str, dim: int, previous_ids: str, state: CatalogueState) -> Delta:
+    """What differs between the vectors in the previous version (its id map, a Parquet file on local disk) and
+    the live state, new vectors read. Joined in the state's DuckDB (memory capped, spilling), the new id map
+    written from there to a file: what comes into memory is the change and one int64 per previous vector."""
+    import duckdb
+
+    ids = IdMapFile()
+    with state.sql() as cur:
+        try:
+            cur.execute(f"""CREATE TEMP VIEW prev AS SELECT CAST(faiss_id AS BIGINT) AS faiss_id,
+                            CAST(item_id AS VARCHAR) AS item_id, coalesce(CAST(content_hash AS VARCHAR), '') AS hash
+                            FROM read_parquet({_sql_path(previous_ids)})""")
+            n, low, high, distinct = cur.execute(
+                "SELECT count(*), min(faiss_id), max(faiss_id), count(DISTINCT faiss_id) FROM prev").fetchone()
+        except duckdb.Error as exc:
+            raise IndexIntegrityError(f"the previous version's id map does not read as one: {exc}") from exc
+        if n and (low, high, distinct) != (0, n - 1, n):
+            raise IndexIntegrityError(f"the previous version's id map numbers {n} vectors {low}..{high} with "
+                                      f"{distinct} distinct ids, not 0..{n - 1}")
+        cur.execute(f"""CREATE TEMP VIEW live AS SELECT item_id, uri, coalesce(content_hash, '') AS hash, shard
+                        FROM state WHERE status = '{LIVE}'""")
+        # an item is the same vector only with the same content: a changed item leaves and comes back
+        fresh = cur.sql("""SELECT l.item_id, l.shard FROM live l ANTI JOIN prev p
+                           ON p.item_id = l.item_id AND p.hash = l.hash ORDER BY l.item_id""").to_arrow_table()
+        found, vectors = read_vectors(store, slug, dim, fresh)
+        missing = fresh.filter(pc.invert(pc.is_in(fresh["item_id"], value_set=found["item_id"])))["item_id"]
+        if len(missing):  # a live item without its row: index what is there, say what is not
+            logging.getLogger("imgest").warning("model=%s: %d live item(s) have no row in their shard (e.g. %s); "
+                                                "indexing the others", slug, len(missing), missing[:3].to_pylist())
+        cur.register("missing", pa.table({"item_id": missing}))
+        cur.register("found", pa.table({"item_id": found["item_id"], "position": np.arange(len(found))}))
+        # numbered as a fresh build numbers them (faiss id = position in item_id order): DuckDB's external sort
+        # writes the kept rows to a file, which is then numbered batch by batch into the id map
+        sorted_path = os.path.join(os.path.dirname(ids.path), "sorted.parquet")
+        cur.execute(f"""COPY (SELECT item_id, uri, hash AS content_hash FROM live l
+                              WHERE NOT EXISTS (SELECT 1 FROM missing m WHERE m.item_id = l.item_id)
+                              ORDER BY item_id) TO {_sql_path(sorted_path)} (FORMAT parquet)""")
+        last = None
+        with pq.ParquetWriter(ids.path, ID_MAP_SCHEMA, compression="zstd") as writer:
+            for batch in pq.ParquetFile(sorted_path).iter_batches(65_536):
+                keys = batch.column(0)
+                if len(keys) and ((last is not None and keys[0].as_py() <= last) or
+                                  pc.any(pc.less_equal(keys[1:], keys[:-1])).as_py()):
+                    raise RuntimeError("the live items did not come back in item_id order")
+                last = keys[-1].as_py() if len(keys) else last
+                numbers = pa.array(np.arange(ids.rows, ids.rows + len(batch)))
+                writer.write_batch(pa.record_batch([numbers, *batch.columns], schema=ID_MAP_SCHEMA))
+                ids.rows += len(batch)
+        os.remove(sorted_path)
+        cur.execute(f"CREATE TEMP VIEW numbered AS SELECT * FROM read_parquet({_sql_path(ids.path)})")
+        remap = cur.execute("""SELECT coalesce(n.faiss_id, -1) AS new FROM prev p LEFT JOIN numbered n
+                               ON n.item_id = p.item_id AND n.content_hash = p.hash ORDER BY p.faiss_id""").fetchnumpy()
+        added = cur.execute("""SELECT n.faiss_id FROM found f JOIN numbered n ON n.item_id = f.item_id
+                               ORDER BY f.position""").fetchnumpy()
+    return Delta(ids, np.asarray(remap["new"], np.int64), np.asarray(added["faiss_id"], np.int64), vectors)
 
 
 def _rename_ids(index, remap: np.ndarray) -> None:
@@ -114,7 +150,7 @@ def _renumber_refine_vectors(refine, delta: Delta) -> None:
     if not isinstance(vectors, faiss.IndexFlatCodes):
         raise NotUpdatable(f"re-rank vectors of type {type(vectors).__name__} cannot be renumbered in place")
     old = faiss.vector_to_array(vectors.codes).reshape(-1, vectors.code_size)
-    new = np.empty((len(delta.ids), vectors.code_size), np.uint8)
+    new = np.empty((delta.ids.rows, vectors.code_size), np.uint8)
     kept = delta.remap >= 0
     new[delta.remap[kept]] = old[kept]
     if len(delta.added):
@@ -140,8 +176,8 @@ def apply_delta(index, delta: Delta):
     _rename_ids(index, delta.remap)
     if len(delta.added):
         index.add_with_ids(np.ascontiguousarray(delta.added, np.float32), delta.added_ids)
-    if index.ntotal != len(delta.ids):
-        raise RuntimeError(f"updated index holds {index.ntotal} vectors, the live state {len(delta.ids)}")
+    if index.ntotal != delta.ids.rows:
+        raise RuntimeError(f"updated index holds {index.ntotal} vectors, the live state {delta.ids.rows}")
     return index
 
 

@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+from collections.abc import Iterable, Iterator
 from urllib.parse import unquote_plus
 
 import pyarrow as pa
@@ -64,7 +65,12 @@ def _data_url(manifest_url: str, manifest: dict, key: str) -> str:
     return os.path.join(root, key)
 
 
-def _read_file(data: bytes, fmt: str, schema: list[str]) -> pa.Table:
+BATCH_ROWS = 65_536  # rows of a Parquet data file decoded at a time
+
+
+def _read_file(data: bytes, fmt: str, schema: list[str]) -> Iterator[pa.Table]:
+    """A data file's rows, as tables: a Parquet file a batch at a time (decoded, a report file of millions of
+    rows would take several times its size in memory); CSV and ORC whole."""
     if fmt == "CSV":
         import pyarrow.csv as csv
 
@@ -73,14 +79,16 @@ def _read_file(data: bytes, fmt: str, schema: list[str]) -> pa.Table:
                              convert_options=csv.ConvertOptions(column_types={n: pa.string() for n in schema}))
         table = table.rename_columns([COLUMNS.get(n, n.lower()) for n in schema])
         keys = [unquote_plus(k) for k in table["key"].to_pylist()]  # CSV inventories URL-encode keys
-        return table.set_column(table.schema.get_field_index("key"), "key", pa.array(keys, pa.string()))
-    if fmt == "Parquet":
+        yield table.set_column(table.schema.get_field_index("key"), "key", pa.array(keys, pa.string()))
+    elif fmt == "Parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(io.BytesIO(data))
-    import pyarrow.orc as orc
+        for batch in pq.ParquetFile(io.BytesIO(data)).iter_batches(BATCH_ROWS):
+            yield pa.Table.from_batches([batch])
+    else:
+        import pyarrow.orc as orc
 
-    return orc.ORCFile(io.BytesIO(data)).read()
+        yield orc.ORCFile(io.BytesIO(data)).read()
 
 
 def _truthy(column) -> pa.Array:
@@ -135,7 +143,16 @@ def read_inventory(manifest_url: str, catalogue_url: str) -> Listing:
         data = read_url(_data_url(manifest_url, manifest, entry["key"]))
         if hashlib.md5(data).hexdigest() != entry["MD5checksum"]:
             raise InventoryError(f"inventory file {entry['key']} does not match the MD5 in the manifest")
-        table = _read_file(data, manifest["fileFormat"], schema)
+        name = f"inventory-{len(listing.files):05d}.parquet"  # spilled as read: never the whole report in memory
+        listing.files.append(listing.spill[0].write(name, _image_rows(
+            _read_file(data, manifest["fileFormat"], schema), bucket, below, listing)))
+        del data
+    return listing
+
+
+def _image_rows(tables: Iterable[pa.Table], bucket: str, below: str, listing: Listing) -> Iterator[pa.RecordBatch]:
+    """The image objects among an inventory file's rows, in LISTING_SCHEMA; the others counted as skipped."""
+    for table in tables:
         keep = pc.and_(pc.equal(table["bucket"], bucket), pc.starts_with(table["key"], below))
         keep = pc.and_(keep, pc.invert(pc.ends_with(table["key"], "/")))  # folder placeholders
         if "is_latest" in table.column_names:
@@ -147,6 +164,4 @@ def read_inventory(manifest_url: str, catalogue_url: str) -> Listing:
         others = rows.filter(pc.invert(image))["key"]
         listing.skipped += len(others)
         listing.skipped_examples = (listing.skipped_examples + others[:10].to_pylist())[:10]
-        name = f"inventory-{len(listing.files):05d}.parquet"  # spilled file by file: never the whole report in memory
-        listing.files.append(listing.spill[0].write(name, rows.filter(image).sort_by("key").to_batches()))
-    return listing
+        yield from rows.filter(image).to_batches()

@@ -68,16 +68,25 @@ class StateBase:
         return self
 
     def load(self, paths: list[str]) -> StateBase:
-        """Snapshot files in order (a full one first, then deltas): a later file's row for an item wins."""
+        """Snapshot files in order (a full one first, then deltas): a later file's row for an item wins.
+
+        The full snapshot is read in place, never copied: only the deltas (a few percent of it) are folded
+        into a table, newest row per item, and `base` is the full snapshot's rows they do not replace plus
+        theirs. Folding the full snapshot itself (a window over every row) would need memory in proportion to
+        the catalogue."""
         if not paths:
             return self.load_table(STATE_SCHEMA.empty_table())
-        files = "[" + ", ".join(_sql_string(p) for p in paths) + "]"
-        if len(paths) == 1:  # read in place: nothing copied
-            self._db.execute(f"CREATE VIEW base AS SELECT {COLUMNS} FROM read_parquet({files})")
+        full = f"read_parquet({_sql_string(paths[0])})"
+        if len(paths) == 1:
+            self._db.execute(f"CREATE VIEW base AS SELECT {COLUMNS} FROM {full}")
         else:
+            deltas = "[" + ", ".join(_sql_string(p) for p in paths[1:]) + "]"
             order = "CASE filename " + " ".join(f"WHEN {_sql_string(p)} THEN {n}" for n, p in enumerate(paths)) + " END"
-            self._db.execute(f"""CREATE TABLE base AS SELECT {COLUMNS} FROM read_parquet({files}, filename = true)
+            self._db.execute(f"""CREATE TABLE changed AS SELECT {COLUMNS} FROM read_parquet({deltas}, filename = true)
                                  QUALIFY row_number() OVER (PARTITION BY item_id ORDER BY {order} DESC) = 1""")
+            self._db.execute(f"""CREATE VIEW base AS
+                                 SELECT {COLUMNS} FROM {full} f ANTI JOIN changed c ON c.item_id = f.item_id
+                                 UNION ALL SELECT * FROM changed""")
         self.rows = self._db.execute("SELECT count(*) FROM base").fetchone()[0]
         return self
 

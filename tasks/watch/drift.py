@@ -17,13 +17,12 @@ import zipfile
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.compute as pc
 
 from imgest import records
 from imgest.storage import Location
 from imgest.tasks.index.store import previous_version
 from imgest.tasks.index.update import read_vectors
-from imgest.tasks.state.committed import load_state
+from imgest.tasks.state.committed import LIVE, load_state
 from imgest.tasks.state.models import find_model
 
 BASE = 4096  # vectors of B
@@ -143,8 +142,9 @@ def night_drift(store: Location, slug: str, run_id: str) -> dict | None:
         return None
     if ref is None:
         return None
-    live = load_state(store, slug).live_table()
-    tonight = live.filter(pc.equal(live["run_id"], run_id)).select(["item_id", "shard"])
+    # tonight's rows only, selected in SQL: the live state of a large catalogue never comes into memory
+    tonight = load_state(store, slug).query("SELECT item_id, shard FROM state WHERE status = ? AND run_id = ? "
+                                            "ORDER BY item_id", [LIVE, run_id])
     _, vectors = read_vectors(store, slug, dim, tonight)
     measured = measure(ref, vectors)
     return None if measured is None else {**measured, "trained_in": int(trained_in)}

@@ -1,0 +1,607 @@
+"""The nightly at catalogue scale, rehearsed end to end: time and peak memory of every stage of one night.
+
+What it makes (under --workdir):
+- a catalogue bucket on a loopback S3 server (SeaweedFS, the test extra's `weed`) holding tonight's new and
+  changed objects as small JPEGs (their ETags are their MD5s, as S3 gives them);
+- an S3 Inventory report of the whole catalogue after tonight's churn (manifest.json and Parquet data files of
+  1M rows, in an inventory bucket): realistic keys, sizes, ETags, storage classes;
+- a store on local disk holding the N items from the night before: shards written by imgest's own ShardWriter
+  (vectors of d = 48, `raw-pixels-4` of 4x4 RGB patterns drawn around 1,024 prototypes), one full state
+  snapshot (imgest's own row writer) and an IVF index built by `imgest build-index` at `--memory`.
+Then it runs `imgest nightly` (the nightly deployment's flow: inventory, plan, encode, commit, drift, index
+update, history row, artifacts) against its own Prefect server, with one sampler on the flow's process tree
+(RSS summed over the processes every 0.1 s, and the bytes they read from disk: the page cache is dropped before
+the run when this user may, so a store read is a disk read). Each stage is the Prefect task runs of that name,
+read back from the server; its peak is the highest sample inside them. The unchanged objects exist only in the
+inventory: the nightly never reads them, which is what is being measured.
+
+Churn: 0.5% of the objects changed (new bytes, new ETag), 0.25% new, 0.25% deleted (1% of the catalogue).
+
+`--plan-only`: the inventory and the state only (no bucket, no shards, no index, no encode): the flow's
+functions for loading the state, reading the inventory and planning, each timed, in one sampled process.
+
+    .venv/bin/python bench/bench_nightly_scale.py --objects 1000000 --workdir /tmp/imgest-scale --json
+    .venv/bin/python bench/bench_nightly_scale.py --objects 100000000 --plan-only --workdir /tmp/imgest-plan --json
+
+prints {"objects": N, "stages": {"<stage>": {"seconds": s, "peak_rss_mb": m, "read_mb": r}},
+"peak_rss_mb": m, ...} as its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SIDE = 4
+MODEL = f"raw-pixels-{SIDE}"  # d = 3 x 4 x 4 = 48
+BUCKET, PREFIX, INVENTORY_BUCKET = "shop", "catalogue", "inventory"
+ROWS_PER_FILE = 1_000_000  # inventory data files, as S3 writes them for a large bucket
+CHUNK = 1_000_000  # rows generated at a time: the setup's own memory stays bounded at 100M
+PROTOTYPES = 1024
+SHARD_SIZE = 2000  # the ingest default: a cold start of N writes N / 2000 shards
+RUN_BEFORE = "r00000001-20261202T010000-000000"
+UPDATED = "2026-12-02T01:00:00+00:00"
+MIB = 1 << 20
+IMGEST = os.path.join(os.path.dirname(sys.executable), "imgest")  # the console script beside this interpreter
+
+# Prefect task run names (before their random suffix) -> the stage of the night they belong to, in flow order
+STAGES = [
+    ("state load", ("load-state",)),
+    ("inventory read and listing spill", ("read-inventory",)),
+    ("plan", ("plan-shards",)),
+    ("encode", ("choose-encoding", "encode-")),
+    ("commit (state delta)", ("commit",)),
+    ("drift", ("measure-drift",)),
+    ("index update", ("previous-version", "update-index", "live-rows", "choose-index", "train-index", "build-index",
+                      "add-part", "add-store-part", "load-live-vectors", "tune-search", "index-card")),
+    ("index write and alias", ("write-version", "verify-and-alias", "write-drift-reference")),
+    ("history row", ("record-night",)),
+    ("trend artifact", ("nightly-trend",)),
+]
+BETWEEN = "flow code between tasks"
+
+
+def say(text: str) -> None:
+    print(f"[{datetime.now(UTC):%H:%M:%S}] {text}", file=sys.stderr, flush=True)
+
+
+# ---- the catalogue, as numbers -------------------------------------------------------------------------------
+
+class Catalogue:
+    """Object i: its key, size, ETag and 4x4 pattern the night before; tonight's churn picked once from a seed."""
+
+    def __init__(self, n: int, seed: int = 0):
+        self.n, self.seed = n, seed
+        rng = np.random.default_rng(seed)
+        self.prototypes = rng.integers(0, 256, (PROTOTYPES, SIDE, SIDE, 3)).astype(np.int16)
+        picks = rng.choice(n, size=n // 100 * 3 // 4, replace=False)  # 0.75% of the objects, touched tonight
+        self.changed = np.sort(picks[:n // 200])
+        self.deleted = np.sort(picks[n // 200:])
+        self.new = np.arange(n, n + n // 400)
+
+    @staticmethod
+    def keys(ids) -> list[str]:
+        return [f"products/brand-{i // 4000:05d}/sku-{i:010d}.jpg" for i in np.asarray(ids).tolist()]  # in id order
+
+    @staticmethod
+    def etags(ids) -> list[str]:  # the night before's: never read, so any 32 hex digits
+        return [f"{(i * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF:016x}{i:016x}" for i in np.asarray(ids).tolist()]
+
+    def sizes(self, ids: np.ndarray) -> np.ndarray:
+        return 80_000 + (ids * 7919) % 400_000
+
+    def patterns(self, ids: np.ndarray, night: int = 0) -> np.ndarray:
+        """uint8 (n, 4, 4, 3): a prototype and noise, both fixed by the id (and the night: a changed object's
+        new bytes)."""
+        out = np.empty((len(ids), SIDE, SIDE, 3), np.uint8)
+        for start in range(0, len(ids), 65_536):
+            part = ids[start:start + 65_536]
+            rng = np.random.default_rng([self.seed, night, int(part[0])])
+            proto = self.prototypes[(part * 2654435761 + night) % PROTOTYPES]
+            out[start:start + len(part)] = np.clip(proto + rng.integers(-24, 25, proto.shape), 0, 255)
+        return out
+
+
+def vectors_of(patterns: np.ndarray) -> np.ndarray:
+    """What raw-pixels-4 makes of an image that box-shrinks to the pattern: CHW, /255, centred, L2-normalised."""
+    flat = patterns.transpose(0, 3, 1, 2).reshape(len(patterns), -1).astype(np.float32) / 255.0
+    flat -= flat.mean(axis=1, keepdims=True)
+    return flat / np.maximum(np.linalg.norm(flat, axis=1, keepdims=True), 1e-12)
+
+
+def jpeg(pattern: np.ndarray) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(pattern).resize((64, 64), Image.Resampling.NEAREST).save(out, "JPEG", quality=95)
+    return out.getvalue()
+
+
+# ---- setup: the bucket, the inventory, the store, the index ---------------------------------------------------
+
+def upload_tonight(cat: Catalogue, client) -> dict[int, tuple[str, int]]:
+    """Put tonight's new and changed objects; their (ETag, size) as S3 will list them."""
+    ids = np.concatenate([cat.changed, cat.new])
+    patterns = cat.patterns(ids, night=1)
+    keys = cat.keys(ids)
+
+    def put(j: int) -> tuple[int, tuple[str, int]]:
+        body = jpeg(patterns[j])
+        client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{keys[j]}", Body=body)
+        return int(ids[j]), (hashlib.md5(body).hexdigest(), len(body))
+
+    with ThreadPoolExecutor(16) as pool:
+        return dict(pool.map(put, range(len(ids))))
+
+
+INVENTORY_SCHEMA = pa.schema([("bucket", pa.string()), ("key", pa.string()), ("size", pa.int64()),
+                              ("last_modified_date", pa.timestamp("ms", tz="UTC")), ("e_tag", pa.string()),
+                              ("storage_class", pa.string()), ("is_latest", pa.bool_()),
+                              ("is_delete_marker", pa.bool_())])
+
+
+def inventory_files(cat: Catalogue, tonight: dict[int, tuple[str, int]]):
+    """The report's data files as Parquet bytes, ROWS_PER_FILE rows each: every object listed after tonight."""
+    gone = np.zeros(cat.n, bool)
+    gone[cat.deleted] = True
+    ids_all = np.concatenate([np.flatnonzero(~gone), cat.new])
+    tonight_ids = np.fromiter(tonight, np.int64, len(tonight))
+    before, after = 1_764_637_200_000, 1_764_723_600_000  # ms: 2025-12-02 and -03 01:00 UTC
+    for start in range(0, len(ids_all), ROWS_PER_FILE):
+        ids = ids_all[start:start + ROWS_PER_FILE]
+        etags, sizes = cat.etags(ids), cat.sizes(ids)
+        modified = np.full(len(ids), before, np.int64)
+        for j in np.flatnonzero(np.isin(ids, tonight_ids)):  # tonight's objects: what S3 reports for them
+            etags[j], sizes[j] = tonight[int(ids[j])]
+            modified[j] = after
+        table = pa.table({"bucket": pa.array([BUCKET] * len(ids)),
+                          "key": [f"{PREFIX}/{k}" for k in cat.keys(ids)], "size": sizes,
+                          "last_modified_date": pa.array(modified, pa.timestamp("ms", tz="UTC")),
+                          "e_tag": etags, "storage_class": pa.array(["STANDARD"] * len(ids)),
+                          "is_latest": pa.array(np.ones(len(ids), bool)),
+                          "is_delete_marker": pa.array(np.zeros(len(ids), bool))}, schema=INVENTORY_SCHEMA)
+        out = io.BytesIO()
+        pq.write_table(table, out, compression="snappy")
+        yield out.getvalue()
+
+
+def write_inventory(cat: Catalogue, tonight: dict, put) -> str:
+    """Write the report through `put(key, bytes)`; returns the manifest's key."""
+    files = []
+    for number, data in enumerate(inventory_files(cat, tonight)):
+        key = f"{BUCKET}/daily/data/{number:04d}-{hashlib.md5(data).hexdigest()[:12]}.parquet"
+        put(key, data)
+        files.append({"key": key, "size": len(data), "MD5checksum": hashlib.md5(data).hexdigest()})
+    manifest = {"sourceBucket": BUCKET, "destinationBucket": f"arn:aws:s3:::{INVENTORY_BUCKET}",
+                "version": "2016-11-30", "creationTimestamp": "1764723600000", "fileFormat": "Parquet",
+                "fileSchema": "message s3.inventory { required binary bucket (STRING); required binary key (STRING); "
+                              "optional int64 size; optional int64 last_modified_date (TIMESTAMP(MILLIS,true)); "
+                              "optional binary e_tag (STRING); optional binary storage_class (STRING); "
+                              "optional boolean is_latest; optional boolean is_delete_marker; }",
+                "files": files}
+    key = f"{BUCKET}/daily/2025-12-03T01-00Z/manifest.json"
+    put(key, json.dumps(manifest).encode())
+    return key
+
+
+def state_batches(cat: Catalogue):
+    """The night before's state, STATE_SCHEMA, in item_id order, CHUNK rows at a time."""
+    from imgest.tasks.state.rows import STATE_SCHEMA
+
+    for start in range(0, cat.n, CHUNK):
+        ids = np.arange(start, min(start + CHUNK, cat.n))
+        keys, etags = cat.keys(ids), cat.etags(ids)
+        yield pa.record_batch({
+            "item_id": keys, "uri": [f"s3://{BUCKET}/{PREFIX}/{k}" for k in keys],
+            "status": pa.array(["live"] * len(ids)), "etag": etags, "size": cat.sizes(ids),
+            "mtime": np.full(len(ids), 1_764_637_200.0), "content_hash": etags,
+            "shard": [f"part-{RUN_BEFORE}-{i:05d}" for i in ids // SHARD_SIZE],
+            "run_id": pa.array([RUN_BEFORE] * len(ids)), "reason": pa.nulls(len(ids), pa.string()),
+            "updated_at": pa.array([UPDATED] * len(ids))}, schema=STATE_SCHEMA)
+
+
+def write_store(cat: Catalogue, store_dir: str, with_shards: bool) -> None:
+    """The state the night before: the model card, the shards (ShardWriter; their markers folded into the
+    snapshot, as the run that wrote them would have), one full snapshot."""
+    from imgest import encoders
+    from imgest.storage import Location
+    from imgest.tasks.ingest.plan import ShardPlan, WorkItem
+    from imgest.tasks.ingest.shards import ShardWriter
+    from imgest.tasks.state.committed import commit_key, snapshot_key, write_model_card
+    from imgest.tasks.state.rows import STATE_SCHEMA, write_rows
+
+    spec = encoders.resolve(MODEL)
+    store = Location(store_dir)
+    write_model_card(store, spec.describe())
+    if with_shards:
+        for number, start in enumerate(range(0, cat.n, SHARD_SIZE)):
+            ids = np.arange(start, min(start + SHARD_SIZE, cat.n))
+            keys, etags = cat.keys(ids), cat.etags(ids)
+            items = [WorkItem(k, f"s3://{BUCKET}/{PREFIX}/{k}", int(s), 1_764_637_200.0, e, None)
+                     for k, e, s in zip(keys, etags, cat.sizes(ids))]
+            writer = ShardWriter(store, spec, ShardPlan(RUN_BEFORE, number, tuple(items)), runtime="numpy")
+            writer.add(list(zip(items, etags)), vectors_of(cat.patterns(ids)))
+            writer.flush()
+            store.delete(commit_key(spec.slug, writer.plan.name))  # folded into the snapshot below
+            if number % 500 == 0:
+                say(f"  shards: {start + len(ids):,} of {cat.n:,} items")
+    metadata = {"imgest.run_id": RUN_BEFORE, "imgest.seq": "1", "imgest.kind": "full", "imgest.created": UPDATED,
+                "imgest.summary": json.dumps({"bench": "nightly_scale"})}
+    local = os.path.join(store_dir, "snapshot.tmp")
+    write_rows(pa.RecordBatchReader.from_batches(STATE_SCHEMA, state_batches(cat)), local, metadata)
+    store.put_file(snapshot_key(spec.slug, 1), local)
+    os.remove(local)
+
+
+# ---- the servers ------------------------------------------------------------------------------------------------
+
+class PrefectServer:
+    """`prefect server start` on a free loopback port, its database under `home`."""
+
+    def __init__(self, home: str):
+        from tests.s3servers import free_port
+
+        self.port, self.home = free_port(), home
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.env = {"PREFECT_HOME": home, "PREFECT_API_URL": self.url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> PrefectServer:
+        from imgest.cli.prefect_stack import wait_healthy
+
+        os.makedirs(self.home, exist_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                      "--port", str(self.port)], env={**os.environ, **self.env},
+                                     stdout=open(os.path.join(self.home, "server.log"), "ab"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        wait_healthy(self.url, 120, lambda: self.proc.poll() is None)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from imgest.cli.prefect_stack import stop
+
+        stop(self.proc, "prefect server", signals=1, say=say)
+
+
+def task_runs(env: dict, since: float) -> list[dict]:
+    """Every task run that started after `since`, read back from the server (runs are recorded asynchronously:
+    read until two reads agree)."""
+    code = f"""
+import json
+from prefect.client.orchestration import get_client
+runs, offset = [], 0
+with get_client(sync_client=True) as client:
+    while True:
+        page = client.read_task_runs(limit=200, offset=offset)
+        runs += [{{"name": r.name, "subflow": bool(r.state and r.state.state_details.child_flow_run_id),
+                  "start": r.start_time.timestamp(), "end": r.end_time.timestamp()}}
+                 for r in page if r.start_time is not None and r.end_time is not None
+                 and r.start_time.timestamp() >= {since}]
+        if len(page) < 200:
+            break
+        offset += 200
+print(json.dumps(runs))
+"""
+    previous = None
+    for _ in range(20):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                             check=True)
+        runs = json.loads(out.stdout.strip().splitlines()[-1])
+        if previous is not None and len(runs) == len(previous):
+            return runs
+        previous = runs
+        time.sleep(2)
+    return previous
+
+
+# ---- the sampler ------------------------------------------------------------------------------------------------
+
+class TreeSampler(threading.Thread):
+    """RSS summed over a process and its descendants, and the bytes they read from disk (each process's count
+    kept after it exits), every `interval` seconds."""
+
+    def __init__(self, pid: int, interval: float = 0.1):
+        super().__init__(daemon=True)
+        import psutil
+
+        self.root, self.interval = psutil.Process(pid), interval
+        self.samples: list[tuple[float, int, int]] = []  # (time, RSS bytes, bytes read so far)
+        self.read: dict[int, int] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        while not self.done.is_set():
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                break
+            rss = 0
+            for proc in procs:
+                try:
+                    rss += proc.memory_info().rss
+                    self.read[proc.pid] = max(self.read.get(proc.pid, 0), proc.io_counters().read_bytes)
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+            self.samples.append((time.time(), rss, sum(self.read.values())))
+            self.done.wait(self.interval)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+
+
+def drop_page_cache() -> bool:
+    """So that reading the store is reading the disk (root only; otherwise the read figures undercount)."""
+    try:
+        subprocess.run(["sync"], check=True)
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def per_stage(samples: list[tuple[float, int, int]], intervals: dict[str, list[tuple[float, float]]],
+              start: float, end: float) -> dict:
+    """Seconds (the union of a stage's intervals), peak RSS and disk reads inside them; the rest of the run's
+    samples are BETWEEN (the flow's own code, subflow starts, the process starting)."""
+    out, claimed = {}, np.zeros(len(samples), bool)
+    times = np.array([s[0] for s in samples])
+    rss = np.array([s[1] for s in samples])
+    read = np.diff(np.array([0] + [s[2] for s in samples]))
+    step = float(np.median(np.diff(times))) if len(times) > 1 else 0.1
+    for stage, spans in intervals.items():
+        inside = np.zeros(len(samples), bool)
+        for a, b in spans:  # and the sample either side: a task shorter than the interval still has one
+            inside |= (times >= a - step) & (times <= b + step)
+        claimed |= inside
+        merged, seconds = sorted(spans), 0.0
+        last = -1.0
+        for a, b in merged:
+            seconds += max(0.0, b - max(a, last))
+            last = max(last, b)
+        out[stage] = {"seconds": round(seconds, 1),
+                      "peak_rss_mb": int(rss[inside].max() // MIB) if inside.any() else None,
+                      "read_mb": round(float(read[inside].sum()) / MIB, 1), "tasks": len(spans)}
+    rest = ~claimed & (times >= start) & (times <= end)
+    busy = sum(v["seconds"] for v in out.values())
+    out[BETWEEN] = {"seconds": round(max(0.0, end - start - busy), 1),
+                    "peak_rss_mb": int(rss[rest].max() // MIB) if rest.any() else None,
+                    "read_mb": round(float(read[rest].sum()) / MIB, 1), "tasks": 0}
+    return out
+
+
+def stage_of(name: str) -> str:
+    for stage, prefixes in STAGES:
+        if any(name.startswith(p) for p in prefixes):
+            return stage
+    return name.rsplit("-", 1)[0]
+
+
+# ---- the two runs -----------------------------------------------------------------------------------------------
+
+def run_sampled(command: list[str], env: dict, log: str) -> tuple[TreeSampler, float, float, int]:
+    with open(log, "w") as out:
+        start = time.time()
+        proc = subprocess.Popen(command, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        sampler = TreeSampler(proc.pid)
+        sampler.start()
+        code = proc.wait()
+        end = time.time()
+        sampler.stop()
+    return sampler, start, end, code
+
+
+def nightly_run(args, cat: Catalogue, work: str) -> dict:
+    from tests.s3servers import SeaweedServer, _client
+
+    setup: dict = {}
+    if not os.path.exists(os.path.join(work, "before", "ready.json")):  # a setup cut short: start again
+        shutil.rmtree(os.path.join(work, "before"), ignore_errors=True)
+    seaweed = SeaweedServer(os.path.join(work, "before", "seaweedfs")).start()
+    try:
+        env = seaweed.environment() | {"AWS_EC2_METADATA_DISABLED": "true"}
+        client = _client(seaweed.url)
+        with PrefectServer(os.path.join(work, "prefect")) as prefect:
+            env |= prefect.env
+            base = os.path.join(work, "before", "store")
+            if not os.path.exists(os.path.join(work, "before", "ready.json")):
+                t = time.perf_counter()
+                for bucket in (BUCKET, INVENTORY_BUCKET):
+                    client.create_bucket(Bucket=bucket)
+                tonight = upload_tonight(cat, client)
+                setup["upload_seconds"] = round(time.perf_counter() - t, 1)
+                say(f"catalogue: {len(tonight):,} objects of tonight uploaded in {setup['upload_seconds']} s")
+                t = time.perf_counter()
+                manifest = write_inventory(cat, tonight, lambda k, d: client.put_object(
+                    Bucket=INVENTORY_BUCKET, Key=k, Body=d))
+                setup["inventory_seconds"] = round(time.perf_counter() - t, 1)
+                say(f"inventory written in {setup['inventory_seconds']} s")
+                t = time.perf_counter()
+                write_store(cat, base, with_shards=True)
+                setup["store_seconds"] = round(time.perf_counter() - t, 1)
+                say(f"store (shards, snapshot) written in {setup['store_seconds']} s")
+                t = time.perf_counter()
+                built = subprocess.run([IMGEST, "build-index", "--store", base,
+                                        "--model", MODEL, "--memory", args.memory, "--kind", args.kind],
+                                       env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT)
+                if built.returncode:
+                    raise SystemExit(f"build-index failed:\n{built.stdout[-3000:]}\n{built.stderr[-3000:]}")
+                setup["index_build_seconds"] = round(time.perf_counter() - t, 1)
+                say(f"index built in {setup['index_build_seconds']} s")
+                with open(os.path.join(work, "before", "ready.json"), "w") as fh:
+                    json.dump({"objects": cat.n, "manifest": manifest, "setup": setup}, fh)
+            with open(os.path.join(work, "before", "ready.json")) as fh:
+                ready = json.load(fh)
+            if ready["objects"] != cat.n:
+                raise SystemExit(f"{work} holds a rehearsal of {ready['objects']:,} objects; use another --workdir")
+            store = os.path.join(work, "night", "store")
+            shutil.rmtree(os.path.join(work, "night"), ignore_errors=True)
+            os.makedirs(os.path.join(work, "night"))
+            subprocess.run(["cp", "-al", base, store], check=True)  # the night writes new files; the base stays
+            dropped = drop_page_cache()
+            say(f"nightly over {cat.n:,} objects{' (page cache dropped)' if dropped else ''}")
+            command = [IMGEST, "nightly", "--store", store,
+                       "--catalogue", f"s3://{BUCKET}/{PREFIX}", "--model", MODEL, "--memory", args.memory,
+                       "--kind", args.kind, "--inventory", f"s3://{INVENTORY_BUCKET}/{ready['manifest']}"]
+            sampler, start, end, code = run_sampled(command, env, os.path.join(work, "night", "nightly.log"))
+            if code:
+                with open(os.path.join(work, "night", "nightly.log")) as fh:
+                    raise SystemExit(f"imgest nightly exited {code}:\n{fh.read()[-4000:]}")
+            runs = task_runs(prefect.env, start)
+            with open(os.path.join(work, "night", "task_runs.json"), "w") as fh:
+                json.dump(runs, fh, indent=1)
+    finally:
+        seaweed.stop()
+    intervals: dict[str, list] = {}
+    for run in runs:
+        if run["subflow"]:  # a subflow's own task run: its tasks are counted one by one
+            continue
+        intervals.setdefault(stage_of(run["name"]), []).append((run["start"], run["end"]))
+    order = [s for s, _ in STAGES if s in intervals] + sorted(set(intervals) - {s for s, _ in STAGES})
+    stages = per_stage(sampler.samples, {s: intervals[s] for s in order}, start, end)
+    checks = check_store(cat, store)
+    with open(os.path.join(work, "night", "nightly.log")) as fh:
+        log = fh.read()
+    checks["index_updated_in_place"] = "updated in place" in log
+    return {"stages": stages, "wall_seconds": round(end - start, 1), "samples": len(sampler.samples),
+            "page_cache_dropped": dropped, "read_mb": round(sampler.samples[-1][2] / MIB, 1),
+            "peak_rss_mb": int(max(s[1] for s in sampler.samples) // MIB), "setup": ready["setup"], "checks": checks}
+
+
+def check_store(cat: Catalogue, store_dir: str) -> dict:
+    """The state the night left: live = before - deleted + new, and tonight's objects encoded."""
+    from imgest import encoders
+    from imgest.storage import Location
+    from imgest.tasks.state.committed import load_state
+
+    state = load_state(Location(store_dir), encoders.resolve(MODEL).slug)
+    live = state.count("live")
+    tonight = state.query("SELECT count(*) AS n FROM state WHERE run_id <> ? AND status = 'live'", [RUN_BEFORE])
+    return {"live": live, "live_expected": cat.n - len(cat.deleted) + len(cat.new),
+            "encoded_tonight": tonight["n"][0].as_py(), "encoded_expected": len(cat.changed) + len(cat.new)}
+
+
+PLAN_CHILD = """
+import json, sys, time
+sys.path.insert(0, {root!r})
+from imgest import encoders
+from imgest.storage import Location
+from imgest.tasks.ingest.inventory import read_inventory
+from imgest.tasks.ingest.plan import plan_ingest
+from imgest.tasks.state.committed import new_run_id, prepare_state
+
+def mark(stage, start):
+    print(json.dumps({{"stage": stage, "start": start, "end": time.time()}}), flush=True)
+
+t = time.time()
+state, _ = prepare_state(Location({store!r}), encoders.resolve({model!r}).describe())
+mark("state load", t)
+t = time.time()
+listing = read_inventory({manifest!r}, "s3://{bucket}/{prefix}")
+mark("inventory read and listing spill", t)
+t = time.time()
+plan = plan_ingest(listing, state, new_run_id(state.seq + 1), {shard}, 256 << 20, 0.1)
+mark("plan", t)
+print(json.dumps({{"listed": plan.listed, "to_read": plan.to_read, "new": plan.new,
+                   "changed": plan.changed_candidates, "deleted": len(plan.deleted)}}), flush=True)
+"""
+
+
+def plan_run(args, cat: Catalogue, work: str) -> dict:
+    folder = os.path.join(work, "plan")
+    ready_file = os.path.join(folder, "ready.json")
+    if not os.path.exists(ready_file):
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(os.path.join(folder, "inventory"))
+        tonight = {int(i): (hashlib.md5(f"tonight-{i}".encode()).hexdigest(), 1_000)
+                   for i in np.concatenate([cat.changed, cat.new])}  # ETags as S3 would list them; never read
+
+        def put(key: str, data: bytes) -> None:
+            path = os.path.join(folder, "inventory", key)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as fh:
+                fh.write(data)
+
+        t = time.perf_counter()
+        manifest = write_inventory(cat, tonight, put)
+        say(f"inventory written in {time.perf_counter() - t:.0f} s")
+        t = time.perf_counter()
+        write_store(cat, os.path.join(folder, "before"), with_shards=False)
+        say(f"state snapshot written in {time.perf_counter() - t:.0f} s")
+        with open(ready_file, "w") as fh:
+            json.dump({"objects": cat.n, "manifest": os.path.join(folder, "inventory", manifest)}, fh)
+    with open(ready_file) as fh:
+        ready = json.load(fh)
+    if ready["objects"] != cat.n:
+        raise SystemExit(f"{work} holds a rehearsal of {ready['objects']:,} objects; use another --workdir")
+    store = os.path.join(folder, "store")
+    shutil.rmtree(store, ignore_errors=True)
+    subprocess.run(["cp", "-al", os.path.join(folder, "before"), store], check=True)
+    code = PLAN_CHILD.format(root=ROOT, store=store, model=MODEL, manifest=ready["manifest"], bucket=BUCKET,
+                             prefix=PREFIX, shard=SHARD_SIZE)
+    dropped = drop_page_cache()
+    log = os.path.join(folder, "plan.log")
+    sampler, start, end, exit_code = run_sampled([sys.executable, "-c", code], {}, log)
+    with open(log) as fh:
+        lines = [json.loads(line) for line in fh if line.startswith("{")]
+    if exit_code or not lines:
+        with open(log) as fh:
+            raise SystemExit(f"planning exited {exit_code}:\n{fh.read()[-4000:]}")
+    intervals = {line["stage"]: [(line["start"], line["end"])] for line in lines if "stage" in line}
+    return {"stages": per_stage(sampler.samples, intervals, start, end), "wall_seconds": round(end - start, 1),
+            "page_cache_dropped": dropped, "read_mb": round(sampler.samples[-1][2] / MIB, 1),
+            "peak_rss_mb": int(max(s[1] for s in sampler.samples) // MIB), "plan": lines[-1],
+            "expected": {"changed": len(cat.changed), "new": len(cat.new), "deleted": len(cat.deleted)}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--objects", type=int, required=True, help="catalogue size N (objects the night before)")
+    parser.add_argument("--workdir", help="kept between runs: a second run of the same N reuses its setup")
+    parser.add_argument("--memory", default="1G", help="the index's RAM budget (imgest build-index/nightly --memory)")
+    parser.add_argument("--kind", default="ivfsq8", help="the index kind (imgest --kind): an IVF one is updated in "
+                        "place each night; auto picks HNSW where it fits, which is built again each night")
+    parser.add_argument("--plan-only", action="store_true", help="inventory and state only: no bucket, encode, index")
+    parser.add_argument("--json", action="store_true", help="the result as one JSON line, last")
+    args = parser.parse_args()
+    if args.objects < 1000:
+        raise SystemExit("--objects: at least 1000 (1% churn of fewer is nothing)")
+    work = args.workdir or tempfile.mkdtemp(prefix="imgest-scale-")
+    os.makedirs(work, exist_ok=True)
+    cat = Catalogue(args.objects)
+    t = time.perf_counter()
+    result = plan_run(args, cat, work) if args.plan_only else nightly_run(args, cat, work)
+    result = {"objects": args.objects, "mode": "plan-only" if args.plan_only else "nightly", "model": MODEL,
+              "memory": args.memory, "kind": args.kind, "date": datetime.now(UTC).isoformat(timespec="seconds"),
+              **result,
+              "bench_seconds": round(time.perf_counter() - t, 1)}
+    if not args.json:
+        print("\n| stage | seconds | peak RSS MB | read MB | tasks |\n|---|---:|---:|---:|---:|")
+        for stage, row in result["stages"].items():
+            print(f"| {stage} | {row['seconds']} | {row['peak_rss_mb']} | {row['read_mb']} | {row['tasks']} |")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
