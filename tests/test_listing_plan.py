@@ -4,6 +4,7 @@ import os
 
 from imgest.storage import Location, ObjectInfo
 from imgest.tasks.ingest.listing import Listing, is_image_key, list_catalogue, listing_table
+from imgest.tasks.ingest import plan as plan_module
 from imgest.tasks.ingest.plan import plan_ingest
 from imgest.tasks.state.committed import DELETED, LIVE, REJECTED, CatalogueState, ItemState
 from tests.helpers import jpeg_bytes, solid, write_files
@@ -67,9 +68,10 @@ def test_etag_decides_when_both_sides_have_one():
     assert same.unchanged == 1 and moved.changed_candidates == 1 and no_etag.unchanged == 1
 
 
-def test_columnar_plan_from_parquet_files_follows_the_change(tmp_path):
+def test_columnar_plan_from_parquet_files_follows_the_change(tmp_path, monkeypatch):
     """10,000 items: 1% changed, 0.5% new, 0.5% deleted, some failed, rejected and tombstoned; the plan from
-    Parquet files on disk (what a large catalogue uses) equals the in-memory one and the change made."""
+    Parquet files on disk (what a large catalogue uses) equals the in-memory one and the change made, and so
+    does the plan made in seven hash partitions."""
     import random
 
     import pyarrow.parquet as pq
@@ -93,12 +95,16 @@ def test_columnar_plan_from_parquet_files_follows_the_change(tmp_path):
     plans = [plan_ingest(listing, state, "r00000002-x-y", 64),
              plan_ingest(listing, str(tmp_path / "state.parquet"), "r00000002-x-y", 64,
                          listing_source=str(tmp_path / "listing.parquet"))]
+    # a catalogue past what one DuckDB join holds under its cap is planned in hash partitions, one pass each
+    monkeypatch.setattr(plan_module, "PLAN_PARTITION_ROWS", 1_500)
+    plans.append(plan_ingest(listing, str(tmp_path / "state.parquet"), "r00000002-x-y", 64,
+                             listing_source=str(tmp_path / "listing.parquet")))
     for plan in plans:
         assert (plan.listed, plan.new, plan.changed_candidates, plan.retried) == (9_950 + 50, 50, 100, 50)
         assert plan.unchanged == plan.listed - 200 and plan.deleted == sorted(deleted)
         read = [w.item_id for s in plan.shards for w in s.items]
         assert read == sorted(changed + failed + new), "in key order, each once"
-    assert plans[0].shards == plans[1].shards
+    assert plans[0].shards == plans[1].shards == plans[2].shards
 
 
 def test_location_atomic_write_and_exclusive_create(tmp_path):

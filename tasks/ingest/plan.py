@@ -112,6 +112,10 @@ def check_deletions(live: int, gone: int, listed: int, max_fraction: float) -> N
 
 
 PLAN_MEMORY = "1GB"  # DuckDB's memory for the plan's join; a larger catalogue spills to disk
+# DuckDB's hash join keeps each build's pointer table in memory: past ~10M rows a side it cannot stay under its
+# memory cap (at 100M it needs ~3 GB and fails at 1 GB, BENCHMARKS.md). A larger catalogue is planned in
+# passes, one per hash partition of the item ids, each joining at most about this many rows a side.
+PLAN_PARTITION_ROWS = 10_000_000
 
 
 def _relation(con, name: str, source: pa.Table | str | list[str]) -> None:
@@ -162,16 +166,24 @@ def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id
     with _plan_connection(state, isinstance(state, str) or isinstance(listed, (str, list))) as con:
         _relation(con, "listing", listed)
         plan.listed = con.execute("SELECT count(*) FROM listing").fetchone()[0]
-        work = con.execute(f"""
-            SELECT l.key, l.key_ok, l.size, l.mtime, l.etag, l.storage_class,
-                   s.status, s.content_hash, s.shard, s.updated_at
-            FROM listing l LEFT JOIN state s ON s.item_id = l.key
-            WHERE s.item_id IS NULL OR s.status IN ('{DELETED}', '{FAILED}') OR NOT ({SAME_SIGNATURE_SQL})
-            ORDER BY l.key""").fetchall()
-        unlisted = con.execute(f"""
-            SELECT s.item_id, s.status = '{LIVE}' FROM state s ANTI JOIN listing l ON s.item_id = l.key
-            WHERE s.status <> '{DELETED}' ORDER BY s.item_id""").fetchall()
-        live = con.execute(f"SELECT count(*) FROM state WHERE status = '{LIVE}'").fetchone()[0]
+        items, live = con.execute(f"SELECT count(*), count(*) FILTER (status = '{LIVE}') FROM state").fetchone()
+        parts = max(1, -(-max(plan.listed, items) // PLAN_PARTITION_ROWS))
+        work, unlisted = [], []
+        for part in range(parts):
+            listing_part, state_part = ("listing", "state") if parts == 1 else (
+                f"(SELECT * FROM listing WHERE hash(key) % {parts} = {part})",
+                f"(SELECT * FROM state WHERE hash(item_id) % {parts} = {part})")
+            work += con.execute(f"""
+                SELECT l.key, l.key_ok, l.size, l.mtime, l.etag, l.storage_class,
+                       s.status, s.content_hash, s.shard, s.updated_at
+                FROM {listing_part} l LEFT JOIN {state_part} s ON s.item_id = l.key
+                WHERE s.item_id IS NULL OR s.status IN ('{DELETED}', '{FAILED}') OR NOT ({SAME_SIGNATURE_SQL})
+                """).fetchall()
+            unlisted += con.execute(f"""
+                SELECT s.item_id, s.status = '{LIVE}' FROM {state_part} s ANTI JOIN {listing_part} l
+                ON s.item_id = l.key WHERE s.status <> '{DELETED}'""").fetchall()
+    work.sort(key=lambda row: row[0])  # key order (the change only: sorted here, not by DuckDB)
+    unlisted.sort(key=lambda row: row[0])
     plan.deleted = [item_id for item_id, _ in unlisted]
     gone = sum(was_live for _, was_live in unlisted)
     if max_delete_fraction is not None:
