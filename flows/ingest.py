@@ -108,6 +108,7 @@ def ingest(config: IngestConfig) -> dict:
         summary.record_encoding(chosen, results)
         summary.removed_orphans = orphans
         summary = commit_run_task(store_loc.url, quote(state), quote(plan), quote(results), summary, lock.fence)
+        state.close()  # the index build after this run loads the state afresh
     create_markdown_artifact(render_summary(summary), key="ingest-summary",
                              description=f"imgest ingest {summary.run_id} ({spec.model_id})")
     return summary.to_dict()

@@ -151,7 +151,8 @@ def update_version(store_url: str, model: dict, previous: dict | None, kind: str
         raise NotUpdatable(f"recall is now measured at k={k}; v{previous['version']:04d} kept lists for "
                            f"k={previous['recall']['k']}")
     delta = plan_delta(store, slug, d, ids_file(store, previous), state)
-    seq, state = state.seq, None  # its DuckDB (up to its memory cap) goes before the index comes into memory
+    seq = state.seq
+    state.close()  # its DuckDB (up to its memory cap) goes before the index comes into memory
     line = updated_lineage(previous, len(delta.added), delta.removed, retrain_share)
     check_drift(line)
     index = read_index_for_update(store, previous)

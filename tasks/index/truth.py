@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 TIE = 1e-6  # scores this close to the k-th exact score count as hits: equal-distance neighbours are not misses
+CARRY_BLOCK = 4096  # added vectors scored against the probes at a time: Q x block floats, never Q x all added
 
 
 @dataclass
@@ -81,12 +82,22 @@ def carry_truth(truth: Truth, remap: np.ndarray, added_ids: np.ndarray, added: n
     ids, scores = rename(truth.ids), truth.scores.copy()
     scores[ids < 0] = -np.inf
     query_ids = np.where(truth.query_ids >= 0, rename(truth.query_ids), -1)
-    if len(added):
-        new_scores = truth.queries @ np.ascontiguousarray(added, np.float32).T  # (Q, A): the only new work
-        new_scores[np.asarray(added_ids)[None, :] == query_ids[:, None]] = -np.inf  # never a query's own item
+    added, added_ids = np.ascontiguousarray(added, np.float32), np.asarray(added_ids, np.int64)
+    keep = truth.depth + 1  # of each block: its best depth + 1 hold the final top `depth` and the best left out
+    id_parts, score_parts = [ids], [scores]
+    for start in range(0, len(added), CARRY_BLOCK):  # (Q, block) scores at a time: the only new work
+        block_ids = added_ids[start:start + CARRY_BLOCK]
+        new_scores = truth.queries @ added[start:start + CARRY_BLOCK].T
+        new_scores[block_ids[None, :] == query_ids[:, None]] = -np.inf  # never a query's own item
         new_scores[new_scores <= truth.floor[:, None]] = -np.inf  # below the floor: covered by the invariant
-        ids = np.concatenate([ids, np.broadcast_to(np.asarray(added_ids, np.int64), new_scores.shape)], axis=1)
-        scores = np.concatenate([scores, new_scores.astype(np.float32)], axis=1)
+        if new_scores.shape[1] > keep:
+            best = np.argpartition(-new_scores, keep - 1, axis=1)[:, :keep]
+            id_parts.append(block_ids[best])
+            score_parts.append(np.take_along_axis(new_scores, best, 1))
+        else:
+            id_parts.append(np.broadcast_to(block_ids, new_scores.shape))
+            score_parts.append(new_scores)
+    ids, scores = np.concatenate(id_parts, axis=1), np.concatenate(score_parts, axis=1).astype(np.float32)
     order = np.argsort(-scores, axis=1, kind="stable")
     ids, scores = np.take_along_axis(ids, order, 1), np.take_along_axis(scores, order, 1)
     ids[~np.isfinite(scores)] = -1

@@ -148,6 +148,11 @@ class CatalogueState:
         rows = [dataclasses.asdict(item) for item in self.overlay.values()]
         return pa.Table.from_pylist(rows, schema=STATE_SCHEMA)
 
+    def close(self) -> None:
+        """Done with the committed rows: their database's memory goes now (see StateBase.close)."""
+        if self._base is not None:
+            self._base.close()
+
     @contextmanager
     def sql(self) -> Iterator:
         """A DuckDB connection with the views `state` (every item as now), `kept` (committed rows the overlay does

@@ -143,8 +143,10 @@ def night_drift(store: Location, slug: str, run_id: str) -> dict | None:
     if ref is None:
         return None
     # tonight's rows only, selected in SQL: the live state of a large catalogue never comes into memory
-    tonight = load_state(store, slug).query("SELECT item_id, shard FROM state WHERE status = ? AND run_id = ? "
-                                            "ORDER BY item_id", [LIVE, run_id])
+    state = load_state(store, slug)
+    tonight = state.query("SELECT item_id, shard FROM state WHERE status = ? AND run_id = ? ORDER BY item_id",
+                          [LIVE, run_id])
+    state.close()
     _, vectors = read_vectors(store, slug, dim, tonight)
     measured = measure(ref, vectors)
     return None if measured is None else {**measured, "trained_in": int(trained_in)}
