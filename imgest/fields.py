@@ -184,9 +184,9 @@ Catalogue = Annotated[str, AfterValidator(not_empty), AfterValidator(no_credenti
                       Field(description="Folder or URL of the catalogue: /path, file://, s3://bucket/prefix")]
 OptionalUrl = Annotated[str | None, AfterValidator(no_credentials)]
 Model = Annotated[str, AfterValidator(not_empty),
-                  Field(description="efficientnet-lite0, efficientnet-lite0-gem, minilm-l6, raw-pixels, hf:<hub id "
-                                    "or local folder>, head:<name>; or a model the store holds, by name, model id or "
-                                    "slug")]
+                  Field(description="efficientnet-lite0, efficientnet-lite0-gem, minilm-l6, raw-pixels (or "
+                                    "raw-pixels-<side>, 2-32), hf:<hub id or local folder>, head:<name>; or a model "
+                                    "the store holds, by name, model id or slug")]
 BatchSize = Annotated[str, BeforeValidator(_batch_size),
                       Field(description="'auto' (measured, cached per model and device) or N")]
 Device = Annotated[str, AfterValidator(_device), Field(description="auto, cpu, cuda or cuda:N")]

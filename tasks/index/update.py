@@ -28,6 +28,7 @@ from imgest.tasks.index.build import refine_of
 from imgest.tasks.index.store import IdMapFile, IndexIntegrityError
 from imgest.tasks.ingest.shards import embedding_matrix
 from imgest.tasks.state.committed import LIVE, CatalogueState, shard_key
+from imgest.tasks.state.rows import sql_string
 
 ID_MAP_SCHEMA = pa.schema([("faiss_id", pa.int64()), ("item_id", pa.string()), ("uri", pa.string()),
                            ("content_hash", pa.string())])
@@ -66,8 +67,26 @@ def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table) -> tupl
     return pa.concat_tables(tables), np.concatenate(vectors).astype(np.float32, copy=False)
 
 
-def _sql_path(path: str) -> str:
-    return "'" + path.replace("'", "''") + "'"
+def _write_id_map(cur, ids: IdMapFile) -> None:
+    """The live items the index will hold (the view `live` less the table `missing`), numbered as a fresh build
+    numbers them (faiss id = position in item_id order): DuckDB's external sort writes them to a file, which is
+    then numbered batch by batch into the id map; the order is checked as it goes."""
+    sorted_path = os.path.join(os.path.dirname(ids.path), "sorted.parquet")
+    cur.execute(f"""COPY (SELECT item_id, uri, hash AS content_hash FROM live l
+                          WHERE NOT EXISTS (SELECT 1 FROM missing m WHERE m.item_id = l.item_id)
+                          ORDER BY item_id) TO {sql_string(sorted_path)} (FORMAT parquet)""")
+    last = None
+    with pq.ParquetWriter(ids.path, ID_MAP_SCHEMA, compression="zstd") as writer:
+        for batch in pq.ParquetFile(sorted_path).iter_batches(65_536):
+            keys = batch.column(0)
+            if len(keys) and ((last is not None and keys[0].as_py() <= last) or
+                              pc.any(pc.less_equal(keys[1:], keys[:-1])).as_py()):
+                raise RuntimeError("the live items did not come back in item_id order")
+            last = keys[-1].as_py() if len(keys) else last
+            numbers = pa.array(np.arange(ids.rows, ids.rows + len(batch)))
+            writer.write_batch(pa.record_batch([numbers, *batch.columns], schema=ID_MAP_SCHEMA))
+            ids.rows += len(batch)
+    os.remove(sorted_path)
 
 
 def plan_delta(store: Location, slug: str, dim: int, previous_ids: str, state: CatalogueState) -> Delta:
@@ -81,7 +100,7 @@ def plan_delta(store: Location, slug: str, dim: int, previous_ids: str, state: C
         try:
             cur.execute(f"""CREATE TEMP VIEW prev AS SELECT CAST(faiss_id AS BIGINT) AS faiss_id,
                             CAST(item_id AS VARCHAR) AS item_id, coalesce(CAST(content_hash AS VARCHAR), '') AS hash
-                            FROM read_parquet({_sql_path(previous_ids)})""")
+                            FROM read_parquet({sql_string(previous_ids)})""")
             n, low, high, distinct = cur.execute(
                 "SELECT count(*), min(faiss_id), max(faiss_id), count(DISTINCT faiss_id) FROM prev").fetchone()
         except duckdb.Error as exc:
@@ -101,25 +120,8 @@ def plan_delta(store: Location, slug: str, dim: int, previous_ids: str, state: C
                                                 "indexing the others", slug, len(missing), missing[:3].to_pylist())
         cur.register("missing", pa.table({"item_id": missing}))
         cur.register("found", pa.table({"item_id": found["item_id"], "position": np.arange(len(found))}))
-        # numbered as a fresh build numbers them (faiss id = position in item_id order): DuckDB's external sort
-        # writes the kept rows to a file, which is then numbered batch by batch into the id map
-        sorted_path = os.path.join(os.path.dirname(ids.path), "sorted.parquet")
-        cur.execute(f"""COPY (SELECT item_id, uri, hash AS content_hash FROM live l
-                              WHERE NOT EXISTS (SELECT 1 FROM missing m WHERE m.item_id = l.item_id)
-                              ORDER BY item_id) TO {_sql_path(sorted_path)} (FORMAT parquet)""")
-        last = None
-        with pq.ParquetWriter(ids.path, ID_MAP_SCHEMA, compression="zstd") as writer:
-            for batch in pq.ParquetFile(sorted_path).iter_batches(65_536):
-                keys = batch.column(0)
-                if len(keys) and ((last is not None and keys[0].as_py() <= last) or
-                                  pc.any(pc.less_equal(keys[1:], keys[:-1])).as_py()):
-                    raise RuntimeError("the live items did not come back in item_id order")
-                last = keys[-1].as_py() if len(keys) else last
-                numbers = pa.array(np.arange(ids.rows, ids.rows + len(batch)))
-                writer.write_batch(pa.record_batch([numbers, *batch.columns], schema=ID_MAP_SCHEMA))
-                ids.rows += len(batch)
-        os.remove(sorted_path)
-        cur.execute(f"CREATE TEMP VIEW numbered AS SELECT * FROM read_parquet({_sql_path(ids.path)})")
+        _write_id_map(cur, ids)
+        cur.execute(f"CREATE TEMP VIEW numbered AS SELECT * FROM read_parquet({sql_string(ids.path)})")
         remap = cur.execute("""SELECT coalesce(n.faiss_id, -1) AS new FROM prev p LEFT JOIN numbered n
                                ON n.item_id = p.item_id AND n.content_hash = p.hash ORDER BY p.faiss_id""").fetchnumpy()
         added = cur.execute("""SELECT n.faiss_id FROM found f JOIN numbered n ON n.item_id = f.item_id

@@ -33,7 +33,7 @@ SQL_TYPES = {pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.float64(): "DOUBLE
 COLUMNS = ", ".join(f'CAST("{f.name}" AS {SQL_TYPES[f.type]}) AS "{f.name}"' for f in STATE_SCHEMA)
 
 
-def _sql_string(text: str) -> str:
+def sql_string(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
@@ -78,12 +78,12 @@ class StateBase:
         the catalogue."""
         if not paths:
             return self.load_table(STATE_SCHEMA.empty_table())
-        full = f"read_parquet({_sql_string(paths[0])})"
+        full = f"read_parquet({sql_string(paths[0])})"
         if len(paths) == 1:
             self._db.execute(f"CREATE VIEW base AS SELECT {COLUMNS} FROM {full}")
         else:
-            deltas = "[" + ", ".join(_sql_string(p) for p in paths[1:]) + "]"
-            order = "CASE filename " + " ".join(f"WHEN {_sql_string(p)} THEN {n}" for n, p in enumerate(paths)) + " END"
+            deltas = "[" + ", ".join(sql_string(p) for p in paths[1:]) + "]"
+            order = "CASE filename " + " ".join(f"WHEN {sql_string(p)} THEN {n}" for n, p in enumerate(paths)) + " END"
             self._db.execute(f"""CREATE TABLE changed AS SELECT {COLUMNS} FROM read_parquet({deltas}, filename = true)
                                  QUALIFY row_number() OVER (PARTITION BY item_id ORDER BY {order} DESC) = 1""")
             self._db.execute(f"""CREATE VIEW base AS
