@@ -20,6 +20,8 @@ Churn: 0.5% of the objects changed (new bytes, new ETag), 0.25% new, 0.25% delet
 `--plan-only`: the inventory and the state only (no bucket, no shards, no index, no encode): the flow's
 functions for loading the state, reading the inventory and planning, each timed, in one sampled process.
 
+Needs the test extra (SeaweedFS's `weed`, psutil), as `.venv` from infra/setup.sh has it.
+
     .venv/bin/python bench/bench_nightly_scale.py --objects 1000000 --workdir /tmp/imgest-scale --json
     .venv/bin/python bench/bench_nightly_scale.py --objects 100000000 --plan-only --workdir /tmp/imgest-plan --json
 
