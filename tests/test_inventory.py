@@ -144,8 +144,9 @@ def test_a_report_file_is_decoded_and_spilled_a_batch_at_a_time(tmp_path, monkey
     data = sink.getvalue()
     (tmp_path / "inv" / "data").mkdir(parents=True)
     (tmp_path / "inv" / "data" / "a.parquet").write_bytes(data)
+    entry = {"key": "inv/data/a.parquet", "size": len(data), "MD5checksum": hashlib.md5(data).hexdigest()}
     manifest = {"sourceBucket": "shop", "destinationBucket": "arn:aws:s3:::inventory", "fileFormat": "Parquet",
-                "files": [{"key": "inv/data/a.parquet", "size": len(data), "MD5checksum": hashlib.md5(data).hexdigest()}]}
+                "files": [entry]}
     (tmp_path / "inv" / "manifest.json").write_text(json.dumps(manifest))
 
     listing = read_inventory(str(tmp_path / "inv" / "manifest.json"), "s3://shop/catalogue")

@@ -3,8 +3,8 @@
 import os
 
 from imgest.storage import Location, ObjectInfo
-from imgest.tasks.ingest.listing import Listing, is_image_key, list_catalogue, listing_table
 from imgest.tasks.ingest import plan as plan_module
+from imgest.tasks.ingest.listing import Listing, is_image_key, list_catalogue, listing_table
 from imgest.tasks.ingest.plan import plan_ingest
 from imgest.tasks.state.committed import DELETED, LIVE, REJECTED, CatalogueState, ItemState
 from tests.helpers import jpeg_bytes, solid, write_files
