@@ -175,14 +175,15 @@ def test_an_update_starts_from_the_version_an_alias_serves(tmp_path):
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_a_damaged_previous_version_is_not_carried_forward_but_trained_anew(tmp_path):
+@pytest.mark.parametrize("damaged", ["truth_file", "ids_file"])  # its exact lists; its id map, which DuckDB scans
+def test_a_damaged_previous_version_is_not_carried_forward_but_trained_anew(tmp_path, damaged):
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     _catalogue(cat, range(120))
     ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
     common = {"store": str(store), "model": "raw-pixels", "kind": "IVF4,SQ8", "queries": 50, "alias": None}
     v1 = build_index(IndexConfig(**common))["card"]
-    truth = store / v1["truth_file"]
-    truth.write_bytes(truth.read_bytes()[:-7] + b"garbage")  # bit rot in the old version's exact lists
+    rotten = store / v1[damaged]
+    rotten.write_bytes(rotten.read_bytes()[:-7] + b"garbage")  # bit rot in one of the old version's files
     _catalogue(cat, range(120, 123))
     ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
     v2 = build_index(IndexConfig(**common))["card"]
