@@ -40,7 +40,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -52,6 +51,8 @@ import pyarrow.parquet as pq
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.tree_sampler import MIB, TreeSampler, drop_page_cache, per_stage  # noqa: E402
+
 SIDE = 4
 MODEL = f"raw-pixels-{SIDE}"  # d = 3 x 4 x 4 = 48
 BUCKET, PREFIX, INVENTORY_BUCKET = "shop", "catalogue", "inventory"
@@ -61,7 +62,6 @@ PROTOTYPES = 1024
 SHARD_SIZE = 2000  # the ingest default: a cold start of N writes N / 2000 shards
 RUN_BEFORE = "r00000001-20261202T010000-000000"
 UPDATED = "2026-12-02T01:00:00+00:00"
-MIB = 1 << 20
 IMGEST = os.path.join(os.path.dirname(sys.executable), "imgest")  # the console script beside this interpreter
 
 # Prefect task run names (before their random suffix) -> the stage of the night they belong to, in flow order
@@ -78,7 +78,6 @@ STAGES = [
     ("history row", ("record-night",)),
     ("trend artifact", ("nightly-trend",)),
 ]
-BETWEEN = "flow code between tasks"
 
 
 def say(text: str) -> None:
@@ -312,89 +311,6 @@ print(json.dumps(runs))
         previous = runs
         time.sleep(2)
     return previous
-
-
-# ---- the sampler ------------------------------------------------------------------------------------------------
-
-class TreeSampler(threading.Thread):
-    """RSS summed over a process and its descendants, and the bytes they read from disk (each process's count
-    kept after it exits), every `interval` seconds."""
-
-    def __init__(self, pid: int, interval: float = 0.1):
-        super().__init__(daemon=True)
-        import psutil
-
-        self.root, self.interval = psutil.Process(pid), interval
-        self.samples: list[tuple[float, int, int, int]] = []  # (time, RSS bytes, bytes read so far, root's RSS)
-        self.read: dict[int, int] = {}
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        import psutil
-
-        while not self.done.is_set():
-            try:
-                procs = [self.root, *self.root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                break
-            rss = root = 0
-            for proc in procs:
-                try:
-                    rss += proc.memory_info().rss
-                    root = root or rss  # the first is the flow's own process
-                    self.read[proc.pid] = max(self.read.get(proc.pid, 0), proc.io_counters().read_bytes)
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-            self.samples.append((time.time(), rss, sum(self.read.values()), root))
-            self.done.wait(self.interval)
-
-    def stop(self) -> None:
-        self.done.set()
-        self.join()
-
-
-def drop_page_cache() -> bool:
-    """So that reading the store is reading the disk (root only; otherwise the read figures undercount)."""
-    try:
-        subprocess.run(["sync"], check=True)
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("1\n")
-        return True
-    except OSError:
-        return False
-
-
-def per_stage(samples: list[tuple[float, int, int, int]], intervals: dict[str, list[tuple[float, float]]],
-              start: float, end: float) -> dict:
-    """Seconds (the union of a stage's intervals), peak RSS and disk reads inside them; the rest of the run's
-    samples are BETWEEN (the flow's own code, subflow starts, the process starting)."""
-    out, claimed = {}, np.zeros(len(samples), bool)
-    times = np.array([s[0] for s in samples])
-    rss = np.array([s[1] for s in samples])
-    own = np.array([s[3] for s in samples])
-    read = np.diff(np.array([0] + [s[2] for s in samples]))
-    step = float(np.median(np.diff(times))) if len(times) > 1 else 0.1
-    for stage, spans in intervals.items():
-        inside = np.zeros(len(samples), bool)
-        for a, b in spans:  # and the sample either side: a task shorter than the interval still has one
-            inside |= (times >= a - step) & (times <= b + step)
-        claimed |= inside
-        merged, seconds = sorted(spans), 0.0
-        last = -1.0
-        for a, b in merged:
-            seconds += max(0.0, b - max(a, last))
-            last = max(last, b)
-        out[stage] = {"seconds": round(seconds, 1),
-                      "peak_rss_mb": int(rss[inside].max() // MIB) if inside.any() else None,
-                      "flow_process_peak_mb": int(own[inside].max() // MIB) if inside.any() else None,
-                      "read_mb": round(float(read[inside].sum()) / MIB, 1), "tasks": len(spans)}
-    rest = ~claimed & (times >= start) & (times <= end)
-    busy = sum(v["seconds"] for v in out.values())
-    out[BETWEEN] = {"seconds": round(max(0.0, end - start - busy), 1),
-                    "peak_rss_mb": int(rss[rest].max() // MIB) if rest.any() else None,
-                    "flow_process_peak_mb": int(own[rest].max() // MIB) if rest.any() else None,
-                    "read_mb": round(float(read[rest].sum()) / MIB, 1), "tasks": 0}
-    return out
 
 
 def stage_of(name: str) -> str:
