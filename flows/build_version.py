@@ -9,10 +9,10 @@ from imgest.config import IndexConfig
 from imgest.tasks.index.steps import (
     AddProgress,
     build_from_store_parts,
-    build_in_process,
+    build_streamed,
     card_task,
     choose_index_task,
-    live_rows_task,
+    live_shards_task,
     previous_version_task,
     splits_by_store,
     tune_task,
@@ -37,17 +37,17 @@ def build_version(config: IndexConfig, model: dict) -> dict:
             return {"built": True, **updated}
         why = updated["why"]
         get_run_logger().info("index model=%s: training a new index: %s", model["slug"], why)
-    live_rows, snapshot = live_rows_task(config.store, model["slug"])
-    if len(live_rows) < 2:
-        return {"built": False, "reason": f"{len(live_rows)} live vectors: nothing to index", "slug": model["slug"]}
-    choice = choose_index_task(len(live_rows), int(model["dim"]), config.memory, config.kind, config.disk)
-    progress, depth = AddProgress(model["slug"], len(live_rows)), TRUTH_DEPTH_PER_K * config.k
+    live = live_shards_task(config.store, model["slug"])
+    if len(live) < 2:
+        return {"built": False, "reason": f"{len(live)} live vectors: nothing to index", "slug": model["slug"]}
+    choice = choose_index_task(len(live), int(model["dim"]), config.memory, config.kind, config.disk)
+    progress, depth = AddProgress(model["slug"], len(live)), TRUTH_DEPTH_PER_K * config.k
     if splits_by_store(choice, config.parts):
-        built = build_from_store_parts(config.store, model, live_rows, snapshot, choice, config.parts, config.runner,
+        built = build_from_store_parts(config.store, model, live, choice, config.parts, config.runner,
                                        config.workers, config.queries, depth, progress)
     else:
-        built = build_in_process(config.store, model, choice, config.parts, config.runner, config.workers,
-                                 config.queries, depth, progress)
+        built = build_streamed(config.store, model, live, choice, config.parts, config.runner, config.workers,
+                               config.queries, depth, progress)
     tuned = tune_task(built.index, quote(built.truth), config.target_recall, config.k)
     card = card_task(model, quote(built), choice, config.memory, tuned, config.retrain_share, why, config.runner,
                      config.disk)

@@ -68,7 +68,8 @@ def migrate_start(config: MigrateConfig) -> dict:
     with StoreLock(store_loc, owner=owner, wait=LOCK_WAIT_S) as lock:  # the window is written under the lock
         window = migration.open_window(store_loc, serving["slug"], target.describe(), catalogue, lock.fence)
         migration.record(store_loc, window, "reencode-started", lock.fence)
-    summary = reencode(ReencodeConfig(catalogue=window["catalogue"], store=store_loc.url, model=config.to,
+    summary = reencode(ReencodeConfig(catalogue=window["catalogue"], inventory=config.inventory, store=store_loc.url,
+                                      model=config.to,
                                       batch_size=config.batch_size, device=config.device,
                                       runtime=config.runtime, precision=config.precision, shard_size=config.shard_size))
     migration.check_window_model(window["to"]["slug"], summary)

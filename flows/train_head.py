@@ -17,7 +17,7 @@ from imgest.tasks.heads.whiten import whiten_task
 from imgest.tasks.reports.heads import render_head, render_whitening
 from imgest.tasks.reports.plots import markdown_image
 from imgest.tasks.reports.run_names import run_name
-from imgest.tasks.state.live import load_live_vectors
+from imgest.tasks.state.live import load_live_sample, load_live_vectors
 from imgest.tasks.state.models import find_model
 
 
@@ -35,7 +35,8 @@ def train_head_flow(config: TrainHeadConfig) -> dict:
     if training.head_type == "whiten":  # no labels: the live vectors, and augmented views of some images
         if config.labels:
             raise HeadError("a whitening learns without labels: give no --labels")
-        live = load_live_vectors(store_loc, base["slug"], int(base["dim"]))
+        # the fit uses a sample of at most `sample` vectors (the pairs and the proxy are drawn among them)
+        live = load_live_sample(store_loc, base["slug"], int(base["dim"]), training.sample, training.seed)
         live.catalogue = config.catalogue  # images are read only under it (or the root recorded at ingest)
         saved = whiten_task(store_loc, base, live, training, config.views, parse_augmentations(config.augment),
                             config.device)

@@ -147,7 +147,7 @@ def test_deleted_items_disappear_after_rebuild(lite0_store, tmp_path):
     hits = search(str(store), image=str(lite0_store["catalogue"] / "photos" / "chelsea.jpg"), k=50)
     assert "photos/chelsea.jpg" not in {h.item_id for h in hits}
     old = Searcher(str(store), model=result["index"]["card"]["slug"], version=1)  # versions are immutable
-    assert "photos/chelsea.jpg" in old.opened.item_ids
+    assert "photos/chelsea.jpg" in old.opened.item_ids.to_pylist()
 
 
 def test_text_search_through_tiny_clip_and_model_mismatch(tmp_path, tiny_models, monkeypatch):

@@ -79,14 +79,14 @@ def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(
     def gather_everything(*args, **kwargs):
         raise AssertionError("a build in parts must not load every live vector on the flow's node")
 
-    monkeypatch.setattr("imgest.tasks.index.steps.load_live_vectors", gather_everything)
+    monkeypatch.setattr("imgest.tasks.index.stream.stream_build", gather_everything)
     parts = build_index(IndexConfig(**common, parts=3, runner="dask", workers=2, rebuild=True))["card"]
     assert "each part read its own shards" in parts["build"]["method"]
     assert one["build"]["parts"] == 1 and parts["build"]["parts"] == 3 and parts["build"]["runner"] == "dask"
     assert parts["n"] == one["n"] == 600 and parts["search"] == one["search"]
 
     a, b = (open_index(Location(str(store)), c["slug"], c["version"]) for c in (one, parts))
-    assert a.item_ids == b.item_ids, "the same faiss id -> item map"
+    assert a.item_ids.equals(b.item_ids), "the same faiss id -> item map"
     queries = load_live_vectors(Location(str(store)), one["slug"], one["d"]).vectors[::40]
     for nprobe in (1, 4, 16):
         for opened in (a, b):

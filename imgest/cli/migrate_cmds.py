@@ -47,8 +47,8 @@ def _migrate(config: MigrateConfig, as_json: bool = False) -> None:
 
 
 JSON = typer.Option(False, "--json")
-START = ("store", "to", "catalogue", "batch_size", "device", "runtime", "precision", "kind", "memory", "target_recall",
-         "shard_size", "disk")
+START = ("store", "to", "catalogue", "inventory", "batch_size", "device", "runtime", "precision", "kind", "memory",
+         "target_recall", "shard_size", "disk")
 
 
 @migrate_app.command("start")

@@ -97,6 +97,20 @@ def _targets(value: object) -> tuple[str, ...]:
 SyncTargets = Annotated[tuple[str, ...], BeforeValidator(_targets), Cli("--sync-to", list[str])]
 
 
+Inventory = Annotated[OptionalUrl, Field(
+    description="An S3 Inventory report's manifest.json (CSV, Parquet or ORC) to list the catalogue from instead "
+                "of LIST: s3://inventory-bucket/.../manifest.json")]
+
+
+def inventory_lists_s3(config):
+    """An inventory lists an S3 bucket, from its report's manifest."""
+    if config.inventory and not (config.catalogue or "").startswith(("s3://", "s3a://")):
+        raise ValueError(f"inventory: an S3 Inventory lists an S3 bucket; the catalogue is {config.catalogue}")
+    if config.inventory and not config.inventory.endswith("manifest.json"):
+        raise ValueError(f"inventory must be the URL of a report's manifest.json; got {config.inventory}")
+    return config
+
+
 # -- one configuration per flow ----------------------------------------------------------------------------
 class EncodeConfig(FlowConfig):
     """What every encode of a catalogue into a store takes (ingest and reencode)."""
@@ -128,6 +142,11 @@ class ReencodeConfig(EncodeConfig):
     """reencode: the whole catalogue into a new model's namespace (resumable)."""
 
     model: Annotated[Model, Field(description="The new model: efficientnet-lite0 or hf:<hub id or local folder>")]
+    inventory: Inventory = None
+
+    @model_validator(mode="after")
+    def _inventory_lists_s3(self) -> Self:
+        return inventory_lists_s3(self)
 
 
 class IngestConfig(EncodeConfig):
@@ -145,17 +164,11 @@ class IngestConfig(EncodeConfig):
     metadata: Annotated[OptionalUrl, Field(
         description="Catalogue metadata, one row per item_id (Parquet, CSV or JSONL: item_id, product_id, title, "
                     "caption, attributes): stored with the run; text models such as minilm-l6 embed its text")] = None
-    inventory: Annotated[OptionalUrl, Field(
-        description="An S3 Inventory report's manifest.json (CSV, Parquet or ORC) to list the catalogue from "
-                    "instead of LIST: s3://inventory-bucket/.../manifest.json")] = None
+    inventory: Inventory = None
 
     @model_validator(mode="after")
     def _inventory_lists_s3(self) -> Self:
-        if self.inventory and not self.catalogue.startswith(("s3://", "s3a://")):
-            raise ValueError(f"inventory: an S3 Inventory lists an S3 bucket; the catalogue is {self.catalogue}")
-        if self.inventory and not self.inventory.endswith("manifest.json"):
-            raise ValueError(f"inventory must be the URL of a report's manifest.json; got {self.inventory}")
-        return self
+        return inventory_lists_s3(self)
 
     @property
     def delete_limit(self) -> float | None:
@@ -234,6 +247,9 @@ class MigrateConfig(FlowConfig):
     to: Annotated[str | None, Field(description="start: the new model")] = None
     catalogue: Annotated[OptionalUrl, Field(
         description="start: the catalogue to re-encode; default: the serving model's last one")] = None
+    inventory: Annotated[OptionalUrl, Field(
+        description="start: an S3 Inventory report's manifest.json to list the catalogue from instead of LIST "
+                    "(with --catalogue s3://...)")] = None
     gate: Annotated[dict | None, Field(
         description="promote: an `imgest eval --alias serving --compare shadow --json` report made elsewhere; "
                     "recorded in the window as its evaluation")] = None
@@ -267,7 +283,9 @@ class MigrateConfig(FlowConfig):
             raise ValueError("to must not be empty")
         if self.force is not None and not self.force.strip():
             raise ValueError("force needs a reason (it is recorded in the window and the alias history)")
-        return self
+        if self.inventory and not self.catalogue:
+            raise ValueError("inventory: name the bucket it lists with catalogue (s3://bucket/prefix)")
+        return inventory_lists_s3(self)
 
 
 class EvalConfig(FlowConfig):

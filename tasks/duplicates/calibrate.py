@@ -215,7 +215,7 @@ def _nearest_others(live, opened, picked: list[tuple]) -> tuple[list[float], lis
     """Each original's nearest item that is neither itself, nor its bytes, nor the same picture (by hash, or
     placed one inside the other: tasks/duplicates/verify.py)."""
     position = {item: n for n, item in enumerate(live.item_ids)}
-    to_live = np.asarray([position.get(item, -1) for item in opened.item_ids] + [-1], np.int64)
+    to_live = np.asarray([position.get(item, -1) for item in opened.item_ids.to_pylist()] + [-1], np.int64)
     queries = live.vectors[[row for row, _, _ in picked]]
     scores, ids = opened.search(queries, min(NEIGHBOURS + 1, max(1, opened.index.ntotal)))
     other, other_hash, held = [], [], 0

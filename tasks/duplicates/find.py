@@ -151,7 +151,7 @@ def find(store_url: str, alias: str | None, model: str | None, choice: dict, fen
     card, opened = searcher.card, searcher.opened
     live = load_live_vectors(searcher.store, card["slug"], searcher.spec.dim)
     position = {item: n for n, item in enumerate(live.item_ids)}
-    indexed = [position.get(item, -1) for item in opened.item_ids]  # faiss id -> live row (-1: gone since)
+    indexed = [position.get(item, -1) for item in opened.item_ids.to_pylist()]  # faiss id -> live row (-1: gone since)
     scores, ids = opened.search(live.vectors, min(NEIGHBOURS, max(1, opened.index.ntotal)))
     neighbours = np.where(ids >= 0, np.asarray(indexed + [-1], np.int64)[ids], -1)
     run = _stamp()

@@ -60,11 +60,12 @@ def served_and_exact(store: Location, searcher: Searcher, queries: list[Labelled
     vectors = embed(searcher, queries)
     extra = max((len(q.exclude) for q in queries), default=0)
     scores, ids = searcher.opened.search(vectors, depth + extra)
-    served, served_scores = _ranked(queries, scores, ids, searcher.opened.item_ids, depth)
+    indexed = searcher.opened.item_ids.to_pylist()  # an evaluation's exact search gathers the vectors anyway
+    served, served_scores = _ranked(queries, scores, ids, indexed, depth)
     card = searcher.card
     live = load_live_vectors(store, card["slug"], card["d"])
     position = {item: i for i, item in enumerate(live.item_ids)}
-    rows = [position[item] for item in searcher.opened.item_ids if item in position]
+    rows = [position[item] for item in indexed if item in position]
     scores, ids = faiss.knn(np.ascontiguousarray(vectors, np.float32), live.vectors[rows], depth + extra,
                             metric=faiss.METRIC_INNER_PRODUCT)
     exact, _ = _ranked(queries, scores, ids, [live.item_ids[r] for r in rows], depth)
@@ -87,9 +88,9 @@ def by_class(run, qrels, classes, names) -> dict:
 def check_coverage(searcher: Searcher, queries: list[LabelledQuery]) -> float:
     """Share of the queries' relevant ids that the index holds; none at all means the set was built
     for another catalogue root or store, and every metric would silently be 0."""
-    indexed = set(searcher.opened.item_ids)
     relevant = {item for q in queries for item in q.relevant}
-    share = len(relevant & indexed) / len(relevant) if relevant else 0.0
+    held = searcher.opened.ids.positions(sorted(relevant))
+    share = float((held >= 0).mean()) if relevant else 0.0
     if share == 0:
         example = next(iter(relevant), "?")
         raise QuerySetError(f"none of the {len(relevant)} relevant item ids (e.g. {example!r}) is in the index "

@@ -31,6 +31,7 @@ from imgest.names import AUGMENTATIONS, DEFAULT_VIEWS, VERSION
 from imgest.tasks.heads.train import HeadError
 from imgest.tasks.heads.views import augmented_instances
 from imgest.tasks.state.committed import now_iso
+from imgest.tasks.state.live import sample_rows
 
 
 class WhiteningError(HeadError):
@@ -147,13 +148,6 @@ def fit_pair_whitening(vectors: np.ndarray, originals: np.ndarray, views: np.nda
                      float(share[kept - 1]), n, "pairs", len(differences))
 
 
-def sample_rows(n: int, limit: int, seed: int) -> np.ndarray:
-    """A seeded sample of at most `limit` of `n` rows, in order: memory bounded whatever the catalogue's size."""
-    if n <= limit:
-        return np.arange(n)
-    return np.sort(np.random.default_rng(seed).choice(n, size=limit, replace=False))
-
-
 def whitening_weights(fitted: Whitening) -> bytes:
     """The mean and projection as safetensors (read back by imgest.encoders.head, checked; never a pickle)."""
     import torch
@@ -179,7 +173,7 @@ def whiten_head(store, base: dict, live, cfg, views: int = DEFAULT_VIEWS, names:
     `head:<folder>`, whose record says what it is."""
     if base.get("base") is not None:
         raise WhiteningError(f"{base['name']} is itself a head: whiten a model's own embeddings (its base's)")
-    rows = sample_rows(len(live.item_ids), cfg.sample, cfg.seed)
+    rows = sample_rows(len(live.item_ids), cfg.sample, cfg.seed)  # `live` may already be that sample
     shrinkage = cfg.shrinkage if cfg.shrinkage == "auto" else float(cfg.shrinkage)
     catalogue = np.asarray(live.vectors[rows])
     _check_shape(catalogue, cfg.dim_out, 1.0)  # refused before any image is read
@@ -191,7 +185,7 @@ def whiten_head(store, base: dict, live, cfg, views: int = DEFAULT_VIEWS, names:
     weights = whitening_weights(fitted)
     record = {"base_model": base["name"], "base_model_id": base["model_id"], "base_slug": base["slug"],
               "head_type": "whiten", "architecture": ARCHITECTURES["whiten"], "hidden": 0, **fitted.describe(),
-              "live_items": len(live.item_ids), "seed": cfg.seed,
+              "live_items": live.total or len(live.item_ids), "seed": cfg.seed,
               **({"pair_images": proxy.pop("fitted_images"), "views": views, "augmentations": list(names),
                   "proxy": proxy} if cfg.pair_images else {}),
               "weights_sha256": hashlib.sha256(weights).hexdigest(), "created": now_iso(), "imgest_version": VERSION}

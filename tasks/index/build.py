@@ -47,26 +47,6 @@ def warn_if_generic_blas() -> dict:
     return blas
 
 
-def training_rows(shard_codes: np.ndarray, size: int, seed: int = 0) -> np.ndarray:
-    """Rows to train on: whole shards in a seeded random order until `size` rows, then `size` of them. Drawn
-    by shard so that a build reading from the store reads a few shards, not one row from each."""
-    if size <= 0 or size >= len(shard_codes):
-        return np.arange(len(shard_codes))
-    rng = np.random.default_rng(seed)
-    counts = np.bincount(shard_codes)
-    order = rng.permutation(len(counts))
-    taken = order[:int(np.searchsorted(np.cumsum(counts[order]), size)) + 1]
-    rows = np.flatnonzero(np.isin(shard_codes, taken))
-    return np.sort(rng.choice(rows, size=size, replace=False)) if len(rows) > size else rows
-
-
-def probe_rows(candidates: np.ndarray, n: int, count: int, seed: int = 0) -> np.ndarray:
-    """The recall probes: a seeded sample of `candidates` (the training rows, already read), or of all n rows."""
-    pool = candidates if len(candidates) >= min(count, n) and len(candidates) else np.arange(n)
-    rng = np.random.default_rng(seed + 1)
-    return np.sort(rng.choice(pool, size=min(count, len(pool)), replace=False))
-
-
 def train(vectors: np.ndarray, choice: IndexChoice, seed: int = 0, rows: np.ndarray | None = None):
     """An empty index of `choice`, trained on `rows` of `vectors` (default: a seeded sample of at most
     `choice.train_size` of them)."""

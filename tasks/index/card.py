@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import faiss
-import numpy as np
-import pyarrow as pa
 
 from imgest.names import VERSION
 from imgest.tasks.index.build import BuildTimes, faiss_blas, refine_of
 from imgest.tasks.index.choice import HNSW_M, RULE, IndexChoice, parse_memory
 from imgest.tasks.index.tuning import Tuned
-from imgest.tasks.state.live import LiveVectors
 
 
 def bytes_per_vector(d: int, choice: IndexChoice) -> dict:
@@ -74,7 +71,3 @@ def make_card(model: dict, n: int, d: int, snapshot: int, choice: IndexChoice, m
         "lineage": lineage,
     }
 
-
-def ids_table(live: LiveVectors) -> pa.Table:
-    return pa.table({"faiss_id": pa.array(np.arange(len(live)), pa.int64()), "item_id": live.item_ids,
-                     "uri": live.uris, "content_hash": live.content_hashes})

@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 from imgest.storage import Location
 from imgest.tasks.index.truth import Truth
 from imgest.tasks.index.update import read_vectors
+from imgest.tasks.state.live import LiveShards
 
 
 @dataclass(frozen=True)
@@ -33,36 +34,21 @@ class PartSpec:
         return len(self.item_ids)
 
 
-def plan_parts(store_url: str, slug: str, dim: int, live: pa.Table, parts: int) -> list[PartSpec]:
-    """Cut the live table (item_id order) into `parts` groups of whole shards with near-equal row counts."""
-    table = live.select(["item_id", "shard"]).append_column("faiss_id", pa.array(np.arange(len(live)), pa.int64()))
-    table = table.sort_by([("shard", "ascending"), ("item_id", "ascending")])
-    shards = table["shard"].combine_chunks()
-    ends = pc.run_end_encode(shards).run_ends.to_numpy() if len(shards) else np.array([], np.int64)
-    starts = np.concatenate([[0], ends[:-1]]) if len(ends) else ends
-    item_ids, faiss_ids = table["item_id"].combine_chunks(), table["faiss_id"].combine_chunks().to_numpy()
-    bounds = np.searchsorted(ends, np.linspace(0, len(table), min(parts, max(len(ends), 1)) + 1)[1:-1], side="right")
-    groups = np.split(np.arange(len(ends)), bounds)
-    specs = []
-    for group in groups:
-        if not len(group):
-            continue
-        a, b = int(starts[group[0]]), int(ends[group[-1]])
-        specs.append(PartSpec(store_url, slug, dim, tuple(shards[int(starts[g])].as_py() for g in group),
-                              tuple(int(ends[g] - starts[g]) for g in group),
-                              item_ids.slice(a, b - a), faiss_ids[a:b]))
-    return specs
-
-
-def read_rows(store: Location, slug: str, dim: int, live: pa.Table, rows: np.ndarray) -> np.ndarray:
-    """The vectors of live rows `rows` (item_id order), read from their shards only."""
-    wanted = live.take(pa.array(rows)).select(["item_id", "shard"])
-    found, vectors = read_vectors(store, slug, dim, wanted)
-    if len(found) != len(rows):
-        raise RuntimeError(f"{len(rows) - len(found)} live item(s) have no row in their shard: rebuild from a "
-                           "consistent store (imgest status shows the pending state)")
-    order = pc.index_in(wanted["item_id"], value_set=found["item_id"]).to_numpy()
-    return vectors[order]
+def plan_parts(store_url: str, slug: str, dim: int, live: LiveShards, parts: int) -> list[PartSpec]:
+    """Cut the live set into `parts` groups of whole shards with near-equal row counts (one read of its shards
+    file: the parts' ids are Arrow columns, shipped to the runner with their specs)."""
+    counts = live.counts["rows"].to_numpy()
+    ends = np.cumsum(counts)
+    bounds = np.searchsorted(ends, np.linspace(0, live.rows, min(parts, max(len(ends), 1)) + 1)[1:-1], side="right")
+    part_of = np.zeros(len(ends), np.int64)
+    part_of[bounds[bounds < len(ends)]] += 1
+    part_of = np.cumsum(part_of)
+    groups: dict[int, list] = {}
+    for number, (shard, item_ids, rows) in zip(part_of, live):
+        groups.setdefault(int(number), []).append((shard, item_ids, rows))
+    return [PartSpec(store_url, slug, dim, tuple(g[0] for g in group), tuple(len(g[1]) for g in group),
+                     pa.concat_arrays([g[1] for g in group]), np.concatenate([g[2] for g in group]))
+            for _, group in sorted(groups.items())]
 
 
 def add_store_part(trained: bytes, spec: PartSpec, probes: np.ndarray, depth: int) -> dict:

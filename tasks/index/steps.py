@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from prefect import get_run_logger, task, unmapped
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -25,18 +24,15 @@ from imgest.storage import Location
 from imgest.tasks.index.build import (
     BuildTimes,
     add_part,
-    build,
     merge_parts,
     mergeable,
     part_ranges,
-    probe_rows,
     train,
-    training_rows,
     warn_if_generic_blas,
 )
-from imgest.tasks.index.card import ids_table, make_card
+from imgest.tasks.index.card import make_card
 from imgest.tasks.index.choice import IndexChoice, choose_index, refines
-from imgest.tasks.index.parts import PartSpec, add_store_part, merge_id_parts, merge_truth, plan_parts, read_rows
+from imgest.tasks.index.parts import PartSpec, add_store_part, merge_id_parts, merge_truth, plan_parts
 from imgest.tasks.index.store import (
     IdMapFile,
     IndexIntegrityError,
@@ -50,7 +46,8 @@ from imgest.tasks.index.store import (
     version_exists,
     write_version,
 )
-from imgest.tasks.index.truth import Truth, carry_truth, exact_truth
+from imgest.tasks.index.stream import Streamed, adds_by_shard, read_sample, stream_build
+from imgest.tasks.index.truth import Truth, carry_truth
 from imgest.tasks.index.tuning import Tuned, tune_with_truth
 from imgest.tasks.index.update import (
     NotUpdatable,
@@ -66,16 +63,11 @@ from imgest.tasks.ingest.policy import IO_RETRIES
 from imgest.tasks.ingest.runners import shard_runner
 from imgest.tasks.migration.aliases import aliases_to_move, set_alias
 from imgest.tasks.state.committed import LIVE, load_state
-from imgest.tasks.state.live import LiveVectors, load_live_vectors
+from imgest.tasks.state.live import LiveShards
 from imgest.tasks.watch.drift import Reference, reference, write_reference
 from imgest.timing import Stopwatch
 
 MIN_USABLE_PROBES = 0.8  # below this share of probes with a known exact top-k, the recall is measured afresh
-
-
-@task(name="load-live-vectors", cache_policy=NO_CACHE, **IO_RETRIES)
-def load_live_task(store_url: str, model: dict) -> LiveVectors:
-    return load_live_vectors(Location(store_url), model["slug"], int(model["dim"]))
 
 
 class AddProgress:
@@ -90,13 +82,6 @@ class AddProgress:
         update_progress_artifact(self.artifact, 100.0 * done / self.total,
                                  description=f"{done:,}/{self.total:,} vectors added")
         report(self.what, done, self.total, "vectors")
-
-
-@task(name="build-index", cache_policy=NO_CACHE)
-def build_task(vectors: np.ndarray, choice: IndexChoice, on_added: AddProgress | None = None,
-               rows: np.ndarray | None = None):
-    warn_if_generic_blas()
-    return build(vectors, choice, on_added=on_added, rows=rows)
 
 
 @task(name="train-index", cache_policy=NO_CACHE)
@@ -115,10 +100,22 @@ def add_store_part_task(trained: bytes, spec: PartSpec, probes: np.ndarray, dept
     return add_store_part(trained, spec, probes, depth)
 
 
-@task(name="live-rows", cache_policy=NO_CACHE, **IO_RETRIES)
-def live_rows_task(store_url: str, slug: str) -> tuple[pa.Table, int]:
+@task(name="number-live", cache_policy=NO_CACHE, **IO_RETRIES)
+def live_shards_task(store_url: str, slug: str) -> LiveShards:
+    """The live set numbered on local disk (see LiveShards); the state's database closed before the build."""
     state = load_state(Location(store_url), slug)
-    return state.live_table(), state.seq
+    try:
+        return LiveShards(state)
+    finally:
+        state.close()
+
+
+@task(name="build-index", cache_policy=NO_CACHE)
+def stream_build_task(store_url: str, model: dict, live: LiveShards, choice: IndexChoice, queries: int, depth: int,
+                      on_added: AddProgress | None = None, add_parts=None) -> Streamed:
+    warn_if_generic_blas()
+    return stream_build(Location(store_url), model["slug"], int(model["dim"]), live, choice, queries, depth,
+                        on_added, add_parts)
 
 
 @task(name="tune-search", cache_policy=NO_CACHE)
@@ -220,19 +217,16 @@ def build_in_parts(vectors: np.ndarray, choice: IndexChoice, parts: int, runner:
     return index, times, len(ranges)
 
 
-def build_from_store(store_url: str, model: dict, live: pa.Table, choice: IndexChoice, parts: int, runner: str,
+def build_from_store(store_url: str, model: dict, live: LiveShards, choice: IndexChoice, parts: int, runner: str,
                      workers: int, queries: int, depth: int, on_added: AddProgress | None = None):
     """An IVF build whose vectors never gather on this node (see tasks/index/parts.py): the training rows
     (whole shards) and the probes among them read here; each part reads its own shards on the runner."""
     total = Stopwatch()
     store, slug, d = Location(store_url), model["slug"], int(model["dim"])
-    codes = pc.dictionary_encode(live["shard"].combine_chunks()).indices.to_numpy()
-    rows = training_rows(codes, choice.train_size)
-    probes_at = probe_rows(rows, len(live), queries)
-    at = np.union1d(rows, probes_at)
-    sample = read_rows(store, slug, d, live, at)
-    trained = train_task(sample, choice, np.searchsorted(at, rows))
-    probes = np.ascontiguousarray(sample[np.searchsorted(at, probes_at)])
+    sample = read_sample(store, slug, d, live, choice.train_size)
+    trained = train_task(sample.vectors, choice, np.arange(len(sample.rows)))
+    at = sample.probes(len(live), queries)
+    probes, probes_at = np.ascontiguousarray(sample.vectors[at]), sample.rows[at]
     train_seconds = total.seconds  # reading the training rows is part of training here
     specs = plan_parts(store_url, slug, d, live, parts)
     adding, results, done = Stopwatch(), [], 0
@@ -248,7 +242,7 @@ def build_from_store(store_url: str, model: dict, live: pa.Table, choice: IndexC
     index = merge_id_parts(trained, [r["index"] for r in results])
     truth = merge_truth(probes, probes_at, results, len(live), depth)
     times = BuildTimes(train_seconds, adding.seconds, total.seconds)
-    return index, times, len(specs), truth, sample
+    return index, times, len(specs), truth, sample.vectors
 
 
 @dataclass
@@ -257,7 +251,7 @@ class Built:
     made."""
 
     index: object
-    ids: pa.Table
+    ids: pa.Table | IdMapFile
     truth: Truth
     snapshot: int
     times: BuildTimes
@@ -266,33 +260,34 @@ class Built:
     reference: Reference | None = None  # what the new images of later nights are measured against (drift)
 
 
-def build_in_process(store_url: str, model: dict, choice: IndexChoice, parts: int, runner: str, workers: int,
-                     queries: int, depth: int, progress: AddProgress) -> Built:
-    """Live vectors loaded here; trained and filled here, or in `parts` slices added in parallel on the runner."""
-    live = load_live_task(store_url, model)
-    rows = training_rows(live.shard_codes, choice.train_size)
-    if parts > 1:
-        index, times, used = build_in_parts(live.vectors, choice, parts, runner, workers, progress, rows)
-    else:
-        (index, times), used = build_task(live.vectors, choice, progress, rows), 1
-    method = "one process" if used == 1 else "trained once, parts added in parallel, merged in id order " \
-                                             "(faiss merge_from)"
-    truth = exact_truth(live.vectors, probe_rows(rows, len(live), queries), depth)
-    trained_on = live.vectors[np.sort(rows)] if len(rows) else live.vectors
-    return Built(index, ids_table(live), truth, live.snapshot, times, used, method, reference(trained_on))
+def build_streamed(store_url: str, model: dict, live: LiveShards, choice: IndexChoice, parts: int, runner: str,
+                   workers: int, queries: int, depth: int, progress: AddProgress) -> Built:
+    """Trained on a sample of whole shards and filled shard by shard (tasks/index/stream.py); the kinds that need
+    every vector at once (HNSW, flat, re-rank vectors) in `parts` slices added in parallel on the runner."""
+    add_parts = None
+    if parts > 1 and not adds_by_shard(choice):
+        def add_parts(vectors, choice, rows):
+            return build_in_parts(vectors, choice, parts, runner, workers, progress, rows)
+    streamed = stream_build_task(store_url, model, live, choice, queries, depth, progress, add_parts)
+    used = parts if add_parts is not None else 1
+    method = ("trained on whole shards read first; every shard then read once and added with its faiss ids"
+              if adds_by_shard(choice) else "shards read once into a memory map in faiss id order; trained and "
+              "added " + ("in one process" if used == 1 else "in parts in parallel, merged in id order "
+                                                            "(faiss merge_from)"))
+    times = BuildTimes(streamed.train_seconds, streamed.add_seconds, streamed.train_seconds + streamed.add_seconds)
+    return Built(streamed.index, streamed.ids, streamed.truth, live.snapshot, times, used, method,
+                 reference(streamed.sample))
 
 
-def build_from_store_parts(store_url: str, model: dict, live_rows: pa.Table, snapshot: int, choice: IndexChoice,
-                           parts: int, runner: str, workers: int, queries: int, depth: int,
-                           progress: AddProgress) -> Built:
+def build_from_store_parts(store_url: str, model: dict, live: LiveShards, choice: IndexChoice, parts: int,
+                           runner: str, workers: int, queries: int, depth: int, progress: AddProgress) -> Built:
     """An IVF build whose vectors never gather on this node: each part reads its own shards on the runner."""
-    index, times, used, truth, sample = build_from_store(store_url, model, live_rows, choice, parts, runner,
+    index, times, used, truth, sample = build_from_store(store_url, model, live, choice, parts, runner,
                                                          workers, queries, depth, progress)
-    ids = pa.table({"faiss_id": pa.array(np.arange(len(live_rows)), pa.int64()), "item_id": live_rows["item_id"],
-                    "uri": live_rows["uri"], "content_hash": live_rows["content_hash"]})
     method = ("trained once on whole shards read here; each part read its own shards from the store and added "
               "them with their faiss ids on the runner; merged (faiss merge_from)")
-    return Built(index, ids, truth, snapshot, times, used, method, reference(sample))
+    return Built(index, IdMapFile().number(live.ordered), truth, live.snapshot, times, used, method,
+                 reference(sample))
 
 
 def splits_by_store(choice: IndexChoice, parts: int) -> bool:

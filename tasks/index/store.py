@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 
 from imgest import records
 from imgest.lock import Fence
-from imgest.scratch import scratch_folder
 from imgest.storage import Location
 from imgest.storage.cache import local_copy
+from imgest.tasks.index.idmap import IdMap, IdMapFile
 from imgest.tasks.migration.aliases import list_aliases, read_alias
 from imgest.tasks.state.committed import now_iso
 
@@ -56,19 +56,6 @@ def _version_numbers(store: Location, slug: str) -> list[int]:
 def list_versions(store: Location, slug: str) -> list[int]:
     """Complete versions only: a folder without its card is a build that did not finish."""
     return [v for v in _version_numbers(store, slug) if store.exists(f"{version_prefix(slug, v)}/card.json")]
-
-
-class IdMapFile:
-    """A version's id map (faiss_id, item_id, uri, content_hash, in faiss id order) as a Parquet file on local
-    disk, removed with this object: an update writes it from DuckDB and the version uploads the file, so the N
-    rows of a large catalogue never sit in the flow's memory."""
-
-    def __init__(self, rows: int = 0) -> None:
-        self.path = os.path.join(scratch_folder(self, "ids"), "ids.parquet")
-        self.rows = rows  # set by the writer
-
-    def __len__(self) -> int:
-        return self.rows
 
 
 def write_version(store: Location, slug: str, index_file: str, ids: pa.Table | IdMapFile, card: dict,
@@ -147,10 +134,6 @@ def _verified_bytes(store: Location, key: str, sha256: str) -> bytes:
     return data
 
 
-def read_ids(store: Location, card: dict) -> pa.Table:
-    return pq.read_table(pa.BufferReader(_verified_bytes(store, version_file(card, "ids_file"), card["ids_sha256"])))
-
-
 def ids_file(store: Location, card: dict, cache_dir: str = DEFAULT_CACHE) -> str:
     """The version's id map on local disk (the store's file itself when it is local), its checksum checked
     against the card's before a reader opens it: for readers that scan it (DuckDB) instead of loading it."""
@@ -211,9 +194,12 @@ def read_index_for_update(store: Location, card: dict, cache_dir: str = DEFAULT_
 class OpenIndex:
     card: dict
     index: object  # faiss.Index with the served search parameter set
-    item_ids: list[str]
-    uris: list[str]
+    ids: IdMap  # faiss id -> item_id, uri (memory-mapped)
     held: tuple = ()  # faiss objects the index points at without owning them (kept alive here)
+
+    @property
+    def item_ids(self) -> pa.ChunkedArray:
+        return self.ids.item_ids
 
     def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return self.index.search(np.ascontiguousarray(vectors, np.float32), k)
@@ -286,8 +272,11 @@ def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAUL
     kind, refine = records.field(card, "kind", str, slug), footprint.get("refine")
     index, held = read_served(verified_file(store, card, cache_dir, served_flags(kind, refine)), kind, refine)
     set_param(index, card["search"]["param"], card["search"]["value"], card["search"].get("k_factor"))
-    ids = read_ids(store, card)
-    return OpenIndex(card, index, ids["item_id"].to_pylist(), ids["uri"].to_pylist(), held)
+    ids = IdMap(ids_file(store, card, cache_dir), card["ids_sha256"], cache_dir)
+    if len(ids) != index.ntotal:
+        raise IndexIntegrityError(f"{version_file(card, 'ids_file')} maps {len(ids)} ids for the index's "
+                                  f"{index.ntotal} vectors: refused")
+    return OpenIndex(card, index, ids, held)
 
 
 def previous_version(store: Location, slug: str) -> dict | None:

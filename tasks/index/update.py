@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from imgest.storage import Location
 from imgest.tasks.index.build import refine_of
@@ -30,8 +29,6 @@ from imgest.tasks.ingest.shards import embedding_matrix
 from imgest.tasks.state.committed import LIVE, CatalogueState, shard_key
 from imgest.tasks.state.rows import sql_string
 
-ID_MAP_SCHEMA = pa.schema([("faiss_id", pa.int64()), ("item_id", pa.string()), ("uri", pa.string()),
-                           ("content_hash", pa.string())])
 RETRAIN_PARAM_GROWTH = 2  # retrain when an update needs more than twice the nprobe its training served
 
 
@@ -70,22 +67,12 @@ def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table) -> tupl
 def _write_id_map(cur, ids: IdMapFile) -> None:
     """The live items the index will hold (the view `live` less the table `missing`), numbered as a fresh build
     numbers them (faiss id = position in item_id order): DuckDB's external sort writes them to a file, which is
-    then numbered batch by batch into the id map; the order is checked as it goes."""
+    then numbered batch by batch into the id map."""
     sorted_path = os.path.join(os.path.dirname(ids.path), "sorted.parquet")
     cur.execute(f"""COPY (SELECT item_id, uri, hash AS content_hash FROM live l
                           WHERE NOT EXISTS (SELECT 1 FROM missing m WHERE m.item_id = l.item_id)
                           ORDER BY item_id) TO {sql_string(sorted_path)} (FORMAT parquet)""")
-    last = None
-    with pq.ParquetWriter(ids.path, ID_MAP_SCHEMA, compression="zstd") as writer:
-        for batch in pq.ParquetFile(sorted_path).iter_batches(65_536):
-            keys = batch.column(0)
-            if len(keys) and ((last is not None and keys[0].as_py() <= last) or
-                              pc.any(pc.less_equal(keys[1:], keys[:-1])).as_py()):
-                raise RuntimeError("the live items did not come back in item_id order")
-            last = keys[-1].as_py() if len(keys) else last
-            numbers = pa.array(np.arange(ids.rows, ids.rows + len(batch)))
-            writer.write_batch(pa.record_batch([numbers, *batch.columns], schema=ID_MAP_SCHEMA))
-            ids.rows += len(batch)
+    ids.number(sorted_path)
     os.remove(sorted_path)
 
 
@@ -129,7 +116,7 @@ def plan_delta(store: Location, slug: str, dim: int, previous_ids: str, state: C
     return Delta(ids, np.asarray(remap["new"], np.int64), np.asarray(added["faiss_id"], np.int64), vectors)
 
 
-def _rename_ids(index, remap: np.ndarray) -> None:
+def rename_ids(index, remap: np.ndarray) -> None:
     """Rewrite the ids stored in every inverted list through `remap` (the lists are in memory)."""
     import faiss
 
@@ -175,7 +162,7 @@ def apply_delta(index, delta: Delta):
     removed = np.flatnonzero(delta.remap < 0).astype(np.int64)
     if len(removed):
         index.remove_ids(faiss.IDSelectorBatch(removed))
-    _rename_ids(index, delta.remap)
+    rename_ids(index, delta.remap)
     if len(delta.added):
         index.add_with_ids(np.ascontiguousarray(delta.added, np.float32), delta.added_ids)
     if index.ntotal != delta.ids.rows:

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
 from imgest import encoders
 from imgest.encoders import EncoderError
@@ -86,11 +87,10 @@ class Searcher:
         self.spec, self.device = spec, device
         self._encoder = None
         self._table = None  # the store's metadata, read on the first --where or --group-by
-        self._index_ids = None  # the index's item_ids as an Arrow array, for mapping a filter's items
         self._filters: dict[str, np.ndarray] = {}  # --where predicate -> faiss ids
         self._group_maps: dict[str, dict[str, str]] = {}  # --group-by column -> item_id -> value
         self._stored = None  # StoredVectors, made on the first query by item id
-        self._metadata_rows: dict[str, int] | None = None  # indexed item_id -> its metadata row, for hits
+        self._metadata_rows: np.ndarray | None = None  # faiss id -> its item's metadata row (-1: none), for hits
         self._columns: list[dict] | None = None  # the metadata columns, for the search page's filters
 
     @property
@@ -193,8 +193,12 @@ class Searcher:
                                    [q.item_id for q in queries])
 
     def _hits(self, scores: np.ndarray, ids: np.ndarray) -> list[list[Hit]]:
-        return [[Hit(rank + 1, self.opened.item_ids[i], self.opened.uris[i], float(s))
-                 for rank, (s, i) in enumerate(zip(srow, irow)) if i >= 0] for srow, irow in zip(scores, ids)]
+        """Hits of faiss ids `ids`, their items and uris looked up in the id map (only the rows found)."""
+        found = ids[ids >= 0]
+        items = iter(self.opened.ids.items(found))
+        uris = iter(self.opened.ids.uris.take(pa.array(found, pa.int64())).to_pylist())
+        return [[Hit(rank + 1, next(items), next(uris), float(s)) for rank, (s, i) in enumerate(zip(srow, irow))
+                 if i >= 0] for srow, irow in zip(scores, ids)]
 
     def _search(self, vectors: np.ndarray, k: int, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         if allowed is None:
@@ -225,24 +229,17 @@ class Searcher:
         self._filters[where] = positions(items, self._ids())
         return self._filters[where]
 
-    def _ids(self):
-        if self._index_ids is None:
-            import pyarrow as pa
-
-            self._index_ids = pa.array(self.opened.item_ids, pa.string())
-        return self._index_ids
+    def _ids(self) -> pa.ChunkedArray:
+        return self.opened.ids.item_ids
 
     def position(self, item_id: str) -> int | None:
         """An item's faiss id in this index; None when the item is not in it."""
-        import pyarrow.compute as pc
-
-        found = pc.index(self._ids(), item_id).as_py()
-        return None if found is None or found < 0 else found
+        return self.opened.ids.position(item_id)
 
     def uri_of(self, item_id: str) -> str | None:
         """The catalogue uri this index recorded for an item; None when the item is not in it."""
         position = self.position(item_id)
-        return None if position is None else self.opened.uris[position]
+        return None if position is None else self.opened.ids.uri(position)
 
     def metadata_columns(self) -> list[dict]:
         """The catalogue metadata columns a search can filter or group by ([] when the store holds none); worked
@@ -260,19 +257,20 @@ class Searcher:
         """Each indexed item's catalogue metadata row (item_id and row_hash left out); {} when the store holds
         none. A lookup per hit: the map from indexed item to metadata row is made once per searcher (matching
         the whole table per query cost 14 ms at 1M rows)."""
-        import pyarrow as pa
         import pyarrow.compute as pc
 
         try:
             table = self._metadata()
         except SearchError:
             return {}
-        if self._metadata_rows is None:
-            rows = pc.index_in(self._ids(), value_set=table.column("item_id")).fill_null(-1).to_numpy()
-            self._metadata_rows = {item: int(row) for item, row in zip(self.opened.item_ids, rows) if row >= 0}
-        found = [self._metadata_rows[item] for item in dict.fromkeys(item_ids) if item in self._metadata_rows]
+        if self._metadata_rows is None:  # the metadata row of each indexed item (faiss id order), -1 for none
+            rows = pc.index_in(self._ids(), value_set=table.column("item_id")).fill_null(-1)
+            self._metadata_rows = rows.to_numpy() if isinstance(rows, pa.Array) else \
+                np.concatenate([chunk.to_numpy() for chunk in rows.chunks] or [np.empty(0, np.int64)])
+        at = self.opened.ids.positions(list(dict.fromkeys(item_ids)))
+        rows = self._metadata_rows[at[at >= 0]]
         return {row.pop("item_id"): {k: v for k, v in row.items() if k != "row_hash"}
-                for row in table.take(pa.array(found, pa.int64())).to_pylist()}
+                for row in table.take(pa.array(rows[rows >= 0], pa.int64())).to_pylist()}
 
     def groups(self, column: str) -> dict[str, str]:
         """item_id -> its value of `column`, kept per column like the filters."""

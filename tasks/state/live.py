@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -12,10 +13,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from imgest.storage import Location
 from imgest.tasks.ingest.shards import embedding_matrix
 from imgest.tasks.state.committed import (
+    LIVE,
     CatalogueState,
     latest_snapshot_key,
     latest_snapshot_seq,
@@ -40,6 +43,82 @@ def live_by_shard(live: pa.Table) -> list[tuple[str, pa.Array, np.ndarray]]:
         out.append((shards[start].as_py(), ids.slice(start, run - start), positions[start:run]))
         start = run
     return out
+
+
+class LiveShards:
+    """The live items of a state on local disk, numbered and grouped by shard, so that a pass over the whole
+    catalogue holds one shard's ids at a time and no object per item:
+
+      `ordered`   (item_id, uri, content_hash, shard) in item_id order: row r is the item numbered r, as an index
+                  numbers its vectors (DuckDB's external sort writes it: memory capped, spilling);
+      `by_shard`  (shard, item_id, row) sorted by shard then item_id: one read of it visits each shard once;
+      `counts`    (shard, rows) per shard, in shard order: small (a row per shard).
+
+    The files go with the object. Built from `state` in one pass; the state can be closed afterwards."""
+
+    def __init__(self, state: CatalogueState) -> None:
+        from imgest.scratch import scratch_folder
+        from imgest.tasks.state.rows import sql_string
+
+        folder = scratch_folder(self, "live")
+        self.ordered = os.path.join(folder, "ordered.parquet")
+        self.by_shard = os.path.join(folder, "by_shard.parquet")
+        self.snapshot = state.seq
+        numbered = os.path.join(folder, "numbered.parquet")
+        with state.sql() as cur:
+            cur.execute(f"""COPY (SELECT item_id, uri, content_hash, shard FROM state WHERE status = '{LIVE}'
+                                  ORDER BY item_id) TO {sql_string(self.ordered)} (FORMAT parquet)""")
+            self.rows = 0
+            with pq.ParquetWriter(numbered, BY_SHARD_SCHEMA) as writer:  # the row numbers, in order
+                for batch in pq.ParquetFile(self.ordered).iter_batches(LIVE_BATCH, columns=["shard", "item_id"]):
+                    rows = pa.array(np.arange(self.rows, self.rows + len(batch)), pa.int64())
+                    writer.write_batch(pa.record_batch([*batch.columns, rows], schema=BY_SHARD_SCHEMA))
+                    self.rows += len(batch)
+            cur.execute(f"""COPY (SELECT * FROM read_parquet({sql_string(numbered)}) ORDER BY shard, item_id)
+                            TO {sql_string(self.by_shard)} (FORMAT parquet)""")
+            self.counts = cur.sql(f"""SELECT shard, count(*) AS rows FROM read_parquet({sql_string(self.by_shard)})
+                                      GROUP BY shard ORDER BY shard""").to_arrow_table()
+        os.remove(numbered)
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __iter__(self) -> Iterator[tuple[str, pa.Array, np.ndarray]]:
+        """(shard, its live item ids, their rows) per shard, in shard order, read a batch at a time."""
+        carry: list[pa.RecordBatch] = []
+        for batch in pq.ParquetFile(self.by_shard).iter_batches(LIVE_BATCH):
+            table = pa.Table.from_batches([*carry, batch]).combine_chunks()
+            ends = pc.run_end_encode(table["shard"].combine_chunks()).run_ends.to_numpy()
+            start = 0
+            for end in ends[:-1]:  # the last run may go on in the next batch
+                yield _group(table.slice(start, end - start))
+                start = int(end)
+            carry = table.slice(start).to_batches()
+        if carry:
+            yield _group(pa.Table.from_batches(carry))
+
+    def shard_rows(self, shards: list[str]) -> pa.Table:
+        """(shard, item_id, row) of the live items in `shards` (a few of them: a training sample's)."""
+        wanted = pa.array(shards, pa.string())
+        tables = [pa.Table.from_batches([b]).filter(pc.is_in(b.column(0), value_set=wanted))
+                  for b in pq.ParquetFile(self.by_shard).iter_batches(LIVE_BATCH)]
+        return pa.concat_tables(tables) if tables else BY_SHARD_SCHEMA.empty_table()
+
+
+BY_SHARD_SCHEMA = pa.schema([("shard", pa.string()), ("item_id", pa.string()), ("row", pa.int64())])
+LIVE_BATCH = 65_536  # rows of the live set read at a time
+
+
+def _group(table: pa.Table) -> tuple[str, pa.Array, np.ndarray]:
+    return table["shard"][0].as_py(), table["item_id"].combine_chunks(), table["row"].to_numpy()
+
+
+def read_shard_vectors(store: Location, slug: str, dim: int, shard: str,
+                       keep: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """The vectors of a shard's live rows and where each is among `keep` (the shard's live ids); an id of `keep`
+    without a row in the shard is not among the positions."""
+    table, found = _live_rows(store, slug, shard, keep)
+    return embedding_matrix(table, dim), found
 
 
 def _live_rows(store: Location, slug: str, shard: str, keep: pa.Array) -> tuple[pa.Table, np.ndarray]:
@@ -67,6 +146,7 @@ class LiveVectors:
     store_url: str = ""
     slug: str = ""
     catalogue: str | None = None  # the operator's catalogue for reading images, when the run has one
+    total: int | None = None  # live items of the model (more than these rows when they are a sample)
     _images: object = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -134,3 +214,41 @@ def load_live_vectors(store: Location, slug: str, dim: int) -> LiveVectors:
         item_ids, uris, hashes = [item_ids[n] for n in found], [uris[n] for n in found], [hashes[n] for n in found]
         vectors, codes = np.ascontiguousarray(vectors[found]), codes[found]
     return LiveVectors(item_ids, uris, hashes, vectors, state.seq, codes, store.url, slug)
+
+
+def sample_rows(n: int, limit: int, seed: int) -> np.ndarray:
+    """A seeded sample of at most `limit` of `n` rows, in order: memory bounded whatever the catalogue's size."""
+    if n <= limit:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, size=limit, replace=False))
+
+
+def load_live_sample(store: Location, slug: str, dim: int, limit: int, seed: int) -> LiveVectors:
+    """At most `limit` live vectors, a seeded sample of the rows in item_id order (`sample_rows`: the rows
+    `load_live_vectors` would give at those positions), with their ids, uris and hashes; `total` says how many
+    are live. Only the shards holding a sampled row are read, and only the sample is kept: memory follows
+    `limit`, not the catalogue."""
+    state = load_state(store, slug)
+    try:
+        live = LiveShards(state)
+    finally:
+        state.close()
+    wanted = sample_rows(len(live), limit, seed)
+    parts: list[tuple[np.ndarray, pa.Table]] = []
+    for shard, keep, rows in live:
+        picked = np.isin(rows, wanted)
+        if not picked.any():
+            continue
+        table, found = _live_rows(store, slug, shard, keep.filter(pa.array(picked)))
+        parts.append((rows[picked][found], table.select(["item_id", "uri", "content_hash", "embedding"])))
+    if not parts:
+        return LiveVectors([], [], [], np.empty((0, dim), np.float32), live.snapshot, None, store.url, slug,
+                           total=len(live))
+    rows = np.concatenate([r for r, _ in parts])
+    table = pa.concat_tables([t for _, t in parts]).take(pa.array(np.argsort(rows, kind="stable")))
+    if len(table) < len(wanted):
+        logging.getLogger("imgest").warning("model=%s: %d sampled live item(s) have no row in their shard",
+                                            slug, len(wanted) - len(table))
+    return LiveVectors(table["item_id"].to_pylist(), table["uri"].to_pylist(), table["content_hash"].to_pylist(),
+                       np.ascontiguousarray(embedding_matrix(table, dim)), live.snapshot, None, store.url, slug,
+                       total=len(live))

@@ -21,7 +21,7 @@ from imgest.storage import Location, RecordError, open_location
 from imgest.tasks.ingest.metadata import load_metadata
 from imgest.tasks.ingest.shards import embedding_matrix
 from imgest.tasks.state.committed import LIVE, load_state, now_iso, shard_key
-from imgest.tasks.state.live import live_fingerprint
+from imgest.tasks.state.live import live_by_shard, live_fingerprint
 from imgest.tasks.state.models import find_model
 from imgest.tasks.sync import watermark
 from imgest.tasks.sync.targets import Model, SyncError, Target, TargetSpec, open_target, parse_target
@@ -97,8 +97,8 @@ def rows_for(store: Location, state, item_ids: list[str], metadata: pa.Table | N
     live = live.filter(pc.is_in(live["item_id"], value_set=wanted))
     pending: list[pa.Table] = []
     size = 0
-    for shard in sorted(set(live["shard"].to_pylist())):
-        keep = live.filter(pc.equal(live["shard"], shard))["item_id"]
+    # each shard's items found by one grouping of the live rows (a filter of them per shard was N x shards)
+    for shard, keep, _ in live_by_shard(live):
         table = store.read_table(shard_key(state.slug, shard))
         table = table.filter(pc.is_in(table["item_id"], value_set=keep))
         vectors = embedding_matrix(table, dim)

@@ -1,0 +1,139 @@
+"""A version's id map (faiss id -> item_id, uri, content_hash): written to a file from DuckDB by a build or an
+update, and opened for lookups memory-mapped, so that neither side holds an object per catalogue item."""
+
+from __future__ import annotations
+
+import bisect
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from imgest.scratch import scratch_folder
+
+ID_MAP_SCHEMA = pa.schema([("faiss_id", pa.int64()), ("item_id", pa.string()), ("uri", pa.string()),
+                           ("content_hash", pa.string())])
+ID_MAP_BATCH = 65_536  # rows numbered, checked and written at a time
+
+
+class IdMapFile:
+    """A version's id map (faiss_id, item_id, uri, content_hash, in faiss id order) as a Parquet file on local
+    disk, removed with this object: a build or an update writes it from DuckDB and the version uploads the file,
+    so the N rows of a large catalogue never sit in the flow's memory."""
+
+    def __init__(self, rows: int = 0) -> None:
+        self.path = os.path.join(scratch_folder(self, "ids"), "ids.parquet")
+        self.rows = rows  # set by the writer
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def number(self, ordered: str, skip: np.ndarray | None = None) -> IdMapFile:
+        """Write the map from `ordered`, a Parquet file of (item_id, uri, content_hash) in item_id order (as
+        DuckDB's external sort writes it): faiss id = position, as a fresh build numbers its vectors. Rows at the
+        positions in `skip` (sorted) are left out and the rest numbered without gaps. The order is checked as it
+        goes: ids out of order would silently pair vectors with the wrong items."""
+        skip = np.asarray([] if skip is None else skip, np.int64)
+        last, position = None, 0
+        with pq.ParquetWriter(self.path, ID_MAP_SCHEMA, compression="zstd") as writer:
+            for batch in pq.ParquetFile(ordered).iter_batches(ID_MAP_BATCH, columns=["item_id", "uri",
+                                                                                    "content_hash"]):
+                keys = batch.column(0)
+                if len(keys) and ((last is not None and keys[0].as_py() <= last) or
+                                  pc.any(pc.less_equal(keys[1:], keys[:-1])).as_py()):
+                    raise RuntimeError("the live items did not come back in item_id order")
+                last = keys[-1].as_py() if len(keys) else last
+                here = np.arange(position, position + len(batch))
+                position += len(batch)
+                if len(skip):
+                    batch = batch.filter(pa.array(~np.isin(here, skip)))
+                numbers = pa.array(np.arange(self.rows, self.rows + len(batch)), pa.int64())
+                writer.write_batch(pa.record_batch([numbers, *batch.columns], schema=ID_MAP_SCHEMA))
+                self.rows += len(batch)
+        return self
+
+
+class IdMap:
+    """A written version's id map opened for lookups by faiss id: its item_id and uri columns memory-mapped from
+    an uncompressed Arrow copy of the checked Parquet file, made once per checksum in the index cache. A lookup
+    reads the pages of the rows it asks for; what stays resident is what the OS keeps of the file (clean pages,
+    given back under pressure), never a string per item on the heap."""
+
+    def __init__(self, parquet: str, sha256: str, cache_dir: str) -> None:
+        path = os.path.join(cache_dir, f"ids-{sha256}.arrow")
+        if not os.path.exists(path):
+            _to_arrow_file(parquet, path)
+        self._source = pa.memory_map(path)
+        reader = pa.ipc.open_file(self._source)
+        table = reader.read_all()
+        self.item_ids, self.uris = table["item_id"], table["uri"]
+        self.ordered = (reader.schema.metadata or {}).get(ORDERED) == b"true"
+
+    def __len__(self) -> int:
+        return len(self.item_ids)
+
+    def items(self, rows: np.ndarray) -> list[str]:
+        """The item ids of faiss ids `rows` (each in 0..len-1)."""
+        return self.item_ids.take(pa.array(np.asarray(rows, np.int64))).to_pylist()
+
+    def uri(self, row: int) -> str:
+        return self.uris[int(row)].as_py()
+
+    def position(self, item_id: str) -> int | None:
+        """The faiss id of `item_id`; None when the version does not hold it. A binary search: builds and updates
+        number in item_id order (checked when the map was converted); a map that is not is scanned instead."""
+        if not self.ordered:
+            found = pc.index(self.item_ids, item_id).as_py()
+            return None if found is None or found < 0 else found
+        at = bisect.bisect_left(_Column(self.item_ids), item_id)
+        return at if at < len(self.item_ids) and self.item_ids[at].as_py() == item_id else None
+
+    def positions(self, item_ids: list[str]) -> np.ndarray:
+        """`position` of each, -1 for those the version does not hold."""
+        return np.asarray([-1 if (p := self.position(i)) is None else p for i in item_ids], np.int64)
+
+
+class _Column:
+    """A string column as the sequence bisect searches (one row read per step)."""
+
+    def __init__(self, column: pa.ChunkedArray) -> None:
+        self.column = column
+
+    def __len__(self) -> int:
+        return len(self.column)
+
+    def __getitem__(self, row: int) -> str:
+        return self.column[row].as_py()
+
+
+ORDERED = b"imgest.ordered"  # the Arrow copy's metadata: every item_id is greater than the one before
+
+
+def _ordered(source: pq.ParquetFile) -> bool:
+    """Every item_id greater than the one before (no nulls), checked a batch at a time."""
+    last = None
+    for batch in source.iter_batches(ID_MAP_BATCH, columns=["item_id"]):
+        keys = batch.column(0)
+        if not len(keys):
+            continue
+        if keys.null_count or (last is not None and keys[0].as_py() <= last) or \
+                pc.any(pc.less_equal(keys[1:], keys[:-1])).as_py():
+            return False
+        last = keys[-1].as_py()
+    return True
+
+
+def _to_arrow_file(parquet: str, path: str) -> None:
+    """Stream the Parquet map's item_id and uri columns into an Arrow IPC file (uncompressed: it maps as is),
+    with whether its ids are in order; written beside its final name and renamed into place, so a reader never
+    maps half a file."""
+    temp = f"{path}.{os.getpid()}.tmp"
+    source = pq.ParquetFile(parquet)
+    schema = pa.schema([source.schema_arrow.field("item_id"), source.schema_arrow.field("uri")],
+                       metadata={ORDERED: b"true" if _ordered(source) else b"false"})
+    with pa.OSFile(temp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for batch in source.iter_batches(ID_MAP_BATCH, columns=["item_id", "uri"]):
+            writer.write_batch(pa.record_batch(batch.columns, schema=schema))
+    os.replace(temp, path)

@@ -1,0 +1,215 @@
+"""A full index build streamed from the store, shard by shard: the live set numbered on disk (item_id order,
+as an update numbers it), the training sample drawn by whole shards, then each shard read once and added to the
+trained IVF index with its faiss ids, or written into a memory map for the kinds that need every vector at once
+(HNSW, flat, a PQ index with re-rank vectors). The probes' exact neighbours are found as the shards pass; the id
+map goes from DuckDB to a file. What stays in memory is the index, one block of vectors and a few int64 arrays
+of the shards' sizes: no object per item, and no copy of the catalogue's vectors for an IVF kind."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from imgest.storage import Location
+from imgest.tasks.index.build import add_in_blocks, train
+from imgest.tasks.index.choice import IndexChoice, refines
+from imgest.tasks.index.parts import merge_truth
+from imgest.tasks.index.store import IdMapFile
+from imgest.tasks.index.truth import Truth
+from imgest.tasks.index.update import rename_ids
+from imgest.tasks.state.live import LiveShards, read_shard_vectors
+from imgest.timing import Stopwatch
+
+ADD_BLOCK = 65_536  # vectors gathered from consecutive shards before one faiss add (and one probe scan)
+
+
+def adds_by_shard(choice: IndexChoice) -> bool:
+    """IVF codes take vectors with their ids in any order; a graph, a flat index and re-rank vectors (numbered by
+    row) need them in faiss id order, all present: those go through a memory map."""
+    return "IVF" in choice.factory and not refines(choice.factory)
+
+
+def training_shards(counts: pa.Table, size: int, seed: int = 0) -> list[str]:
+    """Whole shards in a seeded random order until they hold `size` live rows (all shards when size is 0 or
+    beyond the catalogue): a build reads a few shards for its sample, not one row from each."""
+    names, rows = counts["shard"].to_pylist(), counts["rows"].to_numpy()
+    if size <= 0 or size >= rows.sum():
+        return names
+    order = np.random.default_rng(seed).permutation(len(names))
+    taken = order[:int(np.searchsorted(np.cumsum(rows[order]), size)) + 1]
+    return [names[i] for i in np.sort(taken)]
+
+
+@dataclass
+class Sample:
+    """The training rows and the recall probes among them, read before the pass over every shard."""
+
+    rows: np.ndarray  # faiss ids (positions in item_id order), sorted
+    vectors: np.ndarray  # (len(rows), d) float32
+
+    def probes(self, n: int, count: int, seed: int = 0) -> np.ndarray:
+        """Positions in `rows` of a seeded sample of `count` of them (seeded)."""
+        rng = np.random.default_rng(seed + 1)
+        return np.sort(rng.choice(len(self.rows), size=min(count, len(self.rows)), replace=False))
+
+
+def read_sample(store: Location, slug: str, dim: int, live: LiveShards, size: int, seed: int = 0) -> Sample:
+    """`size` rows (all of them when fewer) from whole shards drawn by `training_shards`, with their vectors."""
+    chosen = live.shard_rows(training_shards(live.counts, size, seed)).sort_by("row")
+    rows, vectors = [], []
+    for shard in sorted(set(chosen["shard"].to_pylist())):
+        mine = chosen.filter(pc.equal(chosen["shard"], shard))
+        got, found = read_shard_vectors(store, slug, dim, shard, mine["item_id"].combine_chunks())
+        rows.append(mine["row"].to_numpy()[found])
+        vectors.append(got)
+    if not rows:
+        return Sample(np.empty(0, np.int64), np.empty((0, dim), np.float32))
+    rows_all, vectors_all = np.concatenate(rows), np.concatenate(vectors)
+    order = np.argsort(rows_all, kind="stable")
+    rows_all, vectors_all = rows_all[order], vectors_all[order]
+    if size and len(rows_all) > size:
+        keep = np.sort(np.random.default_rng(seed).choice(len(rows_all), size=size, replace=False))
+        rows_all, vectors_all = rows_all[keep], vectors_all[keep]
+    return Sample(rows_all, np.ascontiguousarray(vectors_all, np.float32))
+
+
+class TruthScan:
+    """The probes' exact `depth` nearest neighbours, found block by block as the vectors pass: each block's best
+    depth + 1 kept with the best so far (the probe's own row is dropped at the end)."""
+
+    def __init__(self, probes: np.ndarray, probe_ids: np.ndarray, depth: int):
+        self.probes, self.probe_ids, self.depth = np.ascontiguousarray(probes, np.float32), probe_ids, depth
+        self.scores = np.full((len(probes), 0), -np.inf, np.float32)
+        self.ids = np.full((len(probes), 0), -1, np.int64)
+
+    def add(self, vectors: np.ndarray, ids: np.ndarray) -> None:
+        import faiss
+
+        if not len(vectors) or not len(self.probes):
+            return
+        scores, local = faiss.knn(self.probes, vectors, min(self.depth + 1, len(vectors)),
+                                  metric=faiss.METRIC_INNER_PRODUCT)
+        scores = np.concatenate([self.scores, scores], axis=1)
+        found = np.concatenate([self.ids, np.where(local >= 0, ids[np.clip(local, 0, None)], -1)], axis=1)
+        keep = min(self.depth + 1, scores.shape[1])
+        best = np.argsort(-scores, axis=1, kind="stable")[:, :keep]
+        self.scores, self.ids = np.take_along_axis(scores, best, 1), np.take_along_axis(found, best, 1)
+
+    def truth(self, n: int) -> Truth:
+        return merge_truth(self.probes, self.probe_ids, [{"scores": self.scores, "ids": self.ids}], n, self.depth)
+
+
+def _renumber(ids: np.ndarray, missing: np.ndarray) -> np.ndarray:
+    """Faiss ids after the `missing` rows (sorted) leave: each id moves down by the missing rows before it."""
+    return np.where(ids >= 0, ids - np.searchsorted(missing, ids), ids)
+
+
+@dataclass
+class Streamed:
+    index: object
+    ids: IdMapFile
+    truth: Truth
+    sample: np.ndarray  # the training vectors (the drift reference is drawn from them)
+    train_seconds: float
+    add_seconds: float
+
+
+def _blocks(store: Location, slug: str, dim: int, live: LiveShards, missing: list[np.ndarray]):
+    """(vectors, faiss ids) of consecutive shards, about ADD_BLOCK rows at a time; the rows a shard lacks go to
+    `missing` (a live item without its row is indexed without it, and said)."""
+    held, held_ids, size = [], [], 0
+    for shard, keep, rows in live:
+        vectors, found = read_shard_vectors(store, slug, dim, shard, keep)
+        if len(found) < len(rows):
+            missing.append(np.setdiff1d(rows, rows[found]))
+        held.append(vectors)
+        held_ids.append(rows[found])
+        size += len(found)
+        if size >= ADD_BLOCK:
+            yield np.concatenate(held), np.concatenate(held_ids)
+            held, held_ids, size = [], [], 0
+    if held:
+        yield np.concatenate(held), np.concatenate(held_ids)
+
+
+def _vector_map(n: int, dim: int) -> np.ndarray:
+    """(n, dim) float32 in an already-unlinked scratch file under TMPDIR: the OS pages it in and out."""
+    with tempfile.TemporaryFile(prefix="imgest-build-") as fh:
+        fh.truncate(max(n * dim * 4, 1))
+        return np.memmap(fh, np.float32, "w+", shape=(n, dim))
+
+
+def stream_build(store: Location, slug: str, dim: int, live: LiveShards, choice: IndexChoice, queries: int,
+                 depth: int, on_added: Callable[[int], None] | None = None,
+                 add_parts: Callable | None = None) -> Streamed:
+    """Train on a sample of whole shards, then pass over every shard once (see the module doc). `add_parts`,
+    for the kinds built from a memory map: (vectors, choice, rows) -> (index, times, parts), to add in parallel
+    parts instead of here."""
+    sample = read_sample(store, slug, dim, live, choice.train_size)
+    at = sample.probes(len(live), queries)
+    scan = TruthScan(sample.vectors[at], sample.rows[at], depth)
+    missing: list[np.ndarray] = []
+    training, adding = Stopwatch(running=False), Stopwatch(running=False)
+    if adds_by_shard(choice):
+        with training:
+            index = train(sample.vectors, choice, rows=np.arange(len(sample.rows)))
+        with adding:
+            done = 0
+            for vectors, ids in _blocks(store, slug, dim, live, missing):
+                index.add_with_ids(vectors, ids)
+                scan.add(vectors, ids)
+                done += len(ids)
+                if on_added is not None:
+                    on_added(done)
+        gone = np.sort(np.concatenate(missing)) if missing else np.empty(0, np.int64)
+        if len(gone):  # their ids were given out: the others move down to number 0..n-1
+            rename_ids(index, _renumber(np.arange(len(live)), gone))
+    else:
+        with adding:
+            vectors = _vector_map(len(live), dim)
+            for block, ids in _blocks(store, slug, dim, live, missing):
+                vectors[ids] = block
+                scan.add(block, ids)
+            gone = np.sort(np.concatenate(missing)) if missing else np.empty(0, np.int64)
+            vectors = _close_gaps(vectors, gone)
+        rows = _renumber(sample.rows, gone)
+        if add_parts is not None:
+            index, times, _ = add_parts(vectors, choice, rows)
+            return _finish(slug, live, index, gone, scan, sample, times.train_seconds,
+                           adding.seconds + times.add_seconds)
+        with training:
+            index = train(vectors, choice, rows=rows)
+        with adding:
+            add_in_blocks(index, vectors, on_added=on_added)
+    return _finish(slug, live, index, gone, scan, sample, training.seconds, adding.seconds)
+
+
+def _finish(slug: str, live: LiveShards, index, gone: np.ndarray, scan: TruthScan, sample: Sample,
+            train_seconds: float, add_seconds: float) -> Streamed:
+    """The id map without the rows that were missing, the probes' lists numbered as the index is."""
+    n = len(live) - len(gone)
+    if len(gone):
+        logging.getLogger("imgest").warning("model=%s: %d live item(s) have no row in their shard; indexing the "
+                                            "other %d", slug, len(gone), n)
+        scan.ids, scan.probe_ids = _renumber(scan.ids, gone), _renumber(scan.probe_ids, gone)
+    ids = IdMapFile().number(live.ordered, gone)
+    if index.ntotal != n or ids.rows != n:
+        raise RuntimeError(f"streamed build holds {index.ntotal} vectors and {ids.rows} ids for {n} live items")
+    return Streamed(index, ids, scan.truth(n), sample.vectors, train_seconds, add_seconds)
+
+
+def _close_gaps(vectors: np.ndarray, gone: np.ndarray) -> np.ndarray:
+    """The rows of `vectors` not in `gone`, moved down in place a block at a time (rows only move down)."""
+    if not len(gone):
+        return vectors
+    kept = np.setdiff1d(np.arange(len(vectors)), gone)
+    for begin in range(0, len(kept), ADD_BLOCK):
+        part = kept[begin:begin + ADD_BLOCK]
+        vectors[begin:begin + len(part)] = vectors[part]
+    return vectors[:len(kept)]

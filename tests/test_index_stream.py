@@ -1,0 +1,141 @@
+"""A full build streamed from the store: the live set numbered on disk, shards read once, the id map written to a
+file. Every kind gives faiss id = position in item_id order with the right vector behind it, the probes' exact
+lists equal a brute-force search, and a live item missing from its shard is left out without a gap."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from imgest import encoders
+from imgest.storage import Location
+from imgest.tasks.index.choice import choose_index
+from imgest.tasks.index.stream import stream_build
+from imgest.tasks.ingest.plan import ShardPlan, WorkItem
+from imgest.tasks.ingest.shards import ShardWriter
+from imgest.tasks.state.committed import load_state, snapshot_key
+from imgest.tasks.state.live import LiveShards
+from imgest.tasks.state.rows import STATE_SCHEMA
+
+SPEC = encoders.resolve("raw-pixels-2")  # d = 12
+
+
+def state_rows(keys: list[str], status: list[str], shards: list[str]) -> pa.Table:
+    n = len(keys)
+    return pa.table({"item_id": keys, "uri": [f"s3://shop/{k}" for k in keys], "status": status,
+                     "etag": ["e"] * n, "size": [1] * n, "mtime": [0.0] * n,
+                     "content_hash": [f"h-{k}" for k in keys], "shard": shards, "run_id": ["r"] * n,
+                     "reason": pa.nulls(n, pa.string()), "updated_at": ["t"] * n}, schema=STATE_SCHEMA)
+
+
+def write_store(folder, n: int, shard_size: int, missing: set[int] = frozenset(), deleted: set[int] = frozenset(),
+                seed: int = 0):
+    """n items in shards of `shard_size` (keys shuffled across shards, as a catalogue's listing order would put
+    them); the state says every one is live except `deleted`; the items in `missing` have no row in their shard.
+    Returns (store, state, {key: vector})."""
+    rng = np.random.default_rng(seed)
+    keys = [f"catalogue/brand-{i % 7}/sku-{i:07d}.jpg" for i in rng.permutation(n)]
+    centres = rng.normal(size=(16, SPEC.dim))
+    vectors = (centres[rng.integers(0, 16, n)] + 0.5 * rng.normal(size=(n, SPEC.dim))).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    store, shards = Location(str(folder)), []
+    for number, begin in enumerate(range(0, n, shard_size)):
+        rows = [r for r in range(begin, min(begin + shard_size, n)) if r not in missing]
+        plan = ShardPlan("r00000001-20261203T000000-aaaaaa", number, tuple(
+            WorkItem(keys[r], f"s3://shop/{keys[r]}", 1, 0.0, "e", None) for r in rows))
+        writer = ShardWriter(store, SPEC, plan)
+        writer.add([(item, f"h-{item.item_id}") for item in plan.items], vectors[rows])
+        writer.flush()
+        shards += [plan.name] * (min(begin + shard_size, n) - begin)
+    table = state_rows(keys, ["deleted" if r in deleted else "live" for r in range(n)], shards)
+    snapshot = folder / snapshot_key(SPEC.slug, 1)
+    snapshot.parent.mkdir(parents=True)
+    pq.write_table(table.sort_by("item_id"), snapshot)
+    return store, load_state(store, SPEC.slug), dict(zip(keys, vectors))
+
+
+@pytest.mark.parametrize("factory", ["IVF16,SQ8", "HNSW16", "Flat", "IVF16,PQ4,Refine(SQfp16)"])
+def test_a_streamed_build_numbers_in_item_id_order_and_leaves_out_missing_rows(tmp_path, factory):
+    missing, deleted = {3, 250, 251, 1999}, {10, 700}
+    store, state, vectors = write_store(tmp_path, 2000, 300, missing, deleted)
+    live = LiveShards(state)
+    state.close()
+    assert len(live) == 2000 - len(deleted)
+    keys = list(vectors)
+    indexed = sorted(keys[r] for r in range(2000) if r not in missing | deleted)
+
+    choice = choose_index(len(live), SPEC.dim, "1G", factory, "unlimited")
+    got = stream_build(store, SPEC.slug, SPEC.dim, live, choice, queries=50, depth=30)
+
+    ids = pq.read_table(got.ids.path)
+    assert ids["item_id"].to_pylist() == indexed, "faiss id = position in item_id order, the missing left out"
+    assert ids["faiss_id"].to_pylist() == list(range(len(indexed))), "numbered without a gap"
+    assert ids["uri"].to_pylist() == [f"s3://shop/{k}" for k in indexed]
+    assert got.index.ntotal == got.ids.rows == len(indexed)
+
+    matrix = np.stack([vectors[k] for k in indexed])
+    if factory == "Flat":
+        np.testing.assert_allclose(got.index.reconstruct_n(0, len(indexed)), matrix, atol=1e-6)
+    if "IVF" in factory:
+        import faiss
+
+        faiss.extract_index_ivf(got.index).nprobe = 16
+        if "Refine" in factory:
+            faiss.downcast_index(got.index).k_factor = 16
+    _, found = got.index.search(matrix, 1)
+    assert (found[:, 0] == np.arange(len(indexed))).mean() > 0.97, "each vector is found under its own faiss id"
+
+    # the probes' lists against a brute-force search of the indexed vectors (each probe's own row left out)
+    truth = got.truth
+    exact = matrix[truth.query_ids] @ matrix.T
+    exact[np.arange(len(truth.query_ids)), truth.query_ids] = -np.inf
+    np.testing.assert_allclose(truth.scores, -np.sort(-exact, axis=1)[:, :truth.depth], atol=1e-5)
+    np.testing.assert_allclose(np.take_along_axis(exact, truth.ids, 1), truth.scores, atol=1e-5)
+
+
+def test_a_streamed_build_holds_no_object_per_item_where_loading_the_live_set_did(tmp_path):
+    """The mechanism behind a build's memory at 10M items, at 200,000: what Python and numpy allocate (traced by
+    tracemalloc; faiss's and Arrow's own buffers are not Python objects) stays under a fixed cap while the build
+    runs (the training sample, one block of vectors: nothing in proportion to N), where loading the live vectors
+    with their ids, URIs and hashes as lists (the build before it streamed) takes several times the cap."""
+    import tracemalloc
+
+    from imgest.tasks.state.live import load_live_vectors
+
+    n = 200_000
+    store, state, _ = write_store(tmp_path, n, 2000)
+    cap = 24 << 20  # the training sample (65,536 x 12 floats) and its copies, one block
+
+    tracemalloc.start()
+    live = LiveShards(state)
+    choice = choose_index(len(live), SPEC.dim, "1G", "IVF64,SQ8", "unlimited")
+    got = stream_build(store, SPEC.slug, SPEC.dim, live, choice, queries=100, depth=30)
+    streamed = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert got.index.ntotal == got.ids.rows == n
+    assert streamed < cap, f"the streamed build allocated {streamed / 1e6:.1f} MB of Python objects and arrays"
+
+    tracemalloc.start()
+    loaded = load_live_vectors(store, SPEC.slug, SPEC.dim)
+    gathered = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(loaded) == n and gathered > 2 * cap, f"{gathered / 1e6:.1f} MB"
+
+
+def test_a_live_sample_is_the_same_rows_as_the_whole_live_set_at_the_sampled_positions(tmp_path):
+    """What a whitening fits on: the seeded sample of rows in item_id order, read from the shards holding them,
+    with their ids, uris and hashes; `total` counts every live item. A sample as large as the live set is it."""
+    from imgest.tasks.state.live import load_live_sample, load_live_vectors, sample_rows
+
+    store, state, _ = write_store(tmp_path, 3000, 250, deleted={5, 6})
+    state.close()
+    whole = load_live_vectors(store, SPEC.slug, SPEC.dim)
+    sample = load_live_sample(store, SPEC.slug, SPEC.dim, 400, seed=7)
+    rows = sample_rows(len(whole), 400, 7)
+    assert len(sample) == 400 and sample.total == len(whole) == 2998
+    assert sample.item_ids == [whole.item_ids[r] for r in rows]
+    assert sample.uris == [whole.uris[r] for r in rows]
+    assert sample.content_hashes == [whole.content_hashes[r] for r in rows]
+    np.testing.assert_array_equal(sample.vectors, whole.vectors[rows])
+    everything = load_live_sample(store, SPEC.slug, SPEC.dim, 5000, seed=7)
+    assert everything.item_ids == whole.item_ids and everything.total == len(whole)
