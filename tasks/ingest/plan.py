@@ -12,7 +12,7 @@ from datetime import datetime
 import pyarrow as pa
 
 from imgest.names import DEFAULT_MAX_BYTES, DEFAULT_SHARD_SIZE
-from imgest.storage import Location, ObjectInfo
+from imgest.storage import Location
 from imgest.tasks.ingest.listing import Listing, printable_key
 from imgest.tasks.state.committed import DELETED, FAILED, LIVE, CatalogueState, ItemState, revivable
 from imgest.tasks.state.rows import STATE_MEMORY
@@ -67,15 +67,8 @@ class Plan:
         return tuple(i for i in items if i.verdict is None and not i.base_shard)[:n]
 
 
-def same_signature(obj: ObjectInfo, prev: ItemState) -> bool:
-    """ETag when both sides have one (object stores), otherwise size and mtime (file systems)."""
-    if obj.etag and prev.etag:
-        return obj.etag == prev.etag and obj.size == prev.size
-    return obj.size == prev.size and obj.mtime is not None and prev.mtime is not None \
-        and abs(obj.mtime - prev.mtime) < 1e-6
-
-
-# same_signature, in SQL over the listing (l) joined with the state (s)
+# the same object as the state's row: ETag and size when both sides have an ETag (object stores), otherwise size
+# and mtime (file systems); in SQL over the listing (l) joined with the state (s)
 SAME_SIGNATURE_SQL = """CASE WHEN coalesce(l.etag, '') <> '' AND coalesce(s.etag, '') <> ''
                              THEN l.etag = s.etag AND l.size = s.size
                              ELSE l.size = s.size AND l.mtime IS NOT NULL AND s.mtime IS NOT NULL
@@ -145,6 +138,25 @@ def _plan_connection(state: CatalogueState | pa.Table | str, files: bool) -> Ite
         yield con
 
 
+STATE_COLUMNS = "item_id, status, etag, size, mtime, content_hash, shard, updated_at"  # what the plan reads of it
+
+
+def _partition(con, name: str, key: str, parts: int, folder: str, columns: str = "*") -> None:
+    """`name` written under `folder` as Parquet files by hash partition of `key`, in one pass. Small row groups:
+    the writer holds one open group per partition and thread, and they must fit DuckDB's memory cap beside it."""
+    target = os.path.join(folder, name).replace("'", "''")
+    con.execute(f"""COPY (SELECT {columns}, hash({key}) % {parts} AS part FROM {name}) TO '{target}'
+                    (FORMAT parquet, PARTITION_BY (part), ROW_GROUP_SIZE 16384)""")
+
+
+def _part(folder: str, name: str, part: int) -> str:
+    """A relation of one hash partition written by `_partition` (none of `name`'s rows fell in an empty one)."""
+    path = os.path.join(folder, name, f"part={part}")
+    if not os.path.isdir(path):
+        return f"(SELECT * FROM {name} LIMIT 0)"
+    return f"read_parquet('{os.path.join(path, '*.parquet').replace(chr(39), chr(39) * 2)}')"
+
+
 def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id: str,
                 shard_size: int = DEFAULT_SHARD_SIZE, max_bytes: int = DEFAULT_MAX_BYTES,
                 max_delete_fraction: float | None = None, listing_source: pa.Table | str | None = None,
@@ -164,14 +176,19 @@ def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id
     plan = Plan(run_id=run_id, listed=0, skipped=listing.skipped, not_regular=listing.not_regular)
     catalogue = Location(listing.catalogue, follow_links=True)
     listed = listing.source if listing_source is None else listing_source
-    with _plan_connection(state, isinstance(state, str) or isinstance(listed, (str, list))) as con:
+    files = isinstance(state, (str, CatalogueState)) or isinstance(listed, (str, list))
+    with _plan_connection(state, files) as con, tempfile.TemporaryDirectory(prefix="imgest-plan-") as folder:
         _relation(con, "listing", listed)
         plan.listed = con.execute("SELECT count(*) FROM listing").fetchone()[0]
         items, live = con.execute(f"SELECT count(*), count(*) FILTER (status = '{LIVE}') FROM state").fetchone()
         parts = max(1, -(-max(plan.listed, items) // PLAN_PARTITION_ROWS))
+        if parts > 1 and files:  # each input written in its hash partitions once: a pass reads only its own
+            _partition(con, "listing", "key", parts, folder)
+            _partition(con, "state", "item_id", parts, folder, STATE_COLUMNS)
         work, unlisted = [], []
         for part in range(parts):
-            listing_part, state_part = ("listing", "state") if parts == 1 else (
+            listing_part, state_part = ("listing", "state") if parts == 1 else \
+                (_part(folder, "listing", part), _part(folder, "state", part)) if files else (
                 f"(SELECT * FROM listing WHERE hash(key) % {parts} = {part})",
                 f"(SELECT * FROM state WHERE hash(item_id) % {parts} = {part})")
             work += con.execute(f"""
@@ -213,17 +230,29 @@ def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id
 
 def attach_base(plan: Plan, base: CatalogueState) -> Plan:
     """For a head model: every planned item whose base-model embedding is current (live, same signature)
-    is marked to be derived from it (the head applied to the stored vector) instead of read and decoded."""
-    known = base.rows([item.item_id for shard in plan.shards for item in shard.items])
-    shards = []
-    for shard in plan.shards:
-        items = []
-        for item in shard.items:
-            prev = known.get(item.item_id)
-            obj = ObjectInfo(item.item_id, item.size, item.mtime, item.etag)
-            if prev is not None and prev.status == LIVE and prev.shard and same_signature(obj, prev):
-                item = replace(item, base_shard=prev.shard, base_hash=prev.content_hash)
-            items.append(item)
-        shards.append(replace(shard, items=tuple(items)))
+    is marked to be derived from it (the head applied to the stored vector) instead of read and decoded.
+    Matched in the base state's DuckDB (the rows stay on disk); what comes back is two columns in plan order."""
+    items = [item for shard in plan.shards for item in shard.items]
+    wanted = pa.table({"position": pa.array(range(len(items)), pa.int64()),
+                       "key": pa.array([i.item_id for i in items], pa.string()),
+                       "size": pa.array([i.size for i in items], pa.int64()),
+                       "mtime": pa.array([i.mtime for i in items], pa.float64()),
+                       "etag": pa.array([i.etag for i in items], pa.string())})
+    del items
+    with base.sql() as cur:
+        cur.register("wanted", wanted)
+        found = cur.sql(f"""SELECT s.shard, s.content_hash FROM wanted l LEFT JOIN state s ON s.item_id = l.key
+                            AND s.status = '{LIVE}' AND s.shard IS NOT NULL AND ({SAME_SIGNATURE_SQL})
+                            ORDER BY l.position""").to_arrow_table()
+    shards_at, hashes_at = found["shard"].combine_chunks(), found["content_hash"].combine_chunks()
+    shards, start = [], 0
+    for shard in plan.shards:  # a shard's items rebuilt at a time
+        count = len(shard.items)
+        base_shards = shards_at.slice(start, count).to_pylist()
+        base_hashes = hashes_at.slice(start, count).to_pylist()
+        shards.append(replace(shard, items=tuple(
+            replace(item, base_shard=s, base_hash=h) if s is not None else item
+            for item, s, h in zip(shard.items, base_shards, base_hashes))))
+        start += count
     plan.shards = shards
     return plan

@@ -18,10 +18,11 @@ from imgest.lock import Fence, RecordChangedError, fenced_delete, fenced_write
 from imgest.storage import Location
 from imgest.tasks.index.store import index_prefix, list_versions, open_index, read_card
 from imgest.tasks.migration.aliases import delete_alias, list_aliases, read_alias, set_alias
+from imgest.tasks.migration.coverage import coverage
 from imgest.tasks.migration.retention import collect_retired, retired_slugs
 from imgest.tasks.migration.shadow import check_agreement
 from imgest.tasks.migration.shadow import summary as shadow_summary
-from imgest.tasks.state.committed import embeddings_prefix, latest_snapshot_seq, load_state, now_iso, state_prefix
+from imgest.tasks.state.committed import embeddings_prefix, latest_snapshot_seq, now_iso, state_prefix
 from imgest.tasks.state.models import find_model, read_model
 from imgest.tasks.watch.events import emit
 
@@ -116,17 +117,6 @@ def require_window(store: Location) -> dict:
     if window is None:
         raise MigrationError(f"no migration window is open in {store.url}; start one with `imgest migrate start`")
     return window
-
-
-def coverage(store: Location, window: dict) -> dict:
-    """Share of the old model's live items that the new model holds with the same content."""
-    old, new = (load_state(store, window[side]["slug"]).live_table().select(["item_id", "content_hash"])
-                for side in ("from", "to"))
-    same = old.join(new, keys=["item_id", "content_hash"], join_type="left semi")
-    missing = old.join(new, keys=["item_id", "content_hash"], join_type="left anti").sort_by("item_id")
-    live, covered = len(old), len(same)
-    return {"live": live, "covered": covered, "share": round(covered / live, 6) if live else 1.0,
-            "missing_examples": missing["item_id"][:10].to_pylist()}
 
 
 def index_current(store: Location, slug: str) -> dict:

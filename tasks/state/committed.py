@@ -144,6 +144,14 @@ class CatalogueState:
             self._base = StateBase.empty()
         return self._base
 
+    @property
+    def changed(self) -> int:
+        """Rows changed since the state was loaded (folded rows counted as written: an item twice, twice)."""
+        return len(self.overlay) + (self._base.folded_rows if self._base is not None else 0)
+
+    def _has_rows(self) -> bool:
+        return self._base is not None and bool(self._base.rows or self._base.folded)
+
     def overlay_table(self) -> pa.Table:
         rows = [dataclasses.asdict(item) for item in self.overlay.values()]
         return pa.Table.from_pylist(rows, schema=STATE_SCHEMA)
@@ -167,9 +175,8 @@ class CatalogueState:
     @property
     def items(self) -> dict[str, ItemState]:
         """Every item as an ItemState (O(N) objects: not for the nightly path at catalogue scale)."""
-        if self._base is not None and self._base.rows:
-            merged = {row["item_id"]: ItemState(**row) for row in self.query("SELECT * FROM kept").to_pylist()}
-            merged.update(self.overlay)
+        if self._has_rows():
+            merged = {row["item_id"]: ItemState(**row) for row in self.query("SELECT * FROM state").to_pylist()}
             self._base, self.overlay = None, merged
         return self.overlay
 
@@ -177,15 +184,15 @@ class CatalogueState:
         """The items among `item_ids` that exist, the overlay first (a batch lookup, one scan of the base)."""
         found = {i: self.overlay[i] for i in item_ids if i in self.overlay}
         rest = [i for i in item_ids if i not in found]
-        if rest and self._base is not None and self._base.rows:
-            with self.base.cursor(STATE_SCHEMA.empty_table()) as cur:  # `rest` is outside the overlay: no view of it
+        if rest and self._has_rows():
+            with self.base.cursor(STATE_SCHEMA.empty_table()) as cur:  # `rest` is outside `overlay`: no view of it
                 cur.register("wanted", pa.table({"item_id": pa.array(rest, pa.string())}))
-                hit = cur.sql("SELECT k.* FROM kept k SEMI JOIN wanted w ON w.item_id = k.item_id").to_arrow_table()
+                hit = cur.sql("SELECT k.* FROM state k SEMI JOIN wanted w ON w.item_id = k.item_id").to_arrow_table()
             found.update((row["item_id"], ItemState(**row)) for row in hit.to_pylist())
         return found
 
     def count(self, status: str) -> int:
-        if self._base is None or not self._base.rows:
+        if not self._has_rows():
             return sum(1 for item in self.overlay.values() if item.status == status)
         with self.sql() as cur:
             return cur.execute("SELECT count(*) FROM state WHERE status = ?", [status]).fetchone()[0]
@@ -194,10 +201,15 @@ class CatalogueState:
         return [item for item in self.items.values() if item.status == LIVE]
 
     def apply_commit(self, marker: dict) -> None:
-        """Fold one shard commit marker into the state (idempotent for the same marker); `checked_marker` first."""
-        for row in marker.get("encoded", []):
-            self.overlay[row["item_id"]] = ItemState(status=LIVE, shard=marker["shard"], run_id=marker["run_id"],
-                                                     updated_at=marker["created"], **row)
+        """Fold one shard commit marker into the state (idempotent for the same marker); `checked_marker` first.
+        Its encoded rows (a cold start's: one per catalogue item) go to the base's database as a table, not
+        to `overlay` as objects."""
+        encoded = marker.get("encoded", [])
+        if encoded:
+            for row in encoded:  # an item rejected by an earlier marker is encoded now: the newer row wins
+                self.overlay.pop(row["item_id"], None)
+            self.base.fold(_rows_table(encoded, status=LIVE, shard=marker["shard"], run_id=marker["run_id"],
+                                       updated_at=marker["created"]))
         for row in marker.get("rejected", []):
             row = dict(row)
             reason, transient = row.pop("reason"), row.pop("transient", False)
@@ -231,6 +243,14 @@ class CatalogueState:
     def live_table(self) -> pa.Table:
         """The live items (STATE_SCHEMA), in item_id order."""
         return self.query(f"SELECT * FROM state WHERE status = '{LIVE}' ORDER BY item_id").cast(STATE_SCHEMA)
+
+
+def _rows_table(rows: list[dict], **constants) -> pa.Table:
+    """Marker rows (ItemState's object fields) and the fields every one of them shares, as STATE_SCHEMA."""
+    columns = {f.name: constants[f.name] if f.name in constants else None for f in STATE_SCHEMA}
+    return pa.table({name: pa.array([row.get(name) for row in rows] if name in _OBJECT else [value] * len(rows),
+                                    STATE_SCHEMA.field(name).type) for name, value in columns.items()},
+                    schema=STATE_SCHEMA)
 
 
 def list_snapshots(store: Location, slug: str) -> list[tuple[int, bool]]:
@@ -281,7 +301,7 @@ def write_snapshot(store: Location, state: CatalogueState, run_id: str, summary:
     stay under COMPACT_SHARE of its rows; then a full one, streamed from DuckDB to a local file and uploaded.
     A nightly of 1% churn writes ~1% of the rows."""
     seq = run_seq(run_id)
-    delta = bool(state.full_rows) and state.delta_rows + len(state.overlay) <= COMPACT_SHARE * state.full_rows
+    delta = bool(state.full_rows) and state.delta_rows + state.changed <= COMPACT_SHARE * state.full_rows
     metadata = {
         "imgest.run_id": run_id,
         "imgest.seq": str(seq),

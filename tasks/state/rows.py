@@ -53,6 +53,7 @@ class StateBase:
             "preserve_insertion_order": False})
         weakref.finalize(self, self._db.close)  # with the folder, when the state goes
         self.rows = 0
+        self.folded = self.folded_rows = 0  # folds, and rows folded (see `fold`)
 
     @classmethod
     def empty(cls) -> StateBase:
@@ -97,12 +98,39 @@ class StateBase:
         the last reference goes: a flow keeps task results alive until it ends."""
         self._db.close()
 
+    def fold(self, rows: pa.Table) -> None:
+        """Append rows (STATE_SCHEMA) to the table `folded`, on disk with the base: a run's encoded rows, which a
+        cold start makes one per catalogue item. A later row of an item wins over an earlier one."""
+        if self.folded == 0:
+            self._db.execute(f"CREATE TABLE IF NOT EXISTS folded AS SELECT 0::BIGINT AS seq, {COLUMNS} "
+                             "FROM base LIMIT 0")
+        self._db.register("incoming", rows.cast(STATE_SCHEMA))
+        self._db.execute(f"INSERT INTO folded SELECT {self.folded_rows} + row_number() OVER () AS seq, {COLUMNS} "
+                         "FROM incoming")
+        self._db.unregister("incoming")
+        self.folded += 1
+        self.folded_rows += len(rows)
+
+    def unfold(self) -> None:
+        """Forget the folded rows (their items were materialised elsewhere)."""
+        if self.folded:
+            self._db.execute("DROP TABLE folded")
+        self.folded = self.folded_rows = 0
+
     @contextmanager
     def cursor(self, overlay: pa.Table) -> Iterator:
-        """A connection of its own (safe beside other threads) with the views `state` and `kept`."""
+        """A connection of its own (safe beside other threads) with the views `overlay` (the folded rows, newest
+        per item, with `overlay`'s rows in place of theirs), `state` and `kept`."""
         cur = self._db.cursor()
         try:
-            cur.register("overlay", overlay.cast(STATE_SCHEMA))
+            cur.register("overlay_rows", overlay.cast(STATE_SCHEMA))
+            if self.folded:
+                cur.execute(f"""CREATE TEMP VIEW overlay AS SELECT * FROM overlay_rows UNION ALL
+                                SELECT {COLUMNS} FROM (SELECT * FROM folded f WHERE NOT EXISTS (
+                                    SELECT 1 FROM overlay_rows o WHERE o.item_id = f.item_id)
+                                QUALIFY row_number() OVER (PARTITION BY item_id ORDER BY seq DESC) = 1)""")
+            else:
+                cur.execute("CREATE TEMP VIEW overlay AS SELECT * FROM overlay_rows")
             cur.execute("CREATE TEMP VIEW kept AS SELECT b.* FROM base b ANTI JOIN overlay o ON o.item_id = b.item_id")
             cur.execute("CREATE TEMP VIEW state AS SELECT * FROM kept UNION ALL SELECT * FROM overlay")
             yield cur

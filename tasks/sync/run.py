@@ -34,8 +34,8 @@ _RESERVED = ("item_id", "vector")
 class Plan:
     """What one sync sends: ids to upsert (new or changed content or metadata) and to delete."""
 
-    upsert: list[str]
-    delete: list[str]
+    upsert: pa.Array  # item ids, sorted
+    delete: pa.Array  # item ids, sorted
     manifest: pa.Table  # every live item after the sync (watermark.MANIFEST_SCHEMA)
 
 
@@ -64,7 +64,7 @@ def live_manifest(state, metadata: pa.Table | None) -> pa.Table:
                     schema=watermark.MANIFEST_SCHEMA)
 
 
-def plan(now: pa.Table, before: pa.Table, maybe_there: set[str]) -> Plan:
+def plan(now: pa.Table, before: pa.Table, maybe_there: pa.Array) -> Plan:
     """Upsert what is new or whose content or metadata changed; delete what was (or may have been) sent and
     is no longer live. Columnar: a join, no object per item."""
     old = before.append_column("sent", pa.array([True] * before.num_rows, pa.bool_()))
@@ -75,10 +75,11 @@ def plan(now: pa.Table, before: pa.Table, maybe_there: set[str]) -> Plan:
         return pc.or_(pc.and_(pc.is_null(a), pc.is_null(b)), pc.fill_null(pc.equal(a, b), False))
 
     unchanged = pc.and_(pc.fill_null(joined["sent"], False), pc.and_(same("content_hash"), same("meta_hash")))
-    upsert = sorted(joined.filter(pc.invert(unchanged))["item_id"].to_pylist())
-    gone = pa.concat_arrays([before["item_id"].combine_chunks(), pa.array(sorted(maybe_there), pa.string())])
-    delete = sorted(set(gone.filter(pc.invert(pc.is_in(gone, value_set=now["item_id"]))).to_pylist()))
-    return Plan(upsert, delete, now)
+    changed = joined.filter(pc.invert(unchanged))["item_id"].combine_chunks()
+    upsert = changed.take(pc.array_sort_indices(changed))
+    gone = pa.concat_arrays([before["item_id"].combine_chunks().cast(pa.string()), maybe_there.cast(pa.string())])
+    gone = pc.unique(gone.filter(pc.invert(pc.is_in(gone, value_set=now["item_id"]))))
+    return Plan(upsert, gone.take(pc.array_sort_indices(gone)), now)
 
 
 def metadata_columns(metadata: pa.Table | None) -> pa.Schema:
@@ -89,17 +90,21 @@ def metadata_columns(metadata: pa.Table | None) -> pa.Schema:
                       for f in metadata.schema if f.name not in ("item_id", "row_hash")])
 
 
-def rows_for(store: Location, state, item_ids: list[str], metadata: pa.Table | None, columns: pa.Schema,
+def live_shards(state, item_ids: pa.Array) -> pa.Table:
+    """(item_id, shard) of these live items."""
+    live = state.query(f"SELECT item_id, shard FROM state WHERE status = '{LIVE}'")
+    return live.filter(pc.is_in(live["item_id"], value_set=item_ids))
+
+
+def rows_for(store: Location, slug: str, live: pa.Table, metadata: pa.Table | None, columns: pa.Schema,
              dim: int, batch: int):
-    """Batches of (item_id, vector, metadata columns) for these live items, one shard read at a time."""
-    wanted = pa.array(item_ids, pa.string())
-    live = state.live_table().select(["item_id", "shard"])
-    live = live.filter(pc.is_in(live["item_id"], value_set=wanted))
+    """Batches of (item_id, vector, metadata columns) for the live items `live` (item_id, shard), one shard
+    read at a time."""
     pending: list[pa.Table] = []
     size = 0
     # each shard's items found by one grouping of the live rows (a filter of them per shard was N x shards)
     for shard, keep, _ in live_by_shard(live):
-        table = store.read_table(shard_key(state.slug, shard))
+        table = store.read_table(shard_key(slug, shard))
         table = table.filter(pc.is_in(table["item_id"], value_set=keep))
         vectors = embedding_matrix(table, dim)
         rows = pa.table({"item_id": table["item_id"].cast(pa.string()),
@@ -170,7 +175,8 @@ def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, b
         takes_name = wanted.slug == serving or serving is None and target.answers() is None
         created = target.open(wanted, columns, takes_name)
         before = watermark.read_manifest(store, folder, None if created else mark)
-        maybe = set() if created else watermark.unfinished_ids(store, folder, mark["seq"] if mark else 0)
+        maybe = pa.array([], pa.string()) if created else \
+            watermark.unfinished_ids(store, folder, mark["seq"] if mark else 0)
         todo = plan(live_manifest(state, metadata), before, maybe)
         seq = watermark.next_seq(store, folder)
         fence.check()
@@ -178,10 +184,13 @@ def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, b
         total, done = len(todo.upsert) + len(todo.delete), 0
         what = f"sync {spec.engine}:{spec.name}"
         for start in range(0, len(todo.delete), batch):
-            target.delete(todo.delete[start:start + batch])
-            done += len(todo.delete[start:start + batch])
+            ids = todo.delete.slice(start, batch).to_pylist()
+            target.delete(ids)
+            done += len(ids)
             report(what, done, total, "items")
-        for rows in rows_for(store, state, todo.upsert, metadata, columns, wanted.dim, batch):
+        sending = live_shards(state, todo.upsert)
+        state.close()  # its database's memory goes before the rows are read and sent
+        for rows in rows_for(store, wanted.slug, sending, metadata, columns, wanted.dim, batch):
             target.upsert(rows)
             done += rows.num_rows
             report(what, done, total, "items")

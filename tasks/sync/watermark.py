@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from imgest import records
 from imgest.lock import Fence
@@ -81,21 +82,19 @@ def read_manifest(store: Location, target_slug: str, mark: dict | None) -> pa.Ta
     return store.read_table(key).select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
 
 
-def unfinished_ids(store: Location, target_slug: str, after: int) -> set[str]:
-    """Item ids that syncs killed after watermark `after` may have written to the target."""
-    ids: set[str] = set()
-    for seq in listing(store, target_slug)["intent"]:
-        if seq > after:
-            ids.update(store.read_table(_key(target_slug, seq, ".intent.parquet"))["item_id"].to_pylist())
-    return ids
+def unfinished_ids(store: Location, target_slug: str, after: int) -> pa.Array:
+    """Item ids that syncs killed after watermark `after` may have written to the target (each once)."""
+    parts = [store.read_table(_key(target_slug, seq, ".intent.parquet"))["item_id"].combine_chunks().cast(pa.string())
+             for seq in listing(store, target_slug)["intent"] if seq > after]
+    return pc.unique(pa.concat_arrays(parts)) if parts else pa.array([], pa.string())
 
 
 def next_seq(store: Location, target_slug: str) -> int:
     return max((s for seqs in listing(store, target_slug).values() for s in seqs), default=0) + 1
 
 
-def write_intent(store: Location, target_slug: str, seq: int, item_ids: list[str]) -> None:
-    store.write_table(_key(target_slug, seq, ".intent.parquet"), pa.table({"item_id": pa.array(item_ids, pa.string())}))
+def write_intent(store: Location, target_slug: str, seq: int, item_ids: pa.Array) -> None:
+    store.write_table(_key(target_slug, seq, ".intent.parquet"), pa.table({"item_id": item_ids.cast(pa.string())}))
 
 
 def commit(store: Location, target_slug: str, seq: int, manifest: pa.Table, mark: dict, fence: Fence) -> dict:

@@ -1,0 +1,37 @@
+"""How much of the serving model's live catalogue a window's new model holds with the same content."""
+
+from __future__ import annotations
+
+import os
+
+from imgest.storage import Location
+from imgest.tasks.state.committed import LIVE, load_state
+from imgest.tasks.state.rows import sql_string
+
+
+def coverage(store: Location, window: dict) -> dict:
+    """Share of the old model's live items that the new model holds with the same content: the new model's
+    live (item_id, content_hash) written to a file from its state's DuckDB, joined in the old state's (both
+    memory capped, spilling): no row of either comes into memory."""
+    new = load_state(store, window["to"]["slug"])
+    try:
+        pairs = os.path.join(new.base.folder, "live-pairs.parquet")
+        with new.sql() as cur:
+            cur.execute(f"""COPY (SELECT item_id, coalesce(content_hash, '') AS content_hash FROM state
+                                  WHERE status = '{LIVE}') TO {sql_string(pairs)} (FORMAT parquet)""")
+        old = load_state(store, window["from"]["slug"])
+        try:
+            with old.sql() as cur:
+                cur.execute(f"""CREATE TEMP VIEW covered AS SELECT s.item_id, EXISTS (
+                                    SELECT 1 FROM read_parquet({sql_string(pairs)}) n WHERE n.item_id = s.item_id
+                                    AND n.content_hash = coalesce(s.content_hash, '')) AS held
+                                FROM state s WHERE s.status = '{LIVE}'""")
+                live, covered = cur.execute("SELECT count(*), count(*) FILTER (held) FROM covered").fetchone()
+                missing = [row[0] for row in cur.execute(
+                    "SELECT item_id FROM covered WHERE NOT held ORDER BY item_id LIMIT 10").fetchall()]
+        finally:
+            old.close()
+    finally:
+        new.close()
+    return {"live": live, "covered": covered, "share": round(covered / live, 6) if live else 1.0,
+            "missing_examples": missing}
