@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
-from prefect import tags, unmapped
+from prefect import tags
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
@@ -19,7 +19,7 @@ from imgest.storage import one_line, open_location
 from imgest.tasks.ingest.commit import new_summary
 from imgest.tasks.ingest.encode import ShardFailedError
 from imgest.tasks.ingest.listing import check_apart
-from imgest.tasks.ingest.runners import shard_runner
+from imgest.tasks.ingest.runners import SHARDS_AHEAD, shard_runner, submit_in_order
 from imgest.tasks.ingest.steps import (
     attach_base_task,
     choose_encoding_task,
@@ -70,7 +70,7 @@ def ingest(config: IngestConfig) -> dict:
         batch, source, chosen = (0, "nothing to encode", None)
         if metadata_seq is not None and plan.shards:
             batch, source = (config.fixed_batch_size or 64, "fixed" if config.fixed_batch_size else "text model: 64")
-        elif any(not item.base_shard for shard in plan.shards for item in shard.items):
+        elif plan.any_to_decode():
             chosen = choose_encoding_task(store_loc.url, spec, device, config.runtime, config.precision,
                                           config.fixed_batch_size, catalogue_url, quote(plan.decode_sample()),
                                           config.max_pixels)
@@ -82,19 +82,19 @@ def ingest(config: IngestConfig) -> dict:
             progress = create_progress_artifact(0.0, key="ingest-progress",
                                                 description=f"{len(plan.shards)} shard(s) to encode")
             report(spec.slug, 0, plan.to_read)  # a terminal's progress bar, when the CLI runs this flow
+            counts = plan.counts()
             with shard_runner(config.runner, config.workers) as shard_tasks:
                 encoding = Stopwatch()  # after a local cluster has started
-                futures = shard_tasks.map(encode_shard_task, {
-                    "plan": plan.shards, "spec": unmapped(spec), "device": unmapped(device),
-                    "catalogue_url": unmapped(catalogue_url), "store_url": unmapped(store_loc.url),
-                    "batch_size": unmapped(batch), "decode_workers": unmapped(config.decode_workers),
-                    "max_pixels": unmapped(config.max_pixels), "encode_limit": unmapped(config.encode_limit),
-                    "fence": unmapped(lock.fence), "dtype": unmapped(config.dtype),
-                    "metadata_seq": unmapped(metadata_seq),
-                    "runtime": unmapped(chosen.runtime if chosen else "torch"),
-                    "precision": unmapped(chosen.precision if chosen else None),
-                    "costs": unmapped(chosen.costs() if chosen else None)})
-                for shard, future in zip(plan.shards, futures):  # in order: progress moves as shards commit
+                shared = {"spec": spec, "device": device, "catalogue_url": catalogue_url,
+                          "store_url": store_loc.url, "batch_size": batch, "decode_workers": config.decode_workers,
+                          "max_pixels": config.max_pixels, "encode_limit": config.encode_limit,
+                          "fence": lock.fence, "dtype": config.dtype, "metadata_seq": metadata_seq,
+                          "runtime": chosen.runtime if chosen else "torch",
+                          "precision": chosen.precision if chosen else None,
+                          "costs": chosen.costs() if chosen else None}
+                running = submit_in_order(shard_tasks, encode_shard_task, plan.shards, shared,
+                                          ahead=SHARDS_AHEAD * max(config.workers, 1))
+                for shard, future in running:  # in order: progress moves as shards commit
                     try:
                         results.append(future.result())
                     except Exception as exc:
@@ -102,7 +102,7 @@ def ingest(config: IngestConfig) -> dict:
                                                f"retries: {one_line(exc)}") from exc
                     update_progress_artifact(progress, 100.0 * len(results) / len(plan.shards),
                                              description=progress_line(results, plan))
-                    report(spec.slug, sum(len(s.items) for s in plan.shards[:len(results)]), plan.to_read)
+                    report(spec.slug, int(counts[:len(results)].sum()), plan.to_read)
                 summary.encode_wall_seconds = encoding.seconds
         summary.batch_size, summary.batch_size_source, summary.device = batch, source, device
         summary.record_encoding(chosen, results)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from imgest.names import DEFAULT_MAX_BYTES, DEFAULT_SHARD_SIZE
 from imgest.storage import Location
@@ -43,6 +45,60 @@ class ShardPlan:
         return f"part-{self.run_id}-{self.index:05d}"
 
 
+WORK_SCHEMA = pa.schema([("item_id", pa.string()), ("uri", pa.string()), ("size", pa.int64()),
+                         ("mtime", pa.float64()), ("etag", pa.string()), ("prev_hash", pa.string()),
+                         ("base_shard", pa.string()), ("base_hash", pa.string()), ("verdict", pa.string()),
+                         ("revive_shard", pa.string())])  # WorkItem's fields, in order
+
+
+class PlannedShards(Sequence):
+    """The shards a run will read, as a Parquet file on local disk holding their objects (WORK_SCHEMA) in key
+    order, one row group a shard: a cold start plans every catalogue object, and the run holds one shard's
+    WorkItems at a time, not the catalogue's. The file goes with the object."""
+
+    def __init__(self, run_id: str) -> None:
+        from imgest.scratch import scratch_folder
+
+        self.run_id = run_id
+        self.path = os.path.join(scratch_folder(self, "plan"), "work.parquet")
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self.path, WORK_SCHEMA)
+        self._sizes: list[int] = []
+
+    def write(self, items: list[WorkItem]) -> None:
+        """Append one shard's objects (called in shard order, then `close`)."""
+        columns = {name: [getattr(item, name) for item in items] for name in WORK_SCHEMA.names}
+        self._writer.write_table(pa.table(columns, schema=WORK_SCHEMA), row_group_size=max(len(items), 1))
+        self._sizes.append(len(items))
+
+    def close(self) -> PlannedShards:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self.counts = np.asarray(self._sizes, np.int64)
+        self.rows = int(self.counts.sum())
+        return self
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def __getitem__(self, at):
+        if isinstance(at, slice):
+            return [self[i] for i in range(*at.indices(len(self)))]
+        if not -len(self) <= at < len(self):
+            raise IndexError(at)
+        at %= len(self)
+        rows = pq.ParquetFile(self.path).read_row_group(at).to_pylist()
+        return ShardPlan(self.run_id, at, tuple(WorkItem(**row) for row in rows))
+
+    def __iter__(self) -> Iterator[ShardPlan]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None
+
+
 @dataclass
 class Plan:
     run_id: str
@@ -54,11 +110,26 @@ class Plan:
     unchanged: int = 0
     retried: int = 0  # failed last time for a transient reason: read again whatever their signature
     deleted: list[str] = field(default_factory=list)
-    shards: list[ShardPlan] = field(default_factory=list)
+    shards: Sequence[ShardPlan] = field(default_factory=list)
 
     @property
     def to_read(self) -> int:
+        if isinstance(self.shards, PlannedShards):
+            return self.shards.rows
         return sum(len(s.items) for s in self.shards)
+
+    def any_to_decode(self) -> bool:
+        """Whether any planned object is to be read and decoded, not derived from a base model's vector."""
+        if isinstance(self.shards, PlannedShards):
+            column = pq.read_table(self.shards.path, columns=["base_shard"])["base_shard"]
+            return column.null_count > 0
+        return any(not item.base_shard for shard in self.shards for item in shard.items)
+
+    def counts(self) -> np.ndarray:
+        """Objects in each shard, in order."""
+        if isinstance(self.shards, PlannedShards):
+            return self.shards.counts
+        return np.asarray([len(s.items) for s in self.shards], np.int64)
 
     def decode_sample(self, n: int = 16) -> tuple[WorkItem, ...]:
         """Up to `n` objects of the first shard that will be read and decoded (not derived, not refused from
@@ -185,74 +256,100 @@ def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id
         if parts > 1 and files:  # each input written in its hash partitions once: a pass reads only its own
             _partition(con, "listing", "key", parts, folder)
             _partition(con, "state", "item_id", parts, folder, STATE_COLUMNS)
-        work, unlisted = [], []
+        unlisted = []
         for part in range(parts):
             listing_part, state_part = ("listing", "state") if parts == 1 else \
                 (_part(folder, "listing", part), _part(folder, "state", part)) if files else (
                 f"(SELECT * FROM listing WHERE hash(key) % {parts} = {part})",
                 f"(SELECT * FROM state WHERE hash(item_id) % {parts} = {part})")
-            work += con.execute(f"""
-                SELECT l.key, l.key_ok, l.size, l.mtime, l.etag, l.storage_class,
-                       s.status, s.content_hash, s.shard, s.updated_at
-                FROM {listing_part} l LEFT JOIN {state_part} s ON s.item_id = l.key
-                WHERE s.item_id IS NULL OR s.status IN ('{DELETED}', '{FAILED}') OR NOT ({SAME_SIGNATURE_SQL})
-                """).fetchall()
+            work = f"""SELECT l.key, l.key_ok, l.size, l.mtime, l.etag, l.storage_class,
+                              s.status, s.content_hash, s.shard, s.updated_at
+                       FROM {listing_part} l LEFT JOIN {state_part} s ON s.item_id = l.key
+                       WHERE s.item_id IS NULL OR s.status IN ('{DELETED}', '{FAILED}') OR NOT ({SAME_SIGNATURE_SQL})"""
+            if files:  # the work of a cold start is every object: it goes to a file, not into memory
+                con.execute(f"COPY ({work}) TO '{_quoted(os.path.join(folder, f'work-{part}.parquet'))}' "
+                            "(FORMAT parquet)")
+            else:
+                con.execute(f"CREATE OR REPLACE TEMP TABLE work_{part} AS {work}")
             unlisted += con.execute(f"""
                 SELECT s.item_id, s.status = '{LIVE}' FROM {state_part} s ANTI JOIN {listing_part} l
                 ON s.item_id = l.key WHERE s.status <> '{DELETED}'""").fetchall()
-    work.sort(key=lambda row: row[0])  # key order (the change only: sorted here, not by DuckDB)
-    unlisted.sort(key=lambda row: row[0])
-    plan.deleted = [item_id for item_id, _ in unlisted]
-    gone = sum(was_live for _, was_live in unlisted)
-    if max_delete_fraction is not None:
-        check_deletions(live, gone, plan.listed, max_delete_fraction)
-    items: list[WorkItem] = []
-    for key, key_ok, size, mtime, etag, storage_class, status, content_hash, shard, updated_at in work:
-        prev_hash = revive = None
-        if status is None or status == DELETED:
-            plan.new += 1
-            prev = ItemState(key, "", DELETED, None, 0, None, content_hash, shard, updated_at=updated_at)
-            if status == DELETED and revivable(prev, now):
-                prev_hash, revive = content_hash, shard
-        elif status == FAILED:
-            plan.retried += 1
-        else:
-            plan.changed_candidates += 1
-            prev_hash = content_hash
-        items.append(WorkItem(key, catalogue.uri(key), size, mtime, etag, prev_hash,
-                              verdict=listing_verdict(key, key_ok, size, storage_class, max_bytes),
-                              revive_shard=revive))
-    plan.unchanged = plan.listed - len(items)
-    plan.shards = [ShardPlan(run_id, i, tuple(items[start:start + shard_size]))
-                   for i, start in enumerate(range(0, len(items), shard_size))]
+        unlisted.sort(key=lambda row: row[0])
+        plan.deleted = [item_id for item_id, _ in unlisted]
+        gone = sum(was_live for _, was_live in unlisted)
+        if max_delete_fraction is not None:
+            check_deletions(live, gone, plan.listed, max_delete_fraction)
+        every = f"read_parquet('{_quoted(os.path.join(folder, 'work-*.parquet'))}')" if files else \
+            "(" + " UNION ALL ".join(f"SELECT * FROM work_{part}" for part in range(parts)) + ")"
+        batches = con.sql(f"SELECT * FROM {every} ORDER BY key").to_arrow_reader(WORK_BATCH)
+        plan.shards = _write_shards(plan, batches, catalogue, shard_size, max_bytes, now)
+    plan.unchanged = plan.listed - plan.to_read
     return plan
+
+
+WORK_BATCH = 8_192  # planned objects turned into WorkItems at a time (their Python values are transient)
+
+
+def _quoted(path: str) -> str:
+    return path.replace("'", "''")
+
+
+def _write_shards(plan: Plan, batches, catalogue: Location, shard_size: int, max_bytes: int,
+                  now: datetime | None) -> PlannedShards:
+    """The planned objects (key order) as WorkItems, shard by shard into a PlannedShards file; the counts of
+    new, retried and changed candidates on `plan`."""
+    shards, items = PlannedShards(plan.run_id), []
+    for batch in batches:
+        for key, key_ok, size, mtime, etag, storage_class, status, content_hash, shard, updated_at in zip(
+                *(column.to_pylist() for column in batch.columns)):
+            prev_hash = revive = None
+            if status is None or status == DELETED:
+                plan.new += 1
+                prev = ItemState(key, "", DELETED, None, 0, None, content_hash, shard, updated_at=updated_at)
+                if status == DELETED and revivable(prev, now):
+                    prev_hash, revive = content_hash, shard
+            elif status == FAILED:
+                plan.retried += 1
+            else:
+                plan.changed_candidates += 1
+                prev_hash = content_hash
+            items.append(WorkItem(key, catalogue.uri(key), size, mtime, etag, prev_hash,
+                                  verdict=listing_verdict(key, key_ok, size, storage_class, max_bytes),
+                                  revive_shard=revive))
+            if len(items) == shard_size:
+                shards.write(items)
+                items = []
+    if items:
+        shards.write(items)
+    return shards.close()
 
 
 def attach_base(plan: Plan, base: CatalogueState) -> Plan:
     """For a head model: every planned item whose base-model embedding is current (live, same signature)
     is marked to be derived from it (the head applied to the stored vector) instead of read and decoded.
-    Matched in the base state's DuckDB (the rows stay on disk); what comes back is two columns in plan order."""
-    items = [item for shard in plan.shards for item in shard.items]
-    wanted = pa.table({"position": pa.array(range(len(items)), pa.int64()),
-                       "key": pa.array([i.item_id for i in items], pa.string()),
-                       "size": pa.array([i.size for i in items], pa.int64()),
-                       "mtime": pa.array([i.mtime for i in items], pa.float64()),
-                       "etag": pa.array([i.etag for i in items], pa.string())})
-    del items
+    Matched in the base state's DuckDB against the plan's file; the shards are rewritten one at a time."""
+    shards = plan.shards if isinstance(plan.shards, PlannedShards) else _to_file(plan.run_id, plan.shards)
     with base.sql() as cur:
-        cur.register("wanted", wanted)
-        found = cur.sql(f"""SELECT s.shard, s.content_hash FROM wanted l LEFT JOIN state s ON s.item_id = l.key
-                            AND s.status = '{LIVE}' AND s.shard IS NOT NULL AND ({SAME_SIGNATURE_SQL})
+        found = cur.sql(f"""SELECT s.shard, s.content_hash FROM (
+                                SELECT file_row_number AS position, item_id AS key, size, mtime, etag
+                                FROM read_parquet('{_quoted(shards.path)}', file_row_number = true)) l
+                            LEFT JOIN state s ON s.item_id = l.key AND s.status = '{LIVE}' AND s.shard IS NOT NULL
+                                AND ({SAME_SIGNATURE_SQL})
                             ORDER BY l.position""").to_arrow_table()
-    shards_at, hashes_at = found["shard"].combine_chunks(), found["content_hash"].combine_chunks()
-    shards, start = [], 0
-    for shard in plan.shards:  # a shard's items rebuilt at a time
+    base_shards, base_hashes = found["shard"].combine_chunks(), found["content_hash"].combine_chunks()
+    attached, start = PlannedShards(plan.run_id), 0
+    for shard in shards:
         count = len(shard.items)
-        base_shards = shards_at.slice(start, count).to_pylist()
-        base_hashes = hashes_at.slice(start, count).to_pylist()
-        shards.append(replace(shard, items=tuple(
-            replace(item, base_shard=s, base_hash=h) if s is not None else item
-            for item, s, h in zip(shard.items, base_shards, base_hashes))))
+        pairs = zip(base_shards.slice(start, count).to_pylist(), base_hashes.slice(start, count).to_pylist())
+        attached.write([replace(item, base_shard=s, base_hash=h) if s is not None else item
+                        for item, (s, h) in zip(shard.items, pairs)])
         start += count
-    plan.shards = shards
+    plan.shards = attached.close()
     return plan
+
+
+def _to_file(run_id: str, shards: Sequence[ShardPlan]) -> PlannedShards:
+    planned = PlannedShards(run_id)
+    for shard in shards:
+        planned.write(list(shard.items))
+    return planned.close()

@@ -12,6 +12,8 @@ import os
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+SHARDS_AHEAD = 4  # shards submitted ahead of the one the flow waits on, per worker: keeps every worker busy
+
 
 def shard_runner(runner: str, workers: int = 0) -> TaskRunner:
     """The task runner for encode-shard tasks.
@@ -41,3 +43,18 @@ def _api_url() -> str:
 
     with get_client(sync_client=True) as client:
         return str(client.api_url).rstrip("/")
+
+
+def submit_in_order(runner: TaskRunner, task, items, parameters: dict, ahead: int):
+    """(item, future) for each of `items` in order, `task` run on `runner` with `parameters` and the item as
+    `plan`, at most `ahead` submitted before the oldest is handed back: a cold start's shards are planned on
+    disk, and only the shards in flight are held as objects (a map of them all would hold every one)."""
+    from collections import deque
+
+    flight: deque = deque()
+    for item in items:
+        flight.append((item, runner.submit(task, {**parameters, "plan": item})))
+        if len(flight) >= ahead:
+            yield flight.popleft()
+    while flight:
+        yield flight.popleft()

@@ -79,7 +79,7 @@ def _metadata_line(m: dict) -> str:
 
 def progress_line(done: list[ShardResult], plan: Plan) -> str:
     """'3/10 shards, 6,000/20,000 images, 31.2 img/s, about 7.5 min left' for the progress artifact."""
-    images = sum(len(s.items) for s in plan.shards[:len(done)])
+    images = int(plan.counts()[:len(done)].sum())
     seconds = sum(r.seconds for r in done)
     rate = images / seconds if seconds else 0.0
     left = (plan.to_read - images) / rate if rate else float("nan")
