@@ -13,7 +13,7 @@ from imgest.tasks.index.choice import choose_index
 from imgest.tasks.index.stream import stream_build
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
 from imgest.tasks.ingest.shards import ShardWriter
-from imgest.tasks.state.committed import load_state, snapshot_key
+from imgest.tasks.state.committed import load_state, snapshot_key, write_model_card
 from imgest.tasks.state.live import LiveShards
 from imgest.tasks.state.rows import STATE_SCHEMA
 
@@ -48,6 +48,7 @@ def write_store(folder, n: int, shard_size: int, missing: set[int] = frozenset()
         writer.flush()
         shards += [plan.name] * (min(begin + shard_size, n) - begin)
     table = state_rows(keys, ["deleted" if r in deleted else "live" for r in range(n)], shards)
+    write_model_card(store, SPEC.describe())
     snapshot = folder / snapshot_key(SPEC.slug, 1)
     snapshot.parent.mkdir(parents=True)
     pq.write_table(table.sort_by("item_id"), snapshot)
@@ -139,3 +140,29 @@ def test_a_live_sample_is_the_same_rows_as_the_whole_live_set_at_the_sampled_pos
     np.testing.assert_array_equal(sample.vectors, whole.vectors[rows])
     everything = load_live_sample(store, SPEC.slug, SPEC.dim, 5000, seed=7)
     assert everything.item_ids == whole.item_ids and everything.total == len(whole)
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_query_by_item_id_reads_the_shard_its_version_recorded_without_loading_the_state(tmp_path, monkeypatch):
+    """The id map records the shard each vector came from: the service finds an item by binary search in the
+    memory-mapped map and reads that one shard (no catalogue state, no scan of every item)."""
+    import imgest.tasks.search.items as items
+    from imgest.config import IndexConfig
+    from imgest.flows.build_index import build_index
+    from imgest.tasks.search.query import Query, Searcher
+
+    store, state, vectors = write_store(tmp_path, 3000, 300)
+    shards = dict(zip(*state.query("SELECT item_id, shard FROM state").to_pydict().values()))
+    state.close()
+    card = build_index(IndexConfig(store=str(tmp_path), model=SPEC.name, kind="IVF16,SQ8", queries=50,
+                                   target_recall=0.5))["card"]
+    written = pq.read_table(tmp_path / card["ids_file"])
+    assert dict(zip(written["item_id"].to_pylist(), written["shard"].to_pylist())) == shards
+
+    monkeypatch.setattr(items, "load_state", lambda *a: pytest.fail("the state was loaded"))
+    searcher = Searcher(str(tmp_path), model=SPEC.slug)
+    key = sorted(vectors)[1234]
+    np.testing.assert_allclose(searcher.stored_vector(key), vectors[key], atol=1e-6)
+    hits = searcher.search([Query("q", item_id=key)], k=5)[0]
+    assert len(hits) == 5 and key not in [h.item_id for h in hits]
+    assert searcher.position(key) == 1234 and searcher.position("no/such.jpg") is None

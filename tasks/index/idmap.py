@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from imgest.scratch import scratch_folder
 
 ID_MAP_SCHEMA = pa.schema([("faiss_id", pa.int64()), ("item_id", pa.string()), ("uri", pa.string()),
-                           ("content_hash", pa.string())])
+                           ("content_hash", pa.string()), ("shard", pa.string())])  # shard: where its vector is
 ID_MAP_BATCH = 65_536  # rows numbered, checked and written at a time
 
 
@@ -31,15 +31,14 @@ class IdMapFile:
         return self.rows
 
     def number(self, ordered: str, skip: np.ndarray | None = None) -> IdMapFile:
-        """Write the map from `ordered`, a Parquet file of (item_id, uri, content_hash) in item_id order (as
+        """Write the map from `ordered`, a Parquet file of (item_id, uri, content_hash, shard) in item_id order (as
         DuckDB's external sort writes it): faiss id = position, as a fresh build numbers its vectors. Rows at the
         positions in `skip` (sorted) are left out and the rest numbered without gaps. The order is checked as it
         goes: ids out of order would silently pair vectors with the wrong items."""
         skip = np.asarray([] if skip is None else skip, np.int64)
         last, position = None, 0
         with pq.ParquetWriter(self.path, ID_MAP_SCHEMA, compression="zstd") as writer:
-            for batch in pq.ParquetFile(ordered).iter_batches(ID_MAP_BATCH, columns=["item_id", "uri",
-                                                                                    "content_hash"]):
+            for batch in pq.ParquetFile(ordered).iter_batches(ID_MAP_BATCH, columns=ID_MAP_SCHEMA.names[1:]):
                 keys = batch.column(0)
                 if len(keys) and ((last is not None and keys[0].as_py() <= last) or
                                   pc.any(pc.less_equal(keys[1:], keys[:-1])).as_py()):
@@ -69,6 +68,8 @@ class IdMap:
         reader = pa.ipc.open_file(self._source)
         table = reader.read_all()
         self.item_ids, self.uris = table["item_id"], table["uri"]
+        # the shard each vector was read from (maps written before it was recorded have none)
+        self.shards = table["shard"] if "shard" in table.column_names else None
         self.ordered = (reader.schema.metadata or {}).get(ORDERED) == b"true"
 
     def __len__(self) -> int:
@@ -80,6 +81,9 @@ class IdMap:
 
     def uri(self, row: int) -> str:
         return self.uris[int(row)].as_py()
+
+    def shard(self, row: int) -> str | None:
+        return None if self.shards is None else self.shards[int(row)].as_py()
 
     def position(self, item_id: str) -> int | None:
         """The faiss id of `item_id`; None when the version does not hold it. A binary search: builds and updates
@@ -126,14 +130,15 @@ def _ordered(source: pq.ParquetFile) -> bool:
 
 
 def _to_arrow_file(parquet: str, path: str) -> None:
-    """Stream the Parquet map's item_id and uri columns into an Arrow IPC file (uncompressed: it maps as is),
+    """Stream the Parquet map's item_id, uri (and shard) columns into an Arrow IPC file (uncompressed: it maps as is),
     with whether its ids are in order; written beside its final name and renamed into place, so a reader never
     maps half a file."""
     temp = f"{path}.{os.getpid()}.tmp"
     source = pq.ParquetFile(parquet)
-    schema = pa.schema([source.schema_arrow.field("item_id"), source.schema_arrow.field("uri")],
+    columns = [name for name in ("item_id", "uri", "shard") if name in source.schema_arrow.names]
+    schema = pa.schema([source.schema_arrow.field(name) for name in columns],
                        metadata={ORDERED: b"true" if _ordered(source) else b"false"})
     with pa.OSFile(temp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-        for batch in source.iter_batches(ID_MAP_BATCH, columns=["item_id", "uri"]):
+        for batch in source.iter_batches(ID_MAP_BATCH, columns=columns):
             writer.write_batch(pa.record_batch(batch.columns, schema=schema))
     os.replace(temp, path)

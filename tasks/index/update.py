@@ -69,7 +69,7 @@ def _write_id_map(cur, ids: IdMapFile) -> None:
     numbers them (faiss id = position in item_id order): DuckDB's external sort writes them to a file, which is
     then numbered batch by batch into the id map."""
     sorted_path = os.path.join(os.path.dirname(ids.path), "sorted.parquet")
-    cur.execute(f"""COPY (SELECT item_id, uri, hash AS content_hash FROM live l
+    cur.execute(f"""COPY (SELECT item_id, uri, hash AS content_hash, shard FROM live l
                           WHERE NOT EXISTS (SELECT 1 FROM missing m WHERE m.item_id = l.item_id)
                           ORDER BY item_id) TO {sql_string(sorted_path)} (FORMAT parquet)""")
     ids.number(sorted_path)

@@ -37,8 +37,9 @@ class StoredVectors:
     reads one shard's `item_id` and `embedding` columns. The last `keep` vectors are kept. Thread-safe: a
     service answers several requests at once."""
 
-    def __init__(self, store: Location, slug: str, dim: int, keep: int = 4096):
+    def __init__(self, store: Location, slug: str, dim: int, keep: int = 4096, ids=None):
         self.store, self.slug, self.dim, self.keep = store, slug, dim, keep
+        self.ids = ids  # an index version's IdMap: the shard an indexed item's vector was read from
         self._state: CatalogueState | None = None
         self._vectors: OrderedDict[str, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
@@ -57,14 +58,26 @@ class StoredVectors:
             return vector
 
     def _read(self, item_id: str) -> np.ndarray:
+        if self.ids is not None and self.ids.shards is not None and (at := self.ids.position(item_id)) is not None:
+            vector = self._from_shard(item_id, self.ids.shard(at))  # no state to load: a binary search, one shard
+            if vector is not None:
+                return vector
         if self._state is None:
             self._state = load_state(self.store, self.slug)
         found = self._state.query("SELECT shard FROM state WHERE status = ? AND item_id = ?", [LIVE, item_id])
         if not found.num_rows:
             raise ItemNotFound(f"no live item {item_id!r} in model={self.slug}")
         shard = found.column("shard")[0].as_py()
-        table = self.store.read_table(shard_key(self.slug, shard), columns=["item_id", "embedding"])
-        rows = table.filter(pc.equal(table.column("item_id"), item_id))
-        if not rows.num_rows:  # the state names a shard without the row: the store is damaged, not the request
+        vector = self._from_shard(item_id, shard)
+        if vector is None:  # the state names a shard without the row: the store is damaged, not the request
             raise ItemNotFound(f"item {item_id!r} of model={self.slug} has no row in its shard {shard}")
-        return embedding_matrix(rows.slice(rows.num_rows - 1), self.dim)[0].copy()
+        return vector
+
+    def _from_shard(self, item_id: str, shard: str) -> np.ndarray | None:
+        """The item's row in `shard`; None when the shard is gone (cleaned up since) or lacks it."""
+        try:
+            table = self.store.read_table(shard_key(self.slug, shard), columns=["item_id", "embedding"])
+        except FileNotFoundError:
+            return None
+        rows = table.filter(pc.equal(table.column("item_id"), item_id))
+        return embedding_matrix(rows.slice(rows.num_rows - 1), self.dim)[0].copy() if rows.num_rows else None

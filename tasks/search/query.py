@@ -151,7 +151,7 @@ class Searcher:
         if stores_vectors(self.card) and (position := self.position(item_id)) is not None:
             return self.opened.index.reconstruct(position)
         if self._stored is None:
-            self._stored = StoredVectors(self.store, self.card["slug"], self.spec.dim)
+            self._stored = StoredVectors(self.store, self.card["slug"], self.spec.dim, ids=self.opened.ids)
         try:
             return self._stored.vector(item_id)
         except ItemNotFound as exc:

@@ -130,8 +130,9 @@ def _live_rows(store: Location, slug: str, shard: str, keep: pa.Array) -> tuple[
 
 
 def iter_live_tables(store: Location, state: CatalogueState) -> Iterator[pa.Table]:
-    """One filtered table per shard: only the rows that are an item's current embedding."""
-    for shard, keep, _ in live_by_shard(state.live_table().select(["item_id", "shard"])):
+    """One filtered table per shard: only the rows that are an item's current embedding (the live set numbered
+    on disk first: one shard's ids in memory at a time)."""
+    for shard, keep, _ in LiveShards(state):
         yield _live_rows(store, state.slug, shard, keep)[0]
 
 

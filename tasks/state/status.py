@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pyarrow.compute as pc
-
 from imgest.lock import current_holder
 from imgest.storage import Location, open_location
 from imgest.tasks.state.committed import DELETED, FAILED, LIVE, REJECTED, latest_snapshot_seq, load_state
@@ -22,11 +20,9 @@ def last_run(store: Location, slug: str) -> dict | None:
 def model_status(store: Location, card: dict) -> dict:
     slug = card["slug"]
     state = load_state(store, slug)
-    table = state.to_table()
 
     def reasons(status: str) -> list[dict]:  # rejects and failures: few, listed one by one
-        rows = table.filter(pc.equal(table["status"], status)).select(["item_id", "reason"])
-        return rows.to_pylist()
+        return state.query("SELECT item_id, reason FROM state WHERE status = ? ORDER BY item_id", [status]).to_pylist()
 
     return {
         "name": card["name"],
@@ -34,7 +30,7 @@ def model_status(store: Location, card: dict) -> dict:
         "slug": slug,
         "dim": card["dim"],
         "live": state.count(LIVE),
-        "shards": len(pc.unique(state.live_table()["shard"])),
+        "shards": state.query(f"SELECT count(DISTINCT shard) AS n FROM state WHERE status = '{LIVE}'")["n"][0].as_py(),
         "rejected": reasons(REJECTED),
         "failed": reasons(FAILED),  # transient: read again on the next run
         "tombstones": state.count(DELETED),
