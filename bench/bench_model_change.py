@@ -54,8 +54,9 @@ from bench.bench_nightly_scale import (  # noqa: E402
     Catalogue,
     PrefectServer,
     say,
+    task_runs,
 )
-from bench.tree_sampler import MIB, TreeSampler  # noqa: E402
+from bench.tree_sampler import MIB, TreeSampler, per_stage  # noqa: E402
 from tests.s3servers import SeaweedServer  # noqa: E402
 
 QUERIES = 200  # queries by item id sent to the service once it is loaded
@@ -101,10 +102,21 @@ def sampled(name: str, command: list[str], env: dict, folder: str, during=None) 
     if code and during is None:
         with open(log) as fh:
             raise SystemExit(f"stage {name!r} exited {code}:\n{fh.read()[-4000:]}")
-    say(f"{name}: {time.time() - start:.1f} s, peak {max(s[1] for s in sampler.samples) // MIB} MB")
-    return {"seconds": round(time.time() - start, 1),
-            "peak_rss_mb": int(max(s[1] for s in sampler.samples) // MIB),
-            "flow_process_peak_mb": int(max(s[3] for s in sampler.samples) // MIB), **extra}
+    end = time.time()
+    say(f"{name}: {end - start:.1f} s, peak {max(s[1] for s in sampler.samples) // MIB} MB")
+    intervals: dict[str, list] = {}
+    for run in task_runs(env, start):  # where inside the command the memory went, by Prefect task
+        if not run["subflow"]:
+            intervals.setdefault(task_group(run["name"]), []).append((run["start"], run["end"]))
+    tasks = {task: {"seconds": row["seconds"], "peak_rss_mb": row["peak_rss_mb"]}
+             for task, row in per_stage(sampler.samples, intervals, start, end).items() if row["peak_rss_mb"]}
+    return {"seconds": round(end - start, 1), "peak_rss_mb": int(max(s[1] for s in sampler.samples) // MIB),
+            "flow_process_peak_mb": int(max(s[3] for s in sampler.samples) // MIB), **extra, "tasks": tasks}
+
+
+def task_group(name: str) -> str:
+    """A task run's name without its run-specific suffix (encode-part-<run>-<NNNNN> -> encode-part)."""
+    return "encode-part" if name.startswith("encode-part") else name.rsplit("-", 1)[0]
 
 
 def last_json(log: str) -> dict:

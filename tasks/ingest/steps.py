@@ -119,7 +119,11 @@ def plan_ingest_task(store_url: str, listing: Listing, state: CatalogueState, ru
 
 @task(name="attach-base-embeddings", cache_policy=NO_CACHE)
 def attach_base_task(store_url: str, base_slug: str, plan: Plan) -> Plan:
-    return attach_base(plan, load_state(Location(store_url), base_slug))
+    base = load_state(Location(store_url), base_slug)
+    try:
+        return attach_base(plan, base)
+    finally:
+        base.close()  # its database's memory goes now, not when the flow ends
 
 
 @task(name="commit", cache_policy=NO_CACHE, timeout_seconds=COMMIT_TIMEOUT_S, **IO_RETRIES)
