@@ -139,7 +139,8 @@ def test_nightly_change_updates_the_ivf_version_in_place_then_retrains_past_the_
     loc = Location(str(store))
     updated = open_index(loc, v2["slug"], 2)
     live = load_live_vectors(loc, v2["slug"], v2["d"])
-    assert updated.item_ids.to_pylist() == live.item_ids, "faiss id = position in item_id order, as a fresh build numbers them"
+    assert updated.item_ids.to_pylist() == live.item_ids, \
+        "faiss id = position in item_id order, as a fresh build numbers them"
     import faiss
 
     faiss.extract_index_ivf(updated.index).nprobe = 8  # every list
