@@ -85,17 +85,8 @@ class LiveShards:
 
     def __iter__(self) -> Iterator[tuple[str, pa.Array, np.ndarray]]:
         """(shard, its live item ids, their rows) per shard, in shard order, read a batch at a time."""
-        carry: list[pa.RecordBatch] = []
-        for batch in pq.ParquetFile(self.by_shard).iter_batches(LIVE_BATCH):
-            table = pa.Table.from_batches([*carry, batch]).combine_chunks()
-            ends = pc.run_end_encode(table["shard"].combine_chunks()).run_ends.to_numpy()
-            start = 0
-            for end in ends[:-1]:  # the last run may go on in the next batch
-                yield _group(table.slice(start, end - start))
-                start = int(end)
-            carry = table.slice(start).to_batches()
-        if carry:
-            yield _group(pa.Table.from_batches(carry))
+        for group in shard_groups(self.by_shard):
+            yield group["shard"][0].as_py(), group["item_id"].combine_chunks(), group["row"].to_numpy()
 
     def shard_rows(self, shards: list[str]) -> pa.Table:
         """(shard, item_id, row) of the live items in `shards` (a few of them: a training sample's)."""
@@ -109,8 +100,19 @@ BY_SHARD_SCHEMA = pa.schema([("shard", pa.string()), ("item_id", pa.string()), (
 LIVE_BATCH = 65_536  # rows of the live set read at a time
 
 
-def _group(table: pa.Table) -> tuple[str, pa.Array, np.ndarray]:
-    return table["shard"][0].as_py(), table["item_id"].combine_chunks(), table["row"].to_numpy()
+def shard_groups(path: str) -> Iterator[pa.Table]:
+    """The rows of a Parquet file sorted by its `shard` column, one table per shard, read a batch at a time."""
+    carry: list[pa.RecordBatch] = []
+    for batch in pq.ParquetFile(path).iter_batches(LIVE_BATCH):
+        table = pa.Table.from_batches([*carry, batch]).combine_chunks()
+        ends = pc.run_end_encode(table["shard"].combine_chunks()).run_ends.to_numpy()
+        start = 0
+        for end in ends[:-1]:  # the last run may go on in the next batch
+            yield table.slice(start, end - start)
+            start = int(end)
+        carry = table.slice(start).to_batches()
+    if carry and sum(len(b) for b in carry):
+        yield pa.Table.from_batches(carry)
 
 
 def read_shard_vectors(store: Location, slug: str, dim: int, shard: str,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -21,8 +22,9 @@ from imgest.storage import Location, RecordError, open_location
 from imgest.tasks.ingest.metadata import load_metadata
 from imgest.tasks.ingest.shards import embedding_matrix
 from imgest.tasks.state.committed import LIVE, load_state, now_iso, shard_key
-from imgest.tasks.state.live import live_by_shard, live_fingerprint
+from imgest.tasks.state.live import live_fingerprint, shard_groups
 from imgest.tasks.state.models import find_model
+from imgest.tasks.state.rows import sql_string
 from imgest.tasks.sync import watermark
 from imgest.tasks.sync.targets import Model, SyncError, Target, TargetSpec, open_target, parse_target
 
@@ -32,11 +34,15 @@ _RESERVED = ("item_id", "vector")
 
 @dataclass(frozen=True)
 class Plan:
-    """What one sync sends: ids to upsert (new or changed content or metadata) and to delete."""
+    """What one sync sends, as files on local disk beside the state (no object per item): `now`, every live item
+    after the sync (MANIFEST_SCHEMA, the manifest the watermark records); `upsert`, the (item_id, shard) to send
+    (new, or changed content or metadata), in shard order; `delete`, the ids to delete."""
 
-    upsert: pa.Array  # item ids, sorted
-    delete: pa.Array  # item ids, sorted
-    manifest: pa.Table  # every live item after the sync (watermark.MANIFEST_SCHEMA)
+    now: str
+    upsert: str
+    upserts: int
+    delete: pa.Array
+    live: int
 
 
 def resolve_model(store: Location, alias: str | None, model: str | None) -> dict:
@@ -52,34 +58,39 @@ def resolve_model(store: Location, alias: str | None, model: str | None) -> dict
     return find_model(store, target["slug"])
 
 
-def live_manifest(state, metadata: pa.Table | None) -> pa.Table:
-    """(item_id, content_hash, meta_hash) of every live item; meta_hash: its metadata row's hash, if any."""
-    live = state.query(f"SELECT item_id, content_hash FROM state WHERE status = '{LIVE}' ORDER BY item_id")
-    ids = live["item_id"].combine_chunks()
-    if metadata is None:
-        hashes = pa.nulls(len(ids), pa.string())
-    else:
-        hashes = metadata["row_hash"].cast(pa.string()).take(pc.index_in(ids, value_set=metadata["item_id"]))
-    return pa.table({"item_id": ids, "content_hash": live["content_hash"].cast(pa.string()), "meta_hash": hashes},
-                    schema=watermark.MANIFEST_SCHEMA)
-
-
-def plan(now: pa.Table, before: pa.Table, maybe_there: pa.Array) -> Plan:
-    """Upsert what is new or whose content or metadata changed; delete what was (or may have been) sent and
-    is no longer live. Columnar: a join, no object per item."""
-    old = before.append_column("sent", pa.array([True] * before.num_rows, pa.bool_()))
-    joined = now.join(old, "item_id", join_type="left outer", right_suffix="_sent")
-
-    def same(name: str) -> pa.ChunkedArray:  # equal, a null equal to a null
-        a, b = joined[name], joined[f"{name}_sent"]
-        return pc.or_(pc.and_(pc.is_null(a), pc.is_null(b)), pc.fill_null(pc.equal(a, b), False))
-
-    unchanged = pc.and_(pc.fill_null(joined["sent"], False), pc.and_(same("content_hash"), same("meta_hash")))
-    changed = joined.filter(pc.invert(unchanged))["item_id"].combine_chunks()
-    upsert = changed.take(pc.array_sort_indices(changed))
-    gone = pa.concat_arrays([before["item_id"].combine_chunks().cast(pa.string()), maybe_there.cast(pa.string())])
-    gone = pc.unique(gone.filter(pc.invert(pc.is_in(gone, value_set=now["item_id"]))))
-    return Plan(upsert, gone.take(pc.array_sort_indices(gone)), now)
+def plan(state, metadata: pa.Table | None, before: str | None, maybe_there: pa.Array) -> Plan:
+    """Upsert what is new or whose content or metadata changed; delete what was (or may have been) sent and is
+    no longer live. Joined in the state's DuckDB (memory capped, spilling) against the previous manifest's file."""
+    folder = state.base.folder
+    now, upsert, manifest = (os.path.join(folder, f"sync-{name}.parquet") for name in ("now", "upsert", "manifest"))
+    meta = metadata.select(["item_id", "row_hash"]) if metadata is not None else \
+        pa.table({"item_id": pa.array([], pa.string()), "row_hash": pa.array([], pa.string())})
+    sent = f"read_parquet({sql_string(before)})" if before else \
+        "(SELECT NULL::VARCHAR AS item_id, NULL::VARCHAR AS content_hash, NULL::VARCHAR AS meta_hash WHERE false)"
+    with state.sql() as cur:
+        cur.register("meta", meta)
+        cur.register("maybe", pa.table({"item_id": maybe_there.cast(pa.string())}))
+        cur.execute(f"""COPY (SELECT l.item_id, l.content_hash, m.meta_hash, l.shard FROM state l LEFT JOIN (
+                                  SELECT CAST(item_id AS VARCHAR) AS item_id,
+                                         min(CAST(row_hash AS VARCHAR)) AS meta_hash FROM meta GROUP BY 1) m
+                              ON m.item_id = l.item_id
+                              WHERE l.status = '{LIVE}' ORDER BY l.item_id) TO {sql_string(now)} (FORMAT parquet)""")
+        cur.execute(f"""CREATE TEMP VIEW sent AS SELECT CAST(item_id AS VARCHAR) AS item_id,
+                        CAST(content_hash AS VARCHAR) AS content_hash, CAST(meta_hash AS VARCHAR) AS meta_hash
+                        FROM {sent}""")
+        cur.execute(f"""COPY (SELECT n.item_id, n.shard FROM read_parquet({sql_string(now)}) n
+                              LEFT JOIN sent b ON b.item_id = n.item_id
+                              WHERE b.item_id IS NULL OR b.content_hash IS DISTINCT FROM n.content_hash
+                                 OR b.meta_hash IS DISTINCT FROM n.meta_hash
+                              ORDER BY n.shard, n.item_id) TO {sql_string(upsert)} (FORMAT parquet)""")
+        delete = cur.sql(f"""SELECT DISTINCT g.item_id FROM (SELECT item_id FROM sent UNION ALL
+                                                               SELECT item_id FROM maybe) g
+                             WHERE NOT EXISTS (SELECT 1 FROM read_parquet({sql_string(now)}) n
+                                               WHERE n.item_id = g.item_id)
+                             ORDER BY g.item_id""").to_arrow_table()["item_id"].combine_chunks()
+        cur.execute(f"""COPY (SELECT item_id, content_hash, meta_hash FROM read_parquet({sql_string(now)}))
+                        TO {sql_string(manifest)} (FORMAT parquet)""")
+    return Plan(manifest, upsert, pq.read_metadata(upsert).num_rows, delete, pq.read_metadata(manifest).num_rows)
 
 
 def metadata_columns(metadata: pa.Table | None) -> pa.Schema:
@@ -90,20 +101,14 @@ def metadata_columns(metadata: pa.Table | None) -> pa.Schema:
                       for f in metadata.schema if f.name not in ("item_id", "row_hash")])
 
 
-def live_shards(state, item_ids: pa.Array) -> pa.Table:
-    """(item_id, shard) of these live items."""
-    live = state.query(f"SELECT item_id, shard FROM state WHERE status = '{LIVE}'")
-    return live.filter(pc.is_in(live["item_id"], value_set=item_ids))
-
-
-def rows_for(store: Location, slug: str, live: pa.Table, metadata: pa.Table | None, columns: pa.Schema,
+def rows_for(store: Location, slug: str, upsert: str, metadata: pa.Table | None, columns: pa.Schema,
              dim: int, batch: int):
-    """Batches of (item_id, vector, metadata columns) for the live items `live` (item_id, shard), one shard
-    read at a time."""
+    """Batches of (item_id, vector, metadata columns) for the items of `upsert` (a Parquet file of item_id and
+    shard, in shard order), one shard read at a time."""
     pending: list[pa.Table] = []
     size = 0
-    # each shard's items found by one grouping of the live rows (a filter of them per shard was N x shards)
-    for shard, keep, _ in live_by_shard(live):
+    for group in shard_groups(upsert):
+        shard, keep = group["shard"][0].as_py(), group["item_id"].combine_chunks()
         table = store.read_table(shard_key(slug, shard))
         table = table.filter(pc.is_in(table["item_id"], value_set=keep))
         vectors = embedding_matrix(table, dim)
@@ -174,32 +179,31 @@ def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, b
     try:
         takes_name = wanted.slug == serving or serving is None and target.answers() is None
         created = target.open(wanted, columns, takes_name)
-        before = watermark.read_manifest(store, folder, None if created else mark)
+        before = watermark.manifest_file(store, folder, None if created else mark, state.base.folder)
         maybe = pa.array([], pa.string()) if created else \
             watermark.unfinished_ids(store, folder, mark["seq"] if mark else 0)
-        todo = plan(live_manifest(state, metadata), before, maybe)
+        todo = plan(state, metadata, before, maybe)
+        state.close()  # its database's memory goes before the rows are read and sent (its folder stays)
         seq = watermark.next_seq(store, folder)
         fence.check()
         watermark.write_intent(store, folder, seq, todo.upsert)
-        total, done = len(todo.upsert) + len(todo.delete), 0
+        total, done = todo.upserts + len(todo.delete), 0
         what = f"sync {spec.engine}:{spec.name}"
         for start in range(0, len(todo.delete), batch):
             ids = todo.delete.slice(start, batch).to_pylist()
             target.delete(ids)
             done += len(ids)
             report(what, done, total, "items")
-        sending = live_shards(state, todo.upsert)
-        state.close()  # its database's memory goes before the rows are read and sent
-        for rows in rows_for(store, wanted.slug, sending, metadata, columns, wanted.dim, batch):
+        for rows in rows_for(store, wanted.slug, todo.upsert, metadata, columns, wanted.dim, batch):
             target.upsert(rows)
             done += rows.num_rows
             report(what, done, total, "items")
         record = {"target": spec.url, "engine": spec.engine, "collection": target.collection,
                   "model_id": wanted.model_id, "slug": wanted.slug, "state_seq": state.seq,
                   "pending_commits": list(state.pending), "live_fingerprint": fingerprint,
-                  "live": todo.manifest.num_rows, "upserted": len(todo.upsert), "deleted": len(todo.delete),
+                  "live": todo.live, "upserted": todo.upserts, "deleted": len(todo.delete),
                   "created": now_iso(), "created_collection": created}
-        mark = watermark.commit(store, folder, seq, todo.manifest, record, fence)
+        mark = watermark.commit(store, folder, seq, todo.now, record, fence)
         if takes_name:
             fence.check()
             target.point(wanted)
@@ -208,9 +212,9 @@ def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, b
     finally:
         target.close()
     return {"target": spec.url, "model": wanted.model_id, "collection": record["collection"],
-            "answers": answers == wanted.model_id, "dropped": dropped, "upserted": len(todo.upsert),
+            "answers": answers == wanted.model_id, "dropped": dropped, "upserted": todo.upserts,
             "deleted": len(todo.delete),
-            "live": todo.manifest.num_rows,
+            "live": todo.live,
             "watermark": {"seq": mark["seq"], "key": f"{watermark.target_dir(folder)}/{mark['seq']:08d}.json",
                           "state_seq": state.seq, "live_fingerprint": fingerprint}}
 

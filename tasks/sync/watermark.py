@@ -17,10 +17,12 @@ import re
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from imgest import records
 from imgest.lock import Fence
 from imgest.storage import Location
+from imgest.storage.cache import local_copy
 
 SYNC_DIR = "sync"
 _NAME = re.compile(r"^(\d{8})(\.json|\.intent\.parquet|\.manifest\.parquet)$")
@@ -72,14 +74,22 @@ def last_watermark(store: Location, target_slug: str) -> dict | None:
     return mark
 
 
-def read_manifest(store: Location, target_slug: str, mark: dict | None) -> pa.Table:
-    """The items the last synced target holds (empty before the first sync)."""
+def manifest_file(store: Location, target_slug: str, mark: dict | None, folder: str) -> str | None:
+    """The items the last synced target holds, as a Parquet file on local disk (downloaded into `folder` from
+    an object store), its columns checked; None before the first sync."""
     if mark is None:
-        return MANIFEST_SCHEMA.empty_table()
+        return None
     key = store.resolve(mark["manifest"], "manifest")
     if not key.startswith(target_dir(target_slug) + "/"):
         raise records.RecordError(f"{store.url}: the watermark of {target_slug} names a manifest outside its folder")
-    return store.read_table(key).select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
+    path = local_copy(store, key, folder, checksum="", suffix=".parquet")
+    try:
+        names = set(pq.read_schema(path).names)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise records.RecordError(f"{store.url}: {key} is not a Parquet manifest: {exc}") from exc
+    if not set(MANIFEST_SCHEMA.names) <= names:
+        raise records.RecordError(f"{store.url}: {key} lacks the manifest's columns {', '.join(MANIFEST_SCHEMA.names)}")
+    return path
 
 
 def unfinished_ids(store: Location, target_slug: str, after: int) -> pa.Array:
@@ -93,14 +103,16 @@ def next_seq(store: Location, target_slug: str) -> int:
     return max((s for seqs in listing(store, target_slug).values() for s in seqs), default=0) + 1
 
 
-def write_intent(store: Location, target_slug: str, seq: int, item_ids: pa.Array) -> None:
-    store.write_table(_key(target_slug, seq, ".intent.parquet"), pa.table({"item_id": item_ids.cast(pa.string())}))
+def write_intent(store: Location, target_slug: str, seq: int, upserts: str) -> None:
+    """`upserts`: a local Parquet file with the item_id of every row the sync is about to send."""
+    store.put_file(_key(target_slug, seq, ".intent.parquet"), upserts)
 
 
-def commit(store: Location, target_slug: str, seq: int, manifest: pa.Table, mark: dict, fence: Fence) -> dict:
-    """Record a finished sync: its manifest, then (fenced, create-only) its watermark; older records go."""
+def commit(store: Location, target_slug: str, seq: int, manifest: str, mark: dict, fence: Fence) -> dict:
+    """Record a finished sync: its manifest (a local Parquet file, MANIFEST_SCHEMA), then (fenced, create-only)
+    its watermark; older records go."""
     manifest_key = _key(target_slug, seq, ".manifest.parquet")
-    store.write_table(manifest_key, manifest.cast(MANIFEST_SCHEMA))
+    store.put_file(manifest_key, manifest)
     mark = {**mark, "seq": seq, "manifest": manifest_key}
     fence.check()  # the target's lock, in its own folder
     if store.write_json_if(_key(target_slug, seq, ".json"), mark, None) is None:
