@@ -27,7 +27,7 @@ from imgest.tasks.index.build import refine_of
 from imgest.tasks.index.store import IdMapFile, IndexIntegrityError
 from imgest.tasks.ingest.shards import embedding_matrix
 from imgest.tasks.state.committed import LIVE, CatalogueState, shard_key
-from imgest.tasks.state.rows import sql_string
+from imgest.tasks.state.rows import one_thread, sql_string
 
 RETRAIN_PARAM_GROWTH = 2  # retrain when an update needs more than twice the nprobe its training served
 
@@ -69,9 +69,10 @@ def _write_id_map(cur, ids: IdMapFile) -> None:
     numbers them (faiss id = position in item_id order): DuckDB's external sort writes them to a file, which is
     then numbered batch by batch into the id map."""
     sorted_path = os.path.join(os.path.dirname(ids.path), "sorted.parquet")
-    cur.execute(f"""COPY (SELECT item_id, uri, hash AS content_hash, shard FROM live l
-                          WHERE NOT EXISTS (SELECT 1 FROM missing m WHERE m.item_id = l.item_id)
-                          ORDER BY item_id) TO {sql_string(sorted_path)} (FORMAT parquet)""")
+    with one_thread(cur):
+        cur.execute(f"""COPY (SELECT item_id, uri, hash AS content_hash, shard FROM live l
+                              WHERE NOT EXISTS (SELECT 1 FROM missing m WHERE m.item_id = l.item_id)
+                              ORDER BY item_id) TO {sql_string(sorted_path)} (FORMAT parquet)""")
     ids.number(sorted_path)
     os.remove(sorted_path)
 

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from imgest import records
 from imgest.storage import TEMP_PREFIX, Location, StorageError
 from imgest.storage.cache import local_copy
+from imgest.tasks.state.markers import check_marker, rows_table
 from imgest.tasks.state.rows import STATE_SCHEMA, StateBase, write_rows
 
 # live: a current embedding; rejected: this content cannot be used (retried when the object changes);
@@ -66,34 +67,11 @@ def commit_key(slug: str, shard: str) -> str:
     return f"{state_prefix(slug)}/commits/{shard}.json"
 
 
-# What each part of a commit marker's rows holds (tasks/ingest/shards.py writes them), and the types of the fields.
-_OBJECT = {"item_id", "uri", "etag", "size", "mtime", "content_hash"}
-_ROW_FIELDS = {"encoded": _OBJECT, "unchanged": _OBJECT, "revived": _OBJECT | {"shard"},
-               "rejected": _OBJECT | {"reason", "transient"}}
-_TYPES = {"item_id": str, "uri": str, "etag": (str, type(None)), "size": int, "mtime": (int, float, type(None)),
-          "content_hash": (str, type(None)), "shard": str, "reason": str, "transient": bool}
-
-
-def _row_ok(row: object, allowed: set[str]) -> bool:
-    return isinstance(row, dict) and "item_id" in row and row.keys() <= allowed and \
-        all(isinstance(value, _TYPES[name]) for name, value in row.items())
-
-
 def read_marker(store: Location, slug: str, shard: str) -> dict:
     """A shard's commit marker, checked before it changes the state: it names its own shard, and its rows are
     objects of ItemState's fields with a string item_id (a planted marker stops the run; nothing changes)."""
     key = commit_key(slug, shard)
-    marker, where = store.read_json(key), f"{store.url}: {key}"
-    if records.field(marker, "shard", str, where) != shard:
-        raise records.RecordError(f"{where}: names shard {marker['shard'][:80]!r}, not its own")
-    for name in ("run_id", "created"):
-        records.field(marker, name, str, where)
-    for part, allowed in _ROW_FIELDS.items():
-        rows = marker.get(part, [])
-        if not isinstance(rows, list) or not all(_row_ok(row, allowed) for row in rows):
-            raise records.RecordError(f"{where}: {part} must be a list of rows with an item_id and only "
-                                      f"{', '.join(sorted(allowed))}")
-    return marker
+    return check_marker(store.read_json(key), shard, f"{store.url}: {key}")
 
 
 def snapshot_key(slug: str, seq: int, delta: bool = False) -> str:
@@ -208,7 +186,7 @@ class CatalogueState:
         if encoded:
             for row in encoded:  # an item rejected by an earlier marker is encoded now: the newer row wins
                 self.overlay.pop(row["item_id"], None)
-            self.base.fold(_rows_table(encoded, status=LIVE, shard=marker["shard"], run_id=marker["run_id"],
+            self.base.fold(rows_table(encoded, status=LIVE, shard=marker["shard"], run_id=marker["run_id"],
                                        updated_at=marker["created"]))
         for row in marker.get("rejected", []):
             row = dict(row)
@@ -243,14 +221,6 @@ class CatalogueState:
     def live_table(self) -> pa.Table:
         """The live items (STATE_SCHEMA), in item_id order."""
         return self.query(f"SELECT * FROM state WHERE status = '{LIVE}' ORDER BY item_id").cast(STATE_SCHEMA)
-
-
-def _rows_table(rows: list[dict], **constants) -> pa.Table:
-    """Marker rows (ItemState's object fields) and the fields every one of them shares, as STATE_SCHEMA."""
-    columns = {f.name: constants[f.name] if f.name in constants else None for f in STATE_SCHEMA}
-    return pa.table({name: pa.array([row.get(name) for row in rows] if name in _OBJECT else [value] * len(rows),
-                                    STATE_SCHEMA.field(name).type) for name, value in columns.items()},
-                    schema=STATE_SCHEMA)
 
 
 def list_snapshots(store: Location, slug: str) -> list[tuple[int, bool]]:

@@ -58,7 +58,7 @@ class LiveShards:
 
     def __init__(self, state: CatalogueState) -> None:
         from imgest.scratch import scratch_folder
-        from imgest.tasks.state.rows import sql_string
+        from imgest.tasks.state.rows import one_thread, sql_string
 
         folder = scratch_folder(self, "live")
         self.ordered = os.path.join(folder, "ordered.parquet")
@@ -66,8 +66,9 @@ class LiveShards:
         self.snapshot = state.seq
         numbered = os.path.join(folder, "numbered.parquet")
         with state.sql() as cur:
-            cur.execute(f"""COPY (SELECT item_id, uri, content_hash, shard FROM state WHERE status = '{LIVE}'
-                                  ORDER BY item_id) TO {sql_string(self.ordered)} (FORMAT parquet)""")
+            with one_thread(cur):  # wide rows: one sort's buffers under the state's memory cap
+                cur.execute(f"""COPY (SELECT item_id, uri, content_hash, shard FROM state WHERE status = '{LIVE}'
+                                      ORDER BY item_id) TO {sql_string(self.ordered)} (FORMAT parquet)""")
             self.rows = 0
             with pq.ParquetWriter(numbered, BY_SHARD_SCHEMA) as writer:  # the row numbers, in order
                 for batch in pq.ParquetFile(self.ordered).iter_batches(LIVE_BATCH, columns=["shard", "item_id"]):
