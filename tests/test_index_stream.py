@@ -166,3 +166,19 @@ def test_a_query_by_item_id_reads_the_shard_its_version_recorded_without_loading
     hits = searcher.search([Query("q", item_id=key)], k=5)[0]
     assert len(hits) == 5 and key not in [h.item_id for h in hits]
     assert searcher.position(key) == 1234 and searcher.position("no/such.jpg") is None
+
+
+def test_an_id_map_out_of_item_id_order_is_scanned_not_searched_by_halves(tmp_path):
+    """The binary search holds only for a map in item_id order, which is checked when the map is converted: a map
+    written otherwise (an older build, a hand-made store) still finds every item, by a scan."""
+    from imgest.tasks.index.idmap import IdMap
+
+    keys = ["b.jpg", "a.jpg", "c.jpg"]
+    for name, order in (("ordered", sorted(keys)), ("unordered", keys)):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"faiss_id": list(range(3)), "item_id": order, "uri": [f"s3://x/{k}" for k in order],
+                                 "content_hash": ["h"] * 3}), path)
+        ids = IdMap(str(path), name, str(tmp_path))
+        assert ids.ordered == (name == "ordered") and ids.shards is None
+        assert [ids.position(k) for k in order] == [0, 1, 2] and ids.position("d.jpg") is None
+        assert ids.items([2, 0]) == [order[2], order[0]] and ids.uri(1) == f"s3://x/{order[1]}"

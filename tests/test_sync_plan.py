@@ -61,3 +61,21 @@ def test_a_sync_plan_brings_back_only_the_deletions_and_sends_what_changed(tmp_p
     manifest = pq.read_table(got["now"])
     assert got["live"] == len(manifest) == N - len(deleted)
     assert manifest.column_names == ["item_id", "content_hash", "meta_hash"]
+
+
+def test_a_manifest_without_its_columns_is_refused_as_a_record(tmp_path):
+    """A planted manifest (the watermark names it) is checked before DuckDB reads it: one line, nothing sent."""
+    import pytest
+
+    from imgest.storage import Location, RecordError
+    from imgest.tasks.sync.watermark import manifest_file, target_dir
+
+    store = Location(str(tmp_path / "store"))
+    store.write_table(f"{target_dir('t/m')}/00000001.manifest.parquet", pa.table({"item_id": ["a"]}))
+    mark = {"manifest": f"{target_dir('t/m')}/00000001.manifest.parquet"}
+    with pytest.raises(RecordError, match="lacks the manifest's columns"):
+        manifest_file(store, "t/m", mark, str(tmp_path / "scratch"))
+    store.write_bytes(f"{target_dir('t/m')}/00000002.manifest.parquet", b"not parquet")
+    with pytest.raises(RecordError, match="not a Parquet manifest"):
+        manifest_file(store, "t/m", {"manifest": f"{target_dir('t/m')}/00000002.manifest.parquet"},
+                      str(tmp_path / "scratch"))

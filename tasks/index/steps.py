@@ -225,7 +225,7 @@ def build_from_store(store_url: str, model: dict, live: LiveShards, choice: Inde
     store, slug, d = Location(store_url), model["slug"], int(model["dim"])
     sample = read_sample(store, slug, d, live, choice.train_size)
     trained = train_task(sample.vectors, choice, np.arange(len(sample.rows)))
-    at = sample.probes(len(live), queries)
+    at = sample.probes(queries)
     probes, probes_at = np.ascontiguousarray(sample.vectors[at]), sample.rows[at]
     train_seconds = total.seconds  # reading the training rows is part of training here
     specs = plan_parts(store_url, slug, d, live, parts)

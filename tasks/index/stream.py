@@ -8,7 +8,6 @@ of the shards' sizes: no object per item, and no copy of the catalogue's vectors
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ from imgest.tasks.index.parts import merge_truth
 from imgest.tasks.index.store import IdMapFile
 from imgest.tasks.index.truth import Truth
 from imgest.tasks.index.update import rename_ids
-from imgest.tasks.state.live import LiveShards, read_shard_vectors
+from imgest.tasks.state.live import LiveShards, read_shard_vectors, vector_array
 from imgest.timing import Stopwatch
 
 ADD_BLOCK = 65_536  # vectors gathered from consecutive shards before one faiss add (and one probe scan)
@@ -53,7 +52,7 @@ class Sample:
     rows: np.ndarray  # faiss ids (positions in item_id order), sorted
     vectors: np.ndarray  # (len(rows), d) float32
 
-    def probes(self, n: int, count: int, seed: int = 0) -> np.ndarray:
+    def probes(self, count: int, seed: int = 0) -> np.ndarray:
         """Positions in `rows` of a seeded sample of `count` of them (seeded)."""
         rng = np.random.default_rng(seed + 1)
         return np.sort(rng.choice(len(self.rows), size=min(count, len(self.rows)), replace=False))
@@ -138,13 +137,6 @@ def _blocks(store: Location, slug: str, dim: int, live: LiveShards, missing: lis
         yield np.concatenate(held), np.concatenate(held_ids)
 
 
-def _vector_map(n: int, dim: int) -> np.ndarray:
-    """(n, dim) float32 in an already-unlinked scratch file under TMPDIR: the OS pages it in and out."""
-    with tempfile.TemporaryFile(prefix="imgest-build-") as fh:
-        fh.truncate(max(n * dim * 4, 1))
-        return np.memmap(fh, np.float32, "w+", shape=(n, dim))
-
-
 def stream_build(store: Location, slug: str, dim: int, live: LiveShards, choice: IndexChoice, queries: int,
                  depth: int, on_added: Callable[[int], None] | None = None,
                  add_parts: Callable | None = None) -> Streamed:
@@ -152,7 +144,7 @@ def stream_build(store: Location, slug: str, dim: int, live: LiveShards, choice:
     for the kinds built from a memory map: (vectors, choice, rows) -> (index, times, parts), to add in parallel
     parts instead of here."""
     sample = read_sample(store, slug, dim, live, choice.train_size)
-    at = sample.probes(len(live), queries)
+    at = sample.probes(queries)
     scan = TruthScan(sample.vectors[at], sample.rows[at], depth)
     missing: list[np.ndarray] = []
     training, adding = Stopwatch(running=False), Stopwatch(running=False)
@@ -172,7 +164,7 @@ def stream_build(store: Location, slug: str, dim: int, live: LiveShards, choice:
             rename_ids(index, _renumber(np.arange(len(live)), gone))
     else:
         with adding:
-            vectors = _vector_map(len(live), dim)
+            vectors = vector_array(len(live), dim)
             for block, ids in _blocks(store, slug, dim, live, missing):
                 vectors[ids] = block
                 scan.add(block, ids)

@@ -177,13 +177,14 @@ def live_fingerprint(store: Location, slug: str) -> str:
     return hashlib.sha256(json.dumps([slug, seq, run_id, pending]).encode()).hexdigest()
 
 
-# Live vectors larger than this go to an unlinked scratch file under TMPDIR (memory-mapped) instead of the
+# Live vectors larger than this go to an unlinked scratch file under TMPDIR (memory-mapped, `vector_array`), not the
 # heap: the build then holds one shard's table at a time plus the index it fills, and the OS pages the
 # vectors in and out. faiss reads the memory map in place (add in blocks, exact search for tuning).
 SPILL_BYTES = 256 << 20
 
 
-def _vector_array(n: int, dim: int) -> np.ndarray:
+def vector_array(n: int, dim: int) -> np.ndarray:
+    """(n, dim) float32 for vectors to be written in place: on the heap, or past SPILL_BYTES memory-mapped."""
     if n * dim * 4 < SPILL_BYTES:
         return np.empty((n, dim), np.float32)
     with tempfile.TemporaryFile(prefix="imgest-live-") as fh:  # already unlinked; the mapping keeps it
@@ -199,7 +200,7 @@ def load_live_vectors(store: Location, slug: str, dim: int) -> LiveVectors:
     live_ids = live["item_id"].combine_chunks()  # item_id order: faiss id n is row n
     codes = pc.dictionary_encode(live["shard"].combine_chunks()).indices.to_numpy().astype(np.int32)
     item_ids = live_ids.to_pylist()
-    vectors = _vector_array(len(item_ids), dim)
+    vectors = vector_array(len(item_ids), dim)
     uris: list[str | None] = [None] * len(item_ids)
     hashes: list[str | None] = [None] * len(item_ids)
     # each shard's rows are looked up among its own live ids (a lookup in all N ids per shard was N x shards:

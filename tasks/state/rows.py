@@ -111,12 +111,6 @@ class StateBase:
         self.folded += 1
         self.folded_rows += len(rows)
 
-    def unfold(self) -> None:
-        """Forget the folded rows (their items were materialised elsewhere)."""
-        if self.folded:
-            self._db.execute("DROP TABLE folded")
-        self.folded = self.folded_rows = 0
-
     @contextmanager
     def cursor(self, overlay: pa.Table) -> Iterator:
         """A connection of its own (safe beside other threads) with the views `overlay` (the folded rows, newest
