@@ -110,7 +110,7 @@ def serve(path: str, params: dict) -> None:
 
     queries = np.load(path + ".queries.npy")
     before = rss_anon_mib()
-    index, _held = read_served(path, "ivfpq", "disk" if params["k_factor"] else None)
+    index = read_served(path, "ivfpq", "disk" if params["k_factor"] else None)
     refine = refine_of(index)
     added = rss_anon_mib() - before
     set_param(index, params["name"], params["value"], params["k_factor"])

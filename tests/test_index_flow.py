@@ -18,6 +18,7 @@ from imgest.flows.build_index import build_index
 from imgest.flows.ingest import ingest
 from imgest.flows.nightly import nightly
 from imgest.storage import Location
+from imgest.tasks.index.rerank import on_disk
 from imgest.tasks.index.store import IndexIntegrityError, open_index
 from imgest.tasks.migration.aliases import read_alias, set_alias
 from imgest.tasks.reports.index import render_card
@@ -308,7 +309,9 @@ def test_a_pq_index_re_ranks_from_a_memory_mapped_file_and_serves(tmp_path):
     assert foot["refine"] == "disk" and foot["disk_bytes"] == 300 * 2 * card["d"] and 0 < foot["ram_bytes"]
     opened = open_index(Location(store), card["slug"], card["version"])
     inner = faiss.downcast_index(opened.index)
-    assert inner.k_factor == card["search"]["k_factor"] and opened.held, "codes cloned to RAM, kept alive"
+    assert inner.k_factor == card["search"]["k_factor"]
+    lists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(inner.base_index).invlists)
+    assert on_disk(inner) and isinstance(lists, faiss.ArrayInvertedLists), "re-rank vectors mapped, PQ codes in RAM"
     assert faiss.extract_index_ivf(opened.index).nprobe == card["search"]["value"]
     searcher = Searcher(store, model=card["slug"], version=card["version"])
     hits = searcher.search([Query("q", image=str(cat / "p" / "007.png"))], k=1)[0]

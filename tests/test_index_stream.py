@@ -2,6 +2,8 @@
 file. Every kind gives faiss id = position in item_id order with the right vector behind it, the probes' exact
 lists equal a brute-force search, and a live item missing from its shard is left out without a gap."""
 
+import dataclasses
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -10,6 +12,7 @@ import pytest
 from imgest import encoders
 from imgest.storage import Location
 from imgest.tasks.index.choice import choose_index
+from imgest.tasks.index.rerank import on_disk
 from imgest.tasks.index.stream import stream_build
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
 from imgest.tasks.ingest.shards import ShardWriter
@@ -55,8 +58,9 @@ def write_store(folder, n: int, shard_size: int, missing: set[int] = frozenset()
     return store, load_state(store, SPEC.slug), dict(zip(keys, vectors))
 
 
-@pytest.mark.parametrize("factory", ["IVF16,SQ8", "HNSW16", "Flat", "IVF16,PQ4,Refine(SQfp16)"])
-def test_a_streamed_build_numbers_in_item_id_order_and_leaves_out_missing_rows(tmp_path, factory):
+@pytest.mark.parametrize("factory, refine", [("IVF16,SQ8", None), ("HNSW16", None), ("Flat", None),
+                                             ("IVF16,PQ4,Refine(SQfp16)", None), ("IVF16,PQ4,Refine(SQfp16)", "disk")])
+def test_a_streamed_build_numbers_in_item_id_order_and_leaves_out_missing_rows(tmp_path, factory, refine):
     missing, deleted = {3, 250, 251, 1999}, {10, 700}
     store, state, vectors = write_store(tmp_path, 2000, 300, missing, deleted)
     live = LiveShards(state)
@@ -65,8 +69,12 @@ def test_a_streamed_build_numbers_in_item_id_order_and_leaves_out_missing_rows(t
     keys = list(vectors)
     indexed = sorted(keys[r] for r in range(2000) if r not in missing | deleted)
 
-    choice = choose_index(len(live), SPEC.dim, "1G", factory, "unlimited")
+    choice = dataclasses.replace(choose_index(len(live), SPEC.dim, "1G", factory, "unlimited"), refine=refine)
     got = stream_build(store, SPEC.slug, SPEC.dim, live, choice, queries=50, depth=30)
+    if refine == "disk":
+        import faiss
+
+        assert on_disk(faiss.downcast_index(got.index)), "the re-rank vectors are mapped from a file, not in RAM"
 
     ids = pq.read_table(got.ids.path)
     assert ids["item_id"].to_pylist() == indexed, "faiss id = position in item_id order, the missing left out"

@@ -110,6 +110,57 @@ def test_an_updated_ivf_index_searches_like_one_filled_afresh_with_the_same_trai
         assert (a[:-1][same] == b[:-1][same]).all()
 
 
+@pytest.mark.parametrize("factory", ["IVF32,PQ8,Refine(SQfp16)", "OPQ8_32,IVF32,PQ8,Refine(SQfp16)"])
+def test_re_rank_vectors_on_disk_are_renumbered_into_a_new_file_equal_to_the_update_in_ram(
+        factory, tmp_path, monkeypatch):
+    """Re-rank vectors served from disk stay mapped through an update: the new file is written a block of rows
+    at a time (3 rows here), and is byte for byte the file of the same update done in RAM."""
+    import faiss
+
+    from imgest.tasks.index import rerank
+
+    monkeypatch.setattr(rerank, "BLOCK", 3)
+    old = clustered(2000, 32, 0)
+    first = faiss.index_factory(32, factory, faiss.METRIC_INNER_PRODUCT)
+    first.train(old)
+    first.add(old)
+    path = str(tmp_path / "v1.faiss")
+    faiss.write_index(first, path)
+    keep, remap, added_ids = churn(2000)
+    added = clustered(80, 32, 9)
+
+    def delta():
+        return Delta(ids=IdMapFile(len(keep) + len(added)), remap=remap, added_ids=added_ids, added=added)
+
+    in_ram = apply_delta(faiss.read_index(path), delta())
+    mapped = rerank.open_mapped(path)
+    assert rerank.on_disk(faiss.downcast_index(mapped))
+    on_disk = apply_delta(mapped, delta())
+    assert on_disk is not mapped and rerank.on_disk(faiss.downcast_index(on_disk)), "a new file, still mapped"
+    assert faiss.serialize_index(on_disk).tobytes() == faiss.serialize_index(in_ram).tobytes()
+
+
+def test_a_build_writes_re_rank_vectors_to_disk_as_faiss_writes_them_from_ram(tmp_path, monkeypatch):
+    import faiss
+
+    from imgest.tasks.index import rerank
+
+    monkeypatch.setattr(rerank, "BLOCK", 7)
+    x = clustered(1500, 32, 3)
+    trained = faiss.index_factory(32, "IVF16,PQ8,Refine(SQfp16)", faiss.METRIC_INNER_PRODUCT)
+    trained.train(x)
+    in_ram = faiss.clone_index(trained)
+    in_ram.add(x)
+    refine = faiss.downcast_index(trained)
+    refine.base_index.add(x)
+    mapped = rerank.write_mapped(refine, len(x), rerank.encoded_blocks(refine, x), str(tmp_path))
+    assert rerank.on_disk(faiss.downcast_index(mapped)) and not os.listdir(tmp_path), "mapped, file unlinked"
+    assert faiss.serialize_index(mapped).tobytes() == faiss.serialize_index(in_ram).tobytes()
+    with pytest.raises(rerank.RerankError, match="written for 1500 rows"):
+        rerank.write_mapped(refine, len(x), rerank.encoded_blocks(refine, x[:-1]), str(tmp_path))
+    assert not os.listdir(tmp_path)
+
+
 def _catalogue(root, names: range, seed_shift: int = 0):
     write_files(str(root), {f"p/{i:04d}.png": png_bytes(gradient(i + seed_shift, (16, 16))) for i in names})
 

@@ -154,7 +154,7 @@ def update_version(store_url: str, model: dict, previous: dict | None, kind: str
     check_drift(line)
     index = read_index_for_update(store, previous)
     with Stopwatch() as adding:
-        apply_delta(index, delta)
+        index = apply_delta(index, delta)
     truth = carry_truth(Truth.from_table(truth_table), delta.remap, delta.added_ids, delta.added)
     usable = float(truth.usable(k).mean())
     if usable < MIN_USABLE_PROBES:
@@ -265,15 +265,19 @@ def build_streamed(store_url: str, model: dict, live: LiveShards, choice: IndexC
     """Trained on a sample of whole shards and filled shard by shard (tasks/index/stream.py); the kinds that need
     every vector at once (HNSW, flat, re-rank vectors) in `parts` slices added in parallel on the runner."""
     add_parts = None
-    if parts > 1 and not adds_by_shard(choice):
+    if parts > 1 and not adds_by_shard(choice) and choice.refine != "disk":
         def add_parts(vectors, choice, rows):
             return build_in_parts(vectors, choice, parts, runner, workers, progress, rows)
     streamed = stream_build_task(store_url, model, live, choice, queries, depth, progress, add_parts)
     used = parts if add_parts is not None else 1
-    method = ("trained on whole shards read first; every shard then read once and added with its faiss ids"
-              if adds_by_shard(choice) else "shards read once into a memory map in faiss id order; trained and "
-              "added " + ("in one process" if used == 1 else "in parts in parallel, merged in id order "
-                                                            "(faiss merge_from)"))
+    if adds_by_shard(choice):
+        method = "trained on whole shards read first; every shard then read once and added with its faiss ids"
+    elif choice.refine == "disk":
+        method = ("shards read once into a memory map in faiss id order; trained, the PQ codes added in RAM and "
+                  "the re-rank vectors written to the index file a block at a time (memory-mapped)")
+    else:
+        method = ("shards read once into a memory map in faiss id order; trained and added " +
+                  ("in one process" if used == 1 else "in parts in parallel, merged in id order (faiss merge_from)"))
     times = BuildTimes(streamed.train_seconds, streamed.add_seconds, streamed.train_seconds + streamed.add_seconds)
     return Built(streamed.index, streamed.ids, streamed.truth, live.snapshot, times, used, method,
                  reference(streamed.sample))

@@ -23,6 +23,7 @@ from imgest.lock import Fence
 from imgest.storage import Location
 from imgest.storage.cache import local_copy
 from imgest.tasks.index.idmap import IdMap, IdMapFile
+from imgest.tasks.index.rerank import open_mapped
 from imgest.tasks.migration.aliases import list_aliases, read_alias
 from imgest.tasks.state.committed import now_iso
 
@@ -183,9 +184,13 @@ def verified_file(store: Location, card: dict, cache_dir: str, io_flags: int = 0
 
 
 def read_index_for_update(store: Location, card: dict, cache_dir: str = DEFAULT_CACHE):
-    """The version's index read whole into memory (its lists writable), checked first (`verified_file`)."""
+    """The version's index read into memory (its lists writable), checked first (`verified_file`); re-rank
+    vectors kept on disk stay mapped (the update writes them anew, a block at a time)."""
     import faiss
 
+    footprint = card.get("footprint") if isinstance(card.get("footprint"), dict) else {}
+    if footprint.get("refine") == "disk":
+        return open_mapped(verified_file(store, card, cache_dir, faiss.IO_FLAG_MMAP_IFC))
     return faiss.read_index(verified_file(store, card, cache_dir))
 
 
@@ -195,7 +200,6 @@ class OpenIndex:
     card: dict
     index: object  # faiss.Index with the served search parameter set
     ids: IdMap  # faiss id -> item_id, uri (memory-mapped)
-    held: tuple = ()  # faiss objects the index points at without owning them (kept alive here)
 
     @property
     def item_ids(self) -> pa.ChunkedArray:
@@ -236,20 +240,14 @@ def served_flags(kind: str, refine: str | None) -> int:
     return faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if kind in ("ivfsq8", "ivfpq") else 0
 
 
-def read_served(path: str, kind: str, refine: str | None) -> tuple[object, tuple]:
-    """An index file read for serving, and the faiss objects it points at without owning them. A re-ranking
-    index with its vectors on disk keeps them memory-mapped and copies its PQ part to RAM; IVF indexes are
-    memory-mapped; others are read whole."""
+def read_served(path: str, kind: str, refine: str | None):
+    """An index file read for serving: a re-ranking index with its vectors on disk keeps them memory-mapped and
+    copies its PQ part to RAM; IVF indexes are memory-mapped; others are read whole."""
     import faiss
 
-    if refine != "disk":
-        return faiss.read_index(path, served_flags(kind, refine)), ()
-    index = faiss.read_index(path, served_flags(kind, refine))
-    inner = faiss.downcast_index(index)
-    # clone_index would keep viewing the mapped lists; a serialised round trip owns its copy
-    inner.base_index = faiss.deserialize_index(faiss.serialize_index(inner.base_index))
-    inner.own_fields = False
-    return index, (inner.base_index,)
+    if refine == "disk":
+        return open_mapped(path, served_flags(kind, refine))
+    return faiss.read_index(path, served_flags(kind, refine))
 
 
 def version_counts(store: Location, card: dict, cache_dir: str = DEFAULT_CACHE) -> tuple[int, int]:
@@ -258,7 +256,7 @@ def version_counts(store: Location, card: dict, cache_dir: str = DEFAULT_CACHE) 
     footer: what a build verifies before an alias moves, without the N ids in memory."""
     footprint = card.get("footprint") if isinstance(card.get("footprint"), dict) else {}
     kind, refine = records.field(card, "kind", str, card["slug"]), footprint.get("refine")
-    index, _ = read_served(verified_file(store, card, cache_dir, served_flags(kind, refine)), kind, refine)
+    index = read_served(verified_file(store, card, cache_dir, served_flags(kind, refine)), kind, refine)
     return index.ntotal, pq.read_metadata(ids_file(store, card, cache_dir)).num_rows
 
 
@@ -270,13 +268,13 @@ def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAUL
     card = read_card(store, slug, version)
     footprint = card.get("footprint") if isinstance(card.get("footprint"), dict) else {}
     kind, refine = records.field(card, "kind", str, slug), footprint.get("refine")
-    index, held = read_served(verified_file(store, card, cache_dir, served_flags(kind, refine)), kind, refine)
+    index = read_served(verified_file(store, card, cache_dir, served_flags(kind, refine)), kind, refine)
     set_param(index, card["search"]["param"], card["search"]["value"], card["search"].get("k_factor"))
     ids = IdMap(ids_file(store, card, cache_dir), card["ids_sha256"], cache_dir)
     if len(ids) != index.ntotal:
         raise IndexIntegrityError(f"{version_file(card, 'ids_file')} maps {len(ids)} ids for the index's "
                                   f"{index.ntotal} vectors: refused")
-    return OpenIndex(card, index, ids, held)
+    return OpenIndex(card, index, ids)
 
 
 def previous_version(store: Location, slug: str) -> dict | None:

@@ -2,8 +2,9 @@
 as an update numbers it), the training sample drawn by whole shards, then each shard read once and added to the
 trained IVF index with its faiss ids, or written into a memory map for the kinds that need every vector at once
 (HNSW, flat, a PQ index with re-rank vectors). The probes' exact neighbours are found as the shards pass; the id
-map goes from DuckDB to a file. What stays in memory is the index, one block of vectors and a few int64 arrays
-of the shards' sizes: no object per item, and no copy of the catalogue's vectors for an IVF kind."""
+map goes from DuckDB to a file. What stays in memory is the index (without its re-rank vectors when they are
+kept on disk), one block of vectors and a few int64 arrays of the shards' sizes: no object per item, and no copy
+of the catalogue's vectors for an IVF kind."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from imgest.storage import Location
 from imgest.tasks.index.build import add_in_blocks, train
 from imgest.tasks.index.choice import IndexChoice, refines
 from imgest.tasks.index.parts import merge_truth
+from imgest.tasks.index.rerank import add_on_disk
 from imgest.tasks.index.store import IdMapFile
 from imgest.tasks.index.truth import Truth
 from imgest.tasks.index.update import rename_ids
@@ -171,6 +173,12 @@ def stream_build(store: Location, slug: str, dim: int, live: LiveShards, choice:
             gone = np.sort(np.concatenate(missing)) if missing else np.empty(0, np.int64)
             vectors = _close_gaps(vectors, gone)
         rows = _renumber(sample.rows, gone)
+        if choice.refine == "disk":  # its re-rank vectors go to their file, never all in RAM
+            with training:
+                index = train(vectors, choice, rows=rows)
+            with adding:
+                index = add_on_disk(index, vectors, on_added)
+            return _finish(slug, live, index, gone, scan, sample, training.seconds, adding.seconds)
         if add_parts is not None:
             index, times, _ = add_parts(vectors, choice, rows)
             return _finish(slug, live, index, gone, scan, sample, times.train_seconds,

@@ -5,7 +5,8 @@ the trained quantizer no longer represents the catalogue, so that the version is
 Only the new vectors are read from the store; the previous version's id map says which vectors it holds.
 A re-ranking index (PQ codes + float16 vectors, faiss IndexRefine) is updated the same way: its IVF part as
 above, and its re-rank vectors, which faiss numbers by row, rewritten in the new id order (the kept ones'
-float16 codes copied, the new ones encoded).
+float16 codes copied, the new ones encoded): in RAM when they are served from RAM, else from the mapped old
+file into a new one, a block of rows at a time (tasks/index/rerank.py).
 HNSW is rebuilt: its graph cannot drop a vector (faiss marks nothing deleted in an HNSW), and searching it with
 deleted ids filtered out loses recall silently as deletions accumulate around the entry points. Flat indexes
 have no training to save: they are rebuilt too (a copy of the vectors, the cost of reading them).
@@ -24,6 +25,7 @@ import pyarrow.compute as pc
 
 from imgest.storage import Location
 from imgest.tasks.index.build import refine_of
+from imgest.tasks.index.rerank import emptied, on_disk, renumbered_blocks, write_mapped
 from imgest.tasks.index.store import IdMapFile, IndexIntegrityError
 from imgest.tasks.ingest.shards import embedding_matrix
 from imgest.tasks.state.committed import LIVE, CatalogueState, shard_key
@@ -151,12 +153,17 @@ def _renumber_refine_vectors(refine, delta: Delta) -> None:
 
 
 def apply_delta(index, delta: Delta):
-    """Remove, renumber, add: afterwards faiss id i is row i of `delta.ids`, as in a fresh build."""
+    """Remove, renumber, add: afterwards faiss id i is row i of `delta.ids`, as in a fresh build. Returns the
+    index: `index` itself, or a new one when its re-rank vectors are on disk (rewritten into a new file)."""
     import faiss
 
     refine = refine_of(index)
     if refine is not None:  # the codes searched are the base index; the re-rank vectors follow its new ids
         apply_delta(refine.base_index, delta)
+        if on_disk(refine):  # a new file, written a block of rows at a time from the mapped old one
+            rows = delta.ids.rows
+            return write_mapped(emptied(refine), rows,
+                                renumbered_blocks(refine, delta.remap, rows, delta.added_ids, delta.added))
         _renumber_refine_vectors(refine, delta)
         return index
 
