@@ -1,9 +1,10 @@
 """Index follows the catalogue: nights of churn on a store of 1M clustered vectors, each night's version
 updated in place (remove_ids / add_with_ids) against a full rebuild, through the build-index flow.
 
-    OPENBLAS_CORETYPE=Haswell .venv/bin/python bench/bench_index_update.py --n 1000000 --d 512 --nights 10
+    OPENBLAS_CORETYPE=Haswell .venv/bin/python bench/bench_index_update.py --n 1000000 --nights 10
 
-A store is written directly (shards, a snapshot, a model card for a synthetic 512-d "model"); each night
+A store is written directly (shards, a snapshot, the card of `raw-pixels-13`, d = 507, whose vectors are
+seeded instead of encoded); each night
 1% of the live items change content (a new vector), 0.5% are new, 0.5% are deleted, as one ingest run
 would commit them. New vectors come from the same clusters (the catalogue keeps its shape). Recall is
 measured here on one common probe set per night (1,000 live items, exact top-10 over all live vectors),
@@ -29,8 +30,17 @@ sys.path.insert(0, ROOT)
 from bench.bench_index import clustered  # noqa: E402
 from imgest.config import IndexConfig  # noqa: E402
 
-MODEL = {"slug": "synthetic-512", "model_id": "synthetic/clustered-512@bench", "name": "synthetic-512",
-         "family": "synthetic"}
+
+
+def model_card(name: str) -> dict:
+    """The card of a model imgest knows (a store's model must be one: its records never choose one), written
+    without its weights: the benchmarks seed its vectors themselves."""
+    from imgest import encoders
+
+    return encoders.resolve(name).describe()
+
+
+MODEL = model_card("raw-pixels-13")  # d = 507
 
 
 def write_shard(store, name: str, ids: list[str], vectors: np.ndarray, hashes: list[str],
@@ -67,11 +77,12 @@ def seed_store(store, x: np.ndarray, shard_rows: int = 50_000, model: dict = MOD
     write_snapshot(store, CatalogueState(model["slug"], items), run, {"seeded": len(x)})
 
 
-def night(store, rng, pool: np.ndarray, used: int, seq: int, n_next: int) -> tuple[int, int, dict]:
+def night(store, rng, pool: np.ndarray, used: int, seq: int, n_next: int,
+          model: dict = MODEL) -> tuple[int, int, dict]:
     """One night's churn committed as one run: returns (pool rows used, next new item number, counts)."""
     from imgest.tasks.state.committed import DELETED, LIVE, ItemState, load_state, new_run_id, write_snapshot
 
-    state = load_state(store, MODEL["slug"])
+    state = load_state(store, model["slug"])
     live = sorted(k for k, v in state.items.items() if v.status == LIVE)
     n = len(live)
     picks = rng.choice(n, size=n // 100 + n // 200, replace=False)
@@ -82,7 +93,7 @@ def night(store, rng, pool: np.ndarray, used: int, seq: int, n_next: int) -> tup
     rows = changed + new
     vectors = pool[used:used + len(rows)]
     hashes = [f"h{used + j}-{seq}" for j in range(len(rows))]
-    write_shard(store, name, rows, vectors, hashes)
+    write_shard(store, name, rows, vectors, hashes, model["slug"])
     for item, h in zip(rows, hashes):
         state.items[item] = ItemState(item, f"s3://catalogue/{item}", LIVE, None, 1, float(seq), h, name, run)
     for item in deleted:
@@ -112,7 +123,6 @@ def common_recall(stores, cards: list[dict], queries: int = 1000) -> list[float]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=1_000_000)
-    parser.add_argument("--d", type=int, default=512)
     parser.add_argument("--nights", type=int, default=10)
     parser.add_argument("--memory", default="1G", help="index budget: 1G makes the rule pick IVF,SQ8 at 1M x 512")
     parser.add_argument("--rebuild-every", type=int, default=5, help="also time a full rebuild on these nights")
@@ -122,12 +132,12 @@ def main() -> None:
     from imgest.storage import Location
 
     churn = args.nights * (args.n // 100 + args.n // 200) + args.n // 10
-    x = clustered(args.n + churn, args.d)
+    x = clustered(args.n + churn, MODEL["dim"])
     work = tempfile.mkdtemp(prefix="imgest-bench-update-")
     store = Location(os.path.join(work, "store"))
     t0 = time.perf_counter()
     seed_store(store, x[:args.n])
-    print(f"seeded {args.n:,} x {args.d} in {time.perf_counter() - t0:.0f} s at {work}", flush=True)
+    print(f"seeded {args.n:,} x {MODEL['dim']} in {time.perf_counter() - t0:.0f} s at {work}", flush=True)
     common = {"store": store.url, "model": MODEL["slug"], "memory": args.memory, "alias": None}
 
     t0 = time.perf_counter()
@@ -169,7 +179,7 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
 
-    print(f"\n## Index updated in place vs rebuilt: N={args.n:,}, d={args.d}, {first['factory']}, budget "
+    print(f"\n## Index updated in place vs rebuilt: N={args.n:,}, d={MODEL['dim']}, {first['factory']}, budget "
           f"{args.memory}; nightly churn 1% changed + 0.5% new + 0.5% deleted\n")
     print(f"First full build: {full0:.1f} s (flow wall time, store on local disk).\n")
     print("| night | live N | version built by | s | nprobe | recall@10 (common probes) | card recall (its probes) | "

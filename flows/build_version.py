@@ -12,6 +12,7 @@ from imgest.tasks.index.steps import (
     build_streamed,
     card_task,
     choose_index_task,
+    fallback_task,
     live_shards_task,
     previous_version_task,
     splits_by_store,
@@ -28,7 +29,7 @@ def build_version(config: IndexConfig, model: dict) -> dict:
     otherwise train a new one (in this process, or in parts on the runner) and tune it to the target recall.
     Returns the version to write: the caller writes it under its lock (no lock token crosses into a run's
     parameters), after reuse was decided from the store's build records."""
-    why = "asked to build from scratch (--rebuild)"
+    why, previous = "asked to build from scratch (--rebuild)", None
     if not config.rebuild:
         previous = previous_version_task(config.store, model["slug"])
         updated = update_task(config.store, model, previous, config.kind, config.memory, config.target_recall,
@@ -40,7 +41,21 @@ def build_version(config: IndexConfig, model: dict) -> dict:
     live = live_shards_task(config.store, model["slug"])
     if len(live) < 2:
         return {"built": False, "reason": f"{len(live)} live vectors: nothing to index", "slug": model["slug"]}
-    choice = choose_index_task(len(live), int(model["dim"]), config.memory, config.kind, config.disk)
+    d = int(model["dim"])
+    choice = choose_index_task(len(live), d, config.memory, config.kind, config.disk, previous)
+    built, tuned = fill_and_tune(config, model, live, choice)
+    if not tuned.met and choice.instead_of:  # the updatable kind missed the target: the one it was picked over
+        choice = fallback_task(choice, len(live), d, config.memory, config.disk, tuned)
+        get_run_logger().info("index model=%s: %s", model["slug"], choice.reason)
+        built, tuned = fill_and_tune(config, model, live, choice)
+    card = card_task(model, quote(built), choice, config.memory, tuned, config.retrain_share, why, config.runner,
+                     config.disk)
+    return {"built": True, "index": built.index, "ids": built.ids, "truth": built.truth.to_table(), "card": card,
+            "reference": built.reference}
+
+
+def fill_and_tune(config: IndexConfig, model: dict, live, choice) -> tuple:
+    """Train, fill (streamed, or in parts that read their own shards) and tune one index."""
     progress, depth = AddProgress(model["slug"], len(live)), TRUTH_DEPTH_PER_K * config.k
     if splits_by_store(choice, config.parts):
         built = build_from_store_parts(config.store, model, live, choice, config.parts, config.runner,
@@ -48,8 +63,4 @@ def build_version(config: IndexConfig, model: dict) -> dict:
     else:
         built = build_streamed(config.store, model, live, choice, config.parts, config.runner, config.workers,
                                config.queries, depth, progress)
-    tuned = tune_task(built.index, quote(built.truth), config.target_recall, config.k)
-    card = card_task(model, quote(built), choice, config.memory, tuned, config.retrain_share, why, config.runner,
-                     config.disk)
-    return {"built": True, "index": built.index, "ids": built.ids, "truth": built.truth.to_table(), "card": card,
-            "reference": built.reference}
+    return built, tune_task(built.index, quote(built.truth), config.target_recall, config.k)

@@ -7,7 +7,15 @@ import pytest
 
 from imgest.names import SizeError
 from imgest.tasks.index.build import build
-from imgest.tasks.index.choice import IndexChoiceError, choose_index, nlist_for, parse_memory
+from imgest.tasks.index.choice import (
+    HNSW_NIGHTLY_MAX_N,
+    IndexChoiceError,
+    choose_index,
+    kept_fallback,
+    nightly_fallback,
+    nlist_for,
+    parse_memory,
+)
 from imgest.tasks.index.tuning import knn_recall, tune_search
 
 
@@ -49,6 +57,25 @@ def test_parse_memory_rejects_nonsense():
 ])
 def test_choice_by_size_and_budget(n, d, memory, factory):
     assert choose_index(n, d, memory).factory == factory
+
+
+def test_past_the_measured_size_auto_keeps_an_index_the_nightly_can_update():
+    """HNSW fits 4G at both sizes; past HNSW_NIGHTLY_MAX_N the rule takes IVF,SQ8, which the nightly updates in
+    place, and says so; HNSW is what it falls back to."""
+    small, large = choose_index(HNSW_NIGHTLY_MAX_N, 1280, "4G"), choose_index(HNSW_NIGHTLY_MAX_N + 1, 1280, "4G")
+    assert small.kind == "hnsw" and small.instead_of is None
+    assert large.kind == "ivfsq8" and large.instead_of == "hnsw"
+    assert f"past N={HNSW_NIGHTLY_MAX_N:,}" in large.reason and "updates it" in large.reason
+    assert choose_index(HNSW_NIGHTLY_MAX_N + 1, 1280, "4G", "hnsw").kind == "hnsw", "asked for: no rule applies"
+    assert choose_index(HNSW_NIGHTLY_MAX_N + 1, 1280, "4G", "ivfsq8").instead_of is None
+
+    back = nightly_fallback(large, large_n := HNSW_NIGHTLY_MAX_N + 1, 1280, "4G", None, 0.91, 0.95)
+    assert back.kind == "hnsw" and back.missed_at_n == large_n and "reached recall 0.91 < target 0.95" in back.reason
+    previous = {"version": 3, "choice": back.to_dict()}
+    kept = kept_fallback(previous, large_n + 10, 1280, "4G", None)
+    assert kept.kind == "hnsw" and kept.missed_at_n == large_n and "v0003 fell back to hnsw" in kept.reason
+    assert kept_fallback(previous, 2 * large_n, 1280, "4G", None) is None, "the catalogue doubled: IVF again"
+    assert kept_fallback({"version": 2, "choice": large.to_dict()}, large_n, 1280, "4G", None) is None
 
 
 def test_explicit_kind_and_factory_override_the_rule():

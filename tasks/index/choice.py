@@ -38,11 +38,42 @@ FLAT_MAX_N = 50_000
 TRAIN_PER_CENTROID = 64
 HNSW_M = 32
 COARSE_HNSW_MIN_NLIST = 16_384  # from here the centroids are searched through an HNSW graph
+# Past this N, `auto` takes IVF,SQ8 over an HNSW graph that would fit: a nightly builds a graph again every night
+# (faiss cannot remove a vector from one) but updates an IVF index in place. Measured through the build-index flow
+# at d = 1280 (BENCHMARKS.md, "Which index a nightly keeps"): here the rebuild takes HNSW_REBUILD_OVER_UPDATE
+# times the update and more, and grows faster than it.
+HNSW_NIGHTLY_MAX_N = 100_000
+HNSW_REBUILD_OVER_UPDATE = 10
 PQ_OPTIONS = (320, 256, 160, 128, 96, 80, 64, 48, 32, 16, 8)  # sub-quantizers, 8 bits each: m bytes per vector
 REFINE = "SQfp16"  # the re-rank vectors: float16, 2d bytes each (exact to ~1e-3 on unit vectors)
 OPQ_MIN_DIMS = 16  # a sub-vector this wide or wider gets an OPQ rotation first
 OPQ_TRAIN = 25_000  # OPQ's own training sample (faiss's default is 65,536)
 OPQ_NITER = 10  # its alternating iterations (faiss's default is 50: 5x the time for a small gain)
+
+
+def nightly_fallback(choice: IndexChoice, n: int, d: int, memory: int | str, disk: int | str | None,
+                     recall: float, target: float) -> IndexChoice:
+    """The kind `choice` was picked instead of (HNSW), after `choice`'s index reached only `recall` of `target`:
+    the card says why."""
+    back = choose_index(n, d, memory, choice.instead_of, disk)
+    why = (f"{choice.factory} (picked over HNSW{HNSW_M} to be updated in place) reached recall {recall} < target "
+           f"{target}: {back.factory} instead, built again every night")
+    return IndexChoice(**{**back.to_dict(), "reason": why, "missed_at_n": n})
+
+
+def kept_fallback(previous: dict | None, n: int, d: int, memory: int | str,
+                  disk: int | str | None) -> IndexChoice | None:
+    """The previous version's kind again when it is a fallback (its updatable kind missed the target, see
+    `nightly_fallback`) and the catalogue has not doubled since: trying that kind again every night would build
+    twice a night. None otherwise."""
+    choice = (previous or {}).get("choice") or {}
+    missed, kind = choice.get("missed_at_n"), choice.get("kind")
+    if not (isinstance(missed, int) and 0 < n < 2 * missed and kind in KINDS):
+        return None
+    back = choose_index(n, d, memory, kind, disk)
+    why = (f"v{previous['version']:04d} fell back to {kind}: the updatable kind missed the recall target at "
+           f"N={missed:,}; kept until N reaches {2 * missed:,}")
+    return IndexChoice(**{**back.to_dict(), "reason": why, "missed_at_n": missed})
 
 
 class IndexChoiceError(ValueError):
@@ -60,6 +91,9 @@ class IndexChoice:
     reason: str
     refine: str | None = None  # "disk": re-rank vectors memory-mapped from local disk; "ram"; None: no re-rank
     disk_bytes: int = 0  # on local disk beside the RAM (the re-rank vectors when refine == "disk")
+    instead_of: str | None = None  # the kind the rule left for this updatable one: built instead if this one
+    # misses the recall target (see `nightly_fallback`)
+    missed_at_n: int | None = None  # on a fallback: N at which the updatable kind missed the target
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -147,12 +181,19 @@ def choose_index(n: int, d: int, memory: int | str = "4G", kind: str = "auto",
     if kind == "flat" or (kind == "auto" and n <= FLAT_MAX_N and flat_bytes(n, d) <= budget):
         why = "asked for" if kind == "flat" else f"N={n} <= {FLAT_MAX_N}: exact search"
         return IndexChoice("Flat", "flat", None, None, 0, flat_bytes(n, d), why)
-    if kind == "hnsw" or (kind == "auto" and hnsw_bytes(n, d) <= budget):
+    hnsw_fits, sq8_fits = hnsw_bytes(n, d) <= budget, sq8_bytes(n, d, nlist) <= budget
+    updatable_instead = kind == "auto" and hnsw_fits and sq8_fits and n > HNSW_NIGHTLY_MAX_N
+    if kind == "hnsw" or (kind == "auto" and hnsw_fits and not updatable_instead):
         why = "asked for" if kind == "hnsw" else f"HNSW{HNSW_M} fits: {hnsw_bytes(n, d)} <= {budget} bytes"
         return IndexChoice(f"HNSW{HNSW_M},Flat", "hnsw", None, None, 0, hnsw_bytes(n, d), why)
-    if kind == "ivfsq8" or (kind == "auto" and sq8_bytes(n, d, nlist) <= budget):
+    if kind == "ivfsq8" or (kind == "auto" and sq8_fits):
         why = "asked for" if kind == "ivfsq8" else f"HNSW does not fit; IVF,SQ8 does ({sq8_bytes(n, d, nlist)} bytes)"
-        return IndexChoice(f"{ivf},SQ8", "ivfsq8", nlist, None, train, sq8_bytes(n, d, nlist), why)
+        if updatable_instead:
+            why = (f"HNSW{HNSW_M} fits, but past N={HNSW_NIGHTLY_MAX_N:,} a graph built again every night costs "
+                   f"{HNSW_REBUILD_OVER_UPDATE}x and more the update of an IVF index in place (measured); IVF,SQ8 "
+                   f"fits ({sq8_bytes(n, d, nlist)} bytes) and the nightly updates it; HNSW if it misses the target")
+        return IndexChoice(f"{ivf},SQ8", "ivfsq8", nlist, None, train, sq8_bytes(n, d, nlist), why,
+                           instead_of="hnsw" if updatable_instead else None)
     m, opq, refine = _pq_choice(n, d, nlist, budget if kind == "auto" else None, disk_budget)
     size = pq_bytes(n, d, nlist, m, opq) + (refine_bytes(n, d) if refine == "ram" else 0)
     factory = (f"OPQ{m}_{d}," if opq else "") + f"{ivf},PQ{m}" + (f",Refine({REFINE})" if refine else "")

@@ -31,7 +31,7 @@ from imgest.tasks.index.build import (
     warn_if_generic_blas,
 )
 from imgest.tasks.index.card import make_card
-from imgest.tasks.index.choice import IndexChoice, choose_index, refines
+from imgest.tasks.index.choice import IndexChoice, choose_index, kept_fallback, nightly_fallback, refines
 from imgest.tasks.index.parts import PartSpec, add_store_part, merge_id_parts, merge_truth, plan_parts
 from imgest.tasks.index.store import (
     IdMapFile,
@@ -320,8 +320,18 @@ def previous_version_task(store_url: str, slug: str) -> dict | None:
 
 
 @task(name="choose-index", cache_policy=NO_CACHE)
-def choose_index_task(n: int, d: int, memory: str, kind: str, disk: str) -> IndexChoice:
+def choose_index_task(n: int, d: int, memory: str, kind: str, disk: str, previous: dict | None = None) -> IndexChoice:
+    """The rule's choice (tasks/index/choice.py), or the previous version's fallback kind while it holds."""
+    if kind == "auto":
+        kept = kept_fallback(previous, n, d, memory, disk)
+        if kept is not None:
+            return kept
     return choose_index(n, d, memory, kind, disk)
+
+
+@task(name="choose-fallback", cache_policy=NO_CACHE)
+def fallback_task(choice: IndexChoice, n: int, d: int, memory: str, disk: str, tuned: Tuned) -> IndexChoice:
+    return nightly_fallback(choice, n, d, memory, disk, tuned.recall, tuned.target)
 
 
 def build_key(inputs: dict) -> str:
