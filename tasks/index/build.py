@@ -60,7 +60,8 @@ def train(vectors: np.ndarray, choice: IndexChoice, seed: int = 0, rows: np.ndar
         if rows is None:
             rng = np.random.default_rng(seed)
             rows = np.sort(rng.choice(n, size=min(n, choice.train_size or n), replace=False))
-        index.train(np.ascontiguousarray(vectors[rows]))
+        whole = len(rows) == n and bool((rows == np.arange(n)).all())  # every row in order: no copy needed
+        index.train(np.ascontiguousarray(vectors if whole else vectors[rows]))
     return index
 
 

@@ -61,23 +61,24 @@ class Sample:
 
 
 def read_sample(store: Location, slug: str, dim: int, live: LiveShards, size: int, seed: int = 0) -> Sample:
-    """`size` rows (all of them when fewer) from whole shards drawn by `training_shards`, with their vectors."""
+    """`size` rows (all of them when fewer) from whole shards drawn by `training_shards`, with their vectors:
+    each shard's written into place in one array (row order), so the sample is held once, not gathered and
+    sorted in copies."""
     chosen = live.shard_rows(training_shards(live.counts, size, seed)).sort_by("row")
-    rows, vectors = [], []
-    for shard in sorted(set(chosen["shard"].to_pylist())):
-        mine = chosen.filter(pc.equal(chosen["shard"], shard))
-        got, found = read_shard_vectors(store, slug, dim, shard, mine["item_id"].combine_chunks())
-        rows.append(mine["row"].to_numpy()[found])
-        vectors.append(got)
-    if not rows:
-        return Sample(np.empty(0, np.int64), np.empty((0, dim), np.float32))
-    rows_all, vectors_all = np.concatenate(rows), np.concatenate(vectors)
-    order = np.argsort(rows_all, kind="stable")
-    rows_all, vectors_all = rows_all[order], vectors_all[order]
-    if size and len(rows_all) > size:
-        keep = np.sort(np.random.default_rng(seed).choice(len(rows_all), size=size, replace=False))
-        rows_all, vectors_all = rows_all[keep], vectors_all[keep]
-    return Sample(rows_all, np.ascontiguousarray(vectors_all, np.float32))
+    rows = chosen["row"].to_numpy()
+    vectors = np.empty((len(chosen), dim), np.float32)
+    present = np.zeros(len(chosen), bool)
+    for shard in pc.unique(chosen["shard"]).to_pylist():
+        at = np.flatnonzero(pc.equal(chosen["shard"], shard).to_numpy(zero_copy_only=False))
+        got, found = read_shard_vectors(store, slug, dim, shard, chosen["item_id"].take(at).combine_chunks())
+        vectors[at[found]] = got
+        present[at[found]] = True
+    if not present.all():  # a live item without its row in its shard: left out of the sample
+        rows, vectors = rows[present], vectors[present]
+    if size and len(rows) > size:
+        keep = np.sort(np.random.default_rng(seed).choice(len(rows), size=size, replace=False))
+        rows, vectors = rows[keep], vectors[keep]
+    return Sample(rows, vectors)
 
 
 class TruthScan:
