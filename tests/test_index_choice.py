@@ -33,8 +33,11 @@ def test_parse_memory_rejects_nonsense():
 @pytest.mark.parametrize("n,d,memory,factory", [
     (1_000, 512, "4G", "Flat"),
     (50_000, 512, "4G", "Flat"),
-    # 1M x (4 x 512 + 2 x 32 x 4 x 1.1) = 2.33 GB of HNSW fits 4G
-    (1_000_000, 512, "4G", "HNSW32,Flat"),
+    # 100k x (4 x 512 + 2 x 32 x 4 x 1.1) = 0.23 GB of HNSW fits 4G
+    (100_000, 512, "4G", "HNSW32,Flat"),
+    # 1M: 2.33 GB of HNSW fits 4G too, but past 100k a nightly would build the graph again every night: SQ8,
+    # 1M x 520 + 8192 x 2048 = 537 MB, which it updates in place
+    (1_000_000, 512, "4G", "IVF8192,SQ8"),
     # 2.33 GB does not fit 1G; SQ8: 1M x 520 + 8192 x 2048 = 537 MB does
     (1_000_000, 512, "1G", "IVF8192,SQ8"),
     # SQ8 does not fit 200M; PQ128 codes: 1M x 136 + 16.8 MB coarse + 0.5 MB codebooks = 153 MB do (PQ256 would

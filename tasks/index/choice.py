@@ -2,8 +2,12 @@
 
 The rule, first that fits the budget wins (autofaiss-style):
   1. Flat (exact)            when N <= 50,000: exact search is fast enough and needs no tuning.
-  2. HNSW32,Flat             when N x (4d + 2 x 32 x 4 x 1.1) bytes fit: best recall/latency per query.
-  3. IVF{nlist},SQ8          when N x (d + 8) + nlist x 4d bytes fit: 4x smaller, near-exact.
+  2. HNSW32,Flat             when N x (4d + 2 x 32 x 4 x 1.1) bytes fit and N <= HNSW_NIGHTLY_MAX_N: best
+                             recall/latency per query, but a nightly builds the graph again every night.
+  3. IVF{nlist},SQ8          when N x (d + 8) + nlist x 4d bytes fit: 4x smaller, near-exact, updated in place
+                             by the nightly. Past HNSW_NIGHTLY_MAX_N it is taken even where HNSW would fit; if
+                             it then misses the recall target the build falls back to HNSW (and keeps HNSW until
+                             the catalogue doubles).
   4. IVF{nlist},PQ{m},Refine(SQfp16): PQ codes searched for k x k_factor candidates, re-ranked by the
      float16 vectors. m is the largest in PQ_OPTIONS that divides d into sub-vectors of >= 4 dimensions
      and whose codes fit the RAM budget; the float16 vectors (2d bytes each) go on local disk (memory-mapped
@@ -27,7 +31,9 @@ from dataclasses import asdict, dataclass
 
 from imgest.names import KINDS, parse_disk, parse_memory
 
-RULE = ("first that fits the memory budget: Flat if N <= 50000; HNSW32,Flat if N*(4d+281.6) bytes fit; "
+RULE = ("first that fits the memory budget: Flat if N <= 50000; HNSW32,Flat if N*(4d+281.6) bytes fit and "
+        "N <= 100000 (past it IVF,SQ8 when it fits, which the nightly updates in place; HNSW if IVF misses the "
+        "target); "
         "IVF{nlist},SQ8 if N*(d+8)+nlist*4d fit; else IVF{nlist},PQm,Refine(SQfp16) with the largest m in "
         "PQ_OPTIONS giving >= 4 dims per sub-vector whose codes N*(m+8) (+ coarse, codebooks) fit, the float16 "
         "re-rank vectors (2dN bytes) on disk if they fit --disk, else in RAM if they fit, else no re-rank; OPQ "
@@ -43,7 +49,7 @@ COARSE_HNSW_MIN_NLIST = 16_384  # from here the centroids are searched through a
 # at d = 1280 (BENCHMARKS.md, "Which index a nightly keeps"): here the rebuild takes HNSW_REBUILD_OVER_UPDATE
 # times the update and more, and grows faster than it.
 HNSW_NIGHTLY_MAX_N = 100_000
-HNSW_REBUILD_OVER_UPDATE = 10
+HNSW_REBUILD_OVER_UPDATE = 15
 PQ_OPTIONS = (320, 256, 160, 128, 96, 80, 64, 48, 32, 16, 8)  # sub-quantizers, 8 bits each: m bytes per vector
 REFINE = "SQfp16"  # the re-rank vectors: float16, 2d bytes each (exact to ~1e-3 on unit vectors)
 OPQ_MIN_DIMS = 16  # a sub-vector this wide or wider gets an OPQ rotation first
