@@ -504,7 +504,7 @@ def main() -> None:
     parser.add_argument("--workdir", help="kept between runs: a second run of the same N reuses its setup")
     parser.add_argument("--memory", default="1G", help="the index's RAM budget (imgest build-index/nightly --memory)")
     parser.add_argument("--kind", default="ivfsq8", help="the index kind (imgest --kind): an IVF one is updated in "
-                        "place each night; auto picks HNSW where it fits, which is built again each night")
+                        "place each night; auto picks the same past 100k items (HNSW, rebuilt each night, below)")
     parser.add_argument("--target-recall", type=float, default=0.5,
                         help="the recall@10 the index is tuned to: the synthetic vectors (4x4 patterns around "
                              "1,024 prototypes) have near-tied neighbours that SQ8 codes cannot order at 10M, so "
