@@ -3,11 +3,12 @@ place, at growing N, through the build-index flow (what a night runs).
 
     OPENBLAS_CORETYPE=Haswell .venv/bin/python bench/bench_index_kind.py --sizes 25000,50000,100000,200000
 
-For each N a store of N clustered vectors of the default model's d (1280; bench/bench_index_update.py's store:
-shards, a snapshot, the model's card, the vectors seeded) is indexed as IVF,SQ8 (`--kind ivfsq8`), one night of churn is committed (1% changed, 0.5% new, 0.5%
-deleted), and the night's index is made both ways from the same state: the IVF version updated in place
-(`build-index`, no --rebuild), and the HNSW32 graph built from scratch (`--kind hnsw --rebuild`, what the nightly
-does every night with an HNSW index: a graph cannot remove a vector). Both are tuned to the same recall target
+For each N a store of N clustered vectors of the default model's d (1280; bench/bench_index_update.py's
+store: shards, a snapshot, the model's card, the vectors seeded) is indexed as IVF,SQ8 (`--kind ivfsq8`), one
+night of churn is committed (1% changed, 0.5% new, 0.5% deleted), and the night's index is made both ways from
+the same state: the IVF version updated in place (`build-index`, no --rebuild), and the HNSW32 graph built from
+scratch (`--kind hnsw --rebuild`, what the nightly does every night with an HNSW index: a graph cannot remove a
+vector). Both are tuned to the same recall target
 on their own probes; the table gives their flow wall times, ratio and recall. `imgest`'s automatic kind takes
 IVF over HNSW from the size where the rebuild's cost passes the threshold recorded in tasks/index/choice.py.
 """
@@ -83,7 +84,8 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not args.json:
-        print("\n| N | IVF update s | recall@10 | HNSW rebuild s | recall@10 | rebuild / update |\n|---:|---:|---:|---:|---:|---:|")
+        print("\n| N | IVF update s | recall@10 | HNSW rebuild s | recall@10 | rebuild / update |")
+        print("|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             print(f"| {r['n']:,} | {r['ivf_update_s']} | {r['ivf_recall']} | {r['hnsw_rebuild_s']} | "
                   f"{r['hnsw_recall']} | {r['rebuild_over_update']} |")

@@ -31,7 +31,6 @@ from bench.bench_index import clustered  # noqa: E402
 from imgest.config import IndexConfig  # noqa: E402
 
 
-
 def model_card(name: str) -> dict:
     """The card of a model imgest knows (a store's model must be one: its records never choose one), written
     without its weights: the benchmarks seed its vectors themselves."""

@@ -260,8 +260,8 @@ def _noisy_catalogue(root, names: range):
     from PIL import Image
 
     rng = np.random.default_rng(names.start)
-    write_files(str(root), {f"p/{i:04d}.png": png_bytes(Image.fromarray(rng.integers(0, 256, (16, 16, 3)).astype(np.uint8)))
-                            for i in names})
+    pictures = {f"p/{i:04d}.png": Image.fromarray(rng.integers(0, 256, (16, 16, 3)).astype(np.uint8)) for i in names}
+    write_files(str(root), {name: png_bytes(picture) for name, picture in pictures.items()})
 
 
 @pytest.mark.usefixtures("prefect_harness")
