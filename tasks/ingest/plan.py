@@ -17,6 +17,7 @@ from imgest.names import DEFAULT_MAX_BYTES, DEFAULT_SHARD_SIZE
 from imgest.storage import Location
 from imgest.tasks.ingest.listing import Listing, printable_key
 from imgest.tasks.state.committed import DELETED, FAILED, LIVE, CatalogueState, ItemState, revivable
+from imgest.tasks.state.rows import STATE_MEMORY
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def check_deletions(live: int, gone: int, listed: int, max_fraction: float) -> N
             "half-synced bucket? Nothing was changed. If the deletions are real, run again with --allow-mass-delete")
 
 
-PLAN_MEMORY = "512MB"  # DuckDB's memory for the plan's join; a larger catalogue spills to disk
+PLAN_MEMORY = STATE_MEMORY  # DuckDB's memory for the plan's join; a larger catalogue spills to disk
 # DuckDB's hash join cannot spill all of a join this large: at 100M rows a side it needs ~3 GB and fails under
 # 1 GB (BENCHMARKS.md). A larger catalogue is planned in passes, one per hash partition of the item ids, each
 # joining at most about this many rows a side (8M fit in 1 GB, measured).

@@ -26,10 +26,10 @@ STATE_SCHEMA = pa.schema([
     ("reason", pa.string()),
     ("updated_at", pa.string()),
 ])
-STATE_MEMORY = "256MB"  # DuckDB's working memory for one state; past it, joins and sorts spill to its folder. With
-# the flow's own ~0.8 GB (Python, torch, Prefect) it keeps every stage of a 10M-item nightly under 2 GB and a cold
-# start's commit at 1M under 1 GB: folding and writing 10M rows peaks ~0.4 GB over the process at this cap, ~0.65 GB
-# at 512MB, for a few seconds more (BENCHMARKS.md, "A model change at scale")
+STATE_MEMORY = "512MB"  # DuckDB's working memory for one state; past it, joins and sorts spill to its folder. With
+# the flow's own ~0.8 GB (Python, torch, Prefect) it keeps every stage of a 10M-item nightly under 2 GB (BENCHMARKS.md,
+# "The whole nightly at 1M and 10M"). 256 MB cut a cold start's commit at 1M by ~0.3 GB, but a resumed cold start
+# at 10M (10M folded rows planned against the listing) ran out of it: not yet a safe default.
 SQL_TYPES = {pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.float64(): "DOUBLE"}
 COLUMNS = ", ".join(f'CAST("{f.name}" AS {SQL_TYPES[f.type]}) AS "{f.name}"' for f in STATE_SCHEMA)
 
