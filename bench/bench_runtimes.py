@@ -42,17 +42,24 @@ def bare(args, spec) -> None:
     reference = plain.encode_images(sample)
     cores = os.cpu_count() or 1
     print("\n## Bare model (Lite0, batch 16)\n")
-    print(f"| runtime | precision | img/s, 1 thread | img/s, {cores} threads | min cosine to torch fp32 |")
-    print("|---|---|---:|---:|---:|")
+    print(f"| runtime | precision | img/s, 1 thread | img/s, {cores} threads | min cosine to torch fp32 | mean | "
+          f"1st percentile | overlap@10 | parity gate |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for runtime, precision in (("torch", "fp32"), ("torch", "bf16"), ("openvino", "fp32"), ("openvino", "bf16")):
         encoder = plain if (runtime, precision) == ("torch", "fp32") else plain.compiled_as(runtime, precision)
-        cos = (reference * encoder.encode_images(sample)).sum(1).min()
+        got = encoder.encode_images(sample)
+        cosines = (reference * got).sum(1)
+        figures = {"min_cosine": float(cosines.min()), "mean_cosine": float(cosines.mean()),
+                   "p1_cosine": float(np.percentile(cosines, 1)), "overlap": parity.neighbour_overlap(reference, got)}
+        verdict = "passes" if parity.passes(figures, precision) else "refused"
         rates = []
         for threads in (1, cores):
             torch.set_num_threads(threads)
             rates.append(measure(encoder, 16, min_seconds=args.seconds))
         torch.set_num_threads(cores)
-        print(f"| {runtime} | {precision} | {rates[0]:.1f} | {rates[1]:.1f} | {cos:.6f} |", flush=True)
+        print(f"| {runtime} | {precision} | {rates[0]:.1f} | {rates[1]:.1f} | {figures['min_cosine']:.6f} | "
+              f"{figures['mean_cosine']:.6f} | {figures['p1_cosine']:.6f} | {figures['overlap']:.3f} | {verdict} |",
+              flush=True)
 
 
 def decode_cost(paths: list[str], side: int) -> float:

@@ -56,16 +56,20 @@ def test_transformers_towers_compile_with_openvino(cache, tiny_models, kind):
         assert _cosine(reference.encode_texts(texts), compiled_.encode_texts(texts)).min() >= 0.99999
 
 
-def _wrong(monkeypatch, runtime_cls, scale: float = 0.3):
-    """Make a runtime return wrong vectors: its runner's features plus seeded noise."""
+def _wrong(monkeypatch, runtime_cls, scale: float = 0.3, precision_only: str | None = None):
+    """Make a runtime return wrong vectors: its runner's features plus seeded noise (at one precision only:
+    torch is also the fp32 reference)."""
     original = runtime_cls.compile
 
     def compile_noisy(self, graph, precision, device, model_id):
         run = original(self, graph, precision, device, model_id)
+        if precision_only not in (None, precision):
+            return run
         rng = np.random.default_rng(0)
 
         def noisy(*inputs):
-            out = np.asarray(run(*inputs), np.float32)
+            out = run(*inputs)
+            out = np.asarray(out.float().numpy() if hasattr(out, "float") else out, np.float32)  # a torch tensor
             return out + scale * np.abs(out).mean() * rng.standard_normal(out.shape).astype(np.float32)
         return noisy
     monkeypatch.setattr(runtime_cls, "compile", compile_noisy)
@@ -74,8 +78,8 @@ def _wrong(monkeypatch, runtime_cls, scale: float = 0.3):
 def test_a_runtime_that_returns_wrong_vectors_is_refused_and_the_figure_is_kept(cache, monkeypatch):
     _wrong(monkeypatch, runtimes.OpenVINORuntime)
     spec = encoders.resolve(LITE0)
-    with pytest.raises(ParityError, match=r"openvino fp32 agrees with torch fp32 to a min cosine of 0\.\d+ on the "
-                                          r"parity sample, below the 0\.99999 it needs"):
+    with pytest.raises(ParityError, match=r"openvino fp32 against torch fp32 on the parity sample: min cosine "
+                                          r"0\.\d+ below the 0\.99999 it needs"):
         encoders.load(spec, "cpu", "openvino", "fp32")
     record = json.loads(next(cache.glob("openvino-image-*/parity-fp32-*.json")).read_text())
     assert not record["passed"] and record["min_cosine"] < 0.99999
@@ -84,6 +88,42 @@ def test_a_runtime_that_returns_wrong_vectors_is_refused_and_the_figure_is_kept(
     monkeypatch.setattr(parity, "measure", lambda *a: pytest.fail("measured again"))
     with pytest.raises(ParityError, match=str(record["min_cosine"])[:8]):
         encoders.load(spec, "cpu", "openvino", "fp32")
+
+
+def test_the_reduced_precision_gate_is_retrieval_worked_by_hand():
+    """k = 1 on four unit vectors: moving x0 from beside x1 to beside x3 changes x0's nearest neighbour only,
+    so 3 of 4 lists are kept: overlap 0.75. A reduced precision is gated on mean, 1st percentile and overlap;
+    its min is not gated. fp32 is gated on its min alone."""
+    x = np.array([[1, 0], [0.99, 0.141], [0, 1], [0.141, 0.99]])
+    moved = x.copy()
+    moved[0] = [0.6, 0.8]  # cosines to x1, x2, x3: 0.707, 0.8, 0.877
+    assert parity.neighbour_overlap(x, moved, k=1) == 0.75
+    assert parity.neighbour_overlap(x, x) == 1.0, "k is capped at the others' count (3 here)"
+    good = {"min_cosine": 0.95, "mean_cosine": 0.9985, "p1_cosine": 0.991, "overlap": 0.93}
+    assert parity.passes(good, "bf16"), "a low min alone does not refuse a reduced precision"
+    assert not parity.passes({**good, "mean_cosine": 0.9979}, "bf16")
+    assert not parity.passes({**good, "p1_cosine": 0.989}, "fp16")
+    assert not parity.passes({**good, "overlap": 0.89}, "bf16")
+    assert not parity.passes({**good, "min_cosine": 0.99998}, "fp32") and parity.passes(
+        {**good, "min_cosine": 0.99999}, "fp32")
+
+
+@pytest.mark.skipif("bf16" not in runtimes.native_precisions("cpu"), reason="this CPU has no native bf16")
+def test_bf16_within_the_gate_is_accepted_and_one_made_to_drift_is_refused(cache, monkeypatch, tmp_path):
+    spec = encoders.resolve(LITE0)
+    accepted = encoders.load(spec, "cpu", "torch", "bf16")
+    assert (accepted.runtime, accepted.precision) == ("torch", "bf16")
+    record = json.loads(next(cache.glob("torch-image-*/parity-bf16-*.json")).read_text())
+    assert record["passed"] and record["gate"] == {"mean_cosine": 0.998, "p1_cosine": 0.99, "overlap@10": 0.9}
+    assert record["mean_cosine"] >= 0.998 and record["p1_cosine"] >= 0.99 and record["overlap"] >= 0.9
+    assert record["min_cosine"] <= record["p1_cosine"] and record["sample"].startswith("256 product photos")
+
+    monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path / "fresh"))  # measured again, not read back
+    monkeypatch.setattr(encoders, "_loaded", {})
+    _wrong(monkeypatch, runtimes.TorchRuntime, scale=0.2, precision_only="bf16")
+    with pytest.raises(ParityError, match=r"torch bf16 against torch fp32 on the parity sample: mean cosine 0\.9\d+ "
+                                          r"below the 0\.998 it needs"):
+        encoders.load(spec, "cpu", "torch", "bf16")
 
 
 def test_the_choice_falls_back_to_torch_with_one_warning(cache, monkeypatch, tmp_path, caplog):
