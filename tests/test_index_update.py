@@ -264,45 +264,46 @@ def _noisy_catalogue(root, names: range):
     write_files(str(root), {name: png_bytes(picture) for name, picture in pictures.items()})
 
 
-@pytest.mark.usefixtures("prefect_harness")
-def test_past_the_measured_size_the_nightly_keeps_an_ivf_index_and_updates_it(tmp_path, monkeypatch):
-    """HNSW would fit; past the size the rule's constant says (made small here) auto picks IVF,SQ8 over it, the
-    card says why, and the next night updates that version in place instead of building a graph again."""
+@pytest.fixture
+def small_rule(monkeypatch):
+    """The index rule's sizes made small: exact search up to 10 items, HNSW up to 50, IVF past it."""
     from imgest.tasks.index import choice as rule
 
     monkeypatch.setattr(rule, "FLAT_MAX_N", 10)
     monkeypatch.setattr(rule, "HNSW_NIGHTLY_MAX_N", 50)
+
+
+def _ingested(tmp_path, write, names: range) -> tuple:
     cat, store = tmp_path / "catalogue", tmp_path / "store"
-    _catalogue(cat, range(200))
+    write(cat, names)
     ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
+    return cat, store
+
+
+@pytest.mark.usefixtures("prefect_harness", "small_rule")
+def test_past_the_measured_size_the_nightly_keeps_an_ivf_index_and_updates_it(tmp_path):
+    """HNSW would fit; past the size the rule's constant says (made small here) auto picks IVF,SQ8 over it, the
+    card says why, and the next night updates that version in place instead of building a graph again."""
+    cat, store = _ingested(tmp_path, _catalogue, range(200))
     common = {"store": str(store), "model": "raw-pixels", "queries": 50, "alias": None, "target_recall": 0.5}
     first = build_index(IndexConfig(**common))["card"]
     assert first["kind"] == "ivfsq8" and first["choice"]["instead_of"] == "hnsw", first["choice"]["reason"]
     assert "past N=50" in first["choice"]["reason"] and first["recall"]["met"]
-    _catalogue(cat, range(200, 204))
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
+    _ingested(tmp_path, _catalogue, range(200, 204))
     card = build_index(IndexConfig(**common))["card"]
     assert card["lineage"]["method"] == "update" and card["factory"] == first["factory"], card["lineage"]["why"]
 
 
-@pytest.mark.usefixtures("prefect_harness")
-def test_an_ivf_index_missing_the_target_falls_back_to_hnsw_and_keeps_it_until_the_catalogue_doubles(
-        tmp_path, monkeypatch):
+@pytest.mark.usefixtures("prefect_harness", "small_rule")
+def test_an_ivf_index_missing_the_target_falls_back_to_hnsw_and_keeps_it_until_the_catalogue_doubles(tmp_path):
     """Noise images leave IVF,SQ8 short of an exact top 10 where the graph finds it: the build falls back to
     HNSW and says why; the next night builds HNSW straight away (not IVF first, then HNSW again)."""
-    from imgest.tasks.index import choice as rule
-
-    monkeypatch.setattr(rule, "FLAT_MAX_N", 10)
-    monkeypatch.setattr(rule, "HNSW_NIGHTLY_MAX_N", 50)
-    cat, store = tmp_path / "catalogue", tmp_path / "store"
-    _noisy_catalogue(cat, range(300))
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
+    cat, store = _ingested(tmp_path, _noisy_catalogue, range(300))
     common = {"store": str(store), "model": "raw-pixels", "queries": 100, "alias": None, "target_recall": 1.0}
     first = build_index(IndexConfig(**common))["card"]
     assert first["kind"] == "hnsw" and first["choice"]["missed_at_n"] == 300, first["choice"]["reason"]
     assert "picked over HNSW32 to be updated in place" in first["choice"]["reason"]
-    _noisy_catalogue(cat, range(300, 310))
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
+    _ingested(tmp_path, _noisy_catalogue, range(300, 310))
     card = build_index(IndexConfig(**common))["card"]
     assert card["kind"] == "hnsw" and f"v{first['version']:04d} fell back to hnsw" in card["choice"]["reason"]
 
