@@ -7,19 +7,14 @@ from prefect.utilities.annotations import quote
 
 from imgest.config import IndexConfig
 from imgest.tasks.index.steps import (
-    AddProgress,
-    build_from_store_parts,
-    build_streamed,
     card_task,
     choose_index_task,
     fallback_task,
+    fill_and_tune,
     live_shards_task,
     previous_version_task,
-    splits_by_store,
-    tune_task,
     update_task,
 )
-from imgest.tasks.index.tuning import TRUTH_DEPTH_PER_K
 from imgest.tasks.reports.run_names import run_name
 
 
@@ -53,14 +48,3 @@ def build_version(config: IndexConfig, model: dict) -> dict:
     return {"built": True, "index": built.index, "ids": built.ids, "truth": built.truth.to_table(), "card": card,
             "reference": built.reference}
 
-
-def fill_and_tune(config: IndexConfig, model: dict, live, choice) -> tuple:
-    """Train, fill (streamed, or in parts that read their own shards) and tune one index."""
-    progress, depth = AddProgress(model["slug"], len(live)), TRUTH_DEPTH_PER_K * config.k
-    if splits_by_store(choice, config.parts):
-        built = build_from_store_parts(config.store, model, live, choice, config.parts, config.runner,
-                                       config.workers, config.queries, depth, progress)
-    else:
-        built = build_streamed(config.store, model, live, choice, config.parts, config.runner, config.workers,
-                               config.queries, depth, progress)
-    return built, tune_task(built.index, quote(built.truth), config.target_recall, config.k)

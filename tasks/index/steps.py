@@ -16,6 +16,7 @@ import pyarrow as pa
 from prefect import get_run_logger, task, unmapped
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import quote
 
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DISK
@@ -48,7 +49,7 @@ from imgest.tasks.index.store import (
 )
 from imgest.tasks.index.stream import Streamed, adds_by_shard, read_sample, stream_build
 from imgest.tasks.index.truth import Truth, carry_truth
-from imgest.tasks.index.tuning import Tuned, tune_with_truth
+from imgest.tasks.index.tuning import TRUTH_DEPTH_PER_K, Tuned, tune_with_truth
 from imgest.tasks.index.update import (
     NotUpdatable,
     apply_delta,
@@ -297,6 +298,19 @@ def build_from_store_parts(store_url: str, model: dict, live: LiveShards, choice
 def splits_by_store(choice: IndexChoice, parts: int) -> bool:
     """Parts that read their own shards: an IVF index without a re-rank, asked for in more than one part."""
     return parts > 1 and "IVF" in choice.factory and not refines(choice.factory)
+
+
+def fill_and_tune(config, model: dict, live: LiveShards, choice: IndexChoice) -> tuple[Built, Tuned]:
+    """Train, fill (streamed, or in parts that read their own shards) and tune one index (`config`: the
+    build's IndexConfig)."""
+    progress, depth = AddProgress(model["slug"], len(live)), TRUTH_DEPTH_PER_K * config.k
+    if splits_by_store(choice, config.parts):
+        built = build_from_store_parts(config.store, model, live, choice, config.parts, config.runner,
+                                       config.workers, config.queries, depth, progress)
+    else:
+        built = build_streamed(config.store, model, live, choice, config.parts, config.runner, config.workers,
+                               config.queries, depth, progress)
+    return built, tune_task(built.index, quote(built.truth), config.target_recall, config.k)
 
 
 @task(name="index-card", cache_policy=NO_CACHE)
