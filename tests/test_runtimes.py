@@ -86,7 +86,7 @@ def test_a_runtime_that_returns_wrong_vectors_is_refused_and_the_figure_is_kept(
     # kept: a second load in a fresh process state reads the figure instead of measuring again
     monkeypatch.setattr(encoders, "_loaded", {})
     monkeypatch.setattr(parity, "measure", lambda *a: pytest.fail("measured again"))
-    with pytest.raises(ParityError, match=str(record["min_cosine"])[:8]):
+    with pytest.raises(ParityError, match=f"min cosine {record['min_cosine']:.6g} below"):
         encoders.load(spec, "cpu", "openvino", "fp32")
 
 

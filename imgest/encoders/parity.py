@@ -30,6 +30,8 @@ FP32_MIN_COSINE = 0.99999
 REDUCED_MEAN_COSINE, REDUCED_P1_COSINE, REDUCED_OVERLAP = 0.998, 0.99, 0.90
 OVERLAP_K = 10
 SAMPLE_IMAGES, SAMPLE_SEED = 256, 0
+SAMPLE_SIDE = 512  # the photos are kept at most this wide and high: above any model's input side
+CHUNK = 16  # images encoded at a time
 SAMPLE_TEXTS = ("a red leather ankle boot", "white sneakers on a wooden floor", "a cup of espresso",
                 "a tabby cat", "stainless steel watch with a black strap", "a blue denim jacket",
                 "astronaut portrait", "a rocket on the launch pad")
@@ -90,7 +92,10 @@ def _photos() -> tuple:
 
     images = []
     for data in product_photos(SAMPLE_IMAGES, seed=SAMPLE_SEED).values():
-        image = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+        image = Image.open(io.BytesIO(data))
+        image.draft("RGB", (SAMPLE_SIDE, SAMPLE_SIDE))  # a JPEG decoded at a reduced DCT scale, never below it
+        image = ImageOps.exif_transpose(image)
+        image.thumbnail((SAMPLE_SIDE, SAMPLE_SIDE), Image.Resampling.BICUBIC)  # 256 full photos would hold ~1 GB
         if image.mode != "RGB":
             background = Image.new("RGBA", image.size, (255, 255, 255, 255))
             image = Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
@@ -124,6 +129,11 @@ def neighbour_overlap(reference: np.ndarray, candidate: np.ndarray, k: int = OVE
     return float(np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(ours, theirs)]))
 
 
+def _in_chunks(encode, batch: np.ndarray, size: int = CHUNK) -> np.ndarray:
+    """The sample encoded CHUNK images at a time: a network's activations for all 256 at once take gigabytes."""
+    return np.concatenate([encode(batch[i:i + size]) for i in range(0, len(batch), size)])
+
+
 def measure(reference, candidate) -> dict[str, float]:
     """The parity figures of `candidate` against `reference` on the sample, over each tower the candidate runs on
     a graph: min, mean and 1st-percentile cosine of every input's two embeddings, and the neighbour overlap (of
@@ -131,7 +141,7 @@ def measure(reference, candidate) -> dict[str, float]:
     cosines, overlaps = [], []
     if "image" in candidate.runners:
         batch = sample_batch(reference)
-        ours, theirs = reference.encode_images(batch), candidate.encode_images(batch)
+        ours, theirs = _in_chunks(reference.encode_images, batch), _in_chunks(candidate.encode_images, batch)
         cosines.append(_cosines(ours, theirs))
         overlaps.append(neighbour_overlap(ours, theirs))
     if "text" in candidate.runners:
