@@ -30,11 +30,20 @@ def on_disk(refine) -> bool:
     return isinstance(vectors, faiss.IndexFlatCodes) and not vectors.codes.is_owned
 
 
+def _codes_index(refine):
+    import faiss
+
+    vectors = faiss.downcast_index(refine.refine_index)
+    if not isinstance(vectors, faiss.IndexFlatCodes):
+        raise RerankError(f"re-rank vectors of type {type(vectors).__name__} cannot be renumbered")
+    return vectors
+
+
 def codes_view(refine) -> np.ndarray:
     """The re-rank codes as a read-only (rows, code_size) array over faiss's own buffer (mapped or owned)."""
     import faiss
 
-    vectors = faiss.downcast_index(refine.refine_index)
+    vectors = _codes_index(refine)
     flat = faiss.rev_swig_ptr(vectors.codes.data(), vectors.codes.size()) if vectors.codes.size() else \
         np.empty(0, np.uint8)
     view = flat.reshape(-1, vectors.code_size)
@@ -43,6 +52,7 @@ def codes_view(refine) -> np.ndarray:
 
 
 def _encoder(refine):
+    """The re-rank index when its file layout is the one `write_mapped` splices (a byte vector of codes)."""
     import faiss
 
     vectors = faiss.downcast_index(refine.refine_index)
@@ -77,7 +87,7 @@ def renumbered_blocks(refine, remap: np.ndarray, rows: int, added_ids: np.ndarra
                       added: np.ndarray) -> Iterable[np.ndarray]:
     """The codes in the new id order, BLOCK new rows at a time: a kept row's codes copied from its old row
     (`remap`: old id -> new id, -1 gone), an added row's encoded from `added` (its new id in `added_ids`)."""
-    encoder, block = _encoder(refine), BLOCK
+    encoder, block = _codes_index(refine), BLOCK
     old = codes_view(refine)
     source = np.full(rows, -1, np.int64)  # new id -> old row, or -(1 + position in `added`)
     kept = np.flatnonzero(remap >= 0)

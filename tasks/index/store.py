@@ -183,13 +183,18 @@ def verified_file(store: Location, card: dict, cache_dir: str, io_flags: int = 0
     return path
 
 
+def _refine_of_card(card: dict) -> str | None:
+    """Where a version's re-rank vectors live, as its card records it ("disk", "ram" or None)."""
+    footprint = card.get("footprint") if isinstance(card.get("footprint"), dict) else {}
+    return footprint.get("refine")
+
+
 def read_index_for_update(store: Location, card: dict, cache_dir: str = DEFAULT_CACHE):
     """The version's index read into memory (its lists writable), checked first (`verified_file`); re-rank
     vectors kept on disk stay mapped (the update writes them anew, a block at a time)."""
     import faiss
 
-    footprint = card.get("footprint") if isinstance(card.get("footprint"), dict) else {}
-    if footprint.get("refine") == "disk":
+    if _refine_of_card(card) == "disk":
         return open_mapped(verified_file(store, card, cache_dir, faiss.IO_FLAG_MMAP_IFC))
     return faiss.read_index(verified_file(store, card, cache_dir))
 
@@ -254,8 +259,7 @@ def version_counts(store: Location, card: dict, cache_dir: str = DEFAULT_CACHE) 
     """(vectors in the index, rows of the id map) of a written version, both files checked as `open_index`
     checks them, the index read as it is served (IVF memory-mapped) and the id map's rows counted from its
     footer: what a build verifies before an alias moves, without the N ids in memory."""
-    footprint = card.get("footprint") if isinstance(card.get("footprint"), dict) else {}
-    kind, refine = records.field(card, "kind", str, card["slug"]), footprint.get("refine")
+    kind, refine = records.field(card, "kind", str, card["slug"]), _refine_of_card(card)
     index = read_served(verified_file(store, card, cache_dir, served_flags(kind, refine)), kind, refine)
     return index.ntotal, pq.read_metadata(ids_file(store, card, cache_dir)).num_rows
 
@@ -266,8 +270,7 @@ def open_index(store: Location, slug: str, version: int, cache_dir: str = DEFAUL
     from imgest.tasks.index.tuning import set_param
 
     card = read_card(store, slug, version)
-    footprint = card.get("footprint") if isinstance(card.get("footprint"), dict) else {}
-    kind, refine = records.field(card, "kind", str, slug), footprint.get("refine")
+    kind, refine = records.field(card, "kind", str, slug), _refine_of_card(card)
     index = read_served(verified_file(store, card, cache_dir, served_flags(kind, refine)), kind, refine)
     set_param(index, card["search"]["param"], card["search"]["value"], card["search"].get("k_factor"))
     ids = IdMap(ids_file(store, card, cache_dir), card["ids_sha256"], cache_dir)

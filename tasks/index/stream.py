@@ -68,8 +68,12 @@ def read_sample(store: Location, slug: str, dim: int, live: LiveShards, size: in
     rows = chosen["row"].to_numpy()
     vectors = np.empty((len(chosen), dim), np.float32)
     present = np.zeros(len(chosen), bool)
-    for shard in pc.unique(chosen["shard"]).to_pylist():
-        at = np.flatnonzero(pc.equal(chosen["shard"], shard).to_numpy(zero_copy_only=False))
+    shards = pc.dictionary_encode(chosen["shard"].combine_chunks())
+    codes = shards.indices.to_numpy(zero_copy_only=False)
+    by_shard = np.argsort(codes, kind="stable")  # each shard's positions together, in row order
+    bounds = np.searchsorted(codes[by_shard], np.arange(len(shards.dictionary) + 1))
+    for code, shard in enumerate(shards.dictionary.to_pylist()):  # one name per shard in the sample
+        at = by_shard[bounds[code]:bounds[code + 1]]
         got, found = read_shard_vectors(store, slug, dim, shard, chosen["item_id"].take(at).combine_chunks())
         vectors[at[found]] = got
         present[at[found]] = True

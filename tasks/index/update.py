@@ -135,18 +135,14 @@ def rename_ids(index, remap: np.ndarray) -> None:
 
 
 def _renumber_refine_vectors(refine, delta: Delta) -> None:
-    """Rewrite the re-rank vectors (row = faiss id) in the new id order: kept rows copied, added rows encoded."""
+    """Rewrite the re-rank vectors (row = faiss id) held in RAM in the new id order, as the on-disk update does
+    (`renumbered_blocks`), into the same index."""
     import faiss
 
     vectors = faiss.downcast_index(refine.refine_index)
     if not isinstance(vectors, faiss.IndexFlatCodes):
         raise NotUpdatable(f"re-rank vectors of type {type(vectors).__name__} cannot be renumbered in place")
-    old = faiss.vector_to_array(vectors.codes).reshape(-1, vectors.code_size)
-    new = np.empty((delta.ids.rows, vectors.code_size), np.uint8)
-    kept = delta.remap >= 0
-    new[delta.remap[kept]] = old[kept]
-    if len(delta.added):
-        new[delta.added_ids] = vectors.sa_encode(np.ascontiguousarray(delta.added, np.float32))
+    new = np.concatenate(list(renumbered_blocks(refine, delta.remap, delta.ids.rows, delta.added_ids, delta.added)))
     vectors.reset()
     vectors.add_sa_codes(new)
     refine.ntotal = vectors.ntotal
