@@ -45,17 +45,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.bench_nightly_scale import (  # noqa: E402
-    BUCKET,
-    IMGEST,
-    INVENTORY_BUCKET,
-    MODEL,
-    PREFIX,
-    Catalogue,
-    PrefectServer,
-    say,
-    task_runs,
-)
+from bench.bench_nightly_scale import IMGEST, PrefectServer, task_runs  # noqa: E402
+from bench.scale_catalogue import BUCKET, INVENTORY_BUCKET, MODEL, PREFIX, Catalogue, say  # noqa: E402
 from bench.tree_sampler import MIB, TreeSampler, per_stage  # noqa: E402
 from tests.s3servers import SeaweedServer  # noqa: E402
 

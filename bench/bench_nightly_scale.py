@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -41,27 +40,28 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.scale_catalogue import (  # noqa: E402
+    BUCKET,
+    INVENTORY_BUCKET,
+    MODEL,
+    PREFIX,
+    RUN_BEFORE,
+    SHARD_SIZE,
+    Catalogue,
+    say,
+    upload_tonight,
+    write_inventory,
+    write_store,
+)
 from bench.tree_sampler import MIB, TreeSampler, drop_page_cache, per_stage  # noqa: E402
 
-SIDE = 4
-MODEL = f"raw-pixels-{SIDE}"  # d = 3 x 4 x 4 = 48
-BUCKET, PREFIX, INVENTORY_BUCKET = "shop", "catalogue", "inventory"
-ROWS_PER_FILE = 1_000_000  # inventory data files, as S3 writes them for a large bucket
-CHUNK = 1_000_000  # rows generated at a time: the setup's own memory stays bounded at 100M
-PROTOTYPES = 1024
-SHARD_SIZE = 2000  # the ingest default: a cold start of N writes N / 2000 shards
-RUN_BEFORE = "r00000001-20261202T010000-000000"
-UPDATED = "2026-12-02T01:00:00+00:00"
 IMGEST = os.path.join(os.path.dirname(sys.executable), "imgest")  # the console script beside this interpreter
 
 # Prefect task run names (before their random suffix) -> the stage of the night they belong to, in flow order
@@ -78,178 +78,6 @@ STAGES = [
     ("history row", ("record-night",)),
     ("trend artifact", ("nightly-trend",)),
 ]
-
-
-def say(text: str) -> None:
-    print(f"[{datetime.now(UTC):%H:%M:%S}] {text}", file=sys.stderr, flush=True)
-
-
-# ---- the catalogue, as numbers -------------------------------------------------------------------------------
-
-class Catalogue:
-    """Object i: its key, size, ETag and 4x4 pattern the night before; tonight's churn picked once from a seed."""
-
-    def __init__(self, n: int, seed: int = 0):
-        self.n, self.seed = n, seed
-        rng = np.random.default_rng(seed)
-        self.prototypes = rng.integers(0, 256, (PROTOTYPES, SIDE, SIDE, 3)).astype(np.int16)
-        picks = rng.choice(n, size=n // 100 * 3 // 4, replace=False)  # 0.75% of the objects, touched tonight
-        self.changed = np.sort(picks[:n // 200])
-        self.deleted = np.sort(picks[n // 200:])
-        self.new = np.arange(n, n + n // 400)
-
-    @staticmethod
-    def keys(ids) -> list[str]:
-        return [f"products/brand-{i // 4000:05d}/sku-{i:010d}.jpg" for i in np.asarray(ids).tolist()]  # in id order
-
-    @staticmethod
-    def etags(ids) -> list[str]:  # the night before's: never read, so any 32 hex digits
-        return [f"{(i * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF:016x}{i:016x}" for i in np.asarray(ids).tolist()]
-
-    def sizes(self, ids: np.ndarray) -> np.ndarray:
-        return 80_000 + (ids * 7919) % 400_000
-
-    def patterns(self, ids: np.ndarray, night: int = 0) -> np.ndarray:
-        """uint8 (n, 4, 4, 3): a prototype and noise, both fixed by the id (and the night: a changed object's
-        new bytes)."""
-        out = np.empty((len(ids), SIDE, SIDE, 3), np.uint8)
-        for start in range(0, len(ids), 65_536):
-            part = ids[start:start + 65_536]
-            rng = np.random.default_rng([self.seed, night, int(part[0])])
-            proto = self.prototypes[(part * 2654435761 + night) % PROTOTYPES]
-            out[start:start + len(part)] = np.clip(proto + rng.integers(-24, 25, proto.shape), 0, 255)
-        return out
-
-
-def vectors_of(patterns: np.ndarray) -> np.ndarray:
-    """What raw-pixels-4 makes of an image that box-shrinks to the pattern: CHW, /255, centred, L2-normalised."""
-    flat = patterns.transpose(0, 3, 1, 2).reshape(len(patterns), -1).astype(np.float32) / 255.0
-    flat -= flat.mean(axis=1, keepdims=True)
-    return flat / np.maximum(np.linalg.norm(flat, axis=1, keepdims=True), 1e-12)
-
-
-def jpeg(pattern: np.ndarray) -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.fromarray(pattern).resize((64, 64), Image.Resampling.NEAREST).save(out, "JPEG", quality=95)
-    return out.getvalue()
-
-
-# ---- setup: the bucket, the inventory, the store, the index ---------------------------------------------------
-
-def upload_tonight(cat: Catalogue, client) -> dict[int, tuple[str, int]]:
-    """Put tonight's new and changed objects; their (ETag, size) as S3 will list them."""
-    ids = np.concatenate([cat.changed, cat.new])
-    patterns = cat.patterns(ids, night=1)
-    keys = cat.keys(ids)
-
-    def put(j: int) -> tuple[int, tuple[str, int]]:
-        body = jpeg(patterns[j])
-        client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{keys[j]}", Body=body)
-        return int(ids[j]), (hashlib.md5(body).hexdigest(), len(body))
-
-    with ThreadPoolExecutor(16) as pool:
-        return dict(pool.map(put, range(len(ids))))
-
-
-INVENTORY_SCHEMA = pa.schema([("bucket", pa.string()), ("key", pa.string()), ("size", pa.int64()),
-                              ("last_modified_date", pa.timestamp("ms", tz="UTC")), ("e_tag", pa.string()),
-                              ("storage_class", pa.string()), ("is_latest", pa.bool_()),
-                              ("is_delete_marker", pa.bool_())])
-
-
-def inventory_files(cat: Catalogue, tonight: dict[int, tuple[str, int]]):
-    """The report's data files as Parquet bytes, ROWS_PER_FILE rows each: every object listed after tonight."""
-    gone = np.zeros(cat.n, bool)
-    gone[cat.deleted] = True
-    ids_all = np.concatenate([np.flatnonzero(~gone), cat.new])
-    tonight_ids = np.fromiter(tonight, np.int64, len(tonight))
-    before, after = 1_764_637_200_000, 1_764_723_600_000  # ms: 2025-12-02 and -03 01:00 UTC
-    for start in range(0, len(ids_all), ROWS_PER_FILE):
-        ids = ids_all[start:start + ROWS_PER_FILE]
-        etags, sizes = cat.etags(ids), cat.sizes(ids)
-        modified = np.full(len(ids), before, np.int64)
-        for j in np.flatnonzero(np.isin(ids, tonight_ids)):  # tonight's objects: what S3 reports for them
-            etags[j], sizes[j] = tonight[int(ids[j])]
-            modified[j] = after
-        table = pa.table({"bucket": pa.array([BUCKET] * len(ids)),
-                          "key": [f"{PREFIX}/{k}" for k in cat.keys(ids)], "size": sizes,
-                          "last_modified_date": pa.array(modified, pa.timestamp("ms", tz="UTC")),
-                          "e_tag": etags, "storage_class": pa.array(["STANDARD"] * len(ids)),
-                          "is_latest": pa.array(np.ones(len(ids), bool)),
-                          "is_delete_marker": pa.array(np.zeros(len(ids), bool))}, schema=INVENTORY_SCHEMA)
-        out = io.BytesIO()
-        pq.write_table(table, out, compression="snappy")
-        yield out.getvalue()
-
-
-def write_inventory(cat: Catalogue, tonight: dict, put) -> str:
-    """Write the report through `put(key, bytes)`; returns the manifest's key."""
-    files = []
-    for number, data in enumerate(inventory_files(cat, tonight)):
-        key = f"{BUCKET}/daily/data/{number:04d}-{hashlib.md5(data).hexdigest()[:12]}.parquet"
-        put(key, data)
-        files.append({"key": key, "size": len(data), "MD5checksum": hashlib.md5(data).hexdigest()})
-    manifest = {"sourceBucket": BUCKET, "destinationBucket": f"arn:aws:s3:::{INVENTORY_BUCKET}",
-                "version": "2016-11-30", "creationTimestamp": "1764723600000", "fileFormat": "Parquet",
-                "fileSchema": "message s3.inventory { required binary bucket (STRING); required binary key (STRING); "
-                              "optional int64 size; optional int64 last_modified_date (TIMESTAMP(MILLIS,true)); "
-                              "optional binary e_tag (STRING); optional binary storage_class (STRING); "
-                              "optional boolean is_latest; optional boolean is_delete_marker; }",
-                "files": files}
-    key = f"{BUCKET}/daily/2025-12-03T01-00Z/manifest.json"
-    put(key, json.dumps(manifest).encode())
-    return key
-
-
-def state_batches(cat: Catalogue):
-    """The night before's state, STATE_SCHEMA, in item_id order, CHUNK rows at a time."""
-    from imgest.tasks.state.rows import STATE_SCHEMA
-
-    for start in range(0, cat.n, CHUNK):
-        ids = np.arange(start, min(start + CHUNK, cat.n))
-        keys, etags = cat.keys(ids), cat.etags(ids)
-        yield pa.record_batch({
-            "item_id": keys, "uri": [f"s3://{BUCKET}/{PREFIX}/{k}" for k in keys],
-            "status": pa.array(["live"] * len(ids)), "etag": etags, "size": cat.sizes(ids),
-            "mtime": np.full(len(ids), 1_764_637_200.0), "content_hash": etags,
-            "shard": [f"part-{RUN_BEFORE}-{i:05d}" for i in ids // SHARD_SIZE],
-            "run_id": pa.array([RUN_BEFORE] * len(ids)), "reason": pa.nulls(len(ids), pa.string()),
-            "updated_at": pa.array([UPDATED] * len(ids))}, schema=STATE_SCHEMA)
-
-
-def write_store(cat: Catalogue, store_dir: str, with_shards: bool) -> None:
-    """The state the night before: the model card, the shards (ShardWriter; their markers folded into the
-    snapshot, as the run that wrote them would have), one full snapshot."""
-    from imgest import encoders
-    from imgest.storage import Location
-    from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-    from imgest.tasks.ingest.shards import ShardWriter
-    from imgest.tasks.state.committed import commit_key, snapshot_key, write_model_card
-    from imgest.tasks.state.rows import STATE_SCHEMA, write_rows
-
-    spec = encoders.resolve(MODEL)
-    store = Location(store_dir)
-    write_model_card(store, spec.describe())
-    if with_shards:
-        for number, start in enumerate(range(0, cat.n, SHARD_SIZE)):
-            ids = np.arange(start, min(start + SHARD_SIZE, cat.n))
-            keys, etags = cat.keys(ids), cat.etags(ids)
-            items = [WorkItem(k, f"s3://{BUCKET}/{PREFIX}/{k}", int(s), 1_764_637_200.0, e, None)
-                     for k, e, s in zip(keys, etags, cat.sizes(ids))]
-            writer = ShardWriter(store, spec, ShardPlan(RUN_BEFORE, number, tuple(items)), runtime="numpy")
-            writer.add(list(zip(items, etags)), vectors_of(cat.patterns(ids)))
-            writer.flush()
-            store.delete(commit_key(spec.slug, writer.plan.name))  # folded into the snapshot below
-            if number % 500 == 0:
-                say(f"  shards: {start + len(ids):,} of {cat.n:,} items")
-    metadata = {"imgest.run_id": RUN_BEFORE, "imgest.seq": "1", "imgest.kind": "full", "imgest.created": UPDATED,
-                "imgest.summary": json.dumps({"bench": "nightly_scale"})}
-    local = os.path.join(store_dir, "snapshot.tmp")
-    write_rows(pa.RecordBatchReader.from_batches(STATE_SCHEMA, state_batches(cat)), local, metadata)
-    store.put_file(snapshot_key(spec.slug, 1), local)
-    os.remove(local)
 
 
 # ---- the servers ------------------------------------------------------------------------------------------------
