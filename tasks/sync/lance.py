@@ -36,6 +36,8 @@ def object_store_options(url: str) -> dict[str, str]:
 
 
 def _quoted(item_id: str) -> str:
+    """`item_id` as a string literal of Lance's SQL: single quotes, a quote doubled; a backslash is itself there
+    (no escapes), and every other character too."""
     return "'" + item_id.replace("'", "''") + "'"
 
 

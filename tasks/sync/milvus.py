@@ -1,7 +1,13 @@
 """Milvus as a sync target (a server, or a Milvus Lite file): a collection per model (COLLECTION__<slug>) with
 item_id the VARCHAR primary key, the vector a FLOAT_VECTOR searched by inner product (FLAT: exact), metadata as
 dynamic fields, the model id a property; COLLECTION a collection alias of the serving model's (alter_alias: one
-call, so a search by COLLECTION meets one model or the other)."""
+call, so a search by COLLECTION meets one model or the other).
+
+Ids reach Milvus in filter expressions (`item_id in [...]`), each a double-quoted string literal escaped by
+Milvus's expression grammar (a backslash and a double quote escaped, nothing else: the grammar takes any other
+character as itself). pymilvus's own `delete(ids=...)` and `get(ids=...)` quote ids without escaping them, so a
+key holding a backslash fails the call and one holding `'] or ...` rewrites it; expression templates
+(`filter_params`) would carry them as values, but Milvus Lite does not take templates."""
 
 from __future__ import annotations
 
@@ -10,10 +16,12 @@ from collections.abc import Iterable
 
 import pyarrow as pa
 
+from imgest.redact import one_line
 from imgest.tasks.sync.targets import (
     MODEL_KEY,
     SLUG_KEY,
     Model,
+    TargetError,
     TargetSpec,
     check_model,
     credential,
@@ -23,6 +31,31 @@ from imgest.tasks.sync.targets import (
 )
 
 MAX_ID_CHARS = 4096
+# pymilvus logs every failed call at ERROR, with a traceback, before raising it; imgest reports what it raises
+# in one line (masked), so that record would only add a traceback, unmasked, to the terminal and the run's log
+logging.getLogger("pymilvus.decorators").setLevel(logging.CRITICAL)
+
+
+def literal(item_id: str) -> str:
+    """`item_id` as a string literal of Milvus's expression grammar."""
+    return '"' + item_id.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def ids_filter(item_ids: list[str]) -> str:
+    return f"item_id in [{', '.join(map(literal, item_ids))}]"
+
+
+class _LiteStart(logging.Handler):
+    """What Milvus Lite logs when its server does not start (pymilvus then raises only "Open local milvus
+    failed"): kept, so the one line can say why."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cause: BaseException | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.cause = record.exc_info[1]
 
 
 class MilvusTarget:
@@ -32,9 +65,35 @@ class MilvusTarget:
         self.spec = spec
         uri = spec.where if spec.local else f"http://{spec.where}"
         token = credential("MILVUS_TOKEN")  # user:password or an API key; never in the URL
-        self.client = MilvusClient(uri=uri, token=token) if token else MilvusClient(uri=uri)
+        opened = {"uri": uri, **({"token": token} if token else {})}
+        self.client = self._open_lite(opened) if spec.local else MilvusClient(**opened)
         self.name = spec.name
         self.collection = spec.name
+
+    def _open_lite(self, opened: dict):
+        """A client of a Milvus Lite file; a file another process holds is one line saying so."""
+        from pymilvus import MilvusClient
+        from pymilvus.exceptions import MilvusException
+
+        path, lite, why = opened["uri"], logging.getLogger("milvus_lite.server_manager"), _LiteStart()
+        propagate, lite.propagate = lite.propagate, False
+        lite.addHandler(why)
+        try:
+            return MilvusClient(**opened)
+        except MilvusException as exc:
+            if type(why.cause).__name__ == "DataDirLockedError":
+                raise TargetError(
+                    f"sync to {self.spec.url} failed: the Milvus Lite file {path} is open in another process (a "
+                    "notebook, a script: a client holds it until its process releases the server or exits, "
+                    "client.close() is not enough); Milvus Lite serves a file to one process at a time: close it "
+                    "there, or sync to a Milvus server (milvus://HOST:PORT/COLLECTION)") from exc
+            if why.cause is not None:
+                raise TargetError(f"sync to {self.spec.url} failed: Milvus Lite could not open {path}: "
+                                  f"{one_line(why.cause)}") from exc
+            raise
+        finally:
+            lite.removeHandler(why)
+            lite.propagate = propagate
 
     def _alias_of(self) -> str | None:
         """The collection the target's name is an alias of; None when it is none (SyncError: a collection)."""
@@ -115,7 +174,7 @@ class MilvusTarget:
 
     def delete(self, item_ids: list[str]) -> None:
         if item_ids:
-            self.client.delete(self.collection, ids=list(item_ids))
+            self.client.delete(self.collection, filter=ids_filter(item_ids))
 
     def search(self, vector: Iterable[float], k: int) -> list[tuple[str, float]]:
         hits = self.client.search(self.collection, data=[list(map(float, vector))], limit=k, output_fields=["item_id"],
@@ -123,7 +182,8 @@ class MilvusTarget:
         return [(hit["entity"]["item_id"], float(hit["distance"])) for hit in hits]
 
     def get(self, item_ids: list[str]) -> dict[str, dict]:
-        rows = self.client.get(self.collection, ids=list(item_ids), output_fields=["*"]) if item_ids else []
+        rows = self.client.query(self.collection, filter=ids_filter(item_ids), output_fields=["*"]) if item_ids \
+            else []
         return {row["item_id"]: {k: v for k, v in row.items() if k != "vector"} for row in rows}
 
     def count(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -26,7 +27,16 @@ from imgest.tasks.state.live import live_fingerprint, shard_groups
 from imgest.tasks.state.models import find_model
 from imgest.tasks.state.rows import sql_string
 from imgest.tasks.sync import watermark
-from imgest.tasks.sync.targets import Model, SyncError, Target, TargetSpec, open_target, parse_target
+from imgest.tasks.sync.targets import (
+    Model,
+    SyncError,
+    Target,
+    TargetError,
+    TargetSpec,
+    open_target,
+    parse_target,
+    target_failed,
+)
 
 log = logging.getLogger("imgest")
 _RESERVED = ("item_id", "vector")
@@ -189,13 +199,22 @@ def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, b
         watermark.write_intent(store, folder, seq, todo.upsert)
         total, done = todo.upserts + len(todo.delete), 0
         what = f"sync {spec.engine}:{spec.name}"
+        batches, n = -(-len(todo.delete) // batch) + -(-todo.upserts // batch), 0
         for start in range(0, len(todo.delete), batch):
             ids = todo.delete.slice(start, batch).to_pylist()
-            target.delete(ids)
+            n += 1
+            with _batch(spec, n, batches, f"deleting items {start + 1:,}-{start + len(ids):,} of "
+                                          f"{len(todo.delete):,}"):
+                target.delete(ids)
             done += len(ids)
             report(what, done, total, "items")
+        sent = 0
         for rows in rows_for(store, wanted.slug, todo.upsert, metadata, columns, wanted.dim, batch):
-            target.upsert(rows)
+            n += 1
+            with _batch(spec, n, batches, f"upserting items {sent + 1:,}-{sent + rows.num_rows:,} of "
+                                          f"{todo.upserts:,}"):
+                target.upsert(rows)
+            sent += rows.num_rows
             done += rows.num_rows
             report(what, done, total, "items")
         record = {"target": spec.url, "engine": spec.engine, "collection": target.collection,
@@ -218,6 +237,17 @@ def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, b
             "watermark": {"seq": mark["seq"], "key": f"{watermark.target_dir(folder)}/{mark['seq']:08d}.json",
                           "state_seq": state.seq, "live_fingerprint": fingerprint}}
 
+
+@contextmanager
+def _batch(spec: TargetSpec, n: int, of: int, what: str):
+    """A batch the target refuses (or fails to take): one line naming the target, the batch and what the engine
+    said; the sync stops there, before its watermark."""
+    try:
+        yield
+    except (SyncError, TargetError):
+        raise
+    except Exception as exc:  # whatever the engine's client raises: its own classes, gRPC's, HTTP's, OSError
+        raise target_failed(spec, f"at batch {n} of {of} ({what})", exc) from exc
 
 
 def drop_retired(store: Location, spec: TargetSpec, target: Target, fence) -> list[str]:

@@ -30,11 +30,16 @@ from typing import Protocol
 
 import pyarrow as pa
 
-from imgest.redact import redact_url, register_secret, url_secrets
+from imgest.redact import one_line, redact_url, register_secret, url_secrets
 
 
 class SyncError(ValueError):
     """A target that cannot be synced as asked (bad URL, another model's collection); one line saying why."""
+
+
+class TargetError(RuntimeError):
+    """A target that failed while it was synced (down, busy, refusing a batch): one line naming the target, the
+    step and what the engine said. Nothing of that sync is recorded in the store; the next one catches up."""
 
 
 _BLOCK_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,127}")  # Prefect's block names; anything else is never echoed
@@ -80,6 +85,14 @@ class TargetSpec:
         return f"{readable[-60:].lstrip('-.')}-{hashlib.sha256(self.url.encode()).hexdigest()[:10]}"
 
 
+MAX_SAID = 500  # an engine's message may quote a whole filter of a thousand ids: its start says enough
+
+
+def target_failed(spec: TargetSpec, step: str, exc: BaseException) -> TargetError:
+    """`exc`, raised by a target's client during `step`, as one line: masked, cut to MAX_SAID characters."""
+    return TargetError(f"sync to {redact_url(spec.url)} failed {step}: {one_line(exc, MAX_SAID)}")
+
+
 @dataclass(frozen=True)
 class Model:
     """What a collection is made for: vectors of one model, of one dimension, compared by inner product."""
@@ -91,7 +104,9 @@ class Model:
 
 class Target(Protocol):
     """A target's name and the collections behind it, one per model. Upserts and deletes are idempotent (keyed
-    by item_id): a sync killed at any moment and run again converges to the same collection."""
+    by item_id): a sync killed at any moment and run again converges to the same collection. An item_id is a
+    catalogue key, untrusted: any UTF-8 up to 1,024 bytes (quotes, backslashes, filter syntax); it reaches the
+    engine as a value (a point id, a row) or as a literal escaped by the engine's own grammar, never as syntax."""
 
     collection: str  # the physical collection or table open() opened (writes, reads and counts go there)
 
