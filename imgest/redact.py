@@ -40,7 +40,7 @@ CREDENTIAL_VARIABLES = (
     "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID",
     "AWS_CONTAINER_AUTHORIZATION_TOKEN", "AZURE_STORAGE_KEY", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN",
     "AZURE_STORAGE_CONNECTION_STRING", "AZURE_CLIENT_SECRET", "GOOGLE_APPLICATION_CREDENTIALS", "PREFECT_API_KEY",
-    "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
+    "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MILVUS_TOKEN", "QDRANT_API_KEY", "IMGEST_API_TOKEN",
 )
 # Keys of an AWS shared credentials or config file whose values are secrets.
 _PROFILE_KEYS = ("aws_secret_access_key", "aws_session_token", "aws_security_token", "aws_access_key_id")
@@ -167,9 +167,11 @@ def redact_url(url: str) -> str:
     return redact(url)
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception as one redacted line: its type and message, whitespace collapsed."""
-    return redact(" ".join(f"{type(exc).__name__}: {exc}".split()))
+def one_line(exc: BaseException, limit: int | None = None) -> str:
+    """An exception as one redacted line: its type and message, whitespace collapsed; past `limit` characters
+    cut (masked first, so a cut never leaves part of a secret unrecognised)."""
+    line = redact(" ".join(f"{type(exc).__name__}: {exc}".split()))
+    return line if limit is None or len(line) <= limit else line[:limit].rstrip() + " ..."
 
 
 class RedactingFilter(logging.Filter):

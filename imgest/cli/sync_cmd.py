@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from imgest.cli import _fail, _user_errors, app
+from imgest.cli import _fail, _user_errors, app, redact
 from imgest.cli.options import config_command
 from imgest.config import SyncConfig
 
@@ -18,7 +18,10 @@ def sync_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print what was sent and the watermark as JSON"),
 ) -> None:
     """Upsert a model's new and changed items into Milvus, Qdrant or LanceDB and delete its deleted ones:
-    only what changed since the target's last sync, resumable after a crash."""
+    only what changed since the target's last sync, resumable after a crash. A target that fails is one line
+    naming it, the batch and what it said; exit 1, nothing recorded, and the next sync catches up."""
+    from imgest.tasks.sync.targets import TargetError
+
     try:
         from imgest.progress import reporting
         from imgest.tasks.sync.run import sync
@@ -29,6 +32,9 @@ def sync_cmd(
             result = sync(config)
     except (*_user_errors(), SyncError, WatermarkError) as exc:
         _fail(exc)
+    except TargetError as exc:  # the target's failure, not the command's use: exit 1, as a nightly's sync
+        typer.echo(f"imgest: {redact(exc)}", err=True)
+        raise typer.Exit(code=1) from None
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
