@@ -61,7 +61,11 @@ def _auth() -> dict:
 def test_search_answers_as_the_command_does_and_bad_requests_get_one_line(served):
     url, image = served["url"], served["cat"] / "007.png"
     assert httpx.get(f"{url}/healthz").status_code == 200
-    assert httpx.get(f"{url}/aliases").status_code == 401  # the token is required
+    for method, route in (("GET", "/aliases"), ("GET", "/columns"), ("GET", "/thumbnail?item_id=007.png"),
+                          ("GET", "/metrics"), ("POST", "/search")):  # every route with data needs the token
+        for auth in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": TOKEN}):
+            refused = httpx.request(method, f"{url}{route}", headers=auth, json={"item_id": "007.png"})
+            assert refused.status_code == 401, (route, auth, refused.text)
     aliases = httpx.get(f"{url}/aliases", headers=_auth()).json()
     assert aliases["serving"]["version"] == 1 and aliases["serving"]["model"] == served["slug"]
 

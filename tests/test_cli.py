@@ -58,3 +58,32 @@ def test_status_and_export_of_unknown_model(tmp_path):
     assert result.exit_code == 2 and "has no model 'x'; models in the store: none" in result.output
     result = runner.invoke(app, ["status", "--store", str(tmp_path / "store")])
     assert result.exit_code == 0 and "no models ingested yet" in result.output
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.10", "search.example.com", "127.0.0.1.nip.io"])
+def test_api_beyond_loopback_without_a_token_is_refused(tmp_path, monkeypatch, host):
+    """The service shows every item's thumbnail and metadata to whoever reaches it: refused before the store is
+    opened, in one line naming the variable and the opt-in."""
+    monkeypatch.delenv("IMGEST_API_TOKEN", raising=False)
+    result = runner.invoke(app, ["api", "--store", str(tmp_path / "no-store"), "--host", host])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"imgest: error: --host {host} is reachable from other machines and IMGEST_API_TOKEN is not set: anyone who "
+        "reaches the service would see every item's thumbnail and metadata; set IMGEST_API_TOKEN (clients send "
+        "Authorization: Bearer <token>), or pass --no-token on a trusted network"]
+
+
+@pytest.mark.parametrize("host, token, no_token", [
+    ("127.0.0.1", None, False), ("127.3.2.1", None, False), ("::1", None, False), ("localhost", None, False),
+    ("::ffff:127.0.0.1", None, False), ("0.0.0.0", "a-token-value", False), ("0.0.0.0", None, True),
+])
+def test_api_on_loopback_with_a_token_or_with_no_token_goes_on(tmp_path, monkeypatch, host, token, no_token):
+    """Loopback, a token set, or --no-token said: the command goes on to open the store (missing here, so it
+    stops there, before anything listens)."""
+    monkeypatch.delenv("IMGEST_API_TOKEN", raising=False)
+    if token:
+        monkeypatch.setenv("IMGEST_API_TOKEN", token)
+    args = ["api", "--store", str(tmp_path / "no-store"), "--host", host, *(["--no-token"] if no_token else [])]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "IMGEST_API_TOKEN" not in result.output, result.output
+    assert "no-store" in result.output and "does not exist" in result.output, result.output
