@@ -327,25 +327,46 @@ def _write_shards(plan: Plan, batches, catalogue: Location, shard_size: int, max
 def attach_base(plan: Plan, base: CatalogueState) -> Plan:
     """For a head model: every planned item whose base-model embedding is current (live, same signature)
     is marked to be derived from it (the head applied to the stored vector) instead of read and decoded.
-    Matched in the base state's DuckDB against the plan's file; the shards are rewritten one at a time."""
+    Matched in the base state's DuckDB against the plan's file and read back in plan order a batch at a time
+    (a column of every item's match would be ~110 bytes an item: 11 GB at 100M); the shards are rewritten one
+    at a time."""
     shards = plan.shards if isinstance(plan.shards, PlannedShards) else _to_file(plan.run_id, plan.shards)
+    attached = PlannedShards(plan.run_id)
     with base.sql() as cur:
         found = cur.sql(f"""SELECT s.shard, s.content_hash FROM (
                                 SELECT file_row_number AS position, item_id AS key, size, mtime, etag
                                 FROM read_parquet('{_quoted(shards.path)}', file_row_number = true)) l
                             LEFT JOIN state s ON s.item_id = l.key AND s.status = '{LIVE}' AND s.shard IS NOT NULL
                                 AND ({SAME_SIGNATURE_SQL})
-                            ORDER BY l.position""").to_arrow_table()
-    base_shards, base_hashes = found["shard"].combine_chunks(), found["content_hash"].combine_chunks()
-    attached, start = PlannedShards(plan.run_id), 0
-    for shard in shards:
-        count = len(shard.items)
-        pairs = zip(base_shards.slice(start, count).to_pylist(), base_hashes.slice(start, count).to_pylist())
-        attached.write([replace(item, base_shard=s, base_hash=h) if s is not None else item
-                        for item, (s, h) in zip(shard.items, pairs)])
-        start += count
+                            ORDER BY l.position""").to_arrow_reader(MATCH_BATCH)
+        matches = _in_runs(found, (len(shard.items) for shard in shards))
+        for shard, match in zip(shards, matches, strict=True):
+            pairs = zip(match["shard"].to_pylist(), match["content_hash"].to_pylist())
+            attached.write([replace(item, base_shard=s, base_hash=h) if s is not None else item
+                            for item, (s, h) in zip(shard.items, pairs)])
     plan.shards = attached.close()
     return plan
+
+
+MATCH_BATCH = 65_536  # rows of the base match read back at a time
+
+
+def _in_runs(reader: pa.RecordBatchReader, sizes: Iterator[int]) -> Iterator[pa.Table]:
+    """The reader's rows cut into consecutive tables of the given sizes."""
+    held: list[pa.RecordBatch] = []
+    rows = 0
+    for size in sizes:
+        while rows < size:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                raise ValueError(f"the base match ended {size - rows} row(s) short of the plan") from None
+            held.append(batch)
+            rows += batch.num_rows
+        table = pa.Table.from_batches(held, schema=reader.schema)
+        yield table.slice(0, size)
+        rest = table.slice(size)
+        held, rows = rest.to_batches(), rest.num_rows
 
 
 def _to_file(run_id: str, shards: Sequence[ShardPlan]) -> PlannedShards:

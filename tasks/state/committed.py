@@ -28,7 +28,7 @@ from imgest import records
 from imgest.storage import TEMP_PREFIX, Location, StorageError
 from imgest.storage.cache import local_copy
 from imgest.tasks.state.markers import check_marker, rows_table
-from imgest.tasks.state.rows import STATE_SCHEMA, StateBase, one_thread, write_rows
+from imgest.tasks.state.rows import SORT_MEMORY, STATE_SCHEMA, StateBase, one_thread, write_rows
 
 # live: a current embedding; rejected: this content cannot be used (retried when the object changes);
 # failed: a transient fault (timeout, throttling, memory): retried on the next run; deleted: a tombstone,
@@ -281,8 +281,8 @@ def write_snapshot(store: Location, state: CatalogueState, run_id: str, summary:
     }
     key = snapshot_key(state.slug, seq, delta)
     local = os.path.join(state.base.folder, f"out-{os.path.basename(key)}")
-    with state.sql() as cur, one_thread(cur):  # a cold start's 10M folded rows sorted under the cap (two threads'
-        # buffers ran out of 256 MB)
+    with state.sql() as cur, one_thread(cur, SORT_MEMORY):  # a cold start's 10M folded rows sorted under the cap
+        # (two threads' buffers ran out of 256 MB)
         rows = write_rows(cur.sql(f"SELECT * FROM {'overlay' if delta else 'state'} ORDER BY item_id")
                           .to_arrow_reader(65_536), local, metadata)
     try:

@@ -30,6 +30,8 @@ STATE_MEMORY = "512MB"  # DuckDB's working memory for one state; past it, joins 
 # the flow's own ~0.8 GB (Python, torch, Prefect) it keeps every stage of a 10M-item nightly under 2 GB (BENCHMARKS.md,
 # "The whole nightly at 1M and 10M"). 256 MB cut a cold start's commit at 1M by ~0.3 GB, but a resumed cold start
 # at 10M (10M folded rows planned against the listing) ran out of it: not yet a safe default.
+SORT_MEMORY = "256MB"  # a snapshot's sort of every row (one thread): 10M folded rows sorted in 588 MB peak RSS,
+# where the state's 512 MB cap took a 1M cold start's commit to 1.27 GB
 SQL_TYPES = {pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.float64(): "DOUBLE"}
 COLUMNS = ", ".join(f'CAST("{f.name}" AS {SQL_TYPES[f.type]}) AS "{f.name}"' for f in STATE_SCHEMA)
 
@@ -134,15 +136,21 @@ class StateBase:
 
 
 @contextmanager
-def one_thread(cur) -> Iterator:
+def one_thread(cur, memory: str | None = None) -> Iterator:
     """DuckDB on one thread for the statements inside: an external sort of wide rows keeps one set of buffers,
-    not one per thread (at 400,000 rows of four strings under a 128 MB cap, two threads ran out of memory)."""
+    not one per thread (at 400,000 rows of four strings under a 128 MB cap, two threads ran out of memory).
+    `memory`: a lower cap for them (the database's, for as long as they run)."""
     threads = int(cur.execute("SELECT current_setting('threads')").fetchone()[0])
+    limit = cur.execute("SELECT current_setting('memory_limit')").fetchone()[0]
     cur.execute("SET threads = 1")
+    if memory is not None:
+        cur.execute(f"SET memory_limit = {sql_string(memory)}")
     try:
         yield cur
     finally:
         cur.execute(f"SET threads = {threads}")
+        if memory is not None:
+            cur.execute(f"SET memory_limit = {sql_string(limit)}")
 
 
 def write_rows(reader: pa.RecordBatchReader, path: str, metadata: dict[str, str]) -> int:
