@@ -13,9 +13,11 @@ import pytest
 from typer.testing import CliRunner
 
 from imgest.cli import app
+from imgest.config import SyncConfig
 from imgest.storage import Location
 from imgest.tasks.state.models import find_model
 from imgest.tasks.sync import watermark
+from imgest.tasks.sync.run import sync_or_record
 from imgest.tasks.sync.targets import MODEL_KEY, SLUG_KEY, Model, parse_target, physical_name, target_failed
 from tests import test_sync
 from tests.test_sync import MODEL, _catalogue, _ingest, _url
@@ -76,9 +78,13 @@ def test_a_batch_the_engine_refuses_is_one_line_exit_1_and_no_watermark(tmp_path
     assert len(_errors(failed)) == 1, failed.output
     [line] = _errors(failed)
     # batch 1 deleted 000.png; batch 2 carried the long id
-    assert line.startswith(f"imgest: sync to {url} failed at batch 2 of 2 (upserting items 1-1 of 1): "), line
+    assert line.startswith(f"imgest: sync to {url} failed: batch 2 of 2 (upserting items 1-1 of 1): "), line
     assert "MilvusException" in line and "exceeds max_length=7" in line, line
     assert _watermarks(tmp_path, url) == [1]  # nothing recorded: the next sync sends it all again
+    # a nightly's sync records the same reason, once prefixed by the target it prints
+    night = sync_or_record(SyncConfig(store=str(tmp_path / "store"), to=url, model=MODEL))
+    assert night == {"target": url, "error": line.split(" failed: ", 1)[1]}
+    assert _watermarks(tmp_path, url) == [1]
 
 
 def test_an_engines_message_is_masked_and_cut_to_one_line(monkeypatch):
@@ -86,11 +92,10 @@ def test_an_engines_message_is_masked_and_cut_to_one_line(monkeypatch):
     secret = "milvus-token-" + os.urandom(6).hex()
     monkeypatch.setenv("MILVUS_TOKEN", secret)
     said = RuntimeError(f"auth failed for root:{secret}\n" + "item_id in [" + ", ".join(['"x"'] * 5000) + "]")
-    error = target_failed(parse_target("milvus://milvus.internal:19530/products"), "at batch 3 of 9 (deleting)",
-                          said)
+    error = target_failed(parse_target("milvus://milvus.internal:19530/products"), "batch 3 of 9 (deleting)", said)
     text = str(error)
     assert secret not in text and "\n" not in text and len(text) < 700
-    assert text.startswith("sync to milvus://milvus.internal:19530/products failed at batch 3 of 9 (deleting): "
+    assert text.startswith("sync to milvus://milvus.internal:19530/products failed: batch 3 of 9 (deleting): "
                            "RuntimeError: auth failed for root:***")
 
 

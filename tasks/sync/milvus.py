@@ -82,14 +82,13 @@ class MilvusTarget:
             return MilvusClient(**opened)
         except MilvusException as exc:
             if type(why.cause).__name__ == "DataDirLockedError":
-                raise TargetError(
-                    f"sync to {self.spec.url} failed: the Milvus Lite file {path} is open in another process (a "
-                    "notebook, a script: a client holds it until its process releases the server or exits, "
-                    "client.close() is not enough); Milvus Lite serves a file to one process at a time: close it "
-                    "there, or sync to a Milvus server (milvus://HOST:PORT/COLLECTION)") from exc
+                raise TargetError(self.spec.url, (
+                    f"the Milvus Lite file {path} is open in another process (a notebook, a script: a client holds "
+                    "it until its process releases the server or exits, client.close() is not enough); Milvus Lite "
+                    "serves a file to one process at a time: close it there, or sync to a Milvus server "
+                    "(milvus://HOST:PORT/COLLECTION)")) from exc
             if why.cause is not None:
-                raise TargetError(f"sync to {self.spec.url} failed: Milvus Lite could not open {path}: "
-                                  f"{one_line(why.cause)}") from exc
+                raise TargetError(self.spec.url, f"Milvus Lite could not open {path}: {one_line(why.cause)}") from exc
             raise
         finally:
             lite.removeHandler(why)

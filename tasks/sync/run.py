@@ -247,7 +247,7 @@ def _batch(spec: TargetSpec, n: int, of: int, what: str):
     except (SyncError, TargetError):
         raise
     except Exception as exc:  # whatever the engine's client raises: its own classes, gRPC's, HTTP's, OSError
-        raise target_failed(spec, f"at batch {n} of {of} ({what})", exc) from exc
+        raise target_failed(spec, f"batch {n} of {of} ({what})", exc) from exc
 
 
 def drop_retired(store: Location, spec: TargetSpec, target: Target, fence) -> list[str]:
@@ -279,8 +279,9 @@ def sync_or_record(config: SyncConfig) -> dict:
     try:
         return sync(config)
     except Exception as exc:  # a target down or refusing: that target's, never the night's
-        log.error("sync to %s failed: %s", redact(config.to), redact(one_line(exc)))
-        return {"target": redact(config.to), "error": redact(one_line(exc))}
+        said = redact(exc.reason) if isinstance(exc, TargetError) else one_line(exc)
+        log.error("sync to %s failed: %s", redact(config.to), said)
+        return {"target": redact(config.to), "error": said}
 
 
 @task(name="sync", cache_policy=NO_CACHE)

@@ -38,8 +38,13 @@ class SyncError(ValueError):
 
 
 class TargetError(RuntimeError):
-    """A target that failed while it was synced (down, busy, refusing a batch): one line naming the target, the
-    step and what the engine said. Nothing of that sync is recorded in the store; the next one catches up."""
+    """A target that failed while it was synced (down, busy, refusing a batch): one line naming the target, and
+    `reason`: the step and what the engine said. Nothing of that sync is recorded in the store; the next one
+    catches up."""
+
+    def __init__(self, url: str, reason: str):
+        super().__init__(f"sync to {redact_url(url)} failed: {reason}")
+        self.reason = reason
 
 
 _BLOCK_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,127}")  # Prefect's block names; anything else is never echoed
@@ -90,7 +95,7 @@ MAX_SAID = 500  # an engine's message may quote a whole filter of a thousand ids
 
 def target_failed(spec: TargetSpec, step: str, exc: BaseException) -> TargetError:
     """`exc`, raised by a target's client during `step`, as one line: masked, cut to MAX_SAID characters."""
-    return TargetError(f"sync to {redact_url(spec.url)} failed {step}: {one_line(exc, MAX_SAID)}")
+    return TargetError(spec.url, f"{step}: {one_line(exc, MAX_SAID)}")
 
 
 @dataclass(frozen=True)
