@@ -29,9 +29,17 @@ def _sync_cli(tmp_path, url: str, *extra: str):
     return CliRunner().invoke(app, [*extra, "sync", "--store", str(tmp_path / "store"), "--to", url, "--model", MODEL])
 
 
-def _errors(result) -> list[str]:
+def _sync_process(tmp_path, url: str, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`imgest sync` as a user runs it: everything the process writes comes back, what libraries log included."""
+    command = [os.path.join(os.path.dirname(sys.executable), "imgest"), *extra, "sync", "--store",
+               str(tmp_path / "store"), "--to", url, "--model", MODEL]
+    return subprocess.run(command, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+
+
+def _errors(output: str) -> list[str]:
     """What the command said about its failure: its lines starting `imgest:` (progress lines go to stderr too)."""
-    return [line for line in result.output.splitlines() if line.startswith("imgest:")]
+    return [line for line in output.splitlines() if line.startswith("imgest:")]
 
 
 def _watermarks(tmp_path, url: str) -> list[int]:
@@ -72,11 +80,11 @@ def test_a_batch_the_engine_refuses_is_one_line_exit_1_and_no_watermark(tmp_path
     images["a-longer-name.png"], titles["a-longer-name.png"] = 77, "too long for the collection"
     _catalogue(tmp_path / "cat", tmp_path / "meta.csv", images, titles)
     _ingest(tmp_path)
-    failed = _sync_cli(tmp_path, url)
-    assert failed.exit_code == 1, failed.output
-    assert "Traceback" not in failed.output
-    assert len(_errors(failed)) == 1, failed.output
-    [line] = _errors(failed)
+    failed = _sync_process(tmp_path, url)
+    assert failed.returncode == 1, failed.stdout
+    assert "Traceback" not in failed.stdout
+    assert len(_errors(failed.stdout)) == 1, failed.stdout
+    [line] = _errors(failed.stdout)
     # batch 1 deleted 000.png; batch 2 carried the long id
     assert line.startswith(f"imgest: sync to {url} failed: batch 2 of 2 (upserting items 1-1 of 1): "), line
     assert "MilvusException" in line and "exceeds max_length=7" in line, line
@@ -116,14 +124,14 @@ def test_a_milvus_lite_file_open_in_another_process_is_one_line_saying_so(tmp_pa
                               stderr=subprocess.DEVNULL, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        held = _sync_cli(tmp_path, url)
+        held = _sync_process(tmp_path, url)
     finally:
         holder.kill()
         holder.wait()
-    assert held.exit_code == 1, held.output
-    assert "Traceback" not in held.output and "Failed to start" not in held.output
-    assert len(_errors(held)) == 1, held.output
-    [line] = _errors(held)
+    assert held.returncode == 1, held.stdout
+    assert "Traceback" not in held.stdout and "Failed to start" not in held.stdout
+    assert len(_errors(held.stdout)) == 1, held.stdout
+    [line] = _errors(held.stdout)
     assert line.startswith(f"imgest: sync to {url} failed: the Milvus Lite file {parse_target(url).where} is "
                            "open in another process"), line
     assert "one process at a time" in line and "close it there, or sync to a Milvus server" in line
@@ -142,19 +150,18 @@ def test_an_error_nothing_foresaw_is_one_line_and_its_traceback_is_asked_for(deb
 
     url = _url("qdrant", tmp_path)
     monkeypatch.delenv("IMGEST_DEBUG", raising=False)
-    if debug.startswith("IMGEST_DEBUG"):
-        monkeypatch.setenv("IMGEST_DEBUG", "1")
     notebook = QdrantClient(path=parse_target(url).where)
     try:
-        result = _sync_cli(tmp_path, url, *([debug] if debug.startswith("--") else []))
+        result = _sync_process(tmp_path, url, *([debug] if debug.startswith("--") else []),
+                               env={"IMGEST_DEBUG": "1"} if debug.startswith("IMGEST_DEBUG") else None)
     finally:
         notebook.close()
-    assert result.exit_code == 1, result.output
-    [line] = _errors(result)
+    assert result.returncode == 1, result.stdout
+    [line] = _errors(result.stdout)
     assert line.startswith("imgest: sync failed: RuntimeError: Storage folder ") and \
         "already accessed by another instance of Qdrant client" in line, line
-    assert ("Traceback (most recent call last)" in result.output) == bool(debug), result.output
+    assert ("Traceback (most recent call last)" in result.stdout) == bool(debug), result.stdout
     if debug:
-        assert result.output.splitlines()[-1] == line  # the line comes last, after the traceback
+        assert result.stdout.splitlines()[-1] == line  # the line comes last, after the traceback
     else:
         assert line.endswith("(--debug or IMGEST_DEBUG=1 shows the traceback)")

@@ -31,9 +31,6 @@ from imgest.tasks.sync.targets import (
 )
 
 MAX_ID_CHARS = 4096
-# pymilvus logs every failed call at ERROR, with a traceback, before raising it; imgest reports what it raises
-# in one line (masked), so that record would only add a traceback, unmasked, to the terminal and the run's log
-logging.getLogger("pymilvus.decorators").setLevel(logging.CRITICAL)
 
 
 def literal(item_id: str) -> str:
@@ -62,6 +59,10 @@ class MilvusTarget:
     def __init__(self, spec: TargetSpec):
         from pymilvus import MilvusClient
 
+        # pymilvus logs every failed call at ERROR, with a traceback, before raising it; imgest reports what it
+        # raises in one line (masked), so the record would only add a traceback, unmasked, to the terminal. Set
+        # after the import: pymilvus configures its loggers when imported, resetting their levels
+        logging.getLogger("pymilvus.decorators").setLevel(logging.CRITICAL)
         self.spec = spec
         uri = spec.where if spec.local else f"http://{spec.where}"
         token = credential("MILVUS_TOKEN")  # user:password or an API key; never in the URL
