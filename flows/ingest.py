@@ -14,6 +14,7 @@ from imgest import encoders
 from imgest.config import IngestConfig
 from imgest.flow_params import configured_flow
 from imgest.lock import StoreLock
+from imgest.memory import give_back
 from imgest.progress import report
 from imgest.storage import one_line, open_location
 from imgest.tasks.ingest.commit import new_summary
@@ -109,6 +110,7 @@ def ingest(config: IngestConfig) -> dict:
         summary.removed_orphans = orphans
         summary = commit_run_task(store_loc.url, quote(state), quote(plan), quote(results), summary, lock.fence)
         state.close()  # the index build after this run loads the state afresh
+        give_back()
     create_markdown_artifact(render_summary(summary), key="ingest-summary",
                              description=f"imgest ingest {summary.run_id} ({spec.model_id})")
     return summary.to_dict()

@@ -13,6 +13,7 @@ from imgest.flow_params import configured_flow
 from imgest.flows.build_index import build_index
 from imgest.flows.reencode import reencode
 from imgest.lock import LOCK_WAIT_S, StoreLock
+from imgest.memory import give_back
 from imgest.storage import open_location
 from imgest.tasks.migration import window as migration
 from imgest.tasks.migration.aliases import read_alias
@@ -30,6 +31,7 @@ def migrate(config: MigrateConfig) -> dict:
         parse_target(target)
     if config.action == "start":  # its re-encode and index build take the writer lock themselves
         migrate_start(config)
+        give_back()  # the re-encode's and the build's freed memory, before the window's status reads both states
     elif config.action in ("promote", "rollback", "finish"):
         # Alias moves and deletions hold the writer lock: a nightly build moving `serving` on the old model
         # at the same moment would otherwise overwrite the promote (or finish would delete what it reads).
@@ -73,6 +75,7 @@ def migrate_start(config: MigrateConfig) -> dict:
                                       batch_size=config.batch_size, device=config.device,
                                       runtime=config.runtime, precision=config.precision, shard_size=config.shard_size))
     migration.check_window_model(window["to"]["slug"], summary)
+    give_back()  # a cold start's freed memory, before the build
     with StoreLock(store_loc, owner=owner, wait=LOCK_WAIT_S) as lock:
         migration.record(store_loc, window, "reencode-finished", lock.fence, encoded=summary["encoded"],
                          run_id=summary["run_id"])

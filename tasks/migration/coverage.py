@@ -11,14 +11,15 @@ from imgest.tasks.state.rows import sql_string
 
 def coverage(store: Location, window: dict) -> dict:
     """Share of the old model's live items that the new model holds with the same content: the new model's
-    live (item_id, content_hash) written to a file from its state's DuckDB, joined in the old state's (both
-    memory capped, spilling): no row of either comes into memory."""
+    live (item_id, content_hash) written to a file from its state's DuckDB, joined in the old state's (one
+    database open at a time, memory capped, spilling): no row of either comes into memory."""
     new = load_state(store, window["to"]["slug"])
     try:
         pairs = os.path.join(new.base.folder, "live-pairs.parquet")
         with new.sql() as cur:
             cur.execute(f"""COPY (SELECT item_id, coalesce(content_hash, '') AS content_hash FROM state
                                   WHERE status = '{LIVE}') TO {sql_string(pairs)} (FORMAT parquet)""")
+        new.close()  # its memory back before the old state's join; the file stays with its folder
         old = load_state(store, window["from"]["slug"])
         try:
             with old.sql() as cur:
