@@ -8,7 +8,6 @@ import tracemalloc
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 from imgest.storage import Location
 from imgest.tasks.ingest.listing import LISTING_SCHEMA, Listing
@@ -94,14 +93,3 @@ def test_a_cold_start_commit_folds_its_markers_rows_into_the_state_database(tmp_
     assert again.rows([KEYS[0]])[KEYS[0]].content_hash == "h-again", "the later row of an item wins"
     assert again.rows([KEYS[5]])[KEYS[5]].shard == "part-r00000001-x-y-00000"
 
-
-def test_the_base_match_is_read_back_in_runs_of_each_shards_size_across_batches():
-    from imgest.tasks.ingest.plan import _in_runs
-
-    batches = [pa.record_batch({"n": list(range(a, b))}) for a, b in ((0, 3), (3, 4), (4, 10))]
-    reader = pa.RecordBatchReader.from_batches(batches[0].schema, batches)
-    runs = [t["n"].to_pylist() for t in _in_runs(reader, iter([2, 5, 3]))]
-    assert runs == [[0, 1], [2, 3, 4, 5, 6], [7, 8, 9]]
-    short = pa.RecordBatchReader.from_batches(batches[0].schema, batches[:1])
-    with pytest.raises(ValueError, match=r"1 row\(s\) short of the plan"):
-        list(_in_runs(short, iter([2, 2])))
