@@ -104,7 +104,7 @@ def test_a_foreign_matrix_file_is_refused_on_load(tmp_path, tiny_models):
     folder = tmp_path / "store" / "heads" / saved["head_id"]
     for tensors, reason in (({"weight": torch.zeros(32, 32)}, "not a whitening's mean and projection"),
                             ({"mean": torch.zeros(32, dtype=torch.float64), "projection": torch.zeros(32, 32)},
-                             "mean is torch.float64")):
+                             "mean is float64")):
         weights = save(tensors)
         (folder / "head.safetensors").write_bytes(weights)  # its record made to match: only the checks remain
         config = json.loads((folder / "head.json").read_text())
@@ -112,3 +112,28 @@ def test_a_foreign_matrix_file_is_refused_on_load(tmp_path, tiny_models):
         encoders.resolve.cache_clear()
         with pytest.raises(encoders.EncoderError, match=reason):
             encoders.load(encoders.resolve(saved["head"]), "cpu")
+
+
+def test_a_window_to_a_whitening_head_derives_every_row_without_torch(tmp_path, tiny_models):
+    """A cold start to a head fitted on stored vectors reads no image, so it needs neither the base model nor
+    torch (~180 MB of a flow process that a model change at catalogue size keeps under a bound)."""
+    import os
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    write_files(str(cat), {f"p/{i:03d}.png": png_bytes(gradient(i, (48, 48))) for i in range(40)})
+    base = f"hf:{tiny_models['dinov2']}"
+    nightly(NightlyConfig(catalogue=str(cat), store=str(store), model=base, batch_size="8"))
+    code, output = _whiten(store, "--base-model", base, "--pair-images", "0")
+    assert code == 0, output
+    head = json.loads(output[output.index("{"):])["head"]
+    script = ("import sys; from imgest.config import MigrateConfig; from imgest.flows.migrate import migrate; "
+              f"done = migrate(MigrateConfig(store={str(store)!r}, action='start', to={head!r})); "
+              "print(done['coverage']['share'], 'torch' in sys.modules, 'transformers' in sys.modules)")
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.split()[-3:] == ["1.0", "False", "False"], ran.stdout[-500:]

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -90,12 +91,20 @@ def file_digest(path: str, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def resolve_device(device: str) -> str:
-    import torch
+# What a GPU torch could use shows up as a device file on Linux (NVIDIA's driver, WSL's GPU, AMD's ROCm): without
+# one, `auto` is the CPU and torch is not imported to say so (~180 MB: a run deriving a head needs none)
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
 
+
+def resolve_device(device: str) -> str:
     allowed = ("auto", "cpu", "cuda")
     if device not in allowed and not re.fullmatch(r"cuda:\d+", device):
         raise EncoderError(f"unknown device {device!r}; allowed: {', '.join(allowed)} or cuda:N")
+    if device == "cpu" or (device == "auto" and sys.platform == "linux" and "torch" not in sys.modules
+                           and not any(os.path.exists(path) for path in GPU_DEVICE_FILES)):
+        return "cpu"
+    import torch
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -8,6 +8,7 @@ embeddings can be turned into head embeddings without decoding anything (`projec
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -69,20 +70,22 @@ def build_module(architecture: str, dim_in: int, hidden: int, dim_out: int):
     return mlp(dim_in, hidden, dim_out)
 
 
-def whitening_state(tensors: dict, config: dict[str, Any], url: str) -> dict:
-    """A whitening head's mean and projection, checked (names, dtype, shape) before use, as the Linear's
-    weight and bias. A damaged or foreign file is refused in one line."""
-    import torch
-
+def whitening_arrays(tensors: dict, config: dict[str, Any], url: str) -> tuple[np.ndarray, np.ndarray]:
+    """A whitening head's mean and projection (safetensors read as NumPy), checked (names, dtype, shape)
+    before use. A damaged or foreign file is refused in one line."""
     shapes = {"mean": (config["dim_in"],), "projection": (config["dim_out"], config["dim_in"])}
     if set(tensors) != set(WHITENING_TENSORS):
         raise EncoderError(f"head {url}: {WEIGHTS} holds {sorted(tensors)}, not a whitening's mean and projection")
     for name, shape in shapes.items():
-        if tensors[name].dtype != torch.float32 or tuple(tensors[name].shape) != shape:
+        if tensors[name].dtype != np.float32 or tuple(tensors[name].shape) != shape:
             raise EncoderError(f"head {url}: {name} is {tensors[name].dtype} {tuple(tensors[name].shape)}; "
                                f"{CONFIG} says float32 {shape}")
-    projection = tensors["projection"]
-    return {"weight": projection, "bias": -(projection @ tensors["mean"])}
+    return tensors["mean"], tensors["projection"]
+
+
+def affine(mean: np.ndarray, projection: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Whitening as the affine map x @ weight.T + bias that the torch module and `derive` both compute."""
+    return projection, -(projection @ mean).astype(np.float32)
 
 
 def out_features(module) -> int:
@@ -131,25 +134,45 @@ def resolve(name: str, base_resolve=None) -> EncoderSpec:
                        extra={"config": config}, base=base)
 
 
-def load_module(url: str, config: dict[str, Any], device: str = "cpu", sha256: str | None = None):
-    """The head's MLP from safetensors (never a pickle); with `sha256`, only weights with that checksum
-    (the ones the model id was made from) are loaded."""
-    from safetensors.torch import load as load_tensors
-
+def _weights(url: str, sha256: str | None) -> bytes:
     weights = _read(url, WEIGHTS)
     digest = hashlib.sha256(weights).hexdigest()
     if sha256 is not None and digest != sha256:
         raise EncoderError(f"head {url}: {WEIGHTS} changed since it was resolved (sha256 {digest[:16]}..., "
                            f"model id pins {sha256[:16]}...): refusing to load other weights under its model id")
-    module = build_module(config.get("head_type", "mlp"), config["dim_in"], config["hidden"], config["dim_out"])
+    return weights
+
+
+def _tensors(weights: bytes, url: str, load) -> dict:
     try:
-        tensors = load_tensors(weights)
-        if config.get("head_type") == "whiten":
-            tensors = whitening_state(tensors, config, url)
+        return load(weights)
+    except Exception as exc:  # safetensors' own errors: never a half-loaded head
+        raise EncoderError(f"head {url}: {WEIGHTS} does not hold the head {CONFIG} describes: "
+                           f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+
+
+def load_whitening(url: str, config: dict[str, Any], sha256: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A whitening head's (weight, bias) as NumPy, from safetensors (never a pickle), without torch."""
+    from safetensors.numpy import load as load_arrays
+
+    return affine(*whitening_arrays(_tensors(_weights(url, sha256), url, load_arrays), config, url))
+
+
+def load_module(url: str, config: dict[str, Any], device: str = "cpu", sha256: str | None = None):
+    """The head's MLP from safetensors (never a pickle); with `sha256`, only weights with that checksum
+    (the ones the model id was made from) are loaded."""
+    import torch
+    from safetensors.torch import load as load_tensors
+
+    module = build_module(config.get("head_type", "mlp"), config["dim_in"], config["hidden"], config["dim_out"])
+    if config.get("head_type") == "whiten":
+        weight, bias = load_whitening(url, config, sha256)
+        tensors = {"weight": torch.from_numpy(weight), "bias": torch.from_numpy(bias)}
+    else:
+        tensors = _tensors(_weights(url, sha256), url, load_tensors)
+    try:
         module.load_state_dict(tensors)
-    except EncoderError:
-        raise
-    except Exception as exc:  # safetensors' own errors, a state that does not fit: never a half-loaded head
+    except Exception as exc:  # a state that does not fit: never a half-loaded head
         raise EncoderError(f"head {url}: {WEIGHTS} does not hold the head {CONFIG} describes: "
                            f"{type(exc).__name__}: {str(exc)[:200]}") from exc
     return module.to(device).eval()
@@ -183,15 +206,47 @@ def _headed(self, pixels):
 
 
 class HeadEncoder(GraphEncoder):
+    """The base model's encoder, then the head. The base and the head's module load on first use: a run that
+    only derives from stored base vectors (`derive`) loads neither, and a whitening head derives without torch."""
+
     def __init__(self, spec: EncoderSpec, device: str):
+        self.spec, self.device = spec, device
+        if spec.extra["config"].get("head_type") == "whiten":
+            self._whitening  # noqa: B018 -- its weights checked now, not at the first shard
+        else:
+            self.module  # noqa: B018
+        self._run_on("torch", default_precision(device))
+
+    @functools.cached_property
+    def base(self):
         from imgest import encoders
 
-        self.spec, self.device = spec, device
-        self.base = encoders.load(spec.base, device)
-        self.input_shape = self.base.input_shape
-        self.decode_side = getattr(self.base, "decode_side", None)
-        self.module = load_module(spec.source, spec.extra["config"], device, sha256=spec.revision)
-        self._run_on("torch", default_precision(device))
+        return encoders.load(self.spec.base, self.device)
+
+    @functools.cached_property
+    def module(self):
+        return load_module(self.spec.source, self.spec.extra["config"], self.device, sha256=self.spec.revision)
+
+    @functools.cached_property
+    def _whitening(self) -> tuple[np.ndarray, np.ndarray]:
+        return load_whitening(self.spec.source, self.spec.extra["config"], sha256=self.spec.revision)
+
+    @property
+    def input_shape(self):
+        return self.base.input_shape
+
+    @property
+    def decode_side(self):
+        return getattr(self.base, "decode_side", None)
+
+    def derive(self, vectors: np.ndarray) -> np.ndarray:
+        """Stored base embeddings -> this head's (L2-normalised float32), no image decoded; a whitening head's
+        affine map in NumPy, others through `project`."""
+        if self.spec.extra["config"].get("head_type") != "whiten":
+            return project(self.module, vectors, self.device)
+        weight, bias = self._whitening
+        out = np.ascontiguousarray(vectors, np.float32) @ weight.T + bias
+        return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)  # as torch's normalize
 
     def graphs(self) -> dict[str, Graph]:
         if "image" not in (self.base.graphs() if isinstance(self.base, GraphEncoder) else {}):

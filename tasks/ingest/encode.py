@@ -285,8 +285,6 @@ def derive_from_base(items: tuple[WorkItem, ...], encoder: Encoder, store: Locat
                      writer: ShardWriter) -> tuple[WorkItem, ...]:
     """A head model: items whose base embedding is current get the head applied to it, read from the
     base model's shard (no image decoded); returns the items that still have to be read."""
-    from imgest.encoders.head import project
-
     base_slug = encoder.spec.base.slug
     by_shard: dict[str, list[WorkItem]] = {}
     rest = []
@@ -310,7 +308,7 @@ def derive_from_base(items: tuple[WorkItem, ...], encoder: Encoder, store: Locat
         if not found:
             continue
         base = embedding_matrix(table, encoder.spec.base.dim)[[n for _, n in found]]
-        writer.add([(item, item.base_hash) for item, _ in found], project(encoder.module, base, encoder.device))
+        writer.add([(item, item.base_hash) for item, _ in found], encoder.derive(base))
         writer.result.derived += len(found)
     order = {item.item_id: n for n, item in enumerate(items)}
     return tuple(sorted(rest, key=lambda it: order[it.item_id]))
@@ -354,6 +352,8 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
             writer.add([(p.item, p.content_hash) for p in ready], vectors)
 
     to_read = derive_from_base(plan.items, encoder, store, writer) if encoder.spec.base is not None else plan.items
+    if not to_read:  # every item derived from its stored base vector: no reader, decoder or torch thread
+        return _finished(writer, total, encoding, waiting)
     decode_side = getattr(encoder, "decode_side", None)  # JPEGs decode at reduced size down to this
     gpu_jpeg = jpeg_decoder is not None
     where = plan_decode(encoder, decode_workers, len(to_read), gpu_jpeg, costs)
@@ -392,6 +392,10 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
                     flush_batch()
         if batch:
             flush_batch()
+    return _finished(writer, total, encoding, waiting)
+
+
+def _finished(writer: ShardWriter, total: Stopwatch, encoding: Stopwatch, waiting: Stopwatch) -> ShardResult:
     result = writer.flush()
     result.seconds, result.encode_seconds, result.wait_seconds = total.seconds, encoding.seconds, waiting.seconds
     return result
