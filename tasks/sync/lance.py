@@ -2,16 +2,26 @@
 columns as a table, rows merged on item_id, the model id and slug in the table's schema metadata. LanceDB has no
 aliases: TABLE holds the serving model's rows and another model syncs into TABLE__<slug>; a switch copies TABLE
 aside to its model's TABLE__<slug>, then replaces TABLE with the new model's rows in one commit (a new version of
-TABLE: a reader opening it meets the old model or the new, never a mix nor no table, as a rename would leave)."""
+TABLE: a reader opening it meets the old model or the new, never a mix nor no table, as a rename would leave).
+
+Rows go into an empty table in one append (one commit, streamed); into a table that has rows, merged on item_id
+(indexed by a BTree) in commits of MERGE_ROWS; small fragments are compacted once they are many."""
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
 
 from imgest.tasks.sync.targets import MODEL_KEY, SLUG_KEY, Model, SyncError, TargetSpec, check_model, physical_name
+
+# Rows a merge commits at a time into a table that has rows. Measured (LanceDB 0.40, 48-d): each merge adds a
+# fragment that every later merge scans, so 1,000-row merges slowed from 0.014 s to 0.17 s over 1M rows and a
+# first sync of 10M ran at 1,077 rows/s; a 100,000-row merge into 2M indexed rows takes 0.3 s.
+MERGE_ROWS = 100_000
+SMALL_FRAGMENTS = 32  # compact (optimize) once a table has this many small fragments
 
 
 def object_store_options(url: str) -> dict[str, str]:
@@ -33,6 +43,18 @@ def object_store_options(url: str) -> dict[str, str]:
     if endpoint.lower().startswith("http://"):
         options["allow_http"] = "true"
     return options
+
+
+def _chunks(batches: Iterator[pa.Table], rows: int) -> Iterator[Iterator[pa.Table]]:
+    """`batches` in runs of about `rows` rows (whole batches), each consumed before the next is asked for."""
+    for first in batches:
+        def run(batch: pa.Table = first) -> Iterator[pa.Table]:
+            taken = 0
+            while batch is not None:
+                yield batch
+                taken += batch.num_rows
+                batch = next(batches, None) if taken < rows else None
+        yield run()
 
 
 def _quoted(item_id: str) -> str:
@@ -134,13 +156,40 @@ class LanceTarget:
         self.db.drop_table(collection)
         return True
 
-    def upsert(self, rows: pa.Table) -> None:
-        if not rows.num_rows:
-            return
-        # the table's columns, in its order (a column the metadata no longer has: null)
-        data = pa.table({f.name: rows[f.name].cast(f.type) if f.name in rows.column_names
+    def _conformed(self, rows: pa.Table) -> pa.Table:
+        """The table's columns, in its order (a column the metadata no longer has: null)."""
+        return pa.table({f.name: rows[f.name].cast(f.type) if f.name in rows.column_names
                          else pa.nulls(rows.num_rows, f.type) for f in self.schema}, schema=self.schema)
-        self.table.merge_insert("item_id").when_matched_update_all().when_not_matched_insert_all().execute(data)
+
+    def _reader(self, batches: Iterator[pa.Table]) -> pa.RecordBatchReader:
+        return pa.RecordBatchReader.from_batches(
+            self.schema, (b for rows in batches for b in self._conformed(rows).to_batches()))
+
+    def upsert(self, batches: Iterable[pa.Table]) -> None:
+        batches = (rows for rows in batches if rows.num_rows)
+        first = next(batches, None)
+        if first is None:
+            return
+        batches = itertools.chain([first], batches)
+        if self.count() == 0:
+            # nothing to match (the rows' ids are unique): one append, one commit, whatever the size
+            self.table.add(self._reader(batches))
+        else:
+            for chunk in _chunks(batches, MERGE_ROWS):
+                self.table.merge_insert("item_id").when_matched_update_all().when_not_matched_insert_all() \
+                    .execute(self._reader(chunk))
+        self._maintain()
+
+    def _maintain(self) -> None:
+        """item_id indexed (a merge or a delete looks ids up instead of scanning every row), and the small
+        fragments of past nights compacted once they are many (LanceDB's `optimize`: also folds new rows into
+        the index and removes versions older than its default 7 days)."""
+        if not any(list(index.columns) == ["item_id"] for index in self.table.list_indices()):
+            from lancedb.index import BTree
+
+            self.table.create_index("item_id", config=BTree())
+        elif self.table.stats()["fragment_stats"]["num_small_fragments"] >= SMALL_FRAGMENTS:
+            self.table.optimize()
 
     def delete(self, item_ids: list[str]) -> None:
         if item_ids:

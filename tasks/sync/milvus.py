@@ -164,13 +164,14 @@ class MilvusTarget:
         self.client.drop_collection(collection)
         return True
 
-    def upsert(self, rows: pa.Table) -> None:
-        data = []
-        for row in rows.to_pylist():
-            entity = {k: plain(v) for k, v in row.items() if v is not None and k not in ("item_id", "vector")}
-            data.append({**entity, "item_id": row["item_id"], "vector": row["vector"]})
-        if data:
-            self.client.upsert(self.collection, data)
+    def upsert(self, batches: Iterable[pa.Table]) -> None:
+        for rows in batches:  # Milvus upserts by primary key: one call a batch
+            data = []
+            for row in rows.to_pylist():
+                entity = {k: plain(v) for k, v in row.items() if v is not None and k not in ("item_id", "vector")}
+                data.append({**entity, "item_id": row["item_id"], "vector": row["vector"]})
+            if data:
+                self.client.upsert(self.collection, data)
 
     def delete(self, item_ids: list[str]) -> None:
         if item_ids:

@@ -102,15 +102,16 @@ class QdrantTarget:
             return False
         return bool(self.client.delete_collection(collection))
 
-    def upsert(self, rows: pa.Table) -> None:
+    def upsert(self, batches: Iterable[pa.Table]) -> None:
         from qdrant_client import models
 
-        points = []
-        for row in rows.to_pylist():
-            payload = {k: plain(v) for k, v in row.items() if k != "vector"}
-            points.append(models.PointStruct(id=point_id(row["item_id"]), vector=row["vector"], payload=payload))
-        if points:
-            self.client.upsert(self.collection, points=points, wait=True)
+        for rows in batches:  # Qdrant upserts by point id: one call a batch
+            points = []
+            for row in rows.to_pylist():
+                payload = {k: plain(v) for k, v in row.items() if k != "vector"}
+                points.append(models.PointStruct(id=point_id(row["item_id"]), vector=row["vector"], payload=payload))
+            if points:
+                self.client.upsert(self.collection, points=points, wait=True)
 
     def delete(self, item_ids: list[str]) -> None:
         from qdrant_client import models

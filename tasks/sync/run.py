@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -203,20 +204,15 @@ def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, b
         for start in range(0, len(todo.delete), batch):
             ids = todo.delete.slice(start, batch).to_pylist()
             n += 1
-            with _batch(spec, n, batches, f"deleting items {start + 1:,}-{start + len(ids):,} of "
-                                          f"{len(todo.delete):,}"):
+            with _batch(spec, f"batch {n} of {batches} (deleting items {start + 1:,}-{start + len(ids):,} of "
+                              f"{len(todo.delete):,})"):
                 target.delete(ids)
             done += len(ids)
             report(what, done, total, "items")
-        sent = 0
-        for rows in rows_for(store, wanted.slug, todo.upsert, metadata, columns, wanted.dim, batch):
-            n += 1
-            with _batch(spec, n, batches, f"upserting items {sent + 1:,}-{sent + rows.num_rows:,} of "
-                                          f"{todo.upserts:,}"):
-                target.upsert(rows)
-            sent += rows.num_rows
-            done += rows.num_rows
-            report(what, done, total, "items")
+        upserts = _Counted(rows_for(store, wanted.slug, todo.upsert, metadata, columns, wanted.dim, batch),
+                           todo.upserts, lambda rows: report(what, done + rows, total, "items"))
+        with _batch(spec, lambda: f"batch {n + upserts.n} of {batches} (upserting items {upserts.at})", upserts):
+            target.upsert(upserts)
         record = {"target": spec.url, "engine": spec.engine, "collection": target.collection,
                   "model_id": wanted.model_id, "slug": wanted.slug, "state_seq": state.seq,
                   "pending_commits": list(state.pending), "live_fingerprint": fingerprint,
@@ -238,16 +234,44 @@ def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, b
                           "state_seq": state.seq, "live_fingerprint": fingerprint}}
 
 
+class _Counted:
+    """The upsert batches as the target takes them: the batch in hand (`n`, `at`) for a failure's line,
+    progress reported once a batch has been taken and the next is asked for, and a failure to read them from
+    the store (`error`) kept apart from the target's."""
+
+    def __init__(self, batches: Iterator[pa.Table], total: int, progress: Callable[[int], None]):
+        self.batches, self.total, self.progress = batches, total, progress
+        self.n, self.sent, self.at, self.error = 0, 0, "none yet", None
+
+    def __iter__(self) -> Iterator[pa.Table]:
+        while True:
+            try:
+                rows = next(self.batches, None)
+            except Exception as exc:  # the store's, raised to the engine's client reading the batches
+                self.error = exc
+                raise
+            if rows is None:
+                return
+            self.n += 1
+            self.at = f"{self.sent + 1:,}-{self.sent + rows.num_rows:,} of {self.total:,}"
+            yield rows
+            self.sent += rows.num_rows
+            self.progress(self.sent)
+
+
 @contextmanager
-def _batch(spec: TargetSpec, n: int, of: int, what: str):
-    """A batch the target refuses (or fails to take): one line naming the target, the batch and what the engine
-    said; the sync stops there, before its watermark."""
+def _batch(spec: TargetSpec, step: str | Callable[[], str], source: _Counted | None = None):
+    """A batch the target refuses (or fails to take): one line naming the target, the batch (`step`, or what
+    `step()` says when it failed) and what the engine said; the sync stops there, before its watermark. The
+    batches failing to be read from the store (`source.error`) is the store's failure, raised as itself."""
     try:
         yield
     except (SyncError, TargetError):
         raise
     except Exception as exc:  # whatever the engine's client raises: its own classes, gRPC's, HTTP's, OSError
-        raise target_failed(spec, f"batch {n} of {of} ({what})", exc) from exc
+        if source is not None and source.error is not None:
+            raise source.error from None
+        raise target_failed(spec, step() if callable(step) else step, exc) from exc
 
 
 def drop_retired(store: Location, spec: TargetSpec, target: Target, fence) -> list[str]:

@@ -132,8 +132,10 @@ class Target(Protocol):
     def drop(self, model: Model) -> bool:
         """Drop `model`'s own collection (never the one the name answers for); False: there was none."""
 
-    def upsert(self, rows: pa.Table) -> None:
-        """Write rows (item_id, vector, metadata columns), replacing those with the same item_id."""
+    def upsert(self, batches: Iterable[pa.Table]) -> None:
+        """Write every batch's rows (item_id, vector, metadata columns, each item_id once), replacing those with
+        the same item_id, in as many calls and commits as the engine needs (batches are read as they are
+        written: never all at once)."""
 
     def delete(self, item_ids: list[str]) -> None:
         """Remove these items; ids the collection does not hold are ignored."""
