@@ -23,7 +23,8 @@ benchmark's images per second; `imgest report cost` turns both into hours.
     .venv/bin/python bench/bench_model_change.py --objects 1000000 --workdir /tmp/imgest-scale --json
 
 prints {"objects": N, "stages": {"<stage>": {"seconds": s, "peak_rss_mb": m, "flow_process_peak_mb": f}},
-"peak_rss_mb": m, ...} as its last line.
+"peak_rss_mb": m, ...} as its last line. Each stage's result is also kept in <workdir>/change/stages.json as it
+ends; --resume goes on from there (a 10M rehearsal takes hours: one cut off need not start again).
 """
 
 from __future__ import annotations
@@ -164,6 +165,9 @@ def main() -> None:
     parser.add_argument("--target-recall", type=float, default=0.5,
                         help="as in the nightly rehearsal: its synthetic vectors' near ties cap SQ8's recall")
     parser.add_argument("--json", action="store_true", help="the result as one JSON line, last")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on with the rehearsal the workdir holds: stages it recorded as done are kept "
+                             "(listed under 'resumed'), the rest run")
     args = parser.parse_args()
     if args.objects < 1000:
         raise SystemExit("--objects: at least 1000")
@@ -191,37 +195,60 @@ def rehearse(args, cat: Catalogue, work: str, base: str, manifest: str, seaweed)
                                                       "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE",
                                                                                           "Haswell")}
         folder = os.path.join(work, "change")
-        shutil.rmtree(folder, ignore_errors=True)
-        os.makedirs(folder)
         store = os.path.join(folder, "store")
-        subprocess.run(["cp", "-al", base, store], check=True)  # every write is a new file: the base stays
+        stages = Stages(os.path.join(folder, "stages.json"), args.resume)
+        if not stages.done:
+            shutil.rmtree(folder, ignore_errors=True)
+            os.makedirs(folder)
+            subprocess.run(["cp", "-al", base, store], check=True)  # every write is a new file: the base stays
         index = ["--kind", args.kind, "--memory", args.memory, "--target-recall", str(args.target_recall)]
-        stages = {}
-        stages["train-head"] = sampled("train-head", [IMGEST, "train-head", "--store", store, "--whiten",
-                                                      "--pair-images", "0", "--base-model", MODEL, "--json"],
-                                       env, folder)
+        stages.run("train-head", [IMGEST, "train-head", "--store", store, "--whiten", "--pair-images", "0",
+                                  "--base-model", MODEL, "--json"], env, folder)
         head = last_json(os.path.join(folder, "train-head.log"))["head"]
-        stages["migrate start"] = sampled("migrate start", [
-            IMGEST, "migrate", "start", "--store", store, "--to", head, "--catalogue", f"s3://{BUCKET}/{PREFIX}",
-            "--inventory", f"s3://{INVENTORY_BUCKET}/{manifest}", *index], env, folder)
-        stages["migrate status"] = sampled("migrate status", [IMGEST, "migrate", "status", "--store", store,
-                                                              "--json"], env, folder)
-        stages["migrate promote"] = sampled("migrate promote", [IMGEST, "migrate", "promote", "--store", store,
-                                                                "--force", "model change rehearsal"], env, folder)
+        stages.run("migrate start", [IMGEST, "migrate", "start", "--store", store, "--to", head, "--catalogue",
+                                     f"s3://{BUCKET}/{PREFIX}", "--inventory",
+                                     f"s3://{INVENTORY_BUCKET}/{manifest}", *index], env, folder)
+        stages.run("migrate status", [IMGEST, "migrate", "status", "--store", store, "--json"], env, folder)
+        stages.run("migrate promote", [IMGEST, "migrate", "promote", "--store", store, "--force",
+                                       "model change rehearsal"], env, folder)
         lance = os.path.join(folder, "lancedb")
-        stages["sync"] = sampled("sync", [IMGEST, "sync", "--store", store, "--to", f"lancedb://{lance}/items",
-                                          "--json"], env, folder)
+        if "sync" not in stages.done:
+            shutil.rmtree(lance, ignore_errors=True)  # a first sync, also when an earlier one was cut off
+        stages.run("sync", [IMGEST, "sync", "--store", store, "--to", f"lancedb://{lance}/items", "--json"], env,
+                   folder)
         rng = np.random.default_rng(0)
         kept = np.setdiff1d(np.arange(cat.n), cat.deleted)  # live after the night
         item_ids = cat.keys(np.sort(rng.choice(kept, QUERIES, replace=False)))
         port = free_port()
-        stages["serve"] = sampled("serve", [IMGEST, "api", "--store", store, "--port", str(port)], env, folder,
-                                  serve(store, item_ids, port))
-        stages["migrate finish"] = sampled("migrate finish", [IMGEST, "migrate", "finish", "--store", store,
-                                                              "--retain-days", "0"], env, folder)
+        stages.run("serve", [IMGEST, "api", "--store", store, "--port", str(port)], env, folder,
+                   serve(store, item_ids, port))
+        stages.run("migrate finish", [IMGEST, "migrate", "finish", "--store", store, "--retain-days", "0"], env,
+                   folder)
     return {"objects": args.objects, "model": MODEL, "head": head, "memory": args.memory, "kind": args.kind,
             "target_recall": args.target_recall, "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "stages": stages, "peak_rss_mb": max(s["peak_rss_mb"] for s in stages.values())}
+            "stages": stages.results, "resumed": sorted(stages.done),
+            "peak_rss_mb": max(s["peak_rss_mb"] for s in stages.results.values())}
+
+
+class Stages:
+    """Each stage's result, written to `path` as soon as the stage ends (a rehearsal cut off keeps what it
+    measured); with `resume`, the stages recorded there are kept and not run again."""
+
+    def __init__(self, path: str, resume: bool):
+        self.path, self.results = path, {}
+        if resume and os.path.exists(path):
+            with open(path) as fh:
+                self.results = json.load(fh)
+        self.done = set(self.results)
+
+    def run(self, name: str, command: list[str], env: dict, folder: str, during=None) -> None:
+        if name in self.done:
+            say(f"{name}: kept from the run resumed ({self.results[name]['seconds']} s)")
+            return
+        self.results[name] = sampled(name, command, env, folder, during)
+        with open(self.path + ".tmp", "w") as fh:
+            json.dump(self.results, fh, indent=1)
+        os.replace(self.path + ".tmp", self.path)
 
 
 if __name__ == "__main__":

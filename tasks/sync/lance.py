@@ -175,6 +175,7 @@ class LanceTarget:
             # nothing to match (the rows' ids are unique): one append, one commit, whatever the size
             self.table.add(self._reader(batches))
         else:
+            self._indexed()  # a table an earlier sync left without its index (killed, or an older imgest)
             for chunk in _chunks(batches, MERGE_ROWS):
                 self.table.merge_insert("item_id").when_matched_update_all().when_not_matched_insert_all() \
                     .execute(self._reader(chunk))
@@ -184,12 +185,17 @@ class LanceTarget:
         """item_id indexed (a merge or a delete looks ids up instead of scanning every row), and the small
         fragments of past nights compacted once they are many (LanceDB's `optimize`: also folds new rows into
         the index and removes versions older than its default 7 days)."""
-        if not any(list(index.columns) == ["item_id"] for index in self.table.list_indices()):
-            from lancedb.index import BTree
-
-            self.table.create_index("item_id", config=BTree())
-        elif self.table.stats()["fragment_stats"]["num_small_fragments"] >= SMALL_FRAGMENTS:
+        if self._indexed() and self.table.stats()["fragment_stats"]["num_small_fragments"] >= SMALL_FRAGMENTS:
             self.table.optimize()
+
+    def _indexed(self) -> bool:
+        """Whether item_id was indexed already; indexed now if not."""
+        if any(list(index.columns) == ["item_id"] for index in self.table.list_indices()):
+            return True
+        from lancedb.index import BTree
+
+        self.table.create_index("item_id", config=BTree())
+        return False
 
     def delete(self, item_ids: list[str]) -> None:
         if item_ids:
