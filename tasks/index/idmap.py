@@ -71,13 +71,30 @@ class IdMap:
         # the shard each vector was read from (maps written before it was recorded have none)
         self.shards = table["shard"] if "shard" in table.column_names else None
         self.ordered = (reader.schema.metadata or {}).get(ORDERED) == b"true"
+        self._starts = np.cumsum([0] + [len(chunk) for chunk in self.item_ids.chunks])  # a batch's first row
 
     def __len__(self) -> int:
         return len(self.item_ids)
 
     def items(self, rows: np.ndarray) -> list[str]:
         """The item ids of faiss ids `rows` (each in 0..len-1)."""
-        return self.item_ids.take(pa.array(np.asarray(rows, np.int64))).to_pylist()
+        return self.take(self.item_ids, rows)
+
+    def uris_of(self, rows: np.ndarray) -> list[str]:
+        """The catalogue uris of faiss ids `rows`."""
+        return self.take(self.uris, rows)
+
+    def take(self, column: pa.ChunkedArray, rows: np.ndarray) -> list:
+        """`column`'s values at `rows`, each read from its own batch of the mapped file. A take on the whole
+        chunked column joins every batch into one array first: measured at 10M items, 430 MB of Arrow memory
+        and 150 ms for the 10 hits of one query."""
+        rows = np.asarray(rows, np.int64)
+        batch = np.searchsorted(self._starts, rows, side="right") - 1
+        values = np.empty(len(rows), object)
+        for b in np.unique(batch):
+            at = batch == b
+            values[at] = column.chunk(int(b)).take(pa.array(rows[at] - self._starts[b])).to_pylist()
+        return values.tolist()
 
     def uri(self, row: int) -> str:
         return self.uris[int(row)].as_py()

@@ -196,7 +196,7 @@ class Searcher:
         """Hits of faiss ids `ids`, their items and uris looked up in the id map (only the rows found)."""
         found = ids[ids >= 0]
         items = iter(self.opened.ids.items(found))
-        uris = iter(self.opened.ids.uris.take(pa.array(found, pa.int64())).to_pylist())
+        uris = iter(self.opened.ids.uris_of(found))
         return [[Hit(rank + 1, next(items), next(uris), float(s)) for rank, (s, i) in enumerate(zip(srow, irow))
                  if i >= 0] for srow, irow in zip(scores, ids)]
 
