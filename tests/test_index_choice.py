@@ -45,18 +45,19 @@ def test_parse_memory_rejects_nonsense():
     (1_000_000, 512, "200M", "IVF8192,PQ128,Refine(SQfp16)"),
     # 1/16 of fp32 (128 MB): PQ64 codes, 1M x 72 + 17.3 MB = 89 MB
     (1_000_000, 512, "128M", "IVF8192,PQ64,Refine(SQfp16)"),
-    # d=1280 (Lite0) at 2G: PQ160 (8 dims each): 10M x 168 + 168 MB of centroids + their graph = 1.87 GB; nlist
-    # 32768 searches its centroids through HNSW
-    (10_000_000, 1280, "2G", "IVF32768_HNSW32,PQ160,Refine(SQfp16)"),
+    # d=1280 (Lite0) at 2G: PQ160 (8 dims each): 10M x 168 + 131 MB of centroids + their graph = 1.83 GB; nlist
+    # 25600 (8 x sqrt(N) = 25,298 to a multiple of 1,024) searches its centroids through HNSW
+    (10_000_000, 1280, "2G", "IVF25600_HNSW32,PQ160,Refine(SQfp16)"),
     # at 1G only PQ80 fits (16 dims per sub-vector): an OPQ rotation first
-    (10_000_000, 1280, "1G", "OPQ80_1280,IVF32768_HNSW32,PQ80,Refine(SQfp16)"),
+    (10_000_000, 1280, "1G", "OPQ80_1280,IVF25600_HNSW32,PQ80,Refine(SQfp16)"),
     # 10k Lite0 vectors at 1/16 of fp32 (3.2 MB): PQ32 codes (0.4 MB), centroids and codebooks (2.6 MB) fit; the
     # 6.5 MB OPQ rotation its 40-dim sub-vectors would get does not, so none
     (10_018, 1280, 3_205_760, "IVF256,PQ32,Refine(SQfp16)"),
-    # 5M x 264 + 16384 x 1024 + the centroids' graph = 1.34 GB of SQ8 fits 2G; nlist 16384: HNSW coarse
-    (5_000_000, 256, "2G", "IVF16384_HNSW32,SQ8"),
-    (3_000_000, 256, "2G", "IVF16384_HNSW32,SQ8"),
-    (2_000_000, 256, "1G", "IVF8192,SQ8"),
+    # 5M x 264 + 17408 x 1024 + the centroids' graph = 1.34 GB of SQ8 fits 2G; nlist 17408: HNSW coarse
+    (5_000_000, 256, "2G", "IVF17408_HNSW32,SQ8"),
+    (4_000_000, 256, "2G", "IVF16384_HNSW32,SQ8"),
+    (3_000_000, 256, "2G", "IVF14336,SQ8"),  # under 16,384 lists the centroids are scanned
+    (2_000_000, 256, "1G", "IVF11264,SQ8"),
 ])
 def test_choice_by_size_and_budget(n, d, memory, factory):
     assert choose_index(n, d, memory).factory == factory
@@ -95,11 +96,13 @@ def test_budget_too_small_says_what_is_needed():
         choose_index(1_000_000, 512, "10M")
 
 
-@pytest.mark.parametrize("n", [100_000, 1_000_000, 50_000_000])
+@pytest.mark.parametrize("n", [100_000, 1_000_000, 10_000_000, 50_000_000, 100_000_000])
 def test_nlist_band_and_training_points(n):
     nlist = nlist_for(n)
     assert 4 * math.sqrt(n) <= nlist <= 16 * math.sqrt(n)
     assert n >= 39 * nlist
+    if n >= 1_000_000:  # k-means costs nlist^2: within 4% of 8 x sqrt(N), its training stays linear in N
+        assert nlist % 1024 == 0 and abs(nlist / (8 * math.sqrt(n)) - 1) < 0.04
 
 
 @pytest.mark.parametrize("n,nlist", [(10_000, 256), (2_000, 32), (50, 1)])
