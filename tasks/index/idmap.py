@@ -108,12 +108,26 @@ class IdMap:
         if not self.ordered:
             found = pc.index(self.item_ids, item_id).as_py()
             return None if found is None or found < 0 else found
-        at = bisect.bisect_left(_Column(self.item_ids), item_id)
-        return at if at < len(self.item_ids) and self.item_ids[at].as_py() == item_id else None
+        return find_sorted(self.item_ids, item_id)
 
     def positions(self, item_ids: list[str]) -> np.ndarray:
         """`position` of each, -1 for those the version does not hold."""
         return np.asarray([-1 if (p := self.position(i)) is None else p for i in item_ids], np.int64)
+
+
+def find_sorted(column: pa.ChunkedArray, key: str) -> int | None:
+    """The row of `key` in a string column in ascending order, by halves (one row read per step); None when it
+    is not there."""
+    at = bisect.bisect_left(_Column(column), key)
+    return at if at < len(column) and column[at].as_py() == key else None
+
+
+def ascending(column: pa.ChunkedArray) -> bool:
+    """Every value greater than the one before, no nulls (vectorised)."""
+    if len(column) < 2:
+        return not column.null_count
+    return not column.null_count and not pc.any(pc.less_equal(column.slice(1), column.slice(0, len(column) - 1))
+                                                ).as_py()
 
 
 class _Column:

@@ -254,7 +254,31 @@ def filtered_search(index, vectors: np.ndarray, k: int, allowed: np.ndarray, par
     return scores, ids
 
 
-def grouped(hits: list, group_of: dict[str, str], k: int, per_group: int) -> tuple[list, bool]:
+class GroupOf:
+    """item_id -> its value of one metadata column (str, None when it has none), looked up by halves in the
+    metadata's item_id order: no map of every item (a dict of 10M items holds ~1.5 GB). The metadata snapshot is
+    written in item_id order; one that is not (an older store) is put in order once, as columns."""
+
+    def __init__(self, table, column: str):
+        import pyarrow.compute as pc
+
+        from imgest.tasks.index.idmap import ascending
+
+        ids, values = table.column("item_id"), table.column(column)
+        if not ascending(ids):
+            order = pc.sort_indices(ids)
+            ids, values = ids.take(order), values.take(order)
+        self.ids, self.values = ids, values
+
+    def get(self, item_id: str, default: str | None = None) -> str | None:
+        from imgest.tasks.index.idmap import find_sorted
+
+        row = find_sorted(self.ids, item_id)
+        value = None if row is None else self.values[row].as_py()
+        return default if value is None else str(value)
+
+
+def grouped(hits: list, group_of: GroupOf | dict[str, str], k: int, per_group: int) -> tuple[list, bool]:
     """At most `per_group` hits per group (an item without one is its own), the first k groups in rank
     order; and whether k groups were filled."""
     kept, counts = [], {}

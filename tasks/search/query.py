@@ -14,7 +14,7 @@ from imgest.storage import open_location, read_url
 from imgest.tasks.index.store import OpenIndex, open_index, resolve_target
 from imgest.tasks.ingest.decode import decode_image
 from imgest.tasks.ingest.metadata import load_metadata
-from imgest.tasks.search.filters import FilterError, filtered_search, grouped, matching_items, positions
+from imgest.tasks.search.filters import FilterError, GroupOf, filtered_search, grouped, matching_items, positions
 from imgest.tasks.state.models import find_model
 
 
@@ -88,7 +88,7 @@ class Searcher:
         self._encoder = None
         self._table = None  # the store's metadata, read on the first --where or --group-by
         self._filters: dict[str, np.ndarray] = {}  # --where predicate -> faiss ids
-        self._group_maps: dict[str, dict[str, str]] = {}  # --group-by column -> item_id -> value
+        self._group_maps: dict[str, GroupOf] = {}  # --group-by column -> item_id -> value
         self._stored = None  # StoredVectors, made on the first query by item id
         self._metadata_rows: np.ndarray | None = None  # faiss id -> its item's metadata row (-1: none), for hits
         self._columns: list[dict] | None = None  # the metadata columns, for the search page's filters
@@ -272,19 +272,15 @@ class Searcher:
         return {row.pop("item_id"): {k: v for k, v in row.items() if k != "row_hash"}
                 for row in table.take(pa.array(rows[rows >= 0], pa.int64())).to_pylist()}
 
-    def groups(self, column: str) -> dict[str, str]:
-        """item_id -> its value of `column`, kept per column like the filters."""
+    def groups(self, column: str) -> GroupOf:
+        """item_id -> its value of `column` (GroupOf.get), kept per column like the filters."""
         if column not in self._group_maps:
-            self._group_maps[column] = self._group_map(column)
+            table = self._metadata()
+            if column not in table.column_names or column == "row_hash":
+                raise SearchError(f"--group-by {column!r}: no such metadata column; columns: "
+                                  f"{', '.join(c for c in table.column_names if c != 'row_hash')}")
+            self._group_maps[column] = GroupOf(table, column)
         return self._group_maps[column]
-
-    def _group_map(self, column: str) -> dict[str, str]:
-        table = self._metadata()
-        if column not in table.column_names or column == "row_hash":
-            raise SearchError(f"--group-by {column!r}: no such metadata column; columns: "
-                              f"{', '.join(c for c in table.column_names if c != 'row_hash')}")
-        values = table.column(column).to_pylist()
-        return {item: str(v) for item, v in zip(table.column("item_id").to_pylist(), values) if v is not None}
 
 
 def search(store_url: str, *, image: str | None = None, text: str | None = None, item_id: str | None = None,
