@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 
 Reporter = Callable[[str, int, int, str], None]  # (what, done, in total, unit: images or vectors)
+PLAIN_EVERY = 10.0  # seconds between plain lines of one count (a 10M-row sync reported 10,000 lines to its log)
 _reporter: contextvars.ContextVar[Reporter | None] = contextvars.ContextVar("imgest_progress", default=None)
 
 
@@ -26,7 +27,7 @@ def report(what: str, done: int, total: int, unit: str = "images") -> None:
 @contextlib.contextmanager
 def reporting(stream=None) -> Iterator[None]:
     """Within it, report() draws a live bar (count, rate, ETA) when `stream` is a terminal, else writes
-    one plain line per update."""
+    plain lines: the first and the last of each count, and at most one every PLAIN_EVERY seconds between."""
     stream = stream or sys.stderr
     if stream.isatty():
         from rich.console import Console
@@ -61,10 +62,15 @@ def reporting(stream=None) -> Iterator[None]:
                 _reporter.reset(token)
         return
     started: dict[str, float] = {}
+    written: dict[str, float] = {}
 
     def line(what: str, done: int, total: int, unit: str) -> None:
-        start = started.setdefault(what, time.monotonic())
-        elapsed = time.monotonic() - start
+        now = time.monotonic()
+        start = started.setdefault(what, now)
+        if what in written and done < total and now - written[what] < PLAIN_EVERY:
+            return
+        written[what] = now
+        elapsed = now - start
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = f", about {(total - done) / rate / 60:.1f} min left" if rate and done < total else ""
         print(f"{what}: {done:,}/{total:,} {unit}, {rate:.1f} {_per_second(unit)}{eta}", file=stream, flush=True)

@@ -14,15 +14,23 @@ from imgest.progress import report, reporting
 from tests.helpers import gradient, png_bytes, write_files
 
 
-def test_plain_lines_when_not_a_terminal():
+def test_plain_lines_when_not_a_terminal(monkeypatch):
+    """In a log: each count's first and last line, and one every 10 s between, never a line per update."""
+    from imgest import progress
+
+    clock = iter([0.0, 1.0, 5.0, 10.5, 12.0, 13.0, 14.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
     out = io.StringIO()
     with reporting(out):
-        report("model-a", 0, 6000)
-        report("model-a", 2000, 6000)
+        for done in (0, 1000, 2000, 3000, 4000):  # at 0, 1, 5, 10.5 and 12 s
+            report("model-a", done, 6000)
+        report("model-b", 10, 20, "vectors")  # another count has its own first line
+        report("model-a", 6000, 6000)  # the last, whenever it comes
     report("model-a", 6000, 6000)  # outside: nobody is watching, nothing is printed
     lines = out.getvalue().splitlines()
-    assert lines[0].startswith("model-a: 0/6,000 images") and lines[1].startswith("model-a: 2,000/6,000 images")
-    assert len(lines) == 2
+    assert [line.split(",")[0] for line in lines] == ["model-a: 0/6", "model-a: 3", "model-b: 10/20 vectors",
+                                                      "model-a: 6"], lines
+    assert lines[1].startswith("model-a: 3,000/6,000 images") and lines[3].startswith("model-a: 6,000/6,000")
 
 
 @pytest.mark.usefixtures("prefect_harness")  # the CLI runs report to the session's server
