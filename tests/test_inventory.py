@@ -35,6 +35,7 @@ def bucket(s3_endpoint):
     for i in range(12):
         fs.pipe(f"{name}/products/p{i:02d}.png", png_bytes(gradient(i, (16, 16))))
     fs.pipe(f"{name}/products/with space+plus.png", png_bytes(gradient(50, (16, 16))))
+    fs.pipe(f"{name}/products/shoes/.png", png_bytes(gradient(51, (16, 16))))  # a name that is only the suffix
     fs.pipe(f"{name}/products/notes.txt", b"not an image")
     fs.pipe(f"{name}/elsewhere/x.png", png_bytes(gradient(60, (16, 16))))
     return fs, name
@@ -87,6 +88,7 @@ def test_an_inventory_lists_what_list_lists(bucket, fmt):
     listed = list_catalogue(f"s3://{name}/products")
     from_report = read_inventory(manifest, f"s3://{name}/products")
     assert from_report.keys == listed.keys and "with space+plus.png" in from_report.keys
+    assert "shoes/.png" in listed.keys  # an image by its suffix either way
     report, listing = from_report.read(), listed.read()  # both spilled to local Parquet files as read
     assert report.drop(["mtime"]).equals(listing.drop(["mtime"])), "sizes, etags, classes"
     seconds = zip(report["mtime"].to_pylist(), listing["mtime"].to_pylist())
@@ -111,9 +113,9 @@ def test_a_run_from_the_inventory_then_a_list_run_reads_nothing_again(bucket, tm
     run = {"catalogue": f"s3://{name}/products", "store": str(tmp_path / "store"), "model": "raw-pixels",
            "batch_size": "8"}
     first = ingest(IngestConfig(**run, inventory=manifest))
-    assert first["listed"] == 13 and first["encoded"] == 13
+    assert first["listed"] == 14 and first["encoded"] == 14
     again = ingest(IngestConfig(**run))
-    assert again["listed"] == 13 and again["unchanged"] == 13 and again["encoded"] == 0
+    assert again["listed"] == 14 and again["unchanged"] == 14 and again["encoded"] == 0  # the same items
 
 
 def test_a_manifest_that_is_not_one_or_names_an_unread_format_lists_nothing(tmp_path):

@@ -111,7 +111,12 @@ class Listing:
 
 
 def is_image_key(key: str) -> bool:
-    return posixpath.splitext(key)[1].lower() in IMAGE_EXTENSIONS
+    """An image by the suffix of its name, as the inventory's reader decides it (a name that is only the
+    suffix, `shoes/.png`, included: S3 has no hidden files)."""
+    return posixpath.basename(key).lower().endswith(_SUFFIXES)
+
+
+_SUFFIXES = tuple(IMAGE_EXTENSIONS)
 
 
 def list_catalogue(catalogue_url: str, folder: str = "", maxdepth: int | None = None) -> Listing:
