@@ -5,7 +5,9 @@ import json
 import numpy as np
 import pytest
 from PIL import Image
+from typer.testing import CliRunner
 
+from imgest.cli import app
 from imgest.config import EvalConfig, IndexConfig, IngestConfig, NightlyConfig
 from imgest.demo import FASHION_CLASSES, photo, read_fashion_mnist
 from imgest.flows.build_index import build_index
@@ -104,7 +106,7 @@ def test_gate_reads_an_eval_report():
 
 
 def test_cost_report_of_the_serving_model(tmp_path, tiny_models):
-    from imgest.tasks.index.cost import cost_report
+    from imgest.tasks.index.cost import cost_report, read_rehearsal
     from imgest.tasks.reports.index import render_cost
     from tests.helpers import gradient, png_bytes, write_files
 
@@ -112,15 +114,34 @@ def test_cost_report_of_the_serving_model(tmp_path, tiny_models):
     write_files(str(cat), {f"{i:02d}.png": png_bytes(gradient(i)) for i in range(8)})
     nightly(NightlyConfig(catalogue=str(cat), store=str(store), model=f"hf:{tiny_models['clip']}", batch_size="4"))
     n = 2_000_000
-    report = cost_report(str(store), n, gpu_hour_price=2.5, node_memory="1G", min_seconds=0.05)
+    rehearsal = tmp_path / "change-1m.log"  # the benchmark's log: its JSON is the last line
+    rehearsal.write_text("[09:31:00] train-head: 18.0 s, peak 746 MB\n" + json.dumps(
+        {"objects": 1_000_000, "date": "2026-12-04", "stages": {
+            "train-head": {"seconds": 18.0, "peak_rss_mb": 746},
+            "migrate start": {"seconds": 180.0, "peak_rss_mb": 971},
+            "serve": {"seconds": 3.6, "peak_rss_mb": 421}}}) + "\n\n")
+    report = cost_report(str(store), n, gpu_hour_price=2.5, node_memory="1G", min_seconds=0.05,
+                         rehearsal=read_rehearsal(str(rehearsal)))
     best = report["encode_images_per_second"][str(report["best_batch"])]
     assert report["projected_encode_hours"] == pytest.approx(n / best / 3600, rel=1e-2)
     assert report["storage_bytes"]["fp32"] == 4 * 24 * n and report["storage_bytes"]["fp16"] == 2 * 24 * n
     assert report["query_encode_ms"]["text"] is not None and report["query_encode_ms"]["image"] > 0
     assert report["reencode_cost"]["price"] is None  # measured on a CPU: no GPU-hours to price
     # HNSW would fit 1G at 2M x 24, but past 100k items the rule keeps an index the nightly updates
-    assert report["index"]["factory"] == "IVF8192,SQ8" and report["index"]["fits"]
+    assert report["index"]["factory"] == "IVF11264,SQ8" and report["index"]["fits"]
     assert "GiB" in render_cost(report)
+    change = report["model_change"]  # 2M from a rehearsal at 1M: twice each stage's time
+    assert change["stages"]["migrate start"] == {"measured_seconds": 180.0, "projected_hours": 0.1,
+                                                 "peak_rss_mb": 971}
+    assert change["derived_model_hours"] == pytest.approx(0.11)  # the service answering is not the window's
+    assert change["new_backbone_hours"] == pytest.approx(0.11 + report["projected_encode_hours"], rel=1e-3)
+    assert "A model change at 2,000,000 items, from one rehearsed at 1,000,000" in render_cost(report)
+    for bad in ('{"objects": 0, "stages": {"sync": {"seconds": 1}}}', '{"objects": 10, "stages": {}}', "[1, 2]",
+                '{"objects": 10, "stages": {"sync": {"seconds": "soon"}}}', ""):
+        rehearsal.write_text(bad)
+        result = CliRunner().invoke(app, ["report", "cost", "--store", str(store), "--corpus-size", "10",
+                                          "--rehearsal", str(rehearsal)])
+        assert result.exit_code == 2 and "--rehearsal" in result.output, (bad, result.output)
 
 
 def test_query_set_for_another_root_is_refused(evaluated, tmp_path):

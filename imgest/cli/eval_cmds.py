@@ -91,14 +91,20 @@ def report_cost(
     node_memory: str = typer.Option("64G", help="Memory of a serving node"),
     node_disk: str = typer.Option("unlimited", help="Local disk of a serving node for a PQ index's re-rank vectors"),
     device: str = typer.Option(DEFAULT_DEVICE, help="Where to measure encode throughput"),
+    rehearsal: Optional[str] = typer.Option(None, help="A model change rehearsed at some N (the JSON "
+                                            "bench/bench_model_change.py --json prints): its stages in hours at "
+                                            "--corpus-size"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Encode throughput and hours, re-encode cost, query encode time, storage, index fit, dual-window storage."""
-    from imgest.tasks.index.cost import cost_report
+    """Encode throughput and hours, re-encode cost, query encode time, storage, index fit, dual-window storage;
+    with --rehearsal, a model change's window in hours."""
+    from imgest.tasks.index.cost import cost_report, read_rehearsal
     from imgest.tasks.reports.index import render_cost
 
     try:
-        report = cost_report(store, corpus_size, gpu_hour_price, node_memory, device, node_disk=node_disk)
+        rehearsed = read_rehearsal(rehearsal) if rehearsal else None
+        report = cost_report(store, corpus_size, gpu_hour_price, node_memory, device, node_disk=node_disk,
+                             rehearsal=rehearsed)
     except _user_errors() as exc:
         _fail(exc)
     typer.echo(json.dumps(report, indent=2) if as_json else render_cost(report))

@@ -72,4 +72,14 @@ def render_cost(report: dict) -> str:
               + f"; fits {report['index']['node_memory']}: {report['index']['fits']}"]
     if report["dual_window_fp32_bytes"]:
         lines.append(f"- migration window (both models at fp32): {report['dual_window_fp32_bytes'] / gib:.2f} GiB")
+    if change := report.get("model_change"):
+        lines += ["", f"### A model change at {report['corpus_size']:,} items, from one rehearsed at "
+                      f"{change['rehearsed_objects']:,} ({change['rehearsed_on'] or 'undated'}), times scaled "
+                      "linearly", "", "| stage | rehearsed s | projected hours | peak RSS MB (rehearsed) |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {name} | {row['measured_seconds']} | {row['projected_hours']} | {row['peak_rss_mb']} |"
+                  for name, row in change["stages"].items()]
+        lines += ["", f"- to a model derived from stored vectors (a head): **{change['derived_model_hours']} "
+                      "hours**", f"- to a new backbone (every image encoded as above): at most "
+                      f"**{change['new_backbone_hours']} hours**"]
     return "\n".join(lines) + "\n"
