@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -46,8 +47,9 @@ _RESERVED = ("item_id", "vector")
 @dataclass(frozen=True)
 class Plan:
     """What one sync sends, as files on local disk beside the state (no object per item): `now`, every live item
-    after the sync (MANIFEST_SCHEMA, the manifest the watermark records); `upsert`, the (item_id, shard) to send
-    (new, or changed content or metadata), in shard order; `delete`, the ids to delete."""
+    after the sync (MANIFEST_SCHEMA, the manifest the watermark records); `upsert`, the (item_id, shard,
+    meta_row: its row in the metadata table, null for none) to send (new, or changed content or metadata), in
+    shard order; `delete`, the ids to delete."""
 
     now: str
     upsert: str
@@ -76,20 +78,23 @@ def plan(state, metadata: pa.Table | None, before: str | None, maybe_there: pa.A
     now, upsert, manifest = (os.path.join(folder, f"sync-{name}.parquet") for name in ("now", "upsert", "manifest"))
     meta = metadata.select(["item_id", "row_hash"]) if metadata is not None else \
         pa.table({"item_id": pa.array([], pa.string()), "row_hash": pa.array([], pa.string())})
+    meta = meta.append_column("meta_row", pa.array(np.arange(meta.num_rows, dtype=np.int64)))
     sent = f"read_parquet({sql_string(before)})" if before else \
         "(SELECT NULL::VARCHAR AS item_id, NULL::VARCHAR AS content_hash, NULL::VARCHAR AS meta_hash WHERE false)"
     with state.sql() as cur:
         cur.register("meta", meta)
         cur.register("maybe", pa.table({"item_id": maybe_there.cast(pa.string())}))
-        cur.execute(f"""COPY (SELECT l.item_id, l.content_hash, m.meta_hash, l.shard FROM state l LEFT JOIN (
-                                  SELECT CAST(item_id AS VARCHAR) AS item_id,
-                                         min(CAST(row_hash AS VARCHAR)) AS meta_hash FROM meta GROUP BY 1) m
+        cur.execute(f"""COPY (SELECT l.item_id, l.content_hash, m.meta_hash, m.meta_row, l.shard FROM state l
+                              LEFT JOIN (SELECT CAST(item_id AS VARCHAR) AS item_id,
+                                                min(CAST(row_hash AS VARCHAR)) AS meta_hash,
+                                                arg_min(meta_row, CAST(row_hash AS VARCHAR)) AS meta_row
+                                         FROM meta GROUP BY 1) m
                               ON m.item_id = l.item_id
                               WHERE l.status = '{LIVE}' ORDER BY l.item_id) TO {sql_string(now)} (FORMAT parquet)""")
         cur.execute(f"""CREATE TEMP VIEW sent AS SELECT CAST(item_id AS VARCHAR) AS item_id,
                         CAST(content_hash AS VARCHAR) AS content_hash, CAST(meta_hash AS VARCHAR) AS meta_hash
                         FROM {sent}""")
-        cur.execute(f"""COPY (SELECT n.item_id, n.shard FROM read_parquet({sql_string(now)}) n
+        cur.execute(f"""COPY (SELECT n.item_id, n.shard, n.meta_row FROM read_parquet({sql_string(now)}) n
                               LEFT JOIN sent b ON b.item_id = n.item_id
                               WHERE b.item_id IS NULL OR b.content_hash IS DISTINCT FROM n.content_hash
                                  OR b.meta_hash IS DISTINCT FROM n.meta_hash
@@ -114,8 +119,9 @@ def metadata_columns(metadata: pa.Table | None) -> pa.Schema:
 
 def rows_for(store: Location, slug: str, upsert: str, metadata: pa.Table | None, columns: pa.Schema,
              dim: int, batch: int):
-    """Batches of (item_id, vector, metadata columns) for the items of `upsert` (a Parquet file of item_id and
-    shard, in shard order), one shard read at a time."""
+    """Batches of (item_id, vector, metadata columns) for the items of `upsert` (a Parquet file of item_id, shard
+    and meta_row, in shard order), one shard read at a time; an item's metadata is taken at its meta_row, never
+    looked for among every row of the metadata."""
     pending: list[pa.Table] = []
     size = 0
     for group in shard_groups(upsert):
@@ -125,8 +131,8 @@ def rows_for(store: Location, slug: str, upsert: str, metadata: pa.Table | None,
         vectors = embedding_matrix(table, dim)
         rows = pa.table({"item_id": table["item_id"].cast(pa.string()),
                          "vector": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel(), pa.float32()), dim)})
-        if metadata is not None:
-            found = metadata.take(pc.index_in(rows["item_id"], value_set=metadata["item_id"]))
+        if metadata is not None:  # the shard's rows in the group's order: their metadata rows, from the plan
+            found = metadata.take(group["meta_row"].take(pc.index_in(rows["item_id"], value_set=keep)))
             for field, source in zip(columns, (n for n in metadata.column_names if n not in ("item_id", "row_hash"))):
                 rows = rows.append_column(field, found[source])
         pending.append(rows)
