@@ -265,7 +265,9 @@ def test_a_second_sync_of_one_target_is_refused(tmp_path, synced_store):
 KILLED_SYNC = """
 import sys
 from imgest.config import SyncConfig
+from imgest.tasks.sync import lance
 from imgest.tasks.sync.run import sync
+lance.MERGE_ROWS = 1  # LanceDB too commits each one-row batch: a kill lands between commits, not after the last
 sync(SyncConfig(store=sys.argv[1], to=sys.argv[2], model="raw-pixels", batch=1))
 """
 
