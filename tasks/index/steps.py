@@ -228,6 +228,8 @@ def build_from_store(store_url: str, model: dict, live: LiveShards, choice: Inde
     trained = train_task(sample.vectors, choice, np.arange(len(sample.rows)))
     at = sample.probes(queries)
     probes, probes_at = np.ascontiguousarray(sample.vectors[at]), sample.rows[at]
+    drift = reference(sample.vectors)
+    del sample  # trained: not held while the parts fill
     train_seconds = total.seconds  # reading the training rows is part of training here
     specs = plan_parts(store_url, slug, d, live, parts)
     adding, results, done = Stopwatch(), [], 0
@@ -243,7 +245,7 @@ def build_from_store(store_url: str, model: dict, live: LiveShards, choice: Inde
     index = merge_id_parts(trained, [r["index"] for r in results])
     truth = merge_truth(probes, probes_at, results, len(live), depth)
     times = BuildTimes(train_seconds, adding.seconds, total.seconds)
-    return index, times, len(specs), truth, sample.vectors
+    return index, times, len(specs), truth, drift
 
 
 @dataclass
@@ -281,18 +283,17 @@ def build_streamed(store_url: str, model: dict, live: LiveShards, choice: IndexC
                   ("in one process" if used == 1 else "in parts in parallel, merged in id order (faiss merge_from)"))
     times = BuildTimes(streamed.train_seconds, streamed.add_seconds, streamed.train_seconds + streamed.add_seconds)
     return Built(streamed.index, streamed.ids, streamed.truth, live.snapshot, times, used, method,
-                 reference(streamed.sample))
+                 streamed.reference)
 
 
 def build_from_store_parts(store_url: str, model: dict, live: LiveShards, choice: IndexChoice, parts: int,
                            runner: str, workers: int, queries: int, depth: int, progress: AddProgress) -> Built:
     """An IVF build whose vectors never gather on this node: each part reads its own shards on the runner."""
-    index, times, used, truth, sample = build_from_store(store_url, model, live, choice, parts, runner,
-                                                         workers, queries, depth, progress)
+    index, times, used, truth, drift = build_from_store(store_url, model, live, choice, parts, runner,
+                                                        workers, queries, depth, progress)
     method = ("trained once on whole shards read here; each part read its own shards from the store and added "
               "them with their faiss ids on the runner; merged (faiss merge_from)")
-    return Built(index, IdMapFile().number(live.ordered), truth, live.snapshot, times, used, method,
-                 reference(sample))
+    return Built(index, IdMapFile().number(live.ordered), truth, live.snapshot, times, used, method, drift)
 
 
 def splits_by_store(choice: IndexChoice, parts: int) -> bool:

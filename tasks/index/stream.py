@@ -1,10 +1,11 @@
 """A full index build streamed from the store, shard by shard: the live set numbered on disk (item_id order,
 as an update numbers it), the training sample drawn by whole shards, then each shard read once and added to the
-trained IVF index with its faiss ids, or written into a memory map for the kinds that need every vector at once
-(HNSW, flat, a PQ index with re-rank vectors). The probes' exact neighbours are found as the shards pass; the id
-map goes from DuckDB to a file. What stays in memory is the index (without its re-rank vectors when they are
-kept on disk), one block of vectors and a few int64 arrays of the shards' sizes: no object per item, and no copy
-of the catalogue's vectors for an IVF kind."""
+trained IVF index with its faiss ids (each inverted list allocated once at its length: tasks/index/lists.py), or
+written into a memory map for the kinds that need every vector at once (HNSW, flat, a PQ index with re-rank
+vectors). The probes' exact neighbours are found as the shards pass; the id map goes from DuckDB to a file. What
+stays in memory is the index (without its re-rank vectors when they are kept on disk), one block of vectors and a
+few int64 arrays of the shards' sizes: no object per item, and no copy of the catalogue's vectors for an IVF
+kind; the training sample is let go once trained."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ import pyarrow.compute as pc
 from imgest.storage import Location
 from imgest.tasks.index.build import add_in_blocks, train
 from imgest.tasks.index.choice import IndexChoice, refines
+from imgest.tasks.index.lists import SizedAdd
 from imgest.tasks.index.parts import merge_truth
 from imgest.tasks.index.rerank import add_on_disk
 from imgest.tasks.index.store import IdMapFile
 from imgest.tasks.index.truth import Truth
 from imgest.tasks.index.update import rename_ids
 from imgest.tasks.state.live import LiveShards, read_shard_vectors, vector_array
+from imgest.tasks.watch.drift import Reference, reference
 from imgest.timing import Stopwatch
 
 ADD_BLOCK = 65_536  # vectors gathered from consecutive shards before one faiss add (and one probe scan)
@@ -121,7 +124,7 @@ class Streamed:
     index: object
     ids: IdMapFile
     truth: Truth
-    sample: np.ndarray  # the training vectors (the drift reference is drawn from them)
+    reference: Reference | None  # drawn from the training vectors (what later nights' drift is measured against)
     train_seconds: float
     add_seconds: float
 
@@ -153,23 +156,27 @@ def stream_build(store: Location, slug: str, dim: int, live: LiveShards, choice:
     sample = read_sample(store, slug, dim, live, choice.train_size)
     at = sample.probes(queries)
     scan = TruthScan(sample.vectors[at], sample.rows[at], depth)
+    drift = reference(sample.vectors)
     missing: list[np.ndarray] = []
     training, adding = Stopwatch(running=False), Stopwatch(running=False)
     if adds_by_shard(choice):
         with training:
             index = train(sample.vectors, choice, rows=np.arange(len(sample.rows)))
+        sample.vectors = sample.vectors[:0]  # trained: not held beside the index as it fills (0.3 GB at 10M)
         with adding:
-            done = 0
+            done, sized = 0, SizedAdd(index)
             for vectors, ids in _blocks(store, slug, dim, live, missing):
-                index.add_with_ids(vectors, ids)
+                sized.add(vectors, ids)
                 scan.add(vectors, ids)
                 done += len(ids)
                 if on_added is not None:
                     on_added(done)
+            index = sized.fill()
         gone = np.sort(np.concatenate(missing)) if missing else np.empty(0, np.int64)
         if len(gone):  # their ids were given out: the others move down to number 0..n-1
             rename_ids(index, _renumber(np.arange(len(live)), gone))
     else:
+        sample.vectors = sample.vectors[:0]  # these kinds train from the memory map's rows
         with adding:
             vectors = vector_array(len(live), dim)
             for block, ids in _blocks(store, slug, dim, live, missing):
@@ -183,19 +190,19 @@ def stream_build(store: Location, slug: str, dim: int, live: LiveShards, choice:
                 index = train(vectors, choice, rows=rows)
             with adding:
                 index = add_on_disk(index, vectors, on_added)
-            return _finish(slug, live, index, gone, scan, sample, training.seconds, adding.seconds)
+            return _finish(slug, live, index, gone, scan, drift, training.seconds, adding.seconds)
         if add_parts is not None:
             index, times, _ = add_parts(vectors, choice, rows)
-            return _finish(slug, live, index, gone, scan, sample, times.train_seconds,
+            return _finish(slug, live, index, gone, scan, drift, times.train_seconds,
                            adding.seconds + times.add_seconds)
         with training:
             index = train(vectors, choice, rows=rows)
         with adding:
             add_in_blocks(index, vectors, on_added=on_added)
-    return _finish(slug, live, index, gone, scan, sample, training.seconds, adding.seconds)
+    return _finish(slug, live, index, gone, scan, drift, training.seconds, adding.seconds)
 
 
-def _finish(slug: str, live: LiveShards, index, gone: np.ndarray, scan: TruthScan, sample: Sample,
+def _finish(slug: str, live: LiveShards, index, gone: np.ndarray, scan: TruthScan, drift: Reference | None,
             train_seconds: float, add_seconds: float) -> Streamed:
     """The id map without the rows that were missing, the probes' lists numbered as the index is."""
     n = len(live) - len(gone)
@@ -206,7 +213,7 @@ def _finish(slug: str, live: LiveShards, index, gone: np.ndarray, scan: TruthSca
     ids = IdMapFile().number(live.ordered, gone)
     if index.ntotal != n or ids.rows != n:
         raise RuntimeError(f"streamed build holds {index.ntotal} vectors and {ids.rows} ids for {n} live items")
-    return Streamed(index, ids, scan.truth(n), sample.vectors, train_seconds, add_seconds)
+    return Streamed(index, ids, scan.truth(n), drift, train_seconds, add_seconds)
 
 
 def _close_gaps(vectors: np.ndarray, gone: np.ndarray) -> np.ndarray:
