@@ -79,12 +79,12 @@ def _calibration(**changes) -> Calibration:
 
 
 def test_a_calibration_is_reused_until_the_model_or_the_catalogue_changes_much():
-    live = {f"i{n}": f"h{n}" for n in range(100)} | {"a": "ha", "b": "hb"}
-    assert stale(_calibration(items=102), "model@1", live) is None
-    assert "model@2" in stale(_calibration(items=102), "model@2", live)
-    assert "from 102 to 140 live items" in stale(_calibration(items=102), "model@1",
-                                                 live | {f"n{n}": "x" for n in range(38)})
-    assert "only 1 of its 2 sampled images" in stale(_calibration(items=102), "model@1", live | {"b": "changed"})
+    sample = {"a": "ha", "b": "hb"}  # the calibration's sampled items as the live set has them now
+    assert stale(_calibration(items=102), "model@1", 102, sample) is None
+    assert "model@2" in stale(_calibration(items=102), "model@2", 102, sample)
+    assert "from 102 to 140 live items" in stale(_calibration(items=102), "model@1", 140, sample)
+    assert "only 1 of its 2 sampled images" in stale(_calibration(items=102), "model@1", 102, sample | {"b": "changed"})
+    assert "only 1 of its 2 sampled images" in stale(_calibration(items=102), "model@1", 102, {"a": "ha"})  # b gone
 
 
 def test_a_planted_calibration_record_is_skipped_with_a_warning(tmp_path, caplog):
@@ -153,14 +153,20 @@ def test_planted_copies_are_found_at_the_defaults_and_no_group_joins_two_origina
 
 def test_a_planted_hash_file_is_skipped_and_an_oversized_one_is_not_read(tmp_path, caplog):
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    from imgest.tasks.duplicates.hashes import read_hashes, write_hashes
+    from imgest.tasks.duplicates.hashes import HashCache
 
     store = Location(str(tmp_path / "store"))
-    write_hashes(store, {"h1": 1, "h2": 2**64 - 1}, "20261201T000000000000")
-    assert read_hashes(store, max_rows=10) == {"h1": 1, "h2": 2**64 - 1}
-    write_hashes(store, {"h1": 1, "h3": 3}, "20261202T000000000000")  # the newest file holds all, older ones go
+    live = str(tmp_path / "live.parquet")  # the content hashes live now: what the cache keeps
+    pq.write_table(pa.table({"content_hash": ["h1", "h2", "h3"]}), live)
+    wanted = pa.array(["h1", "h2", "h3", "h9"])
+    HashCache(store, max_rows=10).write({"h1": 1, "h2": 2**64 - 1}, live, "20261201T000000000000")
+    assert HashCache(store, max_rows=10).lookup(wanted) == {"h1": 1, "h2": 2**64 - 1}
+    pq.write_table(pa.table({"content_hash": ["h1", "h3"]}), live)  # h2's image is gone
+    HashCache(store, max_rows=10).write({"h3": 3}, live, "20261202T000000000000")  # the newest holds all
     assert [n for n in store.list_names("duplicates/hashes")] == ["20261202T000000000000.parquet"]
+    assert HashCache(store, max_rows=10).lookup(wanted) == {"h1": 1, "h3": 3}
     store.write_table("duplicates/hashes/20261203T000000000000.parquet",
                       pa.table({"content_hash": ["h9"], "phash": ["not a number"]}))
     store.write_table("duplicates/hashes/20261204T000000000000.parquet",
@@ -168,5 +174,5 @@ def test_a_planted_hash_file_is_skipped_and_an_oversized_one_is_not_read(tmp_pat
                                 "phash": pa.array(range(50), pa.uint64())}))
     store.write_bytes("duplicates/hashes/20261205T000000000000.parquet", b"PAR1 not parquet")
     with caplog.at_level(logging.WARNING, logger="imgest"):
-        assert read_hashes(store, max_rows=10) == {"h1": 1, "h3": 3}
+        assert HashCache(store, max_rows=10).lookup(wanted) == {"h1": 1, "h3": 3}
     assert caplog.text.count("is not a hash file imgest wrote") == 3 and "50 rows, more than the 10" in caplog.text

@@ -28,19 +28,22 @@ def _jpeg(image: Image.Image, quality: int = 90) -> bytes:
 
 
 def test_groups_join_through_members_and_exact_needs_equal_bytes():
-    ids = ["a", "b", "c", "d", "e"]
-    hashes = ["h1", "h1", "h2", "h3", "h4"]
-    neighbours = np.array([[1, 2], [0, -1], [3, 0], [2, -1], [0, 1]])
-    scores = np.array([[1.0, 0.5], [1.0, 0.0], [0.98, 0.5], [0.98, 0.0], [0.9, 0.9]], np.float32)
-    groups = find_duplicates(ids, hashes, scores, neighbours, 0.97)
+    # a and b share bytes; c-d scored 0.98 (over the threshold: a pair); e is no one's duplicate
+    hashes = {"a": "h1", "b": "h1", "c": "h2", "d": "h3"}
+    pairs = {("c", "d"): (0.98, "embedding")}
+    groups = find_duplicates(hashes, pairs)
     assert groups == [{"kind": "exact", "items": ["a", "b"], "min_score": 1.0, "pairs": []},
                       {"kind": "near", "items": ["c", "d"], "min_score": 0.98,
                        "pairs": [{"items": ["c", "d"], "score": 0.98, "signal": "embedding"}]}]
     # e scored 0.9 with a: under the threshold, but its perceptual hash matched: joined, and said so
-    with_hash = find_duplicates(ids, hashes, scores, neighbours, 0.97, hash_pairs=[(4, 0, 0.9)])
+    with_hash = find_duplicates(hashes | {"e": "h4"}, pairs | {("a", "e"): (0.9, "hash")})
     assert with_hash[0]["items"] == ["a", "b", "e"] and with_hash[0]["kind"] == "near"
     assert with_hash[0]["pairs"] == [{"items": ["a", "e"], "score": 0.9, "signal": "hash"}]
     assert found_by(with_hash[0]) == "hash" and found_by(with_hash[1]) == "embedding" and found_by(groups[0]) == "bytes"
+    # a pair its pictures refuse does not join, and is counted
+    refused: list = []
+    checked = find_duplicates(hashes, pairs, confirm=lambda a, b: False, refused=refused)
+    assert [g["kind"] for g in checked] == ["exact"] and refused == [("c", "d")]
 
 
 def test_the_threshold_finds_the_target_share_of_each_kind_and_rises_over_different_items():

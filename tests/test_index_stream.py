@@ -23,34 +23,40 @@ from imgest.tasks.state.rows import STATE_SCHEMA
 SPEC = encoders.resolve("raw-pixels-2")  # d = 12
 
 
-def state_rows(keys: list[str], status: list[str], shards: list[str]) -> pa.Table:
+def state_rows(keys: list[str], status: list[str], shards: list[str], hashes: list[str] | None = None) -> pa.Table:
     n = len(keys)
     return pa.table({"item_id": keys, "uri": [f"s3://shop/{k}" for k in keys], "status": status,
                      "etag": ["e"] * n, "size": [1] * n, "mtime": [0.0] * n,
-                     "content_hash": [f"h-{k}" for k in keys], "shard": shards, "run_id": ["r"] * n,
+                     "content_hash": hashes or [f"h-{k}" for k in keys], "shard": shards, "run_id": ["r"] * n,
                      "reason": pa.nulls(n, pa.string()), "updated_at": ["t"] * n}, schema=STATE_SCHEMA)
 
 
 def write_store(folder, n: int, shard_size: int, missing: set[int] = frozenset(), deleted: set[int] = frozenset(),
-                seed: int = 0):
+                seed: int = 0, same_vector: dict[int, int] | None = None, same_bytes: dict[int, int] | None = None):
     """n items in shards of `shard_size` (keys shuffled across shards, as a catalogue's listing order would put
-    them); the state says every one is live except `deleted`; the items in `missing` have no row in their shard.
+    them); the state says every one is live except `deleted`; the items in `missing` have no row in their shard;
+    row r of `same_vector` has row s's vector, of `same_bytes` row s's content hash.
     Returns (store, state, {key: vector})."""
     rng = np.random.default_rng(seed)
     keys = [f"catalogue/brand-{i % 7}/sku-{i:07d}.jpg" for i in rng.permutation(n)]
     centres = rng.normal(size=(16, SPEC.dim))
     vectors = (centres[rng.integers(0, 16, n)] + 0.5 * rng.normal(size=(n, SPEC.dim))).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    for row, source in (same_vector or {}).items():
+        vectors[row] = vectors[source]
+    hashes = [f"h-{k}" for k in keys]
+    for row, source in (same_bytes or {}).items():
+        hashes[row] = hashes[source]
     store, shards = Location(str(folder)), []
     for number, begin in enumerate(range(0, n, shard_size)):
         rows = [r for r in range(begin, min(begin + shard_size, n)) if r not in missing]
         plan = ShardPlan("r00000001-20261203T000000-aaaaaa", number, tuple(
             WorkItem(keys[r], f"s3://shop/{keys[r]}", 1, 0.0, "e", None) for r in rows))
         writer = ShardWriter(store, SPEC, plan)
-        writer.add([(item, f"h-{item.item_id}") for item in plan.items], vectors[rows])
+        writer.add([(item, hashes[r]) for item, r in zip(plan.items, rows)], vectors[rows])
         writer.flush()
         shards += [plan.name] * (min(begin + shard_size, n) - begin)
-    table = state_rows(keys, ["deleted" if r in deleted else "live" for r in range(n)], shards)
+    table = state_rows(keys, ["deleted" if r in deleted else "live" for r in range(n)], shards, hashes)
     write_model_card(store, SPEC.describe())
     snapshot = folder / snapshot_key(SPEC.slug, 1)
     snapshot.parent.mkdir(parents=True)

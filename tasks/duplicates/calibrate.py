@@ -35,6 +35,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import pyarrow as pa
 
 from imgest.storage import Location, RecordError, StorageError
 from imgest.tasks.duplicates.hashes import hamming, perceptual_hash, picture
@@ -150,13 +151,17 @@ def choose_hash_signal(planted: np.ndarray, planted_hash: np.ndarray, other: np.
     return best
 
 
-def calibrate(live, opened, embed, *, sample: int = SAMPLE, seed: int = 0, target_recall: float = TARGET_RECALL,
-              min_precision: float = MIN_PRECISION, created: str = "", model_id: str = "",
-              progress=None) -> Calibration:
-    """Measure and choose for the model whose live vectors are `live` and served index `opened`; `embed`
-    turns a list of image bytes into unit vectors the way the catalogue's were made."""
+def calibrate(originals, live, opened, embed, *, sample: int = SAMPLE, seed: int = 0,
+              target_recall: float = TARGET_RECALL, min_precision: float = MIN_PRECISION, created: str = "",
+              model_id: str = "", progress=None) -> Calibration:
+    """Measure and choose for the model whose served index is `opened`: `originals` is the seeded sample of
+    its live items (tasks/state/live.py `live_sample`, `sample` of them, `seed`), `live` the whole live set
+    (LiveShards: its nearest items are looked up there); `embed` turns a list of image bytes into unit vectors
+    the way the catalogue's were made."""
     rng = np.random.default_rng(seed)
-    rows = sorted(int(r) for r in rng.choice(len(live), size=min(sample, len(live)), replace=False))
+    # the draw that chose the sample (sample_rows), so that the copies below come from the same random stream
+    rng.choice(originals.total, size=min(sample, originals.total), replace=False)
+    rows = range(len(originals))
     picked, planted, planted_hash, unreadable, confirmed = [], [], [], 0, 0
     pending: list[tuple[int, list[bytes]]] = []  # originals whose copies wait to be embedded in one batch
 
@@ -164,17 +169,17 @@ def calibrate(live, opened, embed, *, sample: int = SAMPLE, seed: int = 0, targe
         if pending:
             vectors = embed([copy for _, copies in pending for copy in copies]).reshape(len(pending), len(KINDS), -1)
             for (row, _), row_vectors in zip(pending, vectors):
-                planted.extend(float(s) for s in row_vectors @ live.vectors[row])
+                planted.extend(float(s) for s in row_vectors @ originals.vectors[row])
             pending.clear()
 
     for n, row in enumerate(rows):
         try:
-            data = live.read_image(row)
+            data = originals.read_image(row)
             original = picture(data)
             copies = [make_variant(data, kind, rng) for kind in KINDS]
             pictures = [picture(copy) for copy in copies]
         except (DecodeError, StorageError, OSError, ValueError) as exc:  # one image's fault: the sample goes on
-            logging.getLogger("imgest").warning("calibration skips %s: %s", live.item_ids[row], exc)
+            logging.getLogger("imgest").warning("calibration skips %s: %s", originals.item_ids[row], exc)
             unreadable += 1
             continue
         original_hash = perceptual_hash(original)
@@ -190,7 +195,7 @@ def calibrate(live, opened, embed, *, sample: int = SAMPLE, seed: int = 0, targe
     if len(picked) < MIN_SAMPLE:
         raise CalibrationError(f"only {len(picked)} of {len(rows)} sampled images could be read and decoded "
                                f"(calibration needs {MIN_SAMPLE})")
-    other, other_hash, copies_held = _nearest_others(live, opened, picked)
+    other, other_hash, copies_held = _nearest_others(originals, live, opened, picked)
     planted_a, other_a = np.asarray(planted), np.asarray(other)
     planted_h, other_h = np.asarray(planted_hash), np.asarray(other_hash)
     threshold = choose_threshold(planted_a, other_a, target_recall, min_precision, len(KINDS))
@@ -202,8 +207,9 @@ def calibrate(live, opened, embed, *, sample: int = SAMPLE, seed: int = 0, targe
         if hash_signal is not None and hash_signal["recall"] <= recall:
             hash_signal = None  # the hash adds nothing here
     return Calibration(
-        slug=live.slug, model_id=model_id, created=created, seed=seed, items=len(live),
-        sample=[live.item_ids[r] for r, _, _ in picked], sample_hashes=[live.content_hashes[r] for r, _, _ in picked],
+        slug=originals.slug, model_id=model_id, created=created, seed=seed, items=originals.total,
+        sample=[originals.item_ids[r] for r, _, _ in picked],
+        sample_hashes=[originals.content_hashes[r] for r, _, _ in picked],
         kinds=list(KINDS), target_recall=target_recall, min_precision=min_precision, threshold=threshold,
         recall=recall, precision=precision, planted=[round(s, 5) for s in planted], planted_hash=planted_hash,
         other=[round(s, 5) for s in other], other_hash=other_hash, catalogue_copies=copies_held,
@@ -211,20 +217,24 @@ def calibrate(live, opened, embed, *, sample: int = SAMPLE, seed: int = 0, targe
         confirmed=round(confirmed / len(planted), 4))
 
 
-def _nearest_others(live, opened, picked: list[tuple]) -> tuple[list[float], list[int], int]:
+def _nearest_others(originals, live, opened, picked: list[tuple]) -> tuple[list[float], list[int], int]:
     """Each original's nearest item that is neither itself, nor its bytes, nor the same picture (by hash, or
-    placed one inside the other: tasks/duplicates/verify.py)."""
-    position = {item: n for n, item in enumerate(live.item_ids)}
-    to_live = np.asarray([position.get(item, -1) for item in opened.item_ids.to_pylist()] + [-1], np.int64)
-    queries = live.vectors[[row for row, _, _ in picked]]
+    placed one inside the other: tasks/duplicates/verify.py). The neighbours' uris and hashes are the live set's
+    (`live`, LiveShards): an item gone since the index was built is passed over."""
+    queries = originals.vectors[[row for row, _, _ in picked]]
     scores, ids = opened.search(queries, min(NEIGHBOURS + 1, max(1, opened.index.ntotal)))
+    names = np.full(ids.shape, None, object)
+    names[ids >= 0] = opened.ids.take_array(opened.item_ids, ids[ids >= 0]).to_pylist()
+    now = live.rows_of(pa.array(sorted({n for n in names.ravel() if n is not None}), pa.string()))
+    current = dict(zip(now["item_id"].to_pylist(), zip(now["uri"].to_pylist(), now["content_hash"].to_pylist())))
     other, other_hash, held = [], [], 0
-    for (row, original, original_hash), row_scores, row_ids in zip(picked, scores, to_live[ids]):
-        for score, m in zip(row_scores, row_ids):
-            if m < 0 or m == row or live.content_hashes[m] == live.content_hashes[row]:
-                continue
+    for (row, original, original_hash), row_scores, row_names in zip(picked, scores, names):
+        for score, name in zip(row_scores, row_names):
+            if name not in current or name == originals.item_ids[row] or \
+                    current[name][1] == originals.content_hashes[row]:
+                continue  # gone, itself, or its bytes
             try:
-                neighbour = picture(live.read_image(int(m)))
+                neighbour = picture(originals.read_uri(current[name][0]))
                 distance = hamming(original_hash, perceptual_hash(neighbour))
                 copy = distance <= SAME_PICTURE or same_picture(original, neighbour)
             except (DecodeError, StorageError, OSError, ValueError):
@@ -322,15 +332,15 @@ def _check(c: Calibration, slug: str) -> None:
             raise RecordError(f"hash_signal.hash_distance must be an integer in [0, {MAX_HASH_DISTANCE}]")
 
 
-def stale(calibration: Calibration, model_id: str, live_items: dict[str, str]) -> str | None:
+def stale(calibration: Calibration, model_id: str, items: int, sample_now: dict[str, str]) -> str | None:
     """Why a calibration no longer describes the model and catalogue (one phrase), or None while it does.
-    `live_items`: item_id -> content hash of the live items now."""
+    `items`: how many are live now; `sample_now`: item_id -> content hash of those of the calibration's sampled
+    items still live."""
     if calibration.model_id != model_id:
         return f"it measured {calibration.model_id}, the model is now {model_id}"
-    count = len(live_items)
-    if abs(count - calibration.items) > STALE_SHARE * max(calibration.items, 1):
-        return f"the catalogue went from {calibration.items:,} to {count:,} live items"
-    kept = sum(live_items.get(item) == h for item, h in zip(calibration.sample, calibration.sample_hashes))
+    if abs(items - calibration.items) > STALE_SHARE * max(calibration.items, 1):
+        return f"the catalogue went from {calibration.items:,} to {items:,} live items"
+    kept = sum(sample_now.get(item) == h for item, h in zip(calibration.sample, calibration.sample_hashes))
     if kept < (1 - STALE_SHARE) * len(calibration.sample):
         return f"only {kept} of its {len(calibration.sample)} sampled images are still live and unchanged"
     return None

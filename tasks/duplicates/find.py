@@ -8,6 +8,7 @@ import logging
 from datetime import UTC, datetime
 
 import numpy as np
+import pyarrow as pa
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -26,11 +27,13 @@ from imgest.tasks.duplicates.calibrate import (
     write_calibration,
 )
 from imgest.tasks.duplicates.groups import NEIGHBOURS, DuplicateReport, find_and_report
-from imgest.tasks.duplicates.hashes import hamming, perceptual_hash, picture, read_hashes, write_hashes
+from imgest.tasks.duplicates.hashes import HashCache, hamming, perceptual_hash, picture
+from imgest.tasks.duplicates.scan import Candidates, candidates, scan_pairs
 from imgest.tasks.duplicates.verify import same_picture
 from imgest.tasks.ingest.decode import DecodeError, decode_image
-from imgest.tasks.state.catalogue_images import CatalogueRootError
-from imgest.tasks.state.committed import now_iso
+from imgest.tasks.state.catalogue_images import CatalogueImages, CatalogueRootError
+from imgest.tasks.state.committed import load_state, now_iso
+from imgest.tasks.state.live import LiveShards, live_sample
 
 
 def _stamp() -> str:
@@ -62,14 +65,22 @@ def embedder(searcher, batch: int = 32):
 
 
 class _Progress:
-    def __init__(self, slug: str, total: int):
-        self.what = f"calibrating {slug}"
-        self.artifact = create_progress_artifact(0.0, key="duplicates-calibration",
-                                                 description=f"copies of {total} sampled images")
+    def __init__(self, what: str, key: str, total: int, unit: str):
+        self.what, self.unit = what, unit
+        self.artifact = create_progress_artifact(0.0, key=key, description=f"{total} {unit}")
 
     def __call__(self, done: int, total: int) -> None:
-        update_progress_artifact(self.artifact, 100.0 * done / total, description=f"{done}/{total} sampled images")
-        report(self.what, done, total, "images")
+        update_progress_artifact(self.artifact, 100.0 * done / max(total, 1), description=f"{done}/{total} {self.unit}")
+        report(self.what, done, total, self.unit)
+
+
+def live_set(store: Location, slug: str) -> LiveShards:
+    """The model's live items numbered on local disk (tasks/state/live.py): what a duplicates run reads."""
+    state = load_state(store, slug)
+    try:
+        return LiveShards(state)
+    finally:
+        state.close()
 
 
 def choose(store_url: str, alias: str | None, model: str | None, threshold: float | None, recalibrate: bool,
@@ -77,24 +88,28 @@ def choose(store_url: str, alias: str | None, model: str | None, threshold: floa
            ) -> dict:
     """{threshold, threshold_source, calibration (its figures, or None), hash_signal, reason (why not
     calibrated)}. Measuring writes a calibration record (fenced)."""
-    from imgest.tasks.state.live import load_live_vectors
-
     searcher = _searcher(store_url, alias, model)
     card = searcher.card
-    live = load_live_vectors(searcher.store, card["slug"], searcher.spec.dim)
+    live = live_set(searcher.store, card["slug"])
     current = latest_calibration(searcher.store, card["slug"])
-    why = "--calibrate" if recalibrate else "no calibration yet" if current is None else \
-        stale(current, card["model_id"], dict(zip(live.item_ids, live.content_hashes)))
+    if recalibrate or current is None:
+        why = "--calibrate" if recalibrate else "no calibration yet"
+    else:
+        now = live.rows_of(pa.array(current.sample, pa.string()))
+        why = stale(current, card["model_id"], len(live),
+                    dict(zip(now["item_id"].to_pylist(), now["content_hash"].to_pylist())))
     if threshold is not None:  # the operator's; figures from the latest calibration when it still applies
         figures = current.at(threshold) if current is not None and why is None else None
         return {"threshold": threshold, "threshold_source": "--threshold", "calibration": figures,
                 "hash_signal": None, "reason": None}
     if why is not None:
         logging.getLogger("imgest").info("calibrating the duplicate threshold of model=%s: %s", card["slug"], why)
+        picked = live_sample(searcher.store, card["slug"], searcher.spec.dim, live, sample, seed)
         try:
-            current = calibrate(live, searcher.opened, embedder(searcher), sample=sample, seed=seed,
+            current = calibrate(picked, live, searcher.opened, embedder(searcher), sample=sample, seed=seed,
                                 target_recall=target_recall, created=now_iso(), model_id=card["model_id"],
-                                progress=_Progress(card["slug"], min(sample, len(live))))
+                                progress=_Progress(f"calibrating {card['slug']}", "duplicates-calibration",
+                                                   len(picked), "sampled images"))
         except (CalibrationError, CatalogueRootError) as exc:
             logging.getLogger("imgest").warning("duplicates of model=%s use the fixed threshold %s: no "
                                                 "calibration (%s)", card["slug"], DEFAULT_DUPLICATE_THRESHOLD, exc)
@@ -107,93 +122,91 @@ def choose(store_url: str, alias: str | None, model: str | None, threshold: floa
             "hash_signal": current.hash_signal, "reason": None}
 
 
-def hash_pairs(store: Location, live, scores: np.ndarray, neighbours: np.ndarray, threshold: float,
-               signal: dict, run: str, fence: Fence | None = None) -> list[tuple[int, int, float]]:
-    """Pairs among each item's nearest neighbours scoring in [floor, threshold) whose perceptual hashes are
-    within the calibrated distance. Hashes are read from the store's cache; missing ones are computed from the
-    images and written back (fenced)."""
-    candidates = {(min(n, int(m)), max(n, int(m))): float(s) for n, (row_s, row_m) in enumerate(zip(scores, neighbours))
-                  for s, m in zip(row_s, row_m) if m >= 0 and m != n and signal["floor"] <= s < threshold}
-    if not candidates:
+def hash_pairs(store: Location, live: LiveShards, found: Candidates, images, threshold: float, signal: dict,
+               run: str, fence: Fence | None = None) -> list[tuple[str, str, float]]:
+    """The candidate pairs scoring in [floor, threshold) whose perceptual hashes are within the calibrated
+    distance. Hashes are looked up in the store's cache for these pairs' images only; missing ones are computed
+    from the images and the cache written again (fenced), kept for the images live now."""
+    pairs = [(a, b, score) for a, b, score in found.pairs if signal["floor"] <= score < threshold]
+    if not pairs:
         return []
-    known = read_hashes(store, max_rows=4 * len(live) + 1024)  # the live items' hashes and those of the recently gone
-    rows = sorted({r for pair in candidates for r in pair})
-    missing = [r for r in rows if live.content_hashes[r] not in known]
-    failed = 0
-    for row in missing:
+    cache = HashCache(store, max_rows=4 * len(live) + 1024)  # the live items' hashes and those of the recently gone
+    wanted = {found.hashes[item]: item for a, b, _ in pairs for item in (a, b)}  # one image per content hash
+    known = cache.lookup(pa.array(sorted(wanted), pa.string()))
+    new, failed = {}, 0
+    for content_hash, item in wanted.items():
+        if content_hash in known:
+            continue
         try:
-            known[live.content_hashes[row]] = perceptual_hash(picture(live.read_image(row)))
+            new[content_hash] = perceptual_hash(picture(images.read(found.uris[item])))
         except (DecodeError, ContainmentError, StorageError, OSError) as exc:  # that item has no hash signal
             failed += 1
-            logging.getLogger("imgest").debug("no perceptual hash for %s: %s", live.item_ids[row], exc)
+            logging.getLogger("imgest").debug("no perceptual hash for %s: %s", item, exc)
     if failed:
         logging.getLogger("imgest").warning("%d of %d images could not be hashed: only the embedding judges them",
-                                            failed, len(missing))
-    if len(missing) > failed:
+                                            failed, len(new) + failed)
+    if new:
         if fence is not None:
             fence.check(store)
-        current = set(live.content_hashes)  # hashes of images no longer live are not carried on
-        write_hashes(store, {h: value for h, value in known.items() if h in current}, run)
-    pairs = []
-    for (n, m), score in candidates.items():
-        a, b = known.get(live.content_hashes[n]), known.get(live.content_hashes[m])
-        if a is not None and b is not None and hamming(a, b) <= signal["hash_distance"]:
-            pairs.append((n, m, score))
-    return pairs
+        cache.write(new, live.ordered, run)
+    known.update(new)
+    kept = []
+    for a, b, score in pairs:
+        first, second = known.get(found.hashes[a]), known.get(found.hashes[b])
+        if first is not None and second is not None and hamming(first, second) <= signal["hash_distance"]:
+            kept.append((a, b, score))
+    return kept
 
 
 def find(store_url: str, alias: str | None, model: str | None, choice: dict, fence: Fence | None = None) -> dict:
-    """Search every live item against the served index at the chosen threshold (and hash rule); write the
-    report (fenced); return it with the artifact's text."""
-    from imgest.tasks.state.live import load_live_vectors
-
+    """Search every live item against the served index at the chosen threshold (and hash rule), a shard at a
+    time; write the report (fenced); return it with the artifact's text."""
     searcher = _searcher(store_url, alias, model)
-    card, opened = searcher.card, searcher.opened
-    live = load_live_vectors(searcher.store, card["slug"], searcher.spec.dim)
-    position = {item: n for n, item in enumerate(live.item_ids)}
-    indexed = [position.get(item, -1) for item in opened.item_ids.to_pylist()]  # faiss id -> live row (-1: gone since)
-    scores, ids = opened.search(live.vectors, min(NEIGHBOURS, max(1, opened.index.ntotal)))
-    neighbours = np.where(ids >= 0, np.asarray(indexed + [-1], np.int64)[ids], -1)
-    run = _stamp()
-    extra = []
-    if choice.get("hash_signal"):
+    card, opened, slug = searcher.card, searcher.opened, searcher.card["slug"]
+    live = live_set(searcher.store, slug)
+    threshold, signal = choice["threshold"], choice.get("hash_signal")
+    floor = min(threshold, signal["floor"]) if signal else threshold
+    progress = _Progress(f"duplicates of {slug}", "duplicates-search", len(live), "items")
+    path = scan_pairs(searcher.store, slug, searcher.spec.dim, live, opened, floor,
+                      min(NEIGHBOURS, max(1, opened.index.ntotal)), lambda done: progress(done, len(live)))
+    found = candidates(live, path)
+    pairs = {(a, b): (score, "embedding") for a, b, score in found.pairs if score >= threshold}
+    calibrated, images, run = choice["threshold_source"] == "calibration", None, _stamp()
+    if signal or calibrated:  # both look at pictures, read only under the model's catalogue root
         try:
-            extra = hash_pairs(searcher.store, live, scores, neighbours, choice["threshold"], choice["hash_signal"],
-                               run, fence)
+            images = CatalogueImages(searcher.store, slug)
         except CatalogueRootError as exc:
-            logging.getLogger("imgest").warning("no perceptual-hash signal: %s", exc)
-    report = DuplicateReport(card["slug"], card["model_id"], choice["threshold"], len(live),
+            lost = [what for what, needed in (("no perceptual-hash signal", signal),
+                                              ("near pairs not confirmed by their pictures", calibrated)) if needed]
+            logging.getLogger("imgest").warning("%s: %s", "; ".join(lost), exc)
+    if signal and images is not None:
+        for a, b, score in hash_pairs(searcher.store, live, found, images, threshold, signal, run, fence):
+            pairs.setdefault((a, b), (score, "hash"))
+    report = DuplicateReport(slug, card["model_id"], threshold, len(live),
                              threshold_source=choice["threshold_source"], calibration=choice["calibration"])
-    confirm = None
-    if choice["threshold_source"] == "calibration":  # a calibrated threshold sits at the edge of different items
-        try:
-            confirm = PictureCheck(live)
-        except CatalogueRootError as exc:
-            logging.getLogger("imgest").warning("near pairs not confirmed by their pictures: %s", exc)
-    return find_and_report(searcher.store, report, live, scores, neighbours, extra, run, fence, confirm)
+    # a calibrated threshold sits at the edge of different items: each near pair is confirmed by its pictures
+    confirm = PictureCheck(images, found.uris) if calibrated and images is not None else None
+    return find_and_report(searcher.store, report, found.hashes, found.uris, pairs, run, fence, confirm)
 
 
 class PictureCheck:
     """Confirms a near pair by looking at both pictures (tasks/duplicates/verify.py). A picture that cannot be
     read leaves the pair to the embedding's judgement."""
 
-    def __init__(self, live):
-        from imgest.tasks.state.catalogue_images import CatalogueImages
+    def __init__(self, images, uris: dict[str, str]):
+        self.images, self.uris = images, uris
+        self.pictures: dict[str, object] = {}
 
-        self.live = live
-        CatalogueImages(Location(live.store_url), live.slug, live.catalogue)  # no catalogue root: refused now
-        self.pictures: dict[int, object] = {}
-
-    def picture(self, row: int):
-        if row not in self.pictures:
+    def picture(self, item: str):
+        if item not in self.pictures:
             try:
-                self.pictures[row] = picture(self.live.read_image(row))
+                self.pictures[item] = picture(self.images.read(self.uris[item]))
             except (DecodeError, ContainmentError, StorageError, OSError) as exc:
-                logging.getLogger("imgest").debug("no picture check for %s: %s", self.live.item_ids[row], exc)
-                self.pictures[row] = None
-        return self.pictures[row]
+                logging.getLogger("imgest").debug("no picture check for %s: %s", item, exc)
+                self.pictures[item] = None
+        return self.pictures[item]
 
-    def __call__(self, a: int, b: int) -> bool:
+    def __call__(self, a: str, b: str) -> bool:
         first, second = self.picture(a), self.picture(b)
         return first is None or second is None or same_picture(first, second)
 

@@ -2,12 +2,12 @@
 one image model within a cosine threshold: re-encodes, resizes, crops of one photo; or, where the model's
 calibration says its embedding is weak, a nearest neighbour whose perceptual hash is within a few bits).
 
-Exact groups come from the content hashes of the live rows. Near groups are found by searching the
-model's served index with every live vector (its k nearest; a range search is not offered by every index
-kind, HNSW among them), keeping pairs at or above the threshold, and joining pairs into groups
-(connected components, union-find). Each pair says which signal found it. A report is a Parquet table, one
-row per grouped item, written to `duplicates/model=<slug>/<run>.parquet`; the next report says which
-groups are new since the last.
+Exact groups come from the content hashes of the live rows (grouped in DuckDB). Near groups are found by
+searching the model's served index with every live vector, shard by shard (its k nearest; a range search is not
+offered by every index kind, HNSW among them), keeping pairs at or above the threshold, and joining pairs into
+groups (connected components, union-find over the items that have a duplicate: tasks/duplicates/scan.py).
+Each pair says which signal found it. A report is a Parquet table, one row per grouped item, written to
+`duplicates/model=<slug>/<run>.parquet`; the next report says which groups are new since the last.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-import numpy as np
 import pyarrow as pa
 
 from imgest.storage import Location, StorageError
@@ -50,65 +49,62 @@ class DuplicateReport:
 
 
 class _Sets:
-    def __init__(self, n: int):
-        self.parent = list(range(n))
+    """Union-find over the items that have a duplicate (exact or near): the rest of the catalogue never enters."""
 
-    def find(self, a: int) -> int:
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def find(self, a: str) -> str:
+        self.parent.setdefault(a, a)
         while self.parent[a] != a:
             self.parent[a] = self.parent[self.parent[a]]
             a = self.parent[a]
         return a
 
-    def join(self, a: int, b: int) -> None:
+    def join(self, a: str, b: str) -> None:
         a, b = self.find(a), self.find(b)
         if a != b:
             self.parent[max(a, b)] = min(a, b)
 
 
-def find_duplicates(item_ids: list[str], hashes: list[str], scores: np.ndarray, neighbours: np.ndarray,
-                    threshold: float, hash_pairs=(), confirm=None, refused: list | None = None) -> list[dict]:
+def find_duplicates(hashes: dict[str, str], pairs: dict[tuple[str, str], tuple[float, str]], confirm=None,
+                    refused: list | None = None) -> list[dict]:
     """Groups of two or more items, largest first: exact when every member has the same bytes, else near.
-    `scores`/`neighbours`: each item's k nearest (faiss ids into item_ids), as the index returned them;
-    `hash_pairs`: (row, row, cosine) pairs the perceptual hash found below the threshold. With `confirm`
-    (row, row) -> bool, a near pair joins only when it says so (the others go to `refused`). Each near group
-    lists its pairs with the signal that found each: embedding or hash."""
-    sets = _Sets(len(item_ids))
-    by_hash: dict[str, int] = {}
-    for n, content_hash in enumerate(hashes):
-        if content_hash in by_hash:
-            sets.join(n, by_hash[content_hash])
+    `hashes`: the content hash of every item that shares its bytes with another live item or is in a pair (the
+    catalogue's other items play no part); `pairs`: (item, item) -> (cosine, signal) of the near pairs (the
+    signal that found each: embedding or hash). With `confirm` (item, item) -> bool, a near pair joins only when
+    it says so (the others go to `refused`)."""
+    sets = _Sets()
+    first: dict[str, str] = {}
+    for item, content_hash in sorted(hashes.items()):
+        sets.find(item)
+        if content_hash in first:
+            sets.join(item, first[content_hash])
         else:
-            by_hash[content_hash] = n
-    found: dict[tuple[int, int], tuple[float, str]] = {}
-    for n, (row_scores, row_ids) in enumerate(zip(scores, neighbours)):
-        for score, m in zip(row_scores, row_ids):
-            if m >= 0 and m != n and score >= threshold and hashes[m] != hashes[n]:  # equal bytes: joined above
-                found[(min(n, int(m)), max(n, int(m)))] = (float(score), "embedding")
-    for n, m, score in hash_pairs:
-        found.setdefault((min(n, m), max(n, m)), (float(score), "hash"))
+            first[content_hash] = item
+    found = dict(pairs)
     if confirm is not None:
         for pair in [pair for pair in found if not confirm(*pair)]:
             del found[pair]
             if refused is not None:
-                refused.append((item_ids[pair[0]], item_ids[pair[1]]))
+                refused.append(pair)
     for a, b in found:
         sets.join(a, b)
-    members: dict[int, list[int]] = {}
-    for n in range(len(item_ids)):
-        members.setdefault(sets.find(n), []).append(n)
-    pairs: dict[int, list[tuple[int, int]]] = {}
+    members: dict[str, list[str]] = {}
+    for item in hashes:
+        members.setdefault(sets.find(item), []).append(item)
+    joined_by: dict[str, list[tuple[str, str]]] = {}
     for pair in found:
-        pairs.setdefault(sets.find(pair[0]), []).append(pair)
+        joined_by.setdefault(sets.find(pair[0]), []).append(pair)
     groups = []
-    for root, rows in members.items():
-        if len(rows) < 2:
+    for root, items in members.items():
+        if len(items) < 2:
             continue
-        exact = len({hashes[r] for r in rows}) == 1
-        joined = sorted(pairs.get(root, []), key=lambda p: (item_ids[p[0]], item_ids[p[1]]))
-        groups.append({"kind": "exact" if exact else "near", "items": sorted(item_ids[r] for r in rows),
+        joined = sorted(joined_by.get(root, []))
+        groups.append({"kind": "exact" if len({hashes[i] for i in items}) == 1 else "near", "items": sorted(items),
                        "min_score": round(min((found[p][0] for p in joined), default=1.0), 4),
-                       "pairs": [{"items": [item_ids[a], item_ids[b]], "score": round(found[(a, b)][0], 4),
-                                  "signal": found[(a, b)][1]} for a, b in joined]})
+                       "pairs": [{"items": [a, b], "score": round(found[(a, b)][0], 4), "signal": found[(a, b)][1]}
+                                 for a, b in joined]})
     return sorted(groups, key=lambda g: (-len(g["items"]), g["items"]))
 
 
@@ -222,14 +218,13 @@ def render_duplicates(report: DuplicateReport, thumbnails: dict[int, bytes]) -> 
     return "\n".join(lines)
 
 
-def find_and_report(store: Location, report: DuplicateReport, live, scores: np.ndarray, neighbours: np.ndarray,
-                    hash_pairs, run: str, fence=None, confirm=None) -> dict:
-    """Group, compare with the last report, write the report (fenced), return it with the artifact's text."""
+def find_and_report(store: Location, report: DuplicateReport, hashes: dict[str, str], uris: dict[str, str],
+                    pairs: dict[tuple[str, str], tuple[float, str]], run: str, fence=None, confirm=None) -> dict:
+    """Group, compare with the last report, write the report (fenced), return it with the artifact's text.
+    `hashes` and `uris`: those of the items in an exact group or a pair."""
     refused: list = []
-    report.groups = find_duplicates(live.item_ids, live.content_hashes, scores, neighbours, report.threshold,
-                                    hash_pairs, confirm, refused)
+    report.groups = find_duplicates(hashes, pairs, confirm, refused)
     report.refused_pairs = len(refused) if confirm is not None else None
-    uris = dict(zip(live.item_ids, live.uris))
     before = previous_groups(store, report.slug)
     report.new_groups = sum(1 for g in report.groups if tuple(g["items"]) not in before)
     if fence is not None:

@@ -1,17 +1,22 @@
 """Perceptual hashes of decoded images (imagehash's DCT hash, 64 bits): the second duplicate signal, kept per
 content hash so each image is decoded for it once, whatever model is served.
 
-  duplicates/hashes/<run>.parquet   content_hash, phash (uint64): the newest file holds every hash so far
+  duplicates/hashes/<run>.parquet   content_hash, phash (uint64): the newest file holds every hash so far of
+                                    the images live when it was written
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
+from imgest.scratch import scratch_folder
 from imgest.storage import Location, RecordError, StorageError
+from imgest.tasks.state.rows import scratch_sql, sql_string
 
 PREFIX = "duplicates/hashes"
 _SCHEMA = pa.schema([("content_hash", pa.string()), ("phash", pa.uint64())])
@@ -57,30 +62,61 @@ def hamming(a: int, b: int) -> int:
     return (a ^ b).bit_count()
 
 
-def read_hashes(store: Location, max_rows: int) -> dict[str, int]:
-    """Every stored hash by content hash. A file that is not one imgest wrote, or holds more than `max_rows`
-    rows, or cannot be read now, is skipped with a warning: it is a cache, its images are hashed again."""
-    hashes: dict[str, int] = {}
-    for name in sorted(n for n in store.list_names(PREFIX) if n.endswith(".parquet")):
-        try:
-            table = store.read_table(f"{PREFIX}/{name}", columns=["content_hash", "phash"], max_rows=max_rows)
-            if table.schema != _SCHEMA:
-                raise RecordError(f"columns {table.schema.types}, not (string, uint64)")
-        except (RecordError, StorageError, ValueError, OSError, pa.ArrowException) as exc:
-            logging.getLogger("imgest").warning("%s: %s/%s is not a hash file imgest wrote (%s): skipped",
-                                                store.url, PREFIX, name, exc)
-            continue
-        hashes.update(zip(table.column("content_hash").to_pylist(), table.column("phash").to_pylist()))
-    return hashes
+class HashCache:
+    """The stored hashes, copied to local disk and queried there with DuckDB: a run looks up the hashes of its
+    candidate pairs and writes the cache anew without holding every hash the store has. A file that is not one
+    imgest wrote, holds more than `max_rows` rows, or cannot be read now, is skipped with a warning: it is a
+    cache, its images are hashed again."""
 
+    def __init__(self, store: Location, max_rows: int) -> None:
+        from imgest.storage.cache import local_copy
 
-def write_hashes(store: Location, hashes: dict[str, int], run: str) -> None:
-    """Write every hash in one new file, then delete the older ones (a kill between leaves both, which read
-    as their union)."""
-    older = [n for n in store.list_names(PREFIX) if n.endswith(".parquet")]
-    table = pa.table({"content_hash": pa.array(list(hashes), pa.string()),
-                      "phash": pa.array(list(hashes.values()), pa.uint64())}, schema=_SCHEMA)
-    store.write_table(f"{PREFIX}/{run}.parquet", table)
-    for name in older:
-        if name != f"{run}.parquet":
-            store.delete(f"{PREFIX}/{name}")
+        self.store, self.folder = store, scratch_folder(self, "hashes")
+        self.names = sorted(n for n in store.list_names(PREFIX) if n.endswith(".parquet"))
+        self.files: list[str] = []
+        for name in self.names:
+            try:
+                path = local_copy(store, f"{PREFIX}/{name}", self.folder, checksum=name, suffix=".parquet")
+                footer = pq.ParquetFile(path)
+                if footer.metadata.num_rows > max_rows:
+                    raise RecordError(f"{footer.metadata.num_rows:,} rows, more than the {max_rows:,} expected")
+                if footer.schema_arrow != _SCHEMA:
+                    raise RecordError(f"columns {footer.schema_arrow.types}, not (string, uint64)")
+            except (RecordError, StorageError, ValueError, OSError, pa.ArrowException) as exc:
+                logging.getLogger("imgest").warning("%s: %s/%s is not a hash file imgest wrote (%s): skipped",
+                                                    store.url, PREFIX, name, exc)
+                continue
+            self.files.append(path)
+
+    def _sources(self) -> str:
+        return "[" + ", ".join(sql_string(f) for f in self.files) + "]"
+
+    def lookup(self, content_hashes: pa.Array) -> dict[str, int]:
+        """The stored hash of each of `content_hashes` that has one (a run's candidates: a few per pair)."""
+        if not self.files or not len(content_hashes):
+            return {}
+        with scratch_sql(self.folder) as con:
+            con.register("wanted", pa.table({"content_hash": pa.array(content_hashes, pa.string())}))
+            found = con.sql(f"""SELECT content_hash, any_value(phash) AS phash FROM read_parquet({self._sources()})
+                                SEMI JOIN wanted USING (content_hash) GROUP BY content_hash""").to_arrow_table()
+        return dict(zip(found["content_hash"].to_pylist(), found["phash"].to_pylist()))
+
+    def write(self, new: dict[str, int], live: str, run: str) -> None:
+        """Every hash so far and `new`, kept for the content hashes in `live` (a Parquet file with a content_hash
+        column: the images live now), in one new file; then the older files go (a kill between leaves both,
+        which read as their union)."""
+        added = pa.table({"content_hash": pa.array(list(new), pa.string()),
+                          "phash": pa.array(list(new.values()), pa.uint64())}, schema=_SCHEMA)
+        stored = f"SELECT content_hash, phash FROM read_parquet({self._sources()}) UNION ALL " if self.files else ""
+        path = os.path.join(self.folder, f"{run}.parquet")
+        with scratch_sql(self.folder) as con:
+            con.register("added", added)
+            con.execute(f"CREATE VIEW live AS SELECT content_hash FROM read_parquet({sql_string(live)})")
+            con.execute(f"""COPY (SELECT content_hash, any_value(phash) AS phash
+                                  FROM ({stored}SELECT content_hash, phash FROM added)
+                                  SEMI JOIN live USING (content_hash) GROUP BY content_hash)
+                            TO {sql_string(path)} (FORMAT parquet, COMPRESSION zstd)""")
+        self.store.put_file(f"{PREFIX}/{run}.parquet", path)
+        for name in self.names:
+            if name != f"{run}.parquet":
+                self.store.delete(f"{PREFIX}/{name}")

@@ -85,16 +85,22 @@ class IdMap:
         return self.take(self.uris, rows)
 
     def take(self, column: pa.ChunkedArray, rows: np.ndarray) -> list:
-        """`column`'s values at `rows`, each read from its own batch of the mapped file. A take on the whole
-        chunked column joins every batch into one array first: measured at 10M items, 430 MB of Arrow memory
-        and 150 ms for the 10 hits of one query."""
+        """`column`'s values at `rows` as Python values (see `take_array`)."""
+        return self.take_array(column, rows).to_pylist()
+
+    def take_array(self, column: pa.ChunkedArray, rows: np.ndarray) -> pa.Array:
+        """`column`'s values at `rows`, in that order, each read from its own batch of the mapped file. A take on
+        the whole chunked column joins every batch into one array first: measured at 10M items, 430 MB of Arrow
+        memory and 150 ms for the 10 hits of one query."""
         rows = np.asarray(rows, np.int64)
-        batch = np.searchsorted(self._starts, rows, side="right") - 1
-        values = np.empty(len(rows), object)
-        for b in np.unique(batch):
-            at = batch == b
-            values[at] = column.chunk(int(b)).take(pa.array(rows[at] - self._starts[b])).to_pylist()
-        return values.tolist()
+        order = np.argsort(rows, kind="stable")
+        ascending = rows[order]
+        batch = np.searchsorted(self._starts, ascending, side="right") - 1
+        edges = [0, *(np.flatnonzero(np.diff(batch)) + 1), len(rows)]
+        parts = [column.chunk(int(batch[a])).take(pa.array(ascending[a:b] - self._starts[batch[a]]))
+                 for a, b in zip(edges, edges[1:]) if b > a]
+        taken = pa.concat_arrays(parts) if parts else pa.array([], column.type)
+        return taken.take(pa.array(np.argsort(order, kind="stable")))  # back to the order asked for
 
     def uri(self, row: int) -> str:
         return self.uris[int(row)].as_py()

@@ -60,7 +60,7 @@ class LiveShards:
         from imgest.scratch import scratch_folder
         from imgest.tasks.state.rows import one_thread, sql_string
 
-        folder = scratch_folder(self, "live")
+        folder = self.folder = scratch_folder(self, "live")
         self.ordered = os.path.join(folder, "ordered.parquet")
         self.by_shard = os.path.join(folder, "by_shard.parquet")
         self.snapshot = state.seq
@@ -88,6 +88,23 @@ class LiveShards:
         """(shard, its live item ids, their rows) per shard, in shard order, read a batch at a time."""
         for group in shard_groups(self.by_shard):
             yield group["shard"][0].as_py(), group["item_id"].combine_chunks(), group["row"].to_numpy()
+
+    def connect(self):
+        """A DuckDB connection with the live rows as the view `live` (item_id, uri, content_hash, shard), capped
+        as a state's and spilling to this live set's folder."""
+        from imgest.tasks.state.rows import scratch_sql, sql_string
+
+        con = scratch_sql(self.folder)
+        con.execute(f"CREATE VIEW live AS SELECT * FROM read_parquet({sql_string(self.ordered)})")
+        return con
+
+    def rows_of(self, item_ids: pa.Array) -> pa.Table:
+        """(item_id, uri, content_hash) of those of `item_ids` that are live, in item_id order (for a few ids: a
+        sample's, its neighbours')."""
+        with self.connect() as con:
+            con.register("wanted", pa.table({"item_id": pa.array(item_ids, pa.string())}))
+            return con.sql("SELECT item_id, uri, content_hash FROM live SEMI JOIN wanted USING (item_id) "
+                           "ORDER BY item_id").to_arrow_table()
 
     def shard_rows(self, shards: list[str]) -> pa.Table:
         """(shard, item_id, row) of the live items in `shards` (a few of them: a training sample's)."""
@@ -159,11 +176,15 @@ class LiveVectors:
     def read_image(self, row: int) -> bytes:
         """The bytes of a row's image, read only under the model's catalogue root (a row's uri is a record:
         see tasks/state/catalogue_images.py)."""
+        return self.read_uri(self.uris[row])
+
+    def read_uri(self, uri: str) -> bytes:
+        """The bytes of an image of this model's catalogue by its uri (another item's: a neighbour's)."""
         from imgest.tasks.state.catalogue_images import CatalogueImages
 
         if self._images is None:
             self._images = CatalogueImages(Location(self.store_url), self.slug, self.catalogue)
-        return self._images.read(self.uris[row])
+        return self._images.read(uri)
 
 
 def live_fingerprint(store: Location, slug: str) -> str:
@@ -238,6 +259,11 @@ def load_live_sample(store: Location, slug: str, dim: int, limit: int, seed: int
         live = LiveShards(state)
     finally:
         state.close()
+    return live_sample(store, slug, dim, live, limit, seed)
+
+
+def live_sample(store: Location, slug: str, dim: int, live: LiveShards, limit: int, seed: int) -> LiveVectors:
+    """`load_live_sample` from a live set already numbered."""
     wanted = sample_rows(len(live), limit, seed)
     parts: list[tuple[np.ndarray, pa.Table]] = []
     for shard, keep, rows in live:

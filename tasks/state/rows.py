@@ -135,6 +135,14 @@ class StateBase:
             cur.close()
 
 
+def scratch_sql(folder: str):
+    """An in-memory DuckDB connection capped as a state is (STATE_MEMORY), spilling to `folder`/spill."""
+    import duckdb
+
+    return duckdb.connect(config={"memory_limit": STATE_MEMORY, "preserve_insertion_order": False,
+                                  "temp_directory": os.path.join(folder, "spill")})
+
+
 @contextmanager
 def one_thread(cur, memory: str | None = None) -> Iterator:
     """DuckDB on one thread for the statements inside: an external sort of wide rows keeps one set of buffers,
