@@ -172,3 +172,23 @@ def test_serving_vs_shadow_evaluation_is_recorded_in_the_open_window(tmp_path):
     other = {**report, "b": {"alias": "pixels", "metrics": {"recall@10": 0.1}}}
     record_evaluation(store, other)  # not serving vs shadow: the window keeps the last relevant result
     assert read_window(store)["evaluation"]["shadow"] == 0.85
+
+
+def test_exact_search_a_shard_at_a_time_equals_one_search_over_every_vector():
+    """The evaluation's exact side reads the live vectors a shard at a time and keeps each query's best so far:
+    the same lists as one exact search over all of them."""
+    import faiss
+    import pyarrow as pa
+
+    from imgest.tasks.evaluate.retrievers import ExactScan
+
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((5000, 16)).astype(np.float32)
+    names = np.array([f"item-{n:05d}" for n in range(len(vectors))], object)
+    queries = rng.standard_normal((20, 16)).astype(np.float32)
+    scan = ExactScan(queries, 30)
+    for begin in range(0, len(vectors), 700):  # blocks of uneven size, the last short
+        scan.add(vectors[begin:begin + 700], pa.array(names[begin:begin + 700]))
+    scores, ids = faiss.knn(queries, vectors, 30, metric=faiss.METRIC_INNER_PRODUCT)
+    np.testing.assert_allclose(scan.scores, scores, rtol=1e-6)
+    assert (scan.names == names[ids]).all()

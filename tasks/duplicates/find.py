@@ -32,8 +32,8 @@ from imgest.tasks.duplicates.scan import Candidates, candidates, scan_pairs
 from imgest.tasks.duplicates.verify import same_picture
 from imgest.tasks.ingest.decode import DecodeError, decode_image
 from imgest.tasks.state.catalogue_images import CatalogueImages, CatalogueRootError
-from imgest.tasks.state.committed import load_state, now_iso
-from imgest.tasks.state.live import LiveShards, live_sample
+from imgest.tasks.state.committed import now_iso
+from imgest.tasks.state.live import LiveShards, live_sample, live_set
 
 
 def _stamp() -> str:
@@ -72,15 +72,6 @@ class _Progress:
     def __call__(self, done: int, total: int) -> None:
         update_progress_artifact(self.artifact, 100.0 * done / max(total, 1), description=f"{done}/{total} {self.unit}")
         report(self.what, done, total, self.unit)
-
-
-def live_set(store: Location, slug: str) -> LiveShards:
-    """The model's live items numbered on local disk (tasks/state/live.py): what a duplicates run reads."""
-    state = load_state(store, slug)
-    try:
-        return LiveShards(state)
-    finally:
-        state.close()
 
 
 def choose(store_url: str, alias: str | None, model: str | None, threshold: float | None, recalibrate: bool,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 
 import numpy as np
+import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -27,7 +29,8 @@ from imgest.tasks.migration.aliases import read_alias
 from imgest.tasks.reports.index import served_parameters
 from imgest.tasks.reports.plots import bootstrap_png, recall_sweep_png
 from imgest.tasks.search.query import Query, Searcher
-from imgest.tasks.state.live import load_live_vectors
+from imgest.tasks.state.live import live_set, read_shard_vectors, shard_groups
+from imgest.tasks.state.rows import sql_string
 
 EMBED_CHUNK = 64
 
@@ -42,33 +45,69 @@ def embed(searcher: Searcher, queries: list[LabelledQuery]) -> np.ndarray:
     return np.concatenate(chunks) if chunks else np.zeros((0, searcher.spec.dim), np.float32)
 
 
-def _ranked(queries, scores, ids, id_map, depth) -> tuple[dict, dict]:
+def _ranked(queries, scores, names, depth) -> tuple[dict, dict]:
+    """Each query's ranked item ids and (item, score) pairs, its excluded items left out; `names`: the item of
+    each hit (None where there was none)."""
     run, score_run = {}, {}
-    for q, srow, irow in zip(queries, scores, ids):
+    for q, srow, nrow in zip(queries, scores, names):
         drop = set(q.exclude)
-        pairs = [(id_map[i], float(s)) for s, i in zip(srow, irow) if i >= 0 and id_map[i] not in drop][:depth]
+        pairs = [(n, float(s)) for s, n in zip(srow, nrow) if n is not None and n not in drop][:depth]
         run[q.query_id] = [p[0] for p in pairs]
         score_run[q.query_id] = pairs
     return run, score_run
 
 
-def served_and_exact(store: Location, searcher: Searcher, queries: list[LabelledQuery], depth: int) -> dict:
-    """The same query vectors through the served index (its served parameters) and through exact search
-    over the same items' vectors."""
-    import faiss
+def _named(searcher: Searcher, ids: np.ndarray) -> np.ndarray:
+    """The item of each faiss id in `ids` (None for -1), read from the version's mapped id map."""
+    names = np.full(ids.shape, None, object)
+    names[ids >= 0] = searcher.opened.ids.take_array(searcher.opened.item_ids, ids[ids >= 0]).to_numpy(
+        zero_copy_only=False)
+    return names
 
+
+class ExactScan:
+    """The exact nearest `k` of each query among vectors seen a block at a time: each block's best `k` merged
+    with the best so far (what is held: queries x k scores and names, one block)."""
+
+    def __init__(self, queries: np.ndarray, k: int):
+        self.queries, self.k = np.ascontiguousarray(queries, np.float32), k
+        self.scores = np.full((len(queries), 0), -np.inf, np.float32)
+        self.names = np.full((len(queries), 0), None, object)
+
+    def add(self, vectors: np.ndarray, items: pa.Array) -> None:
+        import faiss
+
+        if not len(vectors) or not len(self.queries):
+            return
+        scores, local = faiss.knn(self.queries, np.ascontiguousarray(vectors, np.float32), min(self.k, len(vectors)),
+                                  metric=faiss.METRIC_INNER_PRODUCT)
+        names = items.take(pa.array(local.ravel())).to_numpy(zero_copy_only=False).reshape(local.shape)
+        scores, names = np.concatenate([self.scores, scores], 1), np.concatenate([self.names, names], 1)
+        best = np.argsort(-scores, axis=1, kind="stable")[:, :self.k]
+        self.scores, self.names = np.take_along_axis(scores, best, 1), np.take_along_axis(names, best, 1)
+
+
+def served_and_exact(store: Location, searcher: Searcher, queries: list[LabelledQuery], depth: int) -> dict:
+    """The same query vectors through the served index (its served parameters) and through exact search over
+    the vectors of the items it holds that are live now, read a shard at a time (the live set and the version's
+    id map joined on disk in DuckDB: nothing per catalogue item in memory)."""
     vectors = embed(searcher, queries)
     extra = max((len(q.exclude) for q in queries), default=0)
     scores, ids = searcher.opened.search(vectors, depth + extra)
-    indexed = searcher.opened.item_ids.to_pylist()  # an evaluation's exact search gathers the vectors anyway
-    served, served_scores = _ranked(queries, scores, ids, indexed, depth)
+    served, served_scores = _ranked(queries, scores, _named(searcher, ids), depth)
     card = searcher.card
-    live = load_live_vectors(store, card["slug"], card["d"])
-    position = {item: i for i, item in enumerate(live.item_ids)}
-    rows = [position[item] for item in indexed if item in position]
-    scores, ids = faiss.knn(np.ascontiguousarray(vectors, np.float32), live.vectors[rows], depth + extra,
-                            metric=faiss.METRIC_INNER_PRODUCT)
-    exact, _ = _ranked(queries, scores, ids, [live.item_ids[r] for r in rows], depth)
+    live = live_set(store, card["slug"])
+    both = os.path.join(live.folder, "evaluated.parquet")
+    with live.connect() as con:
+        con.execute(f"""COPY (SELECT shard, item_id FROM live
+                              SEMI JOIN read_parquet({sql_string(searcher.opened.ids.parquet)}) USING (item_id)
+                              ORDER BY shard, item_id) TO {sql_string(both)} (FORMAT parquet)""")
+    scan = ExactScan(vectors, depth + extra)
+    for group in shard_groups(both):
+        items = group["item_id"].combine_chunks()
+        block, found = read_shard_vectors(store, card["slug"], card["d"], group["shard"][0].as_py(), items)
+        scan.add(block, items.take(pa.array(found)))
+    exact, _ = _ranked(queries, scan.scores, scan.names, depth)
     return {"served": served, "served_scores": served_scores, "exact": exact}
 
 

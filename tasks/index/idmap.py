@@ -61,6 +61,7 @@ class IdMap:
     given back under pressure), never a string per item on the heap."""
 
     def __init__(self, parquet: str, sha256: str, cache_dir: str) -> None:
+        self.parquet = parquet  # the checked file itself (DuckDB joins read it)
         path = os.path.join(cache_dir, f"ids-{sha256}.arrow")
         if not os.path.exists(path):
             _to_arrow_file(parquet, path)

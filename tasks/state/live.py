@@ -249,17 +249,21 @@ def sample_rows(n: int, limit: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, size=limit, replace=False))
 
 
+def live_set(store: Location, slug: str) -> LiveShards:
+    """The model's live items numbered on local disk, the state closed once they are."""
+    state = load_state(store, slug)
+    try:
+        return LiveShards(state)
+    finally:
+        state.close()
+
+
 def load_live_sample(store: Location, slug: str, dim: int, limit: int, seed: int) -> LiveVectors:
     """At most `limit` live vectors, a seeded sample of the rows in item_id order (`sample_rows`: the rows
     `load_live_vectors` would give at those positions), with their ids, uris and hashes; `total` says how many
     are live. Only the shards holding a sampled row are read, and only the sample is kept: memory follows
     `limit`, not the catalogue."""
-    state = load_state(store, slug)
-    try:
-        live = LiveShards(state)
-    finally:
-        state.close()
-    return live_sample(store, slug, dim, live, limit, seed)
+    return live_sample(store, slug, dim, live_set(store, slug), limit, seed)
 
 
 def live_sample(store: Location, slug: str, dim: int, live: LiveShards, limit: int, seed: int) -> LiveVectors:
