@@ -25,11 +25,12 @@ from imgest.tasks.ingest.steps import (
     attach_base_task,
     choose_encoding_task,
     commit_run_task,
-    encode_shard_task,
     list_catalogue_fanned,
     plan_ingest_task,
     prepare_state_task,
     read_inventory_task,
+    shard_submission,
+    shard_units,
     store_metadata_task,
     text_listing_task,
 )
@@ -93,14 +94,16 @@ def ingest(config: IngestConfig) -> dict:
                           "runtime": chosen.runtime if chosen else "torch",
                           "precision": chosen.precision if chosen else None,
                           "costs": chosen.costs() if chosen else None}
-                running = submit_in_order(shard_tasks, encode_shard_task, plan.shards, shared,
+                running = submit_in_order(shard_tasks, shard_units(plan.shards), shard_submission(shared),
                                           ahead=SHARDS_AHEAD * max(config.workers, 1))
-                for shard, future in running:  # in order: progress moves as shards commit
+                for unit, future in running:  # in order: progress moves as shards commit
                     try:
-                        results.append(future.result())
+                        got = future.result()
                     except Exception as exc:
-                        raise ShardFailedError(f"shard {shard.name} ({len(shard.items)} objects) failed after "
-                                               f"retries: {one_line(exc)}") from exc
+                        raise ShardFailedError(f"shard {unit[0].name} ({len(unit[0].items)} objects"
+                                               f"{f'; with {len(unit) - 1} more derived' if len(unit) > 1 else ''})"
+                                               f" failed after retries: {one_line(exc)}") from exc
+                    results.extend(got if isinstance(got, list) else [got])
                     update_progress_artifact(progress, 100.0 * len(results) / len(plan.shards),
                                              description=progress_line(results, plan))
                     report(spec.slug, int(counts[:len(results)].sum()), plan.to_read)
