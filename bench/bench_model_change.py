@@ -107,12 +107,8 @@ def sampled(name: str, command: list[str], env: dict, folder: str, during=None) 
 
 
 def task_group(name: str) -> str:
-    """A task run's name without its run-specific suffix (encode-part-<run>-<NNNNN> -> encode-part, and
-    derive-part-... -> derive-part: a group of derived shards)."""
-    for group in ("encode-part", "derive-part"):
-        if name.startswith(group):
-            return group
-    return name.rsplit("-", 1)[0]
+    """A task run's name without its run-specific suffix (encode-part-<run>-<NNNNN> -> encode-part)."""
+    return "encode-part" if name.startswith("encode-part") else name.rsplit("-", 1)[0]
 
 
 def last_json(log: str) -> dict:

@@ -25,12 +25,11 @@ from imgest.tasks.ingest.steps import (
     attach_base_task,
     choose_encoding_task,
     commit_run_task,
+    encode_shard_task,
     list_catalogue_fanned,
     plan_ingest_task,
     prepare_state_task,
     read_inventory_task,
-    shard_submission,
-    shard_units,
     store_metadata_task,
     text_listing_task,
 )
@@ -94,16 +93,14 @@ def ingest(config: IngestConfig) -> dict:
                           "runtime": chosen.runtime if chosen else "torch",
                           "precision": chosen.precision if chosen else None,
                           "costs": chosen.costs() if chosen else None}
-                running = submit_in_order(shard_tasks, shard_units(plan.shards), shard_submission(shared),
+                running = submit_in_order(shard_tasks, encode_shard_task, plan.shards, shared,
                                           ahead=SHARDS_AHEAD * max(config.workers, 1))
-                for unit, future in running:  # in order: progress moves as shards commit
+                for shard, future in running:  # in order: progress moves as shards commit
                     try:
-                        got = future.result()
+                        results.append(future.result())
                     except Exception as exc:
-                        raise ShardFailedError(f"shard {unit[0].name} ({len(unit[0].items)} objects"
-                                               f"{f'; with {len(unit) - 1} more derived' if len(unit) > 1 else ''})"
-                                               f" failed after retries: {one_line(exc)}") from exc
-                    results.extend(got if isinstance(got, list) else [got])
+                        raise ShardFailedError(f"shard {shard.name} ({len(shard.items)} objects) failed after "
+                                               f"retries: {one_line(exc)}") from exc
                     update_progress_artifact(progress, 100.0 * len(results) / len(plan.shards),
                                              description=progress_line(results, plan))
                     report(spec.slug, int(counts[:len(results)].sum()), plan.to_read)

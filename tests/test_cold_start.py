@@ -93,28 +93,3 @@ def test_a_cold_start_commit_folds_its_markers_rows_into_the_state_database(tmp_
     assert again.rows([KEYS[0]])[KEYS[0]].content_hash == "h-again", "the later row of an item wins"
     assert again.rows([KEYS[5]])[KEYS[5]].shard == "part-r00000001-x-y-00000"
 
-
-
-def test_derived_shards_run_in_groups_and_a_shard_to_read_alone():
-    """A cold start to a head derives most shards from stored base vectors: those go DERIVE_GROUP to a task run
-    (Prefect's ~0.2 s around each run was most of a 10M derivation), a shard with an image to read alone, and
-    the order of the shards is kept."""
-    from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-    from imgest.tasks.ingest.steps import DERIVE_GROUP, derive_shards_task, encode_shard_task, shard_submission, \
-        shard_units
-
-    def shard(index: int, derived: bool) -> ShardPlan:
-        return ShardPlan("r00000001-20261204T000000-aaaaaa", index, tuple(
-            WorkItem(f"k{index}-{n}", f"s3://c/k{index}-{n}", 1, 0.0, "e", None,
-                     base_shard="part-x" if derived else None, base_hash="h" if derived else None)
-            for n in range(3)))
-
-    kinds = [True] * (DERIVE_GROUP + 3) + [False] + [True] * 2 + [False, False]
-    shards = [shard(n, derived) for n, derived in enumerate(kinds)]
-    units = list(shard_units(shards))
-    assert [len(u) for u in units] == [DERIVE_GROUP, 3, 1, 2, 1, 1]
-    assert [s.index for u in units for s in u] == list(range(len(shards)))
-    submit = shard_submission({"spec": None})
-    assert [submit(u)[0] for u in units] == [derive_shards_task, derive_shards_task, encode_shard_task,
-                                             derive_shards_task, encode_shard_task, encode_shard_task]
-    assert submit(units[2])[1]["plan"] is units[2][0] and submit(units[1])[1]["plans"] == list(units[1])

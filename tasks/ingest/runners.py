@@ -9,7 +9,6 @@ same flow reaches a remote cluster (dask-kubernetes, dask-jobqueue, Coiled) by i
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
@@ -46,16 +45,15 @@ def _api_url() -> str:
         return str(client.api_url).rstrip("/")
 
 
-def submit_in_order(runner: TaskRunner, items, submission: Callable, ahead: int):
-    """(item, future) for each of `items` in order, run on `runner` as `submission(item)` says (the task and its
-    parameters), at most `ahead` submitted before the oldest is handed back: a cold start's shards are planned on
+def submit_in_order(runner: TaskRunner, task, items, parameters: dict, ahead: int):
+    """(item, future) for each of `items` in order, `task` run on `runner` with `parameters` and the item as
+    `plan`, at most `ahead` submitted before the oldest is handed back: a cold start's shards are planned on
     disk, and only the shards in flight are held as objects (a map of them all would hold every one)."""
     from collections import deque
 
     flight: deque = deque()
     for item in items:
-        task, parameters = submission(item)
-        flight.append((item, runner.submit(task, parameters)))
+        flight.append((item, runner.submit(task, {**parameters, "plan": item})))
         if len(flight) >= ahead:
             yield flight.popleft()
     while flight:
