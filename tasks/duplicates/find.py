@@ -65,12 +65,18 @@ def embedder(searcher, batch: int = 32):
 
 
 class _Progress:
+    """A progress artifact in the UI (moved at each whole percent: a 10M search passes 5,000 shards) and the
+    terminal's bar."""
+
     def __init__(self, what: str, key: str, total: int, unit: str):
-        self.what, self.unit = what, unit
+        self.what, self.unit, self.shown = what, unit, -1
         self.artifact = create_progress_artifact(0.0, key=key, description=f"{total} {unit}")
 
     def __call__(self, done: int, total: int) -> None:
-        update_progress_artifact(self.artifact, 100.0 * done / max(total, 1), description=f"{done}/{total} {self.unit}")
+        percent = 100.0 * done / max(total, 1)
+        if int(percent) != self.shown or done == total:
+            update_progress_artifact(self.artifact, percent, description=f"{done}/{total} {self.unit}")
+            self.shown = int(percent)
         report(self.what, done, total, self.unit)
 
 
