@@ -32,7 +32,7 @@ from imgest.tasks.duplicates.scan import Candidates, candidates, scan_pairs
 from imgest.tasks.duplicates.verify import same_picture
 from imgest.tasks.ingest.decode import DecodeError, decode_image
 from imgest.tasks.state.catalogue_images import CatalogueImages, CatalogueRootError
-from imgest.tasks.state.committed import now_iso
+from imgest.tasks.state.committed import LIVE, load_state, now_iso
 from imgest.tasks.state.live import LiveShards, live_sample, live_set
 
 
@@ -87,20 +87,23 @@ def choose(store_url: str, alias: str | None, model: str | None, threshold: floa
     calibrated)}. Measuring writes a calibration record (fenced)."""
     searcher = _searcher(store_url, alias, model)
     card = searcher.card
-    live = live_set(searcher.store, card["slug"])
     current = latest_calibration(searcher.store, card["slug"])
     if recalibrate or current is None:
         why = "--calibrate" if recalibrate else "no calibration yet"
-    else:
-        now = live.rows_of(pa.array(current.sample, pa.string()))
-        why = stale(current, card["model_id"], len(live),
-                    dict(zip(now["item_id"].to_pylist(), now["content_hash"].to_pylist())))
+    else:  # the live count and the sampled items' rows, asked of the state (the live set is numbered only to measure)
+        state = load_state(searcher.store, card["slug"])
+        try:
+            now = {item: row.content_hash for item, row in state.rows(current.sample).items() if row.status == LIVE}
+            why = stale(current, card["model_id"], state.count(LIVE), now)
+        finally:
+            state.close()
     if threshold is not None:  # the operator's; figures from the latest calibration when it still applies
         figures = current.at(threshold) if current is not None and why is None else None
         return {"threshold": threshold, "threshold_source": "--threshold", "calibration": figures,
                 "hash_signal": None, "reason": None}
     if why is not None:
         logging.getLogger("imgest").info("calibrating the duplicate threshold of model=%s: %s", card["slug"], why)
+        live = live_set(searcher.store, card["slug"])
         picked = live_sample(searcher.store, card["slug"], searcher.spec.dim, live, sample, seed)
         try:
             current = calibrate(picked, live, searcher.opened, embedder(searcher), sample=sample, seed=seed,

@@ -25,6 +25,7 @@ from imgest.tasks.evaluate.routing import (
     traffic_gain,
 )
 from imgest.tasks.index.store import read_card
+from imgest.tasks.index.stream import keep_best
 from imgest.tasks.migration.aliases import read_alias
 from imgest.tasks.reports.index import served_parameters
 from imgest.tasks.reports.plots import bootstrap_png, recall_sweep_png
@@ -82,9 +83,7 @@ class ExactScan:
         scores, local = faiss.knn(self.queries, np.ascontiguousarray(vectors, np.float32), min(self.k, len(vectors)),
                                   metric=faiss.METRIC_INNER_PRODUCT)
         names = items.take(pa.array(local.ravel())).to_numpy(zero_copy_only=False).reshape(local.shape)
-        scores, names = np.concatenate([self.scores, scores], 1), np.concatenate([self.names, names], 1)
-        best = np.argsort(-scores, axis=1, kind="stable")[:, :self.k]
-        self.scores, self.names = np.take_along_axis(scores, best, 1), np.take_along_axis(names, best, 1)
+        self.scores, self.names = keep_best(self.scores, self.names, scores, names, self.k)
 
 
 def served_and_exact(store: Location, searcher: Searcher, queries: list[LabelledQuery], depth: int) -> dict:

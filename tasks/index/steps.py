@@ -64,7 +64,7 @@ from imgest.tasks.ingest.policy import IO_RETRIES
 from imgest.tasks.ingest.runners import shard_runner
 from imgest.tasks.migration.aliases import aliases_to_move, set_alias
 from imgest.tasks.state.committed import LIVE, load_state
-from imgest.tasks.state.live import LiveShards
+from imgest.tasks.state.live import LiveShards, live_set
 from imgest.tasks.watch.drift import Reference, reference, write_reference
 from imgest.timing import Stopwatch
 
@@ -104,11 +104,7 @@ def add_store_part_task(trained: bytes, spec: PartSpec, probes: np.ndarray, dept
 @task(name="number-live", cache_policy=NO_CACHE, **IO_RETRIES)
 def live_shards_task(store_url: str, slug: str) -> LiveShards:
     """The live set numbered on local disk (see LiveShards); the state's database closed before the build."""
-    state = load_state(Location(store_url), slug)
-    try:
-        return LiveShards(state)
-    finally:
-        state.close()
+    return live_set(Location(store_url), slug)
 
 
 @task(name="build-index", cache_policy=NO_CACHE)

@@ -88,6 +88,13 @@ def read_sample(store: Location, slug: str, dim: int, live: LiveShards, size: in
     return Sample(rows, vectors)
 
 
+def keep_best(scores: np.ndarray, values: np.ndarray, more_scores: np.ndarray, more_values: np.ndarray, k: int):
+    """Each row's `k` best (highest score, earlier first on ties) of what it had and what came: (scores, values)."""
+    scores, values = np.concatenate([scores, more_scores], axis=1), np.concatenate([values, more_values], axis=1)
+    best = np.argsort(-scores, axis=1, kind="stable")[:, :min(k, scores.shape[1])]
+    return np.take_along_axis(scores, best, 1), np.take_along_axis(values, best, 1)
+
+
 class TruthScan:
     """The probes' exact `depth` nearest neighbours, found block by block as the vectors pass: each block's best
     depth + 1 kept with the best so far (the probe's own row is dropped at the end)."""
@@ -104,11 +111,8 @@ class TruthScan:
             return
         scores, local = faiss.knn(self.probes, vectors, min(self.depth + 1, len(vectors)),
                                   metric=faiss.METRIC_INNER_PRODUCT)
-        scores = np.concatenate([self.scores, scores], axis=1)
-        found = np.concatenate([self.ids, np.where(local >= 0, ids[np.clip(local, 0, None)], -1)], axis=1)
-        keep = min(self.depth + 1, scores.shape[1])
-        best = np.argsort(-scores, axis=1, kind="stable")[:, :keep]
-        self.scores, self.ids = np.take_along_axis(scores, best, 1), np.take_along_axis(found, best, 1)
+        self.scores, self.ids = keep_best(self.scores, self.ids, scores,
+                                          np.where(local >= 0, ids[np.clip(local, 0, None)], -1), self.depth + 1)
 
     def truth(self, n: int) -> Truth:
         return merge_truth(self.probes, self.probe_ids, [{"scores": self.scores, "ids": self.ids}], n, self.depth)
