@@ -92,7 +92,8 @@ def ingest(config: IngestConfig) -> dict:
                           "fence": lock.fence, "dtype": config.dtype, "metadata_seq": metadata_seq,
                           "runtime": chosen.runtime if chosen else "torch",
                           "precision": chosen.precision if chosen else None,
-                          "costs": chosen.costs() if chosen else None}
+                          "costs": chosen.costs() if chosen else None,
+                          "decoder": chosen.decoder if chosen else "pillow"}
                 running = submit_in_order(shard_tasks, encode_shard_task, plan.shards, shared,
                                           ahead=SHARDS_AHEAD * max(config.workers, 1))
                 for shard, future in running:  # in order: progress moves as shards commit

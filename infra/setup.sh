@@ -4,11 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages: the demo's images, and Chromium for the test that opens the Prefect UI headless.
-if [ ! -f /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz ] || ! command -v chromium >/dev/null; then
+# Debian packages: the demo's images, Chromium for the test that opens the Prefect UI headless, and libturbojpeg
+# for the optional PyTurboJPEG decoder the tests cover.
+if [ ! -f /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz ] || ! command -v chromium >/dev/null \
+    || ! ls /usr/lib/*/libturbojpeg.so.0 >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist chromium >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist chromium libturbojpeg0 >/dev/null
 fi
 
 PYTHON="${PYTHON:-python3}"

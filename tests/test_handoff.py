@@ -93,7 +93,8 @@ def test_the_decode_cost_is_measured_on_what_will_be_read(tmp_path):
     lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
     cat, items = _catalogue(tmp_path / "cat", 10)
     cost = encode_module.decode_cost(cat, items, lite0, 10**8)
-    assert 0 < cost < 1.0  # core-seconds per decoded picture: the broken one counts for nothing
+    assert 0 < cost.seconds < 1.0  # core-seconds per decoded picture: the broken one counts for nothing
+    assert cost.seconds >= cost.measured[cost.decoder] == min(cost.measured.values())  # reading counts on top
     broken = tuple(item for item in items if item.item_id == "p/broken.jpg")
     assert encode_module.decode_cost(cat, broken, lite0, 10**8) is None  # only the broken one: no figure
     assert decode_image(jpeg_bytes(gradient(1, (700, 560))), min_side=256).size == (350, 280)

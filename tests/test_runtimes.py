@@ -301,3 +301,10 @@ def test_a_run_records_its_runtime_and_precision(prefect_harness, tmp_path):
     assert set(zip(timeline["runtime"], timeline["precision"])) == {("openvino", "fp32")}
     assert json.loads((store / "runs" / f"{summary['run_id']}.json").read_text())["runtime"] == "openvino"
     assert "- runtime: **openvino fp32**, min cosine" in render_summary(RunSummary(**summary))
+    # the JPEG decoder measured on the run's own images, every installed one tried (tests/test_decoders.py)
+    from imgest.tasks.ingest import decoders
+
+    assert set(summary["encoding"]["decoders"]) == set(decoders.installed())
+    chosen = summary["encoding"]["decoder"]
+    assert summary["encoding"]["decoders"][chosen] == min(summary["encoding"]["decoders"].values())
+    assert f"JPEGs decoded by {chosen}" in render_summary(RunSummary(**summary))

@@ -52,6 +52,8 @@ class Encoding:
     warning: str | None = None  # what was asked for could not run: why, and what runs instead
     encode_seconds: float | None = None  # core-seconds per image of the one chosen (threads / its img/s)
     decode_seconds: float | None = None  # core-seconds per image of reading and decoding (tasks/ingest/encode.py)
+    decoder: str = "pillow"  # the JPEG decoder measured fastest on the run's images (tasks/ingest/decoders.py)
+    decoders: dict[str, float] = field(default_factory=dict)  # each one tried -> core-seconds per image
 
     def to_dict(self) -> dict:
         return asdict(self)

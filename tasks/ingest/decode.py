@@ -10,6 +10,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from imgest.names import DEFAULT_MAX_PIXELS
+from imgest.tasks.ingest import decoders
 
 # Two guards against decompression bombs, both before any pixel is decoded: ours (`max_pixels`, the
 # --max-pixels of the call) is checked after open() has read the header; Pillow's own stays as a backstop
@@ -33,7 +34,8 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: int | None = None) -> Image.Image:
+def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: int | None = None,
+                 decoder: str = decoders.PILLOW) -> Image.Image:
     """Bytes -> RGB image with EXIF orientation applied.
 
     Every mode becomes RGB: alpha is composited on white, 16-bit and float images are scaled to
@@ -44,7 +46,9 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: in
     little (cosine 0.996 on average on real photos, 0.98 at worst on dense fine textures such as gravel), and
     retrieval does not: recall@1 and @10 across a real shift equal the full decode's (BENCHMARKS.md, "Encoder
     runtimes"; docs/ingest.md). A 16-bit or float image is box-averaged (an integer factor, the shorter side
-    kept at least twice `min_side`) while it is scaled to 8 bits.
+    kept at least twice `min_side`) while it is scaled to 8 bits. With another `decoder`
+    (tasks/ingest/decoders.py), a plain colour or greyscale JPEG is decoded by it at the smallest of
+    libjpeg-turbo's eighths that keeps `min_side`, and turned upright by its EXIF orientation as Pillow would.
 
     Memory follows the decoded image and the output, never a float copy of the whole image: a declared
     size over `max_pixels` is refused after the header is read, before any pixel is decoded, and wide
@@ -70,6 +74,9 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: in
                 )
             if getattr(image, "n_frames", 1) > 1:
                 image.seek(0)
+            if decoder != decoders.PILLOW and image.format == "JPEG" and image.mode in ("RGB", "L") \
+                    and (scaled := _scaled(decoder, data, image, min_side)) is not None:
+                return scaled
             if min_side and image.format == "JPEG" and min(width, height) >= 2 * JPEG_REDUCING_GAP * min_side:
                 scale = JPEG_REDUCING_GAP * min_side / min(width, height)
                 image.draft(None, (math.ceil(width * scale), math.ceil(height * scale)))
@@ -80,6 +87,20 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: in
         raise
     except Exception as exc:  # Pillow raises many types for bad data; each becomes a recorded reason
         raise DecodeError(_reason(exc)) from exc
+
+
+def _scaled(decoder: str, data: bytes, header: Image.Image, min_side: int | None) -> Image.Image | None:
+    """`data` decoded by `decoder` and turned upright by the orientation `header` (Pillow's open) read; None when
+    that decoder cannot decode it (Pillow then decodes it, or gives the reason it is not an image)."""
+    try:
+        pixels = decoders.get(decoder).scaled(data, header.size, min_side and JPEG_REDUCING_GAP * min_side)
+    except Exception:  # a variant it does not handle (arithmetic coding, a damaged stream): Pillow's call
+        return None
+    image = Image.fromarray(pixels)
+    if "exif" in header.info:
+        image.info["exif"] = header.info["exif"]
+    ImageOps.exif_transpose(image, in_place=True)
+    return image
 
 
 def to_rgb(image: Image.Image, min_side: int | None = None) -> Image.Image:

@@ -33,7 +33,7 @@ from imgest.encoders import Encoder
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DECODE_WORKERS, DEFAULT_DTYPE, DEFAULT_MAX_PIXELS
 from imgest.storage import Location, StorageError, is_transient, one_line
-from imgest.tasks.ingest import handoff
+from imgest.tasks.ingest import decoders, handoff
 from imgest.tasks.ingest.decode import DecodeError, decode_image
 from imgest.tasks.ingest.derive import derive_from_base
 from imgest.tasks.ingest.gpu_decode import BatchJpegDecoder, plain_jpeg
@@ -61,10 +61,11 @@ class Prepared:
 
 
 def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixels: int,
-            min_side: int | None = None, gpu_jpeg: bool = False) -> Prepared:
+            min_side: int | None = None, gpu_jpeg: bool = False, decoder: str = decoders.PILLOW) -> Prepared:
     """Read, hash, decode and preprocess one object. Whatever goes wrong with the object itself is a verdict
     recorded against it; only a catalogue that cannot be reached at all fails the shard (and so the run).
-    With `gpu_jpeg`, a plain JPEG is left undecoded: its bytes go to the batch's GPU decode."""
+    With `gpu_jpeg`, a plain JPEG is left undecoded: its bytes go to the batch's GPU decode; `decoder` is the
+    CPU's JPEG decoder (tasks/ingest/decoders.py)."""
     if item.verdict is not None:
         return Prepared(item, reason=item.verdict)
     try:
@@ -82,7 +83,7 @@ def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixel
     if gpu_jpeg and plain_jpeg(data, max_pixels):
         return Prepared(item, digest, jpeg=data)
     try:
-        pixels = preprocess(decode_image(data, max_pixels, min_side))
+        pixels = preprocess(decode_image(data, max_pixels, min_side, decoder))
     except DecodeError as exc:
         return Prepared(item, digest, reason=str(exc))
     except MemoryError as exc:
@@ -150,19 +151,48 @@ def plan_decode(encoder: Encoder, decode_workers: int, to_read: int, gpu_jpeg: b
     return DecodePlan(decode_workers, processes, torch_threads, nice)
 
 
+@dataclass(frozen=True)
+class DecodeCost:
+    """What decoding costs a run: core-seconds per image with the JPEG decoder it chose, and each one tried."""
+
+    seconds: float
+    decoder: str
+    measured: dict[str, float]  # decoder -> core-seconds per image (decode, preprocess, hash)
+
+
 def decode_cost(catalogue: Location, items: tuple[WorkItem, ...], encoder: Encoder, max_pixels: int,
-                sample: int = 16) -> float | None:
-    """Core-seconds per image of what a decode worker does (read, hash, decode, preprocess), measured on up
-    to `sample` of `items` in this thread (CPU time: waits on the store do not count). None without a sample,
-    or when the catalogue cannot be read now: the shards meet that fault themselves and name it."""
-    start, done = time.thread_time(), 0
+                sample: int = 16) -> DecodeCost | None:
+    """What a decode worker's work (read, hash, decode, preprocess) costs per image, in core-seconds, with the
+    fastest JPEG decoder installed here, measured on up to `sample` of `items` in this thread (CPU time: waits on
+    the store do not count). None without a sample that decodes, or when the catalogue cannot be read now: the
+    shards meet that fault themselves and name it."""
+    side = getattr(encoder, "decode_side", None)
+    start, datas = time.thread_time(), []
     try:
         for item in items[:sample]:
-            done += prepare(catalogue, item, encoder.preprocess, max_pixels,
-                            getattr(encoder, "decode_side", None)).pixels is not None
+            if item.verdict is None:
+                with contextlib.suppress(FileNotFoundError):
+                    datas.append(catalogue.read_bytes(item.item_id))
     except (StorageError, OSError):
         return None
-    return round((time.thread_time() - start) / done, 6) if done else None
+    reading = time.thread_time() - start
+
+    def work(data: bytes, decoder: str):
+        hashlib.sha256(data).hexdigest()
+        return encoder.preprocess(decode_image(data, max_pixels, side, decoder))
+
+    def decodes(data: bytes) -> bool:
+        try:
+            work(data, decoders.PILLOW)
+        except Exception:  # an object the run will reject: its cost is not a decode's
+            return False
+        return True
+
+    datas = [data for data in datas if decodes(data)]
+    if not datas:
+        return None
+    chosen, measured = decoders.fastest(datas, work)
+    return DecodeCost(round(reading / len(datas) + measured[chosen], 6), chosen, measured)
 
 
 @functools.lru_cache(maxsize=8)
@@ -171,12 +201,13 @@ def _catalogue(url: str) -> Location:
 
 
 def _prepare_in_process(catalogue_url: str, item: WorkItem, position: int, preprocess: Callable, max_pixels: int,
-                        min_side: int | None, slots: tuple[str, int, int] | None = None) -> Prepared:
+                        min_side: int | None, slots: tuple[str, int, int] | None = None,
+                        decoder: str = decoders.PILLOW) -> Prepared:
     """prepare() in a decode process: the catalogue travels as its URL (credentials come from the
     environment the process inherited), the preprocessing as a module-level function. With `slots` (the
     shared block's name, its slot count and size), the pixels go into the object's slot (tasks/ingest/handoff.py)
     and only their shape and dtype come back."""
-    done = prepare(_catalogue(catalogue_url), item, preprocess, max_pixels, min_side)
+    done = prepare(_catalogue(catalogue_url), item, preprocess, max_pixels, min_side, decoder=decoder)
     if slots is not None and done.pixels is not None:
         name, count, nbytes = slots
         if handoff.write(name, position % count, nbytes, done.pixels):
@@ -289,9 +320,10 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
                  decode_workers: int = DEFAULT_DECODE_WORKERS, max_pixels: int = DEFAULT_MAX_PIXELS,
                  fence: Fence | None = None, dtype: str = DEFAULT_DTYPE,
                  jpeg_decoder: BatchJpegDecoder | None | str = "auto",
-                 costs: tuple[float, float] | None = None) -> ShardResult:
+                 costs: tuple[float, float] | None = None, decoder: str = decoders.PILLOW) -> ShardResult:
     """Encode one shard's objects and commit it. `jpeg_decoder`: "auto" decodes JPEGs on the GPU when the
-    encoder runs on CUDA and torchvision is installed (BatchJpegDecoder.for_encoder); None: Pillow only."""
+    encoder runs on CUDA and torchvision is installed (BatchJpegDecoder.for_encoder); None: on the CPU, with
+    `decoder` (the run's choice, tasks/ingest/decoders.py)."""
     total, encoding, waiting = Stopwatch(), Stopwatch(running=False), Stopwatch(running=False)
     if jpeg_decoder == "auto":
         jpeg_decoder = BatchJpegDecoder.for_encoder(encoder, max_pixels)
@@ -331,10 +363,10 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     slots = handoff.PixelSlots(depth + 1, handoff.slot_bytes(encoder)) if where.processes else None
     if where.processes:
         fn = functools.partial(_prepare_in_process, catalogue.url, preprocess=encoder.preprocess_fn,
-                               max_pixels=max_pixels, min_side=decode_side, slots=slots.address)
+                               max_pixels=max_pixels, min_side=decode_side, slots=slots.address, decoder=decoder)
     else:
         def fn(item: WorkItem, position: int) -> Prepared:
-            return prepare(catalogue, item, encoder.preprocess, max_pixels, decode_side, gpu_jpeg)
+            return prepare(catalogue, item, encoder.preprocess, max_pixels, decode_side, gpu_jpeg, decoder)
     stream = read_ahead(to_read, fn, functools.partial(decode_pool, where), depth)
     with torch_threads(where.torch_threads), contextlib.closing(stream), \
             contextlib.closing(slots) if slots is not None else contextlib.nullcontext():

@@ -41,19 +41,22 @@ from imgest.tasks.watch.events import emit
 def choose_encoding_task(store_url: str, spec: EncoderSpec, device: str, runtime: str, precision: str,
                          fixed_batch_size: int | None, catalogue_url: str, sample: tuple[WorkItem, ...] = (),
                          max_pixels: int = DEFAULT_MAX_PIXELS) -> Encoding:
-    """Runtime, precision and batch size for the run, and the decode's cost on a sample of the images to read
-    (the split of the cores follows both); what was asked for and could not run is one warning."""
+    """Runtime, precision and batch size for the run, and the JPEG decoder and the decode's cost measured on a
+    sample of the images to read (the split of the cores follows both costs); what was asked for and could not
+    run is one warning."""
     encoding = choose_encoding(store_url, spec, device, runtime, precision, fixed_batch_size)
     if sample:
         encoder = encoders.load(spec, device, encoding.runtime, encoding.precision)
-        encoding.decode_seconds = decode_cost(Location(catalogue_url, follow_links=True), sample, encoder,
-                                              max_pixels)
+        cost = decode_cost(Location(catalogue_url, follow_links=True), sample, encoder, max_pixels)
+        if cost is not None:
+            encoding.decode_seconds, encoding.decoder, encoding.decoders = cost.seconds, cost.decoder, cost.measured
     logger = get_run_logger()
     if encoding.warning:
         logger.warning(encoding.warning)
-    logger.info("encoding with %s %s at batch %d (%s); measured img/s: %s; not used: %s", encoding.runtime,
-                encoding.precision, encoding.batch_size, encoding.source, encoding.measured or "nothing to compare",
-                "; ".join(encoding.refused) or "none")
+    logger.info("encoding with %s %s at batch %d (%s); measured img/s: %s; not used: %s; JPEGs decoded by %s "
+                "(core-ms per image: %s)", encoding.runtime, encoding.precision, encoding.batch_size, encoding.source,
+                encoding.measured or "nothing to compare", "; ".join(encoding.refused) or "none", encoding.decoder,
+                ", ".join(f"{k} {v * 1e3:.2f}" for k, v in encoding.decoders.items()) or "not measured")
     return encoding
 
 
@@ -185,7 +188,8 @@ def encode_shard_task(plan: ShardPlan, spec: EncoderSpec, device: str, catalogue
                       batch_size: int, decode_workers: int, max_pixels: int, encode_limit: str = "auto",
                       fence: Fence | None = None, dtype: str = DEFAULT_DTYPE,
                       metadata_seq: int | None = None, runtime: str = "torch",
-                      precision: str | None = None, costs: tuple[float, float] | None = None) -> ShardResult:
+                      precision: str | None = None, costs: tuple[float, float] | None = None,
+                      decoder: str = "pillow") -> ShardResult:
     # The spec crosses the task boundary; the weights are loaded (and compiled, behind the parity check that
     # the flow's choice passed on this hardware) here, once per worker process. A worker that cannot run the
     # run's runtime and precision fails its shard: a run never mixes two.
@@ -196,4 +200,4 @@ def encode_shard_task(plan: ShardPlan, spec: EncoderSpec, device: str, catalogue
             texts = text_of(store.read_table(snapshot_key(metadata_seq)), spec, {item.item_id for item in plan.items})
             return encode_text_shard(plan, encoder, texts, store, batch_size, fence, dtype)
         return encode_shard(plan, encoder, Location(catalogue_url, follow_links=True), Location(store_url), batch_size,
-                            decode_workers, max_pixels, fence, dtype, costs=costs)
+                            decode_workers, max_pixels, fence, dtype, costs=costs, decoder=decoder)
