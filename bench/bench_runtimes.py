@@ -6,13 +6,18 @@ reduced decode cost in retrieval, measured in one run.
 1. Bare model (EfficientNet-Lite0) per runtime and precision, on one thread and on every core, and its min
    cosine against torch fp32 on the parity sample (bf16 shown even where the parity check refuses it).
 2. The pipeline (read, hash, decode in processes, encode, write the shard: `encode_shard`) on ~1200 px product
-   JPEGs at `--runtime torch --precision fp32` (the old path), `openvino fp32` and the defaults (auto, auto),
-   in alternating rounds; images/s, the work bound (cores / (decode + encode core-seconds per image), both
-   measured here) and the min cosine of each run's embeddings against the torch fp32 run's, item by item.
-3. Retrieval on a real shift (the same emoji drawn by Google and by Twitter, rendered as 800-1400 px product
+   JPEGs at `--runtime torch --precision fp32` with Pillow's decoder (the old path), `openvino fp32` and the
+   defaults (auto, auto, the JPEG decoder measured fastest), in alternating rounds; images/s, the work bound
+   (cores / (decode + encode core-seconds per image), both measured here) and the min cosine of each run's
+   embeddings against the torch fp32 run's, item by item. Before it, each installed JPEG decoder's core-ms per
+   photo (read, hash, decode, preprocess) as the run measures it to choose.
+3. Image queries: one ~1200 px product JPEG at a time, decoded, preprocessed and encoded by what `imgest search`
+   and the service use for a version (`query_encoder`: the runtime and precision its card says encoded the
+   catalogue) against eager torch fp32; p50 and p90 over the photos.
+4. Retrieval on a real shift (the same emoji drawn by Google and by Twitter, rendered as 800-1400 px product
    JPEGs; catalogue Google, queries Twitter; `npm pack emoji-datasource-{google,twitter}@16.0.0` in
-   --emoji-dir): recall@1/10 with fp32 on the full decode, on the reduced decode at 2x and at 1x the side
-   preprocessing needs, and with bf16; and the overlap@10 of each with the fp32 full-decode lists.
+   --emoji-dir), exact search: recall@1/10 with OpenVINO fp32, OpenVINO bf16, torch bf16, and a store mixing
+   precisions (bf16 queries against an fp32 catalogue), each with its paired-bootstrap interval against fp32.
 """
 
 from __future__ import annotations
@@ -62,20 +67,13 @@ def bare(args, spec) -> None:
               flush=True)
 
 
-def decode_cost(paths: list[str], side: int) -> float:
-    """Core-seconds per image of what a decode worker does (read, hash, reduced decode, preprocess)."""
-    import hashlib
+def decode_costs(cat, items, encoder) -> tuple[str, float, dict[str, float]]:
+    """The run's own measurement (tasks/ingest/encode.py `decode_cost`) on 120 of the photos: the decoder it
+    chooses, the cost with it (reading included), and each installed decoder's cost."""
+    from imgest.tasks.ingest.encode import decode_cost
 
-    from imgest.encoders.efficientnet import preprocess
-    from imgest.tasks.ingest.decode import decode_image
-
-    start = time.process_time()
-    for path in paths:
-        with open(path, "rb") as fh:
-            data = fh.read()
-        hashlib.sha256(data).hexdigest()
-        preprocess(decode_image(data, min_side=side))
-    return (time.process_time() - start) / len(paths)
+    cost = decode_cost(cat, items[:120], encoder, 10**9, sample=120)
+    return cost.decoder, cost.seconds, cost.measured
 
 
 def pipeline(args, spec, work: str) -> None:
@@ -99,51 +97,88 @@ def pipeline(args, spec, work: str) -> None:
     print(f"\n## Pipeline: {len(files)} product photos, 1100-1300 px wide, {np.mean(sizes) / 1e3:.0f} kB mean\n")
     tuning_store = os.path.join(work, "tuning-store")
     configs = {}
-    for label, runtime, precision in (("torch fp32 (the old path)", "torch", "fp32"),
-                                      ("openvino fp32", "openvino", "fp32"), ("defaults (auto, auto)", "auto", "auto")):
+    decoder, decode_s, by_decoder = decode_costs(cat, items, encoders.load(spec, "cpu", "openvino", "fp32"))
+    args.decoder = decoder  # the retrieval part decodes as this run would
+    print("| JPEG decoder | core-ms per photo (hash, decode, preprocess) |\n|---|---:|")
+    for name, cost in by_decoder.items():
+        print(f"| {name}{' (chosen)' if name == decoder else ''} | {cost * 1e3:.2f} |")
+    print(f"\nwith reading: {decode_s * 1e3:.2f} core-ms per photo, {decoder}\n", flush=True)
+    for label, runtime, precision, jpeg in (("torch fp32, Pillow (the old path)", "torch", "fp32", "pillow"),
+                                            ("openvino fp32", "openvino", "fp32", decoder),
+                                            ("defaults (auto, auto)", "auto", "auto", decoder)):
         chosen = choose_encoding(tuning_store, spec, "cpu", runtime, precision)
-        configs[label] = (encoders.load(spec, "cpu", chosen.runtime, chosen.precision), chosen)
+        configs[label] = (encoders.load(spec, "cpu", chosen.runtime, chosen.precision), chosen, jpeg)
         print(f"- {label}: {chosen.runtime} {chosen.precision}, batch {chosen.batch_size} ({chosen.source}); "
               f"not used: {'; '.join(chosen.refused) or 'none'}", flush=True)
     cores = os.cpu_count() or 1
-    paths = [cat.path(k) for k in list(files)[:120]]
-    decode_s = decode_cost(paths, configs["openvino fp32"][0].decode_side)
+    old_s = by_decoder["pillow"] + decode_s - by_decoder[decoder]  # Pillow's, reading included as in decode_s
     rates: dict[str, list[float]] = {label: [] for label in configs}
     vectors: dict[str, dict[str, np.ndarray]] = {}
     for round_ in range(args.rounds):
-        for label, (encoder, chosen) in configs.items():
+        for label, (encoder, chosen, jpeg) in configs.items():
             store = Location(os.path.join(work, f"store-{round_}-{len(vectors)}-{chosen.runtime}"))
             start = time.perf_counter()
             result = encode_shard(ShardPlan("r00000001-bench-runtimes", round_, items), encoder, cat, store,
-                                  chosen.batch_size)
+                                  chosen.batch_size, costs=(decode_s if jpeg == decoder else old_s,
+                                                            chosen.encode_seconds or decode_s), decoder=jpeg)
             rates[label].append(result.encoded / (time.perf_counter() - start))
             table = store.read_table(shard_key(spec.slug, result.shard))
             vectors[label] = dict(zip(table.column("item_id").to_pylist(), embedding_matrix(table, spec.dim)))
             print(f"  round {round_ + 1}, {label}: {rates[label][-1]:.1f} img/s ({result.decode}; encoder waited "
                   f"{result.wait_seconds} s, encoded {result.encode_seconds} s)", flush=True)
-    print(f"\ndecode (read, hash, reduced decode, preprocess): {decode_s * 1e3:.2f} core-ms per image, one core\n")
-    print("| run | runtime | batch | img/s (median) | x torch fp32 | encode core-ms/img | work bound img/s | "
-          "of the bound | min cosine to torch fp32 |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    base = statistics.median(rates["torch fp32 (the old path)"])
-    reference = vectors["torch fp32 (the old path)"]
-    for label, (encoder, chosen) in configs.items():
-        plan = plan_decode(encoder, 0, len(items), False)
+    print()
+    print("| run | runtime | JPEG decoder | batch | img/s (median) | x torch fp32 | decode core-ms/img | "
+          "encode core-ms/img | work bound img/s | of the bound | min cosine to the old path |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base = statistics.median(rates["torch fp32, Pillow (the old path)"])
+    reference = vectors["torch fp32, Pillow (the old path)"]
+    for label, (encoder, chosen, jpeg) in configs.items():
+        jpeg_s = decode_s if jpeg == decoder else old_s
+        plan = plan_decode(encoder, 0, len(items), False, (jpeg_s, chosen.encode_seconds or jpeg_s))
         torch.set_num_threads(plan.torch_threads or cores)
         encode_s = (plan.torch_threads or cores) / measure(encoder, chosen.batch_size, min_seconds=args.seconds)
         torch.set_num_threads(cores)
-        bound = cores / (decode_s + encode_s)
+        bound = cores / (jpeg_s + encode_s)
         got = statistics.median(rates[label])
         cos = min(float(np.dot(reference[k], v)) for k, v in vectors[label].items())
-        print(f"| {label} | {chosen.runtime} {chosen.precision} | {chosen.batch_size} | {got:.1f} | {got / base:.2f} "
-              f"| {encode_s * 1e3:.2f} | {bound:.1f} | {got / bound:.2f} | {cos:.6f} |", flush=True)
+        print(f"| {label} | {chosen.runtime} {chosen.precision} | {jpeg} | {chosen.batch_size} | {got:.1f} | "
+              f"{got / base:.2f} | {jpeg_s * 1e3:.2f} | {encode_s * 1e3:.2f} | {bound:.1f} | {got / bound:.2f} | "
+              f"{cos:.6f} |", flush=True)
+
+
+def queries(args, spec) -> None:
+    from imgest import encoders
+    from imgest.demo import product_photos
+    from imgest.tasks.ingest.decode import decode_image
+    from imgest.tasks.search.query import query_encoder
+
+    photos = [d for d in product_photos(args.query_photos, seed=2, sides=(1100, 1300)).values()]
+    card = {"slug": spec.slug, "version": 1, "encoded_by": {"openvino fp32": 1}}  # as an auto ingest's card says
+    print(f"\n## Image queries: {len(photos)} product photos, 1100-1300 px, one at a time (decode, preprocess, "
+          "encode)\n")
+    print("| query encoder | p50 ms | p90 ms | x eager torch at p50 |")
+    print("|---|---:|---:|---:|")
+    rows = {}
+    for label, encoder in (("eager torch fp32", encoders.load(spec, "cpu")),
+                           ("the catalogue's (query_encoder: openvino fp32)", query_encoder(spec, "cpu", card))):
+        encoder.encode_images(np.stack([encoder.preprocess(decode_image(photos[0], min_side=encoder.decode_side))]))
+        took = []
+        for data in photos:
+            start = time.perf_counter()
+            encoder.encode_images(np.stack([encoder.preprocess(decode_image(data, min_side=encoder.decode_side))]))
+            took.append((time.perf_counter() - start) * 1e3)
+        rows[label] = np.percentile(took, [50, 90])
+        base = rows["eager torch fp32"][0]
+        print(f"| {label} ({encoder.runtime} {encoder.precision}) | {rows[label][0]:.1f} | {rows[label][1]:.1f} | "
+              f"{base / rows[label][0]:.2f} |", flush=True)
 
 
 def retrieval(args, spec, work: str) -> None:
     import bench_heads_shift as shift
 
     from imgest import encoders
-    from imgest.tasks.ingest import decode
+    from imgest.tasks.evaluate.metrics import paired_bootstrap
+    from imgest.tasks.ingest.decode import decode_image
 
     entries, archives = shift.artwork(args.emoji_dir)
     rng = np.random.default_rng(0)
@@ -152,38 +187,45 @@ def retrieval(args, spec, work: str) -> None:
     for vendor in ("google", "twitter"):
         pictures[vendor] = [shift.render(archives[vendor].extractfile(
             f"package/img/{vendor}/64/{e['image']}").read(), rng) for e in entries]
-    queries = np.arange(0, len(entries), max(1, len(entries) // args.queries))[:args.queries]
-    plain = encoders.load(spec, "cpu", "openvino", "fp32")
-    half = plain.compiled_as("openvino", "bf16")
+    asked = np.arange(0, len(entries), max(1, len(entries) // args.queries))[:args.queries]
+    plain = encoders.load(spec, "cpu")
+    encoders_ = {"openvino fp32": plain.compiled_as("openvino", "fp32"),
+                 "openvino bf16": plain.compiled_as("openvino", "bf16"),
+                 "torch bf16": plain.compiled_as("torch", "bf16")}
 
-    def embed(encoder, datas, gap):
-        decode.JPEG_REDUCING_GAP = gap
-        side = encoder.decode_side if gap else None
+    def embed(encoder, datas):
         out = []
         for begin in range(0, len(datas), 32):
-            batch = np.stack([encoder.preprocess(decode.decode_image(d, min_side=side))
+            batch = np.stack([encoder.preprocess(decode_image(d, min_side=encoder.decode_side, decoder=args.decoder))
                               for d in datas[begin:begin + 32]])
             out.append(encoder.encode_images(batch))
         return np.concatenate(out)
 
-    runs = {}
-    for label, encoder, gap in (("fp32, full decode", plain, 0), ("fp32, reduced to >= 2x the side", plain, 2),
-                                ("fp32, reduced to >= 1x the side", plain, 1), ("bf16, reduced to >= 1x", half, 1)):
-        catalogue = embed(encoder, pictures["google"], gap)
-        asked = embed(encoder, [pictures["twitter"][i] for i in queries], gap)
-        runs[label] = np.argsort(-(asked @ catalogue.T), axis=1)[:, :10]
+    catalogue, query = {}, {}
+    for label, encoder in encoders_.items():
+        catalogue[label] = embed(encoder, pictures["google"])
+        query[label] = embed(encoder, [pictures["twitter"][i] for i in asked])
         print(f"  embedded: {label}", flush=True)
-    decode.JPEG_REDUCING_GAP = 1
-    truth = runs["fp32, full decode"]
-    print(f"\n## Retrieval across a real shift: {len(entries)} Google emoji as the catalogue, {len(queries)} "
-          "Twitter drawings as queries (exact search)\n")
-    print("| embeddings | recall@1 | recall@10 | overlap@10 with fp32 full decode |")
-    print("|---|---:|---:|---:|")
-    for label, top in runs.items():
-        r1 = float(np.mean(top[:, 0] == queries))
-        r10 = float(np.mean([q in row for q, row in zip(queries, top)]))
-        overlap = float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(top, truth)]))
-        print(f"| {label} | {r1:.3f} | {r10:.3f} | {overlap:.3f} |")
+
+    def hits(q: str, c: str) -> tuple[np.ndarray, np.ndarray]:
+        top = np.argsort(-(query[q] @ catalogue[c].T), axis=1)[:, :10]
+        return (top[:, 0] == asked).astype(float), np.array([a in row for a, row in zip(asked, top)], float)
+
+    runs = {"fp32 queries, fp32 catalogue (OpenVINO)": hits("openvino fp32", "openvino fp32"),
+            "bf16 queries, bf16 catalogue (OpenVINO)": hits("openvino bf16", "openvino bf16"),
+            "bf16 queries, bf16 catalogue (torch autocast)": hits("torch bf16", "torch bf16"),
+            "bf16 queries, fp32 catalogue (a store mixing both; OpenVINO)": hits("openvino bf16", "openvino fp32"),
+            "fp32 queries, bf16 catalogue (OpenVINO)": hits("openvino fp32", "openvino bf16")}
+    base = runs["fp32 queries, fp32 catalogue (OpenVINO)"]
+    print(f"\n## Retrieval across a real shift: {len(entries)} Google emoji as the catalogue, {len(asked)} Twitter "
+          "drawings as queries (exact search; Lite0, decoded as ingest does)\n")
+    print("| queries, catalogue | recall@1 | recall@10 | recall@1 - fp32 [95% interval] | "
+          "recall@10 - fp32 [95% interval] |")
+    print("|---|---:|---:|---:|---:|")
+    for label, (r1, r10) in runs.items():
+        b1, b10 = paired_bootstrap(base[0], r1), paired_bootstrap(base[1], r10)
+        print(f"| {label} | {r1.mean():.4f} | {r10.mean():.4f} | {b1['difference']:+.4f} [{b1['low']:+.4f}, "
+              f"{b1['high']:+.4f}] | {b10['difference']:+.4f} [{b10['low']:+.4f}, {b10['high']:+.4f}] |", flush=True)
 
 
 def main() -> None:
@@ -193,9 +235,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="per bare-model measurement")
     parser.add_argument("--emoji-dir", default=None, help="folder for the emoji packages (skip part 3 without)")
     parser.add_argument("--emoji", type=int, default=1911, help="catalogue items of part 3")
-    parser.add_argument("--queries", type=int, default=600)
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: bare, pipeline, retrieval")
+    parser.add_argument("--queries", type=int, default=1911, help="queries of part 4 (every emoji by default)")
+    parser.add_argument("--query-photos", type=int, default=100, help="photos of part 3")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: bare, pipeline, queries, retrieval")
     args = parser.parse_args()
+    args.decoder = "pillow"  # until the pipeline part measures the decoders
     sys.path.insert(0, os.path.join(ROOT, "bench"))
 
     import openvino
@@ -214,6 +258,8 @@ def main() -> None:
             bare(args, spec)
         if "pipeline" not in args.skip:
             pipeline(args, spec, work)
+        if "queries" not in args.skip:
+            queries(args, spec)
         if args.emoji_dir and "retrieval" not in args.skip:
             retrieval(args, spec, work)
 

@@ -82,6 +82,9 @@ def test_search_answers_as_the_command_does_and_bad_requests_get_one_line(served
     assert hits[0]["item_id"] == "007.png" and {(h["model"], h["version"], h["alias"]) for h in hits} == \
         {(served["slug"], 1, "serving")}
     assert hits[0]["metadata"]["title"] == "gradient 7" and hits[0]["metadata"]["price"] == 7.5
+    # what encoded the query, in each hit and per alias: raw pixels run as they are (numpy), as at ingest
+    assert {h["query_encoded_by"] for h in hits} == {"numpy fp32"} == {expected["query_encoded_by"]}
+    assert httpx.get(f"{url}/aliases", headers=_auth()).json()["serving"]["query_encoded_by"] == "numpy fp32"
     filtered = httpx.post(f"{url}/search", json={**body, "where": "price < 3"}, headers=_auth()).json()["hits"]
     assert sorted(h["item_id"] for h in filtered) == ["000.png", "001.png", "002.png"]
 

@@ -192,7 +192,7 @@ def test_an_id_map_out_of_item_id_order_is_scanned_not_searched_by_halves(tmp_pa
         path = tmp_path / f"{name}.parquet"
         pq.write_table(pa.table({"faiss_id": list(range(3)), "item_id": order, "uri": [f"s3://x/{k}" for k in order],
                                  "content_hash": ["h"] * 3}), path)
-        ids = IdMap(str(path), name, str(tmp_path))
+        ids = IdMap(str(path), name, str(tmp_path / "cache" / "indexes"))  # a first search: no cache folder yet
         assert ids.ordered == (name == "ordered") and ids.shards is None
         assert [ids.position(k) for k in order] == [0, 1, 2] and ids.position("d.jpg") is None
         assert ids.items([2, 0]) == [order[2], order[0]] and ids.uri(1) == f"s3://x/{order[1]}"

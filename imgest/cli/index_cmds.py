@@ -121,13 +121,14 @@ def search_cmd(
             alias_name = chosen.aliases[0] if model is None else aliases[0]
             searcher = opened.get(alias_name) or Searcher(store, alias_name, model, version, device)
             results = searcher.search(batch, k, where, group_by, per_group)
-            card = searcher.card
+            card = {**searcher.card, "query_encoded_by": searcher.query_encoded_by}
     except _user_errors() as exc:
         _fail(exc)
     if as_json:
         payload = [{"query_id": q.query_id, "hits": [asdict(h) for h in hits]} for q, hits in zip(batch, results)]
+        encoded = {"query_encoded_by": card["query_encoded_by"]} if card.get("query_encoded_by") else {}
         typer.echo(json.dumps({"model_id": card["model_id"], "version": card["version"], "results": payload,
-                               **({"how": how} if how else {})}, indent=2))
+                               **encoded, **({"how": how} if how else {})}, indent=2))
         return
     from imgest.tasks.reports.index import served_parameters
 

@@ -64,6 +64,7 @@ class IdMap:
         self.parquet = parquet  # the checked file itself (DuckDB joins read it)
         path = os.path.join(cache_dir, f"ids-{sha256}.arrow")
         if not os.path.exists(path):
+            os.makedirs(cache_dir, exist_ok=True)  # a local store copies nothing else there: the first search makes it
             _to_arrow_file(parquet, path)
         self._source = pa.memory_map(path)
         reader = pa.ipc.open_file(self._source)

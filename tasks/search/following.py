@@ -33,6 +33,7 @@ class Answer:
     served: dict[str, tuple[str, int]]  # alias -> (model slug, index version), the request's first alias first
     how: dict | None = None  # a fusion or a routing table's choice, as `imgest search --json` says it
     metadata: dict[str, dict] | None = None  # with_metadata: each hit's catalogue metadata row by item_id
+    query_encoded_by: dict[str, str | None] | None = None  # alias -> what encoded its queries ("openvino fp32")
 
     @property
     def alias(self) -> str:
@@ -117,8 +118,8 @@ class FollowingSearcher:
         return all(alias in self._served for alias in self.aliases)
 
     def status(self) -> dict[str, dict]:
-        """Per alias: the model and version served, its card's served recall, when it was loaded, and the last
-        failure to load what the alias names (None when it serves what the alias names)."""
+        """Per alias: the model and version served, its card's served recall, what encodes its queries, when it was
+        loaded, and the last failure to load what the alias names (None when it serves what the alias names)."""
         out = {}
         for alias in self.aliases:
             served = self._served.get(alias)
@@ -127,7 +128,8 @@ class FollowingSearcher:
                 rec = served.searcher.card.get("recall") or {}
                 recall = rec.get(f"recall@{rec.get('k')}")
             out[alias] = {"model": served.slug if served else None, "version": served.version if served else None,
-                          "recall": recall, "loaded_at": served.loaded_at if served else None,
+                          "recall": recall, "query_encoded_by": served.searcher.query_encoded_by if served else None,
+                          "loaded_at": served.loaded_at if served else None,
                           "error": self._errors.get(alias)}
         return out
 
@@ -157,7 +159,8 @@ class FollowingSearcher:
         metadata = None
         if with_metadata:
             metadata = taken[names[0]].searcher.metadata_of([h.item_id for row in hits for h in row])
-        return Answer(hits, {name: (s.slug, s.version) for name, s in taken.items()}, how, metadata)
+        return Answer(hits, {name: (s.slug, s.version) for name, s in taken.items()}, how, metadata,
+                      {name: s.searcher.query_encoded_by for name, s in taken.items()})
 
     def search_vectors(self, vectors: np.ndarray, k: int = 10, alias: str | None = None, **options) -> Answer:
         served = self._take(alias)

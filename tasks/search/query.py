@@ -1,8 +1,9 @@
-"""Search an index by image or text, with exactly the model that built it."""
+"""Search an index by image or text, with exactly the model that built it, run as its catalogue's vectors were."""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,6 +11,7 @@ import pyarrow as pa
 
 from imgest import encoders
 from imgest.encoders import EncoderError
+from imgest.names import PRECISIONS, RUNTIMES
 from imgest.storage import open_location, read_url
 from imgest.tasks.index.store import OpenIndex, open_index, resolve_target
 from imgest.tasks.ingest.decode import decode_image
@@ -105,8 +107,13 @@ class Searcher:
 
     def encoder(self):
         if self._encoder is None:
-            self._encoder = encoders.load(self.spec, self.device)
+            self._encoder = query_encoder(self.spec, self.device, self.card)
         return self._encoder
+
+    @property
+    def query_encoded_by(self) -> str | None:
+        """What encodes this searcher's queries ("openvino fp32"), once loaded."""
+        return None if self._encoder is None else f"{self._encoder.runtime} {self._encoder.precision}"
 
     def modality(self, query: Query) -> str:
         """What of a query this model embeds: its text when the query has text and the model a text tower
@@ -281,6 +288,36 @@ class Searcher:
                                   f"{', '.join(c for c in table.column_names if c != 'row_hash')}")
             self._group_maps[column] = GroupOf(table, column)
         return self._group_maps[column]
+
+
+def catalogue_encoding(card: dict) -> tuple[str, str] | None:
+    """The runtime and precision that made most of a version's vectors (its card's `encoded_by`, rows per
+    "runtime precision"), or None when the card does not say (a version built before it was recorded, shards
+    that did not record it, an encoder that runs as it is). The card is read from the store: a pair names only a
+    known runtime and precision, never anything to load."""
+    mix = card.get("encoded_by")
+    counts: dict[tuple[str, str], int] = {}
+    for key, rows in (mix.items() if isinstance(mix, dict) else ()):
+        pair = tuple(str(key).split(" "))
+        if len(pair) == 2 and pair[0] in RUNTIMES and pair[1] in PRECISIONS and "auto" not in pair \
+                and isinstance(rows, int) and not isinstance(rows, bool) and rows > 0:
+            counts[pair] = counts.get(pair, 0) + rows
+    return max(counts, key=counts.get) if counts else None
+
+
+def query_encoder(spec, device: str, card: dict):
+    """The encoder for a version's queries: the runtime and precision its catalogue was encoded with, behind the
+    same parity check as ingest (so a query vector is made the way the catalogue's were), else, when that cannot
+    run here (another device, a runtime not installed, a parity refusal), the plain encoder with one warning."""
+    made = catalogue_encoding(card)
+    if made is not None:
+        try:
+            return encoders.load(spec, device, *made)
+        except EncoderError as exc:
+            logging.getLogger("imgest").warning(
+                "queries of model=%s v%s: the catalogue was encoded with %s, which cannot run here (%s): encoding "
+                "queries with the plain encoder", card.get("slug"), card.get("version"), " ".join(made), exc)
+    return encoders.load(spec, device)
 
 
 def search(store_url: str, *, image: str | None = None, text: str | None = None, item_id: str | None = None,

@@ -3,8 +3,8 @@
   POST /search   JSON {"text" | "item_id" | "image_b64", "k", "alias": [..], "fuse": "rrf", "rrf_k", "where",
                  "group_by", "per_group", "query_class"}, or a multipart form with a file field `image` and the
                  same fields -> {"hits": [{"item_id", "score", "group", "metadata", "model", "version", "alias",
-                 "found_by"}], "took_ms", "how"}
-  GET  /aliases  -> {alias: {"model", "version", "recall", "loaded_at", "error"}}
+                 "query_encoded_by", "found_by"}], "took_ms", "how"}
+  GET  /aliases  -> {alias: {"model", "version", "recall", "query_encoded_by", "loaded_at", "error"}}
   GET  /healthz  -> 200 when every alias is loaded, 503 before
   GET  /metrics  -> Prometheus text: requests and latency by route, alias and status; served versions; swaps
   GET  /         -> the search page (text box, image drop, metadata filters, alias chooser, thumbnail grid)
@@ -166,7 +166,8 @@ def _hits(answer: Answer) -> list[dict]:
         found_by = [{"alias": a, "rank": rank} for a, rank in hit.found_by] if hit.found_by else None
         hits.append({"item_id": hit.item_id, "score": hit.score, "group": hit.group,
                      "metadata": (answer.metadata or {}).get(hit.item_id), "model": model, "version": version,
-                     "alias": alias, "found_by": found_by})
+                     "alias": alias, "query_encoded_by": (answer.query_encoded_by or {}).get(alias),
+                     "found_by": found_by})
     return hits
 
 
