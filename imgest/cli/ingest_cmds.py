@@ -54,7 +54,8 @@ def status(
                                                           "artifact shows them: unusual figures marked with !"),
     nights: int = typer.Option(30, "--nights", min=1, help="With --history: how many nights per model"),
 ) -> None:
-    """Per model: live items, shards, rejected items with reasons, tombstones, last run."""
+    """Per model: live items, shards, rejected items with reasons, tombstones, last run; the serving index and the
+    runtimes and precisions that encoded its vectors."""
     from imgest.tasks.state.status import store_status
 
     if history:
@@ -70,6 +71,13 @@ def status(
     typer.echo(f"store: {report['store']}")
     if report["running"]:
         typer.echo(f"running: {report['running']['owner']} since {report['running']['started']}")
+    if serving := report["serving"]:
+        from imgest.tasks.reports.index import render_encoded_by
+
+        vectors = f"{serving['n']:,} vectors, " if serving.get("n") is not None else ""
+        typer.echo(f"serving: {serving['error']}" if "error" in serving else
+                   f"serving: model={serving['slug']} v{serving['version']:04d}, {vectors}encoded by: "
+                   f"{render_encoded_by(serving['encoded_by'])}")
     if not report["models"]:
         typer.echo("no models ingested yet")
     for m in report["models"]:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +28,7 @@ from imgest.storage import Location
 from imgest.tasks.index.build import refine_of
 from imgest.tasks.index.rerank import emptied, on_disk, renumbered_blocks, write_mapped
 from imgest.tasks.index.store import IdMapFile, IndexIntegrityError
-from imgest.tasks.ingest.shards import embedding_matrix
+from imgest.tasks.ingest.shards import UNRECORDED, embedding_matrix, shard_encoder
 from imgest.tasks.state.committed import LIVE, CatalogueState, shard_key
 from imgest.tasks.state.rows import one_thread, sql_string
 
@@ -44,14 +45,17 @@ class Delta:
     remap: np.ndarray  # previous faiss id -> new faiss id; -1: the vector left (item deleted or content changed)
     added_ids: np.ndarray  # new faiss ids of the added vectors
     added: np.ndarray  # (A, d) float32 their vectors
+    by_shard: pa.Table | None = None  # (shard, rows) of the new id map: a row per shard, for `encoded_by`
 
     @property
     def removed(self) -> int:
         return int((self.remap < 0).sum())
 
 
-def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table) -> tuple[pa.Table, np.ndarray]:
-    """The rows of `wanted` (item_id, shard) found in their shards, with their vectors; only those shards read."""
+def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table,
+                 encoded_by: Counter | None = None) -> tuple[pa.Table, np.ndarray]:
+    """The rows of `wanted` (item_id, shard) found in their shards, with their vectors; only those shards read.
+    With `encoded_by`, the rows found are counted under what encoded them (`shard_encoder`)."""
     by_shard: dict[str, list[str]] = defaultdict(list)
     for item_id, shard in zip(wanted["item_id"].to_pylist(), wanted["shard"].to_pylist()):
         by_shard[shard].append(item_id)
@@ -59,6 +63,8 @@ def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table) -> tupl
     for shard, keep in sorted(by_shard.items()):
         table = store.read_table(shard_key(slug, shard))
         table = table.filter(pc.is_in(table["item_id"], value_set=pa.array(keep, pa.string())))
+        if encoded_by is not None:
+            encoded_by[shard_encoder(table.schema.metadata)] += len(table)
         tables.append(table.select(["item_id"]))
         vectors.append(embedding_matrix(table, dim))
     if not tables:
@@ -116,7 +122,26 @@ def plan_delta(store: Location, slug: str, dim: int, previous_ids: str, state: C
                                ON n.item_id = p.item_id AND n.content_hash = p.hash ORDER BY p.faiss_id""").fetchnumpy()
         added = cur.execute("""SELECT n.faiss_id FROM found f JOIN numbered n ON n.item_id = f.item_id
                                ORDER BY f.position""").fetchnumpy()
-    return Delta(ids, np.asarray(remap["new"], np.int64), np.asarray(added["faiss_id"], np.int64), vectors)
+        by_shard = cur.sql("SELECT shard, count(*) AS rows FROM numbered GROUP BY shard ORDER BY shard"
+                           ).to_arrow_table()
+    return Delta(ids, np.asarray(remap["new"], np.int64), np.asarray(added["faiss_id"], np.int64), vectors, by_shard)
+
+
+FOOTER_READS = 16  # shard footers read at once (on an object store, a small ranged GET each)
+
+
+def encoded_by_shards(store: Location, slug: str, by_shard: pa.Table) -> dict[str, int]:
+    """Rows per "runtime precision" of an updated version: the new id map's rows per shard, each shard's label from
+    its footer (Parquet metadata only, no vectors). Counted afresh from the live shards rather than carried from the
+    previous card: the rows an update removes may sit in shards the ingest has deleted since."""
+    def label(shard: str | None) -> str:
+        return UNRECORDED if shard is None else shard_encoder(store.read_parquet_metadata(shard_key(slug, shard)))
+
+    tally: Counter = Counter()
+    with ThreadPoolExecutor(FOOTER_READS) as pool:
+        for name, rows in zip(pool.map(label, by_shard["shard"].to_pylist()), by_shard["rows"].to_pylist()):
+            tally[name] += rows
+    return dict(tally)
 
 
 def rename_ids(index, remap: np.ndarray) -> None:

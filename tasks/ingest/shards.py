@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 import numpy as np
 import pyarrow as pa
 
+from imgest import records
 from imgest.encoders import EncoderSpec
 from imgest.lock import Fence
 from imgest.names import VERSION
@@ -24,6 +25,22 @@ def embedding_matrix(table: pa.Table, dim: int) -> np.ndarray:
     array: every reader (index build, export, heads, eval) works in float32 whatever the shards hold."""
     flat = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
     return flat.reshape(len(table), dim).astype(np.float32, copy=False)
+
+
+UNRECORDED = "unrecorded"  # what encoded a shard written before the writer recorded it
+
+
+def shard_encoder(metadata: dict | None) -> str:
+    """What encoded every row of a shard, as "runtime precision" ("openvino fp32"), from its Parquet metadata
+    (`imgest.runtime`, `imgest.precision`, written by ShardWriter; bytes or str keys); "unrecorded" without them.
+    A value that is not a plain name counts as unrecorded: the metadata is read from a store, and the label is
+    printed."""
+    meta = metadata or {}
+    runtime, precision = (meta.get(key, meta.get(key.encode())) for key in ("imgest.runtime", "imgest.precision"))
+    names = [v.decode(errors="replace") if isinstance(v, bytes) else v for v in (runtime, precision)]
+    if not all(isinstance(v, str) and records.SLUG.match(v) for v in names):
+        return UNRECORDED
+    return " ".join(names)
 
 
 def shard_schema(spec: EncoderSpec, dtype: str = "float32") -> pa.Schema:

@@ -128,8 +128,8 @@ def index_current(store: Location, slug: str) -> dict:
     snapshot = latest_snapshot_seq(store, slug)
     current = card["snapshot"] == snapshot
     return {"version": versions[-1], "snapshot": card["snapshot"], "latest_snapshot": snapshot, "current": current,
-            "recall": card["recall"], "reason": "" if current else f"built from snapshot {card['snapshot']}, "
-            f"latest is {snapshot}"}
+            "recall": card["recall"], "encoded_by": card.get("encoded_by"),
+            "reason": "" if current else f"built from snapshot {card['snapshot']}, latest is {snapshot}"}
 
 
 def storage_bytes(store: Location, slug: str) -> dict:

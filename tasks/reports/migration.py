@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from imgest.tasks.reports.index import render_encoded_by
+
 
 def _evaluation_line(e: dict | None, window: dict, store: str | None) -> str:
     if not e:  # the whole way there, runnable as printed: a query set from the catalogue's folders, then eval
@@ -42,12 +44,13 @@ def render_window(status: dict) -> str:
         f"- evaluation: {_evaluation_line(status['evaluation'], w, status.get('store'))}",
         f"- shadow traffic: {_shadow_line(status.get('shadow'))}",
         "",
-        "| side | model | index version | current | storage MiB |",
-        "|---|---|---:|---|---:|",
+        "| side | model | index version | current | encoded by | storage MiB |",
+        "|---|---|---:|---|---|---:|",
     ]
     for side in ("from", "to"):
+        encoded = render_encoded_by(idx[side].get("encoded_by")) if idx[side]["version"] is not None else ""
         lines.append(f"| {side} | `{w[side]['slug']}` | {idx[side]['version']} | {idx[side]['current']} | "
-                     f"{status['storage'][side]['total'] / 2**20:.1f} |")
+                     f"{encoded} | {status['storage'][side]['total'] / 2**20:.1f} |")
     targets = status.get("targets") or {}
     for sync in targets.get("switched", []):  # promote/rollback --sync-to: one line per target
         lines.append(f"\nTarget `{sync['target']}`: " + (f"not switched: {sync['error']} (the next nightly switches "

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from imgest.storage import Location
-from imgest.tasks.ingest.shards import embedding_matrix
+from imgest.tasks.ingest.shards import embedding_matrix, shard_encoder
 from imgest.tasks.state.committed import (
     LIVE,
     CatalogueState,
@@ -133,11 +134,14 @@ def shard_groups(path: str) -> Iterator[pa.Table]:
         yield pa.Table.from_batches(carry)
 
 
-def read_shard_vectors(store: Location, slug: str, dim: int, shard: str,
-                       keep: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+def read_shard_vectors(store: Location, slug: str, dim: int, shard: str, keep: pa.Array,
+                       encoded_by: Counter | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The vectors of a shard's live rows and where each is among `keep` (the shard's live ids); an id of `keep`
-    without a row in the shard is not among the positions."""
+    without a row in the shard is not among the positions. With `encoded_by`, the rows read are counted under
+    what encoded them, as the shard's own metadata says (`shard_encoder`)."""
     table, found = _live_rows(store, slug, shard, keep)
+    if encoded_by is not None:
+        encoded_by[shard_encoder(table.schema.metadata)] += len(table)
     return embedding_matrix(table, dim), found
 
 

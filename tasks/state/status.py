@@ -1,9 +1,13 @@
-"""Store status: per model, live items, shards, rejects, tombstones, snapshot and last run; who is writing."""
+"""Store status: per model, live items, shards, rejects, tombstones, snapshot and last run; who is writing; the
+index version `serving` points at and what encoded its vectors."""
 
 from __future__ import annotations
 
 from imgest.lock import current_holder
+from imgest.records import RecordError
 from imgest.storage import Location, open_location
+from imgest.tasks.index.store import IndexIntegrityError, IndexNotFoundError, read_card
+from imgest.tasks.migration.aliases import read_alias
 from imgest.tasks.state.committed import DELETED, FAILED, LIVE, REJECTED, latest_snapshot_seq, load_state
 from imgest.tasks.state.models import list_models
 
@@ -40,11 +44,27 @@ def model_status(store: Location, card: dict) -> dict:
     }
 
 
+def serving_index(store: Location) -> dict | None:
+    """The version the `serving` alias points at, with its vector count and `encoded_by` (its card's rows per
+    runtime and precision); None without the alias, {"error": ...} when it or its card does not read."""
+    try:
+        alias = read_alias(store, "serving")
+        if alias is None:
+            return None
+        card = read_card(store, alias["slug"], alias["version"])
+    except (RecordError, IndexNotFoundError, IndexIntegrityError) as exc:  # said, not fatal: status is for looking
+        return {"error": str(exc)}
+    n = card.get("n")
+    return {"slug": alias["slug"], "version": alias["version"], "n": n if type(n) is int else None,
+            "encoded_by": card.get("encoded_by")}
+
+
 def store_status(store_url: str) -> dict:
     store = open_location(store_url, must_exist=True, what="store")
     lock = current_holder(store)
     return {
         "store": store.url,
         "running": {k: lock[k] for k in ("owner", "host", "pid", "started")} if lock else None,
+        "serving": serving_index(store),
         "models": [model_status(store, card) for card in list_models(store)],
     }
