@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -108,7 +109,45 @@ def _decode_side(processor) -> int | None:
     return max(sides) if sides else None
 
 
-def _image_features(self, pixel_values):
+def _pixels(processor, image) -> np.ndarray:
+    """The processor's own steps (RGB conversion, resize, centre crop) without its rescale and normalisation:
+    uint8 CHW. Both of transformers' backends resize and crop in uint8; a processor that hands back other
+    numbers is refused unless they are whole pixel values, so nothing is rounded away."""
+    pixels = np.asarray(processor(images=[image], return_tensors="np", do_rescale=False,
+                                  do_normalize=False)["pixel_values"][0])
+    if pixels.dtype != np.uint8:
+        if pixels.size and not (np.array_equal(pixels, np.round(pixels)) and pixels.min() >= 0 and pixels.max() <= 255):
+            raise EncoderError(f"{type(processor).__name__} resizes to values that are not 8-bit pixels "
+                               f"({pixels.dtype}, {pixels.min():.3f}..{pixels.max():.3f})")
+        pixels = pixels.astype(np.uint8)
+    return pixels
+
+
+@functools.lru_cache(maxsize=4)
+def _processor(source: str):
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(source)
+
+
+def hf_preprocess(source: str, image) -> np.ndarray:
+    """`HFEncoder.preprocess` for a decode process: only the model folder's path crosses the process boundary,
+    and each process loads the processor from it once."""
+    return _pixels(_processor(source), image)
+
+
+def _normalisation(processor) -> tuple[float, np.ndarray, np.ndarray]:
+    """The processor's rescale factor, per-channel mean and std as its config applies them (a step it skips:
+    1, 0, 1); the mean and std shaped (1, C, 1, 1) for an NCHW batch."""
+    scale = float(processor.rescale_factor) if processor.do_rescale else 1.0
+    mean, std = (processor.image_mean, processor.image_std) if processor.do_normalize else (0.0, 1.0)
+    return scale, *(np.asarray(v, np.float32).reshape(1, -1, 1, 1) for v in (mean, std))
+
+
+def _image_features(self, pixels):
+    """uint8 NCHW -> features: the processor's rescale and mean/std on the batch (so in a compiled graph too),
+    then the model."""
+    pixel_values = (pixels.float() * self.scale - self.mean) / self.std
     if self.model_type == "dinov2":
         return self.model(pixel_values=pixel_values).pooler_output
     return _pooled(self.model.get_image_features(pixel_values=pixel_values))
@@ -125,6 +164,7 @@ TOKEN_INPUTS = ("input_ids", "attention_mask")  # what the text tower reads of t
 
 class HFEncoder(GraphEncoder):
     def __init__(self, spec: EncoderSpec, device: str):
+        import torch
         from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
         self.spec, self.device = spec, device
@@ -139,7 +179,13 @@ class HFEncoder(GraphEncoder):
         self.tokenizer = AutoTokenizer.from_pretrained(spec.source) if "text" in spec.modalities else None
         self.input_shape = tuple(self.preprocess(_blank()).shape)
         self.decode_side = _decode_side(self.processor)
-        self._image_tower = torch_module(_image_features, model=self.model)
+        # picklable, so decode processes preprocess (tasks/ingest/encode.py); a hub model's source is its snapshot
+        self.preprocess_fn = functools.partial(hf_preprocess, spec.source)
+        scale, mean, std = _normalisation(self.processor)
+        self._image_tower = torch_module(
+            _image_features, model=self.model,
+            scale=torch.tensor(scale, dtype=torch.float32, device=device),
+            mean=torch.from_numpy(mean).to(device), std=torch.from_numpy(std).to(device))
         self._image_tower.model_type = self.model_type
         self._text_tower = None
         if self.tokenizer is not None:
@@ -147,8 +193,7 @@ class HFEncoder(GraphEncoder):
         self._run_on("torch", default_precision(device))
 
     def graphs(self) -> dict[str, Graph]:
-        towers = {"image": Graph("image", self._image_tower, (np.zeros((2, *self.input_shape), np.float32),),
-                                 ((0,),))}
+        towers = {"image": Graph("image", self._image_tower, (np.zeros((2, *self.input_shape), np.uint8),), ((0,),))}
         if self._text_tower is not None:
             example = tuple(v.numpy() for v in self._tokens(["a photo", "a photo of a red shoe"]).values())
             towers["text"] = Graph("text", self._text_tower, example, tuple((0, 1) for _ in example))
@@ -162,7 +207,8 @@ class HFEncoder(GraphEncoder):
         return {k: tokens[k] for k in TOKEN_INPUTS if k in tokens}
 
     def preprocess(self, image) -> np.ndarray:
-        return np.asarray(self.processor(images=[image], return_tensors="np")["pixel_values"][0], np.float32)
+        """uint8 CHW: decode workers ship a quarter of the bytes of float pixels and do no float work."""
+        return _pixels(self.processor, image)
 
     def encode_images(self, batch: np.ndarray) -> np.ndarray:
         return l2_normalise(self.runners["image"](batch))
