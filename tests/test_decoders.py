@@ -94,3 +94,17 @@ def test_the_cheapest_decoder_is_chosen_by_cpu_time():
     assert chosen != decoders.PILLOW and measured[decoders.PILLOW] >= 0.005
     assert set(measured) == set(decoders.installed())
     assert decoders.fastest([], work) == (decoders.PILLOW, {})
+
+
+def test_the_models_decoder_is_kept_for_its_queries_and_a_record_names_only_an_installed_one(tmp_path):
+    from imgest.storage import Location
+
+    store = Location(str(tmp_path / "store"))
+    assert decoders.recorded(store, "m-1234abcd") == decoders.PILLOW  # nothing recorded yet
+    decoders.record(store, "m-1234abcd", "simplejpeg", "r1")
+    assert decoders.recorded(store, "m-1234abcd") == "simplejpeg"
+    for hostile in ({"decoder": "os.system"}, {"decoder": ["simplejpeg"]}, {"other": 1}):
+        store.write_json(decoders.record_key("m-1234abcd"), hostile)
+        assert decoders.recorded(store, "m-1234abcd") == decoders.PILLOW, hostile
+    (tmp_path / "store" / decoders.record_key("m-1234abcd")).write_text("not json")
+    assert decoders.recorded(store, "m-1234abcd") == decoders.PILLOW

@@ -29,6 +29,7 @@ def test_a_runtime_that_cannot_run_here_falls_back_to_the_plain_encoder_with_one
     from imgest import encoders
 
     spec = encoders.resolve("efficientnet-lite0")
+    monkeypatch.setattr(encoders, "_loaded", {})  # nothing this process compiled before
     monkeypatch.setattr(runtimes.OpenVINORuntime, "missing", lambda self: "the openvino package is not installed")
     with caplog.at_level(logging.WARNING, logger="imgest"):
         encoder = query_encoder(spec, "cpu", {"slug": "m", "version": 3, "encoded_by": {"openvino fp32": 7}})

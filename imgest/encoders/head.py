@@ -239,6 +239,11 @@ class HeadEncoder(GraphEncoder):
     def decode_side(self):
         return getattr(self.base, "decode_side", None)
 
+    @property
+    def preprocess_fn(self):
+        """The base model's picklable preprocessing, when it has one: a head's images decode in processes too."""
+        return getattr(self.base, "preprocess_fn", None)
+
     def derive(self, vectors: np.ndarray) -> np.ndarray:
         """Stored base embeddings -> this head's (L2-normalised float32), no image decoded; a whitening head's
         affine map in NumPy, others through `project`."""

@@ -12,6 +12,7 @@ from imgest.encoders import EncoderSpec
 from imgest.lock import Fence
 from imgest.names import VERSION
 from imgest.storage import Location
+from imgest.tasks.ingest import decoders
 from imgest.tasks.ingest.plan import Plan
 from imgest.tasks.ingest.shards import ShardResult
 from imgest.tasks.state.committed import CatalogueState, now_iso, read_marker, write_snapshot
@@ -153,6 +154,8 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
     if results:
         store.write_table(timeline_key(plan.run_id), shard_timeline(results))
     store.write_json(summary_key(plan.run_id), summary.to_dict())
+    if summary.encoding and summary.encoded > summary.derived:  # what decoded its images decodes its queries
+        decoders.record(store, state.slug, summary.encoding.get("decoder", decoders.PILLOW), plan.run_id)
     return summary
 
 

@@ -6,7 +6,8 @@ and 1/8 (so the same photo decodes at 1/2); simplejpeg and PyTurboJPEG reach lib
 a run uses is measured on its own images (`fastest`), since the order depends on the CPU and the wheels; the
 optional ones are only tried when installed (PyTurboJPEG also needs the system's libturbojpeg), and a missing
 one is never an error. Each decodes only what it was made for (a plain colour or greyscale JPEG); anything else,
-or any error, goes to Pillow, which then decides whether the object is an image at all.
+or any error, goes to Pillow, which then decides whether the object is an image at all. The last choice for a
+model is kept beside its state (`state/model=<slug>/decoder.json`) so that its queries decode the same way.
 """
 
 from __future__ import annotations
@@ -124,3 +125,29 @@ def fastest(datas: Sequence[bytes], work: Callable[[bytes, str], object],
             costs[name] = min(costs[name], (time.thread_time() - start) / len(datas))
     best = min(names, key=lambda n: (round(costs[n], 6), n != PILLOW))
     return best, {name: round(cost, 6) for name, cost in costs.items()}
+
+
+def record_key(slug: str) -> str:
+    from imgest.tasks.state.committed import state_prefix
+
+    return f"{state_prefix(slug)}/decoder.json"
+
+
+def record(store, slug: str, decoder: str, run_id: str) -> None:
+    """Keep the decoder a run encoded `slug`'s images with, for its queries (`recorded`)."""
+    store.write_json(record_key(slug), {"decoder": decoder, "run_id": run_id})
+
+
+def recorded(store, slug: str) -> str:
+    """The decoder `slug`'s images were last decoded with, when it is one installed here; else Pillow. The record
+    is read from the store: it can only name a registered decoder, never anything to load."""
+    import logging
+
+    from imgest.storage import RecordError, StorageError
+
+    try:
+        name = store.read_json(record_key(slug)).get("decoder") if store.exists(record_key(slug)) else None
+    except (RecordError, StorageError, OSError, ValueError, AttributeError) as exc:
+        logging.getLogger("imgest").warning("%s: not read (%s): queries decode with Pillow", record_key(slug), exc)
+        return PILLOW
+    return name if isinstance(name, str) and name in installed() else PILLOW

@@ -14,6 +14,7 @@ from imgest.encoders import EncoderError
 from imgest.names import PRECISIONS, RUNTIMES
 from imgest.storage import open_location, read_url
 from imgest.tasks.index.store import OpenIndex, open_index, resolve_target
+from imgest.tasks.ingest import decoders
 from imgest.tasks.ingest.decode import decode_image
 from imgest.tasks.ingest.metadata import load_metadata
 from imgest.tasks.search.filters import FilterError, GroupOf, filtered_search, grouped, matching_items, positions
@@ -88,6 +89,7 @@ class Searcher:
                               "different model; rebuild the index or restore those weights")
         self.spec, self.device = spec, device
         self._encoder = None
+        self._decoder: str | None = None
         self._table = None  # the store's metadata, read on the first --where or --group-by
         self._filters: dict[str, np.ndarray] = {}  # --where predicate -> faiss ids
         self._group_maps: dict[str, GroupOf] = {}  # --group-by column -> item_id -> value
@@ -103,12 +105,19 @@ class Searcher:
         """Load now what the first query would otherwise wait for: the model's weights and the map from
         indexed items to their metadata rows (a long-lived reader calls it before serving a version)."""
         self.encoder()
+        self.decoder()
         self.metadata_of([])
 
     def encoder(self):
         if self._encoder is None:
             self._encoder = query_encoder(self.spec, self.device, self.card)
         return self._encoder
+
+    def decoder(self) -> str:
+        """The JPEG decoder the catalogue's images were last decoded with (tasks/ingest/decoders.py), read once."""
+        if self._decoder is None:
+            self._decoder = decoders.recorded(self.store, self.card["slug"])
+        return self._decoder
 
     @property
     def query_encoded_by(self) -> str | None:
@@ -137,8 +146,9 @@ class Searcher:
         vectors = np.zeros((len(queries), self.spec.dim), np.float32)
         image_rows = [i for i, kind in enumerate(kinds) if kind == "image"]
         if image_rows:
-            side = getattr(encoder, "decode_side", None)  # the reduced JPEG decode the catalogue got
-            pixels = [encoder.preprocess(decode_image(_image_bytes(queries[i]), min_side=side)) for i in image_rows]
+            side = getattr(encoder, "decode_side", None)  # the reduced JPEG decode the catalogue got, by its decoder
+            pixels = [encoder.preprocess(decode_image(_image_bytes(queries[i]), min_side=side, decoder=self.decoder()))
+                      for i in image_rows]
             vectors[image_rows] = encoder.encode_images(np.stack(pixels))
         text_rows = [i for i, kind in enumerate(kinds) if kind == "text"]
         if text_rows:
