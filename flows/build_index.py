@@ -28,13 +28,14 @@ from imgest.tasks.reports.index import render_card
 from imgest.tasks.reports.plots import markdown_image, recall_sweep_png
 from imgest.tasks.reports.run_names import run_name
 from imgest.tasks.state.live import live_fingerprint
-from imgest.tasks.state.models import find_model
+from imgest.tasks.state.models import default_model, find_model
 
 
 @configured_flow(name="build-index", flow_run_name=run_name("build-index"))
 def build_index(config: IndexConfig) -> dict:
     store_loc = open_location(config.store, must_exist=True, what="store")
-    card_model = find_model(store_loc, config.model)
+    card_model = find_model(store_loc, default_model(store_loc, config.model))
+    config = config.model_copy(update={"model": card_model["slug"]})
     with tags(f"model:{card_model['slug']}"), \
             StoreLock(store_loc, owner=f"build-index@{socket.gethostname()}:{os.getpid()}") as lock:
         inputs = {"model_id": card_model["model_id"], "live_state": live_fingerprint(store_loc, card_model["slug"]),

@@ -36,6 +36,7 @@ from imgest.tasks.ingest.steps import (
 from imgest.tasks.reports.ingest import progress_line, render_summary
 from imgest.tasks.reports.run_names import run_name
 from imgest.tasks.state.committed import new_run_id
+from imgest.tasks.state.models import default_model
 from imgest.timing import Stopwatch
 
 
@@ -43,10 +44,11 @@ from imgest.timing import Stopwatch
 # (tasks/ingest/runners.py): one at a time locally, or spread over a Dask cluster.
 @configured_flow(name="ingest", flow_run_name=run_name("ingest"), task_runner=ThreadPoolTaskRunner(max_workers=1))
 def ingest(config: IngestConfig) -> dict:
+    store_loc = open_location(config.store)
+    config = config.model_copy(update={"model": default_model(store_loc, config.model, field="name")})
     spec = encoders.resolve(config.model)
     device = encoders.resolve_device(config.device)
     encoders.runtimes.refuse_unusable(config.runtime, config.precision, device)  # before any listing or encoding
-    store_loc = open_location(config.store)
     encoders.refuse_unrecordable(spec, store_loc)  # a name the nightly would refuse to read back: refused now
     catalogue_loc = open_location(config.catalogue, must_exist=True, what="catalogue", follow_links=True)
     check_apart(catalogue_loc, store_loc)

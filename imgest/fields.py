@@ -41,6 +41,10 @@ def not_empty(value: str, info: ValidationInfo) -> str:
     return value
 
 
+def not_empty_if_given(value: str | None, info: ValidationInfo) -> str | None:
+    return value if value is None else not_empty(value, info)
+
+
 def no_credentials(value: str | None, info: ValidationInfo) -> str | None:
     if value:
         try:
@@ -183,10 +187,12 @@ Store = Annotated[str, AfterValidator(not_empty), AfterValidator(no_credentials)
 Catalogue = Annotated[str, AfterValidator(not_empty), AfterValidator(no_credentials),
                       Field(description="Folder or URL of the catalogue: /path, file://, s3://bucket/prefix")]
 OptionalUrl = Annotated[str | None, AfterValidator(no_credentials)]
-Model = Annotated[str, AfterValidator(not_empty),
-                  Field(description="efficientnet-lite0, efficientnet-lite0-gem, minilm-l6, raw-pixels (or "
-                                    "raw-pixels-<side>, 2-32), hf:<hub id or local folder>, head:<name>; or a model "
-                                    "the store holds, by name, model id or slug")]
+MODEL_NAMES = ("efficientnet-lite0, efficientnet-lite0-gem, minilm-l6, raw-pixels (or raw-pixels-<side>, 2-32), "
+               "hf:<hub id or local folder>, head:<name>; or a model the store holds, by name, model id or slug")
+OWN_MODEL = "default: the store's own model (its only one; of several, the one the serving alias points at)"
+Model = Annotated[str, AfterValidator(not_empty), Field(description=MODEL_NAMES)]
+# a model of the store, None until the store is read: `default_model` (tasks/state/models.py) then chooses it
+StoreModel = Annotated[str | None, AfterValidator(not_empty_if_given)]
 BatchSize = Annotated[str, BeforeValidator(_batch_size),
                       Field(description="'auto' (measured, cached per model and device) or N")]
 Device = Annotated[str, AfterValidator(_device), Field(description="auto, cpu, cuda or cuda:N")]

@@ -27,6 +27,13 @@ def train_head_cmd(
     if whiten:  # the same as --head-type whiten
         config = config.model_copy(update={"training": config.training.model_copy(update={"head_type": "whiten"})})
     try:
+        from imgest.storage import open_location
+        from imgest.tasks.state.models import default_model, find_model
+
+        store = open_location(config.store, must_exist=True, what="store")  # before Prefect starts: one line
+        config = config.model_copy(update={"base_model": default_model(store, config.base_model,
+                                                                       flag="--base-model")})
+        find_model(store, config.base_model)
         summary = train_head_flow(config)
     except _user_errors() as exc:
         _fail(exc)

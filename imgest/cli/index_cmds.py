@@ -24,9 +24,11 @@ def build_index_cmd(
     """Build a new immutable index version from the live embeddings and move an alias to it."""
     try:
         from imgest.storage import open_location
-        from imgest.tasks.state.models import find_model
+        from imgest.tasks.state.models import default_model, find_model
 
-        find_model(open_location(config.store, must_exist=True, what="store"), config.model)
+        store = open_location(config.store, must_exist=True, what="store")
+        config = config.model_copy(update={"model": default_model(store, config.model)})  # before Prefect starts
+        find_model(store, config.model)
 
         from imgest.flows.build_index import build_index
         from imgest.progress import reporting

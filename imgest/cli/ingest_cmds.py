@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import typer
 
 from imgest.cli import _check_model, _fail, _user_errors, app
 from imgest.cli.options import config_command
 from imgest.config import IngestConfig, NightlyConfig, ReencodeConfig
+from imgest.fields import OWN_MODEL
 from imgest.names import DEFAULT_DEVICE
 from imgest.progress import reporting
 from imgest.tasks.evaluate.fusion import RRF_K
@@ -26,11 +28,14 @@ def ingest(
         from imgest import encoders
         from imgest.storage import open_location
         from imgest.tasks.ingest.listing import check_apart
+        from imgest.tasks.state.models import default_model
 
         # Fail on bad input before Prefect starts its server: a one-line reason, exit 2.
+        store = open_location(config.store)
+        config = config.model_copy(update={"model": default_model(store, config.model, field="name")})
         _check_model(config.model, config.store)
         encoders.resolve_device(config.device)
-        check_apart(open_location(config.catalogue, must_exist=True, what="catalogue"), open_location(config.store))
+        check_apart(open_location(config.catalogue, must_exist=True, what="catalogue"), store)
 
         from imgest.flows.ingest import ingest as ingest_flow
         from imgest.tasks.ingest.commit import RunSummary
@@ -128,7 +133,8 @@ def _history(store: str, nights: int, as_json: bool) -> None:
 @app.command()
 def export(
     store: str = typer.Option(..., help="Folder or URL of the store"),
-    model: str = typer.Option(..., help="Model name, model id or slug as shown by `imgest status`"),
+    model: Optional[str] = typer.Option(None, help="Model name, model id or slug as shown by `imgest status`; "
+                                                   f"{OWN_MODEL}"),
     out: str = typer.Option(..., help="Output Parquet file (local path or URL)"),
 ) -> None:
     """Write the live embeddings of one model, one row per live item, as a Parquet file."""

@@ -15,6 +15,8 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 from imgest.config.base import FlowConfig
 from imgest.config.heads import TrainHeadConfig
 from imgest.fields import (
+    MODEL_NAMES,
+    OWN_MODEL,
     BatchSize,
     Catalogue,
     Cli,
@@ -33,6 +35,7 @@ from imgest.fields import (
     Runtime,
     ShardSize,
     Store,
+    StoreModel,
     TargetRecall,
     Workers,
     alias_name,
@@ -117,7 +120,8 @@ class EncodeConfig(FlowConfig):
 
     catalogue: Catalogue
     store: Store
-    model: Model = DEFAULT_MODEL
+    model: Annotated[StoreModel, Field(
+        description=f"{MODEL_NAMES}; {OWN_MODEL}, {DEFAULT_MODEL} for an empty store")] = None
     batch_size: BatchSize = DEFAULT_BATCH_SIZE
     device: Device = DEFAULT_DEVICE
     runtime: Runtime = DEFAULT_RUNTIME
@@ -180,7 +184,7 @@ class IndexConfig(FlowConfig):
     """build-index: a verified index version of one model, its aliases moved."""
 
     store: Store
-    model: Annotated[Model, Field(description="Model name, model id or slug in the store")] = DEFAULT_MODEL
+    model: Annotated[StoreModel, Field(description=f"Model name, model id or slug in the store; {OWN_MODEL}")] = None
     kind: Kind = DEFAULT_KIND
     memory: Memory = DEFAULT_MEMORY
     target_recall: TargetRecall = DEFAULT_TARGET_RECALL

@@ -8,18 +8,19 @@ from pydantic import AfterValidator, Field
 
 from imgest.config.base import ConfigError, FlowConfig
 from imgest.fields import (
+    OWN_MODEL,
     Cli,
     Device,
-    Model,
     OptionalUrl,
     Store,
+    StoreModel,
     at_least,
     augmentations,
     non_negative,
     one_of,
     shrinkage_value,
 )
-from imgest.names import AUGMENTATIONS, DEFAULT_DEVICE, DEFAULT_MODEL, DEFAULT_VIEWS, LOSSES
+from imgest.names import AUGMENTATIONS, DEFAULT_DEVICE, DEFAULT_VIEWS, LOSSES
 
 
 class HeadConfig(FlowConfig):
@@ -76,7 +77,8 @@ class TrainHeadConfig(FlowConfig):
     """train-head: where the base embeddings are, the labels (or augmented views), and the training."""
 
     store: Annotated[Store, Field(description="Folder or URL of the store holding the base model's embeddings")]
-    base_model: Annotated[Model, Field(description="Base model: name, model id or slug in the store")] = DEFAULT_MODEL
+    base_model: Annotated[StoreModel, Field(
+        description=f"Base model: name, model id or slug in the store; {OWN_MODEL}")] = None
     labels: Annotated[OptionalUrl, Field(
         description="CSV with header item_id,label (instance or class), or JSONL; without it, each item is its "
                     "own label with augmented views as positives")] = None

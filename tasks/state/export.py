@@ -11,13 +11,14 @@ from imgest.storage import Location, open_location
 from imgest.tasks.ingest.metadata import load_metadata
 from imgest.tasks.state.committed import load_state
 from imgest.tasks.state.live import iter_live_tables
-from imgest.tasks.state.models import find_model
+from imgest.tasks.state.models import default_model, find_model
 
 
-def export_live(store_url: str, model: str, out: str) -> dict:
-    """One row per live item, written shard by shard so memory holds one shard at a time."""
+def export_live(store_url: str, model: str | None, out: str) -> dict:
+    """One row per live item of ``model`` (None: the store's own, `default_model`), written shard by shard so
+    memory holds one shard at a time."""
     store = open_location(store_url, must_exist=True, what="store")
-    card = find_model(store, model)
+    card = find_model(store, default_model(store, model))
     state = load_state(store, card["slug"])
     target = Location(out)
     rows = 0

@@ -1,11 +1,14 @@
-"""Model lookup: the models a store holds (their `model.json`), found by name, model id or slug."""
+"""Model lookup: the models a store holds (their `model.json`), found by name, model id or slug, and the one a
+command works on when it names none."""
 
 from __future__ import annotations
 
 import logging
 
 from imgest import encoders, records
+from imgest.names import DEFAULT_MODEL
 from imgest.storage import Location, RecordError
+from imgest.tasks.migration.aliases import read_alias
 
 
 class ModelNotFoundError(LookupError):
@@ -29,6 +32,30 @@ def find_model(store: Location, model: str) -> dict:
         raise ModelNotFoundError(f"store {store.url} has no model {model!r}; models in the store: {have}{others}")
     raise ModelNotFoundError(f"model {model!r} is ambiguous in {store.url} (weights changed between runs); "
                              f"name one by its slug: {have}")
+
+
+def default_model(store: Location, model: str | None, *, flag: str = "--model", field: str = "slug") -> str:
+    """The model a command works on: ``model`` when one is named (it always wins); else the store's own, its
+    only model or, of several, the one the `serving` alias points at (its ``field``: the slug `find_model`
+    takes, or the name an ingest resolves); DEFAULT_MODEL for a store that holds none, so that such a store
+    ingests it and other commands refuse as they did. Several and no serving alias among them:
+    ModelNotFoundError in one line listing them and naming ``flag``."""
+    if model is not None:
+        return model
+    models = list_models(store)
+    if not models:
+        return DEFAULT_MODEL
+    if len(models) == 1:
+        return models[0][field]
+    serving = read_alias(store, "serving")
+    for found in models:
+        if serving is not None and found["slug"] == serving["slug"]:
+            return found[field]
+    have = ", ".join(f"{m['name']} ({m['slug']})" for m in models)
+    why = "no serving alias" if serving is None else \
+        f"its serving alias points at model={serving['slug']}, not one of them"
+    raise ModelNotFoundError(f"store {store.url} holds {len(models)} models and {why}: pass {flag} with one "
+                             f"of {have}")
 
 
 def list_models(store: Location, left_out: dict[str, str] | None = None) -> list[dict]:
