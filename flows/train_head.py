@@ -31,7 +31,7 @@ def train_head_flow(config: TrainHeadConfig) -> dict:
     training = config.training if config.labels else config.training.model_copy(update={"split": "labels"})
     store_loc = open_location(config.store, must_exist=True, what="store")
     check_writable(store_loc, "heads")  # the head is written after training: a read-only store is refused first
-    base = find_model(store_loc, default_model(store_loc, config.base_model, flag="--base-model"))
+    base = find_model(store_loc, default_model(store_loc, config.base_model, flag="--base-model", base=True))
     if training.head_type == "whiten":  # no labels: the live vectors, and augmented views of some images
         if config.labels:
             raise HeadError("a whitening learns without labels: give no --labels")

@@ -362,9 +362,8 @@ def test_eval_queries_select_the_epoch_and_report_base_against_head(labelled):
         assert interval["difference"] == pytest.approx(e["head"][metric] - e["base"][metric], abs=1e-4)
     bad = CliRunner().invoke(app, ["train-head", "--store", str(labelled / "store"), "--augment", "crop,sepia"])
     assert bad.exit_code == 2 and "unknown augmentation 'sepia'" in bad.output
-    # the base named: an earlier test leaves a 16-d head serving this store, and serving's model is the default
-    wide = CliRunner().invoke(app, ["train-head", "--store", str(labelled / "store"), "--base-model",
-                                    "efficientnet-lite0", "--dim", "16"])
+    # an earlier test leaves a 16-d head serving this store: the default base is that head's base, never the head
+    wide = CliRunner().invoke(app, ["train-head", "--store", str(labelled / "store"), "--dim", "16"])
     assert wide.exit_code == 2 and "a residual head keeps the base dimension" in wide.output
 
 

@@ -32,7 +32,7 @@ def train_head_cmd(
 
         store = open_location(config.store, must_exist=True, what="store")  # before Prefect starts: one line
         config = config.model_copy(update={"base_model": default_model(store, config.base_model,
-                                                                       flag="--base-model")})
+                                                                       flag="--base-model", base=True)})
         find_model(store, config.base_model)
         summary = train_head_flow(config)
     except _user_errors() as exc:

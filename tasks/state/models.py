@@ -34,28 +34,29 @@ def find_model(store: Location, model: str) -> dict:
                              f"name one by its slug: {have}")
 
 
-def default_model(store: Location, model: str | None, *, flag: str = "--model", field: str = "slug") -> str:
+def default_model(store: Location, model: str | None, *, flag: str = "--model", field: str = "slug",
+                  base: bool = False) -> str:
     """The model a command works on: ``model`` when one is named (it always wins); else the store's own, its
     only model or, of several, the one the `serving` alias points at (its ``field``: the slug `find_model`
     takes, or the name an ingest resolves); DEFAULT_MODEL for a store that holds none, so that such a store
     ingests it and other commands refuse as they did. Several and no serving alias among them:
-    ModelNotFoundError in one line listing them and naming ``flag``."""
+    ModelNotFoundError in one line listing them and naming ``flag``. With ``base`` (a new head's base is asked
+    for), a head found this way gives its own base's slug: a head is trained on a base model, not on a head."""
     if model is not None:
         return model
     models = list_models(store)
     if not models:
         return DEFAULT_MODEL
-    if len(models) == 1:
-        return models[0][field]
-    serving = read_alias(store, "serving")
-    for found in models:
-        if serving is not None and found["slug"] == serving["slug"]:
-            return found[field]
-    have = ", ".join(f"{m['name']} ({m['slug']})" for m in models)
-    why = "no serving alias" if serving is None else \
-        f"its serving alias points at model={serving['slug']}, not one of them"
-    raise ModelNotFoundError(f"store {store.url} holds {len(models)} models and {why}: pass {flag} with one "
-                             f"of {have}")
+    serving = read_alias(store, "serving") if len(models) > 1 else None
+    chosen = models[0] if len(models) == 1 else \
+        next((m for m in models if serving is not None and m["slug"] == serving["slug"]), None)
+    if chosen is None:
+        have = ", ".join(f"{m['name']} ({m['slug']})" for m in models)
+        why = "no serving alias" if serving is None else \
+            f"its serving alias points at model={serving['slug']}, not one of them"
+        raise ModelNotFoundError(f"store {store.url} holds {len(models)} models and {why}: pass {flag} with one "
+                                 f"of {have}")
+    return chosen["base"]["slug"] if base and chosen.get("base") else chosen[field]
 
 
 def list_models(store: Location, left_out: dict[str, str] | None = None) -> list[dict]:
