@@ -13,15 +13,14 @@ from imgest.names import DEFAULT_MODEL
 
 # family -> (resolve name -> spec, load spec on device -> encoder)
 REGISTRY = {
-    efficientnet.NAME: (efficientnet.resolve, efficientnet.load),
-    efficientnet.GEM_NAME: (efficientnet.resolve, efficientnet.load),
+    **{name: (efficientnet.resolve, efficientnet.load) for name in efficientnet.NAMES},
     "hf": (hf.resolve, hf.load),
     pixels.NAME: (pixels.resolve, pixels.load),
     "head": (head.resolve, head.load),
     text.NAME: (text.resolve, text.load),
     "st": (None, text.load),  # an hf: folder of a sentence-transformers model (resolved by hf.resolve)
 }
-KNOWN_NAMES = (efficientnet.NAME, efficientnet.GEM_NAME, text.NAME,
+KNOWN_NAMES = (*efficientnet.NAMES, text.NAME,
                "hf:<hub id or local folder> (CLIP, SigLIP, DINOv2, sentence-transformers text models)", pixels.NAME,
                f"{pixels.NAME}-<side> ({pixels.SIDES.start}-{pixels.SIDES.stop - 1})",
                "head:<folder or URL written by imgest train-head>")

