@@ -108,3 +108,20 @@ def test_the_models_decoder_is_kept_for_its_queries_and_a_record_names_only_an_i
         assert decoders.recorded(store, "m-1234abcd") == decoders.PILLOW, hostile
     (tmp_path / "store" / decoders.record_key("m-1234abcd")).write_text("not json")
     assert decoders.recorded(store, "m-1234abcd") == decoders.PILLOW
+
+
+def test_a_store_that_refuses_the_decoder_record_costs_a_warning_not_the_run(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from imgest.storage import Location, StorageError
+
+    store = Location(str(tmp_path / "store"))
+
+    def refuse(key, value):
+        raise StorageError("AccessDenied: PutObject")
+
+    monkeypatch.setattr(store, "write_json", refuse)
+    with caplog.at_level(logging.WARNING, logger="imgest"):
+        assert decoders.record(store, "m-1234abcd", "simplejpeg", "r1") is False
+    assert "queries decode with Pillow" in caplog.text
+    assert decoders.recorded(store, "m-1234abcd") == decoders.PILLOW

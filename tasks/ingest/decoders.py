@@ -133,9 +133,20 @@ def record_key(slug: str) -> str:
     return f"{state_prefix(slug)}/decoder.json"
 
 
-def record(store, slug: str, decoder: str, run_id: str) -> None:
-    """Keep the decoder a run encoded `slug`'s images with, for its queries (`recorded`)."""
-    store.write_json(record_key(slug), {"decoder": decoder, "run_id": run_id})
+def record(store, slug: str, decoder: str, run_id: str) -> bool:
+    """Keep the decoder a run encoded `slug`'s images with, for its queries (`recorded`). Written after the run's
+    commit and only advice to its queries: a store that refuses it costs a warning (queries then decode with
+    Pillow, as before any record), never the committed run."""
+    import logging
+
+    from imgest.storage import StorageError
+
+    try:
+        store.write_json(record_key(slug), {"decoder": decoder, "run_id": run_id})
+    except (StorageError, OSError) as exc:
+        logging.getLogger("imgest").warning("%s not written (%s): queries decode with Pillow", record_key(slug), exc)
+        return False
+    return True
 
 
 def recorded(store, slug: str) -> str:
