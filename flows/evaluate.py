@@ -1,4 +1,5 @@
-"""The evaluation flow: a labelled query set against one alias, or two compared; report and plots."""
+"""The evaluation flow: a labelled query set against one alias, or two compared, or candidate models weighed against
+its model; report and plots."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from imgest.config import EvalConfig
 from imgest.flow_params import configured_flow
 from imgest.lock import LOCK_WAIT_S, StoreLock
 from imgest.storage import open_location, read_url
+from imgest.tasks.evaluate.candidates import compare_candidates_task
 from imgest.tasks.evaluate.querysets import read_query_set
 from imgest.tasks.evaluate.retrievers import evaluate_task, metrics_table, plot_report, write_outputs
 from imgest.tasks.migration.window import evaluates_window, record_evaluation
-from imgest.tasks.reports.evaluation import render_eval
+from imgest.tasks.reports.evaluation import candidates_table, render_eval
 from imgest.tasks.reports.plots import markdown_image
 from imgest.tasks.reports.run_names import run_name
 
@@ -27,6 +29,12 @@ def evaluate(config: EvalConfig) -> dict:
     report = evaluate_task(store_loc.url, query_set, config.alias, config.compare, list(config.ks), config.resamples,
                            config.seed,
                            config.device, config.traffic)
+    if config.candidates:
+        report["candidates"] = compare_candidates_task(store_loc.url, query_set, config.alias, list(config.candidates),
+                                                       list(config.ks), config.candidate_sample, config.seed,
+                                                       config.resamples, config.device, config.catalogue)
+        create_table_artifact(candidates_table(report["candidates"]), key="candidates",
+                              description=f"candidate models against {config.alias}'s, on one sample")
     report["query_file"] = config.queries
     report["query_sha256"] = hashlib.sha256(read_url(config.queries)).hexdigest()
     if evaluates_window(store_loc, report):  # serving vs shadow in an open window: kept for status and the gate

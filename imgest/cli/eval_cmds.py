@@ -16,7 +16,8 @@ from imgest.names import DEFAULT_DEVICE
 @app.command("eval")
 @config_command(EvalConfig)
 def eval_cmd(config: EvalConfig, as_json: bool = typer.Option(False, "--json")) -> None:
-    """recall@K, precision@K, MRR, mAP at the served parameters and exact, per class; A vs B when compared."""
+    """recall@K, precision@K, MRR, mAP at the served parameters and exact, per class; A vs B when compared; with
+    --candidates, candidate models against A's on one sample: recall, paired interval, encode cost."""
     try:
         from imgest.tasks.evaluate.querysets import read_query_set
 

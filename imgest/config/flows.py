@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Self
 
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
 from imgest.config.base import FlowConfig
 from imgest.config.heads import TrainHeadConfig
@@ -293,7 +293,7 @@ class MigrateConfig(FlowConfig):
 
 
 class EvalConfig(FlowConfig):
-    """eval: a labelled query set against one alias, or two compared."""
+    """eval: a labelled query set against one alias, or two compared; candidate models weighed against its model."""
 
     store: Store
     queries: Annotated[str, AfterValidator(not_empty), AfterValidator(no_credentials), Field(
@@ -313,6 +313,35 @@ class EvalConfig(FlowConfig):
     traffic: Annotated[OptionalUrl, Field(
         description="A query log's class counts (JSON {class: n} or JSONL with 'class'): the traffic-weighted "
                     "gain of the compared retriever")] = None
+    candidates: Annotated[tuple[str, ...], Cli("--candidates", str), Field(
+        description="Image models (registered names) weighed against the alias's model, e.g. "
+                    "efficientnet-lite0-gem,efficientnet-lite1: recall on a sample of the catalogue, the paired "
+                    "interval against the alias's model, encode ms per image here, hours at the catalogue's size")] = ()
+    candidate_sample: Annotated[int, AfterValidator(at_least(1)), Field(
+        description="Live items drawn (seeded) beside the queries' relevant ones, which every candidate and the "
+                    "alias's model encode and search exactly")] = 2000
+    catalogue: Annotated[OptionalUrl, Field(
+        description="With candidates: the catalogue the store was ingested from, to read the sample's images "
+                    "(default: the root the store recorded)")] = None
+
+    @field_validator("candidates", mode="before")
+    @classmethod
+    def _comma_names(cls, value: object) -> object:
+        return tuple(v.strip() for v in value.split(",") if v.strip()) if isinstance(value, str) else value
+
+    @field_validator("candidates")
+    @classmethod
+    def _image_models(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        from imgest import encoders
+
+        for name in value:
+            try:
+                spec = encoders.resolve(name)
+            except encoders.EncoderError as exc:
+                raise ValueError(f"candidates: {exc}") from None
+            if "image" not in spec.modalities:
+                raise ValueError(f"candidates: {name} is a text model over captions; candidates are image models")
+        return value
 
     @model_validator(mode="after")
     def _traffic_needs_compare(self) -> Self:

@@ -46,7 +46,7 @@ def embed(searcher: Searcher, queries: list[LabelledQuery]) -> np.ndarray:
     return np.concatenate(chunks) if chunks else np.zeros((0, searcher.spec.dim), np.float32)
 
 
-def _ranked(queries, scores, names, depth) -> tuple[dict, dict]:
+def ranked(queries, scores, names, depth) -> tuple[dict, dict]:
     """Each query's ranked item ids and (item, score) pairs, its excluded items left out; `names`: the item of
     each hit (None where there was none)."""
     run, score_run = {}, {}
@@ -93,7 +93,7 @@ def served_and_exact(store: Location, searcher: Searcher, queries: list[Labelled
     vectors = embed(searcher, queries)
     extra = max((len(q.exclude) for q in queries), default=0)
     scores, ids = searcher.opened.search(vectors, depth + extra)
-    served, served_scores = _ranked(queries, scores, _named(searcher, ids), depth)
+    served, served_scores = ranked(queries, scores, _named(searcher, ids), depth)
     card = searcher.card
     live = live_set(store, card["slug"])
     both = os.path.join(live.folder, "evaluated.parquet")
@@ -106,7 +106,7 @@ def served_and_exact(store: Location, searcher: Searcher, queries: list[Labelled
         items = group["item_id"].combine_chunks()
         block, found = read_shard_vectors(store, card["slug"], card["d"], group["shard"][0].as_py(), items)
         scan.add(block, items.take(pa.array(found)))
-    exact, _ = _ranked(queries, scan.scores, scan.names, depth)
+    exact, _ = ranked(queries, scan.scores, scan.names, depth)
     return {"served": served, "served_scores": served_scores, "exact": exact}
 
 

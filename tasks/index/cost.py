@@ -28,6 +28,12 @@ def storage_per_vector(d: int, pq_m: int = 64) -> dict[str, float]:
     return {"fp32": 4 * d, "fp16": 2 * d, "int8": d, f"pq{pq_m}": pq_m, "hnsw32_graph": round(2 * HNSW_M * 4 * 1.1, 1)}
 
 
+def projected_hours(corpus_size: int, images_per_second: float) -> float:
+    """Hours to encode `corpus_size` images at `images_per_second`: corpus_size / rate / 3600, to 4 significant
+    digits (small projections too). The figure of `report cost` and of `eval --candidates`."""
+    return float(f"{corpus_size / images_per_second / 3600:.4g}")
+
+
 REHEARSED = ("train-head", "migrate start", "migrate status", "migrate promote", "sync", "serve", "migrate finish")
 
 
@@ -79,7 +85,7 @@ def cost_report(store_url: str, corpus_size: int, gpu_hour_price: float | None =
     encoder = encoders.load(spec, device)
     tuning = tune_batch_size(encoder, min_seconds=min_seconds)
     best = tuning.measured[tuning.batch_size]
-    hours = corpus_size / best / 3600
+    hours = projected_hours(corpus_size, best)
     on_gpu = encoder.device.startswith("cuda")
     image_ms = _latency_ms(lambda: encoder.encode_images(np.zeros((1, *encoder.input_shape), np.float32)))
     text_ms = _latency_ms(lambda: encoder.encode_texts(["a red leather handbag"])) if "text" in spec.modalities \
@@ -95,8 +101,8 @@ def cost_report(store_url: str, corpus_size: int, gpu_hour_price: float | None =
         "corpus_size": corpus_size,
         "encode_images_per_second": {str(b): r for b, r in sorted(tuning.measured.items())},
         "best_batch": tuning.batch_size,
-        "projected_encode_hours": float(f"{hours:.4g}"),  # 4 significant digits: small projections too
-        "reencode_cost": {"hours": float(f"{hours:.4g}"), "device": "GPU" if on_gpu else "CPU",
+        "projected_encode_hours": hours,
+        "reencode_cost": {"hours": hours, "device": "GPU" if on_gpu else "CPU",
                           "price": round(hours * gpu_hour_price, 2) if gpu_hour_price and on_gpu else None,
                           "gpu_hour_price": gpu_hour_price},
         "query_encode_ms": {"image": image_ms, "text": text_ms},

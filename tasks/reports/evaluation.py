@@ -1,4 +1,4 @@
-"""Markdown of an evaluation: served vs exact, per class, win/loss, fusion, routing, traffic gain."""
+"""Markdown of an evaluation: served vs exact, per class, win/loss, fusion, routing, traffic gain, candidates."""
 
 from __future__ import annotations
 
@@ -66,4 +66,41 @@ def render_eval(report: dict) -> str:
         for row in t["classes"]:
             gain = "not in the query set" if row["gain"] is None else f"{row['gain']:+.4f}"
             lines.append(f"| {row['class']} | {row['share']:.1%} | {row['route'] or '-'} | {gain} |")
+    if "candidates" in report:
+        lines += ["", render_candidates(report["candidates"])]
     return "\n".join(lines) + "\n"
+
+
+def candidates_table(result: dict) -> list[dict]:
+    """One row per model of `eval --candidates`: the markdown's rows and the table artifact's."""
+    table = []
+    for row in result["models"]:
+        out = {"model": row["name"], "role": row["role"], "model_id": row["model_id"], "d": row["d"]}
+        out.update({metric: round(value, 4) for metric, value in row["recall"].items()})
+        for metric in row["recall"]:
+            boot = (row["vs_alias"] or {}).get(metric)
+            out[f"{metric} - {result['alias']} (95% CI)"] = "-" if boot is None else \
+                f"{boot['difference']:+.4f} [{boot['low']:+.4f}, {boot['high']:+.4f}]"
+        out["encode ms/image"] = row["encode_ms_per_image"]
+        out[f"hours for {result['catalogue_items']:,}"] = row["projected_hours"]
+        table.append(out)
+    return table
+
+
+def render_candidates(result: dict) -> str:
+    """The model choice as one table: recall on the sample, the paired interval against the alias's model, encode
+    cost per image here and at the catalogue's size."""
+    rows, sample = candidates_table(result), result["sample"]
+    columns = list(rows[0])
+    lines = [f"### Candidate models against {result['alias']} (`{result['slug']}`)", "",
+             f"{result['queries']} queries, searched exactly over one sample of {sample['items']:,} live items "
+             f"({sample['relevant']:,} relevant, the others drawn with seed {sample['seed']}; {sample['unreadable']} "
+             f"unreadable left out) of the catalogue's {result['catalogue_items']:,}; encoded on {result['device']}.",
+             "", "| " + " | ".join(columns) + " |",
+             "|" + "|".join("---" if c in ("model", "role", "model_id") else "---:" for c in columns) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(f"`{v}`" if c == "model_id" else f"{v:.4f}" if c.startswith("recall@")
+                                       and isinstance(v, float) else "-" if v is None else str(v)
+                                       for c, v in row.items()) + " |")
+    lines += ["", f"_{result['note']}._"]
+    return "\n".join(lines)
