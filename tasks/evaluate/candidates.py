@@ -29,7 +29,7 @@ from imgest.tasks.evaluate.querysets import LabelledQuery, QuerySetError
 from imgest.tasks.evaluate.retrievers import ExactScan, ranked
 from imgest.tasks.index.cost import projected_hours
 from imgest.tasks.ingest.decode import DecodeError, decode_image
-from imgest.tasks.search.query import Searcher
+from imgest.tasks.search.query import Searcher, catalogue_encoding
 from imgest.tasks.state.catalogue_images import CatalogueImages
 from imgest.tasks.state.live import LiveShards, live_set, sample_rows
 from imgest.tasks.state.rows import sql_string
@@ -38,8 +38,9 @@ from imgest.timing import Stopwatch
 ENCODE_BATCH = 32  # sample images decoded and encoded at a time
 NOTE = ("every model encodes the same sample (the relevant items plus seeded distractors) and is searched exactly "
         "over it; recall over a sample is higher than over the whole catalogue, so compare the models, not these "
-        "figures with a served index's; encode cost: decode + preprocess + encode of the sample in one process, "
-        "eager torch (ingest overlaps decode with encode and may run a compiled runtime, see `imgest report cost`)")
+        "figures with a served index's; encode cost: decode + preprocess + encode of the sample in one process, on the "
+        "runtime and precision the alias's catalogue was encoded with, each candidate behind its own parity check "
+        "(ingest overlaps decode with encode on every core, so its hours are fewer; compare the models)")
 
 
 @dataclass
@@ -137,6 +138,18 @@ def encode_sample(encoder: Encoder, images: CatalogueImages, uris: list[str], de
     return Encoded(vectors, ok, work.elapsed)
 
 
+def load_as_catalogue(spec: EncoderSpec, device: str, made: tuple[str, str] | None) -> Encoder:
+    """`spec` on the runtime and precision that made the alias's catalogue (`made`), behind that runtime's parity
+    check, so that every row's cost is measured on one runtime; torch fp32, with one warning, where it cannot run."""
+    if made is not None:
+        try:
+            return encoders.load(spec, device, *made)
+        except encoders.EncoderError as exc:
+            logging.getLogger("imgest").warning("candidates: %s cannot run on %s here (%s): timed on torch fp32",
+                                                spec.name, " ".join(made), exc)
+    return encoders.load(spec, device)
+
+
 def _interval(boot: dict) -> dict:
     return {k: boot[k] for k in ("difference", "low", "high", "confidence", "resamples", "seed", "p_b_not_better")}
 
@@ -165,10 +178,12 @@ def compare_candidates(store_url: str, queries: list[LabelledQuery], alias: str,
     images = CatalogueImages(store, card["slug"], catalogue)
     decoder = searcher.decoder()  # the JPEG decoder the catalogue was decoded with, for every model alike
     picked = draw_sample(live_set(store, card["slug"]), queries, sample, seed)
-    encoded, query_vectors, on = [], [], "cpu"
+    encoded, query_vectors, runs_on, on = [], [], [], "cpu"
+    made = catalogue_encoding(card)
     for spec in specs:
-        encoder = encoders.load(spec, device)
+        encoder = load_as_catalogue(spec, device, made)
         on = encoder.device
+        runs_on.append(f"{encoder.runtime} {encoder.precision}")
         encoded.append(encode_sample(encoder, images, picked.uris, decoder))
         query_vectors.append(embed_queries(encoder, queries, decoder))
     ok = np.logical_and.reduce([e.ok for e in encoded])  # the same items for every model
@@ -176,7 +191,7 @@ def compare_candidates(store_url: str, queries: list[LabelledQuery], alias: str,
     qrels = {q.query_id: set(q.relevant) for q in queries}
     depth = max(ks) + max((len(q.exclude) for q in queries), default=0)
     baseline, rows = {}, []
-    for spec, done, vectors in zip(specs, encoded, query_vectors):
+    for spec, done, vectors, runtime in zip(specs, encoded, query_vectors, runs_on):
         scan = ExactScan(vectors, depth)
         scan.add(done.vectors[ok], item_ids)
         run, _ = ranked(queries, scan.scores, scan.names, max(ks))
@@ -191,7 +206,7 @@ def compare_candidates(store_url: str, queries: list[LabelledQuery], alias: str,
                          f"recall@{k}": _interval(paired_bootstrap(
                              [baseline[k][q] for q in qrels], [hits[k][q] for q in qrels], resamples, seed))
                          for k in ks},
-                     "images_timed": timed,
+                     "images_timed": timed, "runtime": runtime,
                      "encode_ms_per_image": float(f"{per_image * 1000:.4g}") if per_image else None,
                      "projected_hours": projected_hours(picked.live, 1 / per_image) if per_image else None})
     relevant = set().union(*qrels.values())

