@@ -15,8 +15,9 @@ from imgest.tasks.ingest.decode import to_rgb
 
 def test_unknown_model_lists_the_registry():
     with pytest.raises(EncoderError, match=r"unknown model 'clip-big'; known: efficientnet-lite0, "
-                                           r"efficientnet-lite0-gem, efficientnet-lite1, efficientnet-lite1-gem, "
-                                           r"efficientnet-lite2, efficientnet-lite2-gem, minilm-l6, hf:"):
+                                           r"efficientnet-lite0-gem, efficientnet-lite0-gem-ms, efficientnet-lite1, "
+                                           r"efficientnet-lite1-gem, efficientnet-lite1-gem-ms, efficientnet-lite2, "
+                                           r"efficientnet-lite2-gem, efficientnet-lite2-gem-ms, minilm-l6, hf:"):
         encoders.resolve("clip-big")
 
 

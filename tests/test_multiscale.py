@@ -24,11 +24,12 @@ def test_the_registry_lists_a_multiscale_variant_of_each_backbone():
 
 
 @pytest.mark.parametrize("name,sides,short", [
-    # the backbone's side and sqrt(2) of it, rounded to even: 224 * 1.4142 = 316.8 -> 316, 240 -> 339.4 -> 340,
-    # 260 -> 367.7 -> 368; the decode gives the largest crop, its shorter side at 8/7 of it (316 * 8 / 7 = 361.1)
-    ("efficientnet-lite0-gem-ms", [224, 316], 361),
-    ("efficientnet-lite1-gem-ms", [240, 340], 389),
-    ("efficientnet-lite2-gem-ms", [260, 368], 421),
+    # the backbone's side over and times sqrt(2), rounded to even: 224 / 1.4142 = 158.4 -> 158, 224 * 1.4142 =
+    # 316.8 -> 316; 240: 169.7 -> 170, 339.4 -> 340; 260: 183.8 -> 184, 367.7 -> 368. The decode gives the largest
+    # crop, its shorter side at 8/7 of it (316 * 8 / 7 = 361.1)
+    ("efficientnet-lite0-gem-ms", [158, 224, 316], 361),
+    ("efficientnet-lite1-gem-ms", [170, 240, 340], 389),
+    ("efficientnet-lite2-gem-ms", [184, 260, 368], 421),
 ])
 def test_each_scale_is_a_multiple_of_the_backbones_side_and_the_decode_gives_the_largest(name, sides, short):
     spec = encoders.resolve(name)
@@ -54,12 +55,12 @@ def test_a_multiscale_embedding_is_the_normalised_sum_of_its_single_scale_gem_em
     per_scale = {}
     with torch.inference_mode():
         largest = torch.from_numpy(pixels).float()
-        for side in (224, 316):
+        for side in (158, 224, 316):
             scaled = largest if side == 316 else F.interpolate(largest, size=(side, side), mode="bicubic",
                                                                antialias=True, align_corners=False).clamp(0, 255)
             features = single.model.extract_features((scaled - 127.0) / 128.0)
             per_scale[side] = _normalised(efficientnet.gem(features, 3.0).numpy())
-    expected = _normalised(per_scale[224] + per_scale[316])
+    expected = _normalised(per_scale[158] + per_scale[224] + per_scale[316])
     got = multi.encode_images(pixels)
     assert np.abs(got - expected).max() < 1e-5
 

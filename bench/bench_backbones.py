@@ -1,0 +1,164 @@
+"""Label-free descriptors by backbone and scale across two real shifts: average, GeM and multi-scale GeM pooling of
+EfficientNet-Lite0, Lite1 and Lite2, each without and with pair whitening (train-head --whiten's default), and
+each model's encode cost per image, measured in one run.
+
+    npm pack emoji-datasource-google@16.0.0 emoji-datasource-twitter@16.0.0   # in --emoji-dir
+    OPENBLAS_CORETYPE=Haswell .venv/bin/python bench/bench_backbones.py --emoji-dir /tmp/emoji
+
+The sets are bench_descriptors.py's (emoji: a style shift; products: a shot shift), their queries split in half
+(seeded): the dev half is where the best descriptor is chosen, the test half is what is reported. Every model runs
+through OpenVINO fp32 (the CPU default), exact search. Each image is decoded once per backbone, at the side its
+multi-scale variant needs, and preprocessed for each of the three models; each pair whitening is fitted on its
+own model's vectors of 1,000 catalogue images and 3 augmented views of each (no labels, no queries). Intervals:
+paired bootstrap (1,000 resamples) against Lite0 GeM + pair whitening on the same test queries. Encode cost: decode
++ preprocess + encode of 64 of the set's catalogue photos in batches of 32, one process, the better of two rounds,
+measured after the recall (nothing else of this benchmark running).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+BACKBONES = {"Lite0": "efficientnet-lite0", "Lite1": "efficientnet-lite1", "Lite2": "efficientnet-lite2"}
+POOLINGS = {"average": "", "GeM": "-gem", "GeM multi-scale": "-gem-ms"}
+WHITENED = " + pair whitening"
+REFERENCE = "Lite0 GeM" + WHITENED
+PAIR_IMAGES, VIEWS, SHRINKAGE = 1000, 3, 0.5  # train-head --whiten's defaults
+BATCH = 32
+
+
+def load(name: str):
+    from imgest import encoders
+
+    return encoders.load(encoders.resolve(name), "cpu", "openvino", "fp32")
+
+
+def encode_backbone(names: list[str], jpegs: list[bytes], paired: np.ndarray) -> dict[str, tuple]:
+    """name -> (the catalogue's or queries' vectors, the views' vectors of the `paired` rows, VIEWS each, item-major):
+    each image decoded once, at the largest side any of `names` needs."""
+    from imgest.tasks.heads.views import WORK_SIDE, augment, view_rng
+    from imgest.tasks.ingest.decode import decode_image
+
+    models = {name: load(name) for name in names}
+    side = max(m.decode_side for m in models.values())
+    vectors = {name: [] for name in names}
+    for begin in range(0, len(jpegs), BATCH):
+        images = [decode_image(d, min_side=side) for d in jpegs[begin:begin + BATCH]]
+        for name, model in models.items():
+            vectors[name].append(model.encode_images(np.stack([model.preprocess(i) for i in images])))
+    views = {name: [] for name in names}
+    for begin in range(0, len(paired), BATCH):
+        shots = []
+        for row in paired[begin:begin + BATCH]:  # as train-head makes its views (bench_descriptors.views_of)
+            image = decode_image(jpegs[row], min_side=WORK_SIDE // 2)
+            image.thumbnail((WORK_SIDE, WORK_SIDE))
+            shots += [augment(image, view_rng(0, int(row), v)) for v in range(VIEWS)]
+        for name, model in models.items():
+            views[name].append(model.encode_images(np.stack([model.preprocess(s) for s in shots])))
+    return {name: (np.concatenate(vectors[name]), np.concatenate(views[name]) if len(paired) else None)
+            for name in names}
+
+
+def measure(title: str, catalogue_jpegs: list[bytes], query_jpegs: list[bytes], asked: np.ndarray) -> dict:
+    from bench_descriptors import recall
+
+    from imgest.tasks.evaluate.metrics import paired_bootstrap
+    from imgest.tasks.heads.whiten import fit_pair_whitening
+
+    paired = np.sort(np.random.default_rng(2).choice(len(catalogue_jpegs), size=min(PAIR_IMAGES, len(catalogue_jpegs)),
+                                                     replace=False))
+    runs = {}
+    for backbone, base in BACKBONES.items():
+        names = {f"{backbone} {pooling}": base + suffix for pooling, suffix in POOLINGS.items()}
+        catalogue = encode_backbone(list(names.values()), catalogue_jpegs, paired)
+        queries = encode_backbone(list(names.values()), query_jpegs, np.zeros(0, int))
+        for label, name in names.items():
+            vectors, shots = catalogue[name]
+            runs[label] = (vectors, queries[name][0], name)
+            fitted = fit_pair_whitening(vectors, np.repeat(vectors[paired], VIEWS, axis=0), shots, 0, SHRINKAGE)
+            runs[label + WHITENED] = (fitted.apply(vectors), fitted.apply(queries[name][0]), name)
+        print(f"  embedded: {title}, {backbone}", flush=True)
+    half = {"dev": np.arange(len(asked) // 2), "test": np.arange(len(asked) // 2, len(asked))}
+    reference = runs[REFERENCE]
+    print(f"\n{title}: {len(catalogue_jpegs)} catalogue items; {len(half['test'])} test queries "
+          f"({len(half['dev'])} more as dev); OpenVINO fp32; exact search\n")
+    print(f"| descriptor | dev R@1 | test R@1 | test R@10 | R@1 - {REFERENCE}, 95% CI | R@10 - {REFERENCE}, 95% CI |")
+    print("|---|---:|---:|---:|---|---|")
+    table = {}
+    for label, (catalogue, queries, name) in runs.items():
+        figures = {}
+        for part, rows in half.items():
+            for k in (1, 10):
+                figures[part, k] = recall(queries[rows], catalogue, asked[rows], k)
+        against = {k: recall(reference[1][half["test"]], reference[0], asked[half["test"]], k) for k in (1, 10)}
+        ci = {k: paired_bootstrap(against[k], figures["test", k]) for k in (1, 10)}
+        table[label] = {"dev": figures["dev", 1].mean(), "test": figures["test", 1].mean(), "ci": ci, "name": name}
+        print(f"| {label} | {figures['dev', 1].mean():.3f} | {figures['test', 1].mean():.3f} | "
+              f"{figures['test', 10].mean():.3f} | "
+              + (" | ".join(f"{ci[k]['difference']:+.3f} [{ci[k]['low']:+.3f}, {ci[k]['high']:+.3f}]" for k in (1, 10))
+                 if label != REFERENCE else "(the reference) | ")
+              + " |", flush=True)
+    return table
+
+
+def encode_cost(name: str, jpegs: list[bytes]) -> float:
+    """ms per image: decode + preprocess + encode, batches of BATCH, one process, the better of two rounds."""
+    from imgest.tasks.ingest.decode import decode_image
+
+    model = load(name)
+    model.encode_images(np.stack([model.preprocess(decode_image(d, min_side=model.decode_side))
+                                  for d in jpegs[:2]]))  # warm-up: the first call's allocations
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        for begin in range(0, len(jpegs), BATCH):
+            model.encode_images(np.stack([model.preprocess(decode_image(d, min_side=model.decode_side))
+                                          for d in jpegs[begin:begin + BATCH]]))
+        best = min(best, time.perf_counter() - start)
+    return best * 1000 / len(jpegs)
+
+
+def main() -> None:
+    from bench_descriptors import emoji_set, products_set
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--emoji-dir", required=True)
+    parser.add_argument("--emoji", type=int, default=1911, help="emoji catalogue items")
+    parser.add_argument("--products", type=int, default=5000, help="products catalogue items")
+    parser.add_argument("--queries", type=int, default=800, help="queries asked per set (half dev, half test)")
+    args = parser.parse_args()
+    os.environ.setdefault("IMGEST_COMPILED_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "imgest",
+                                                                "compiled"))
+    print(f"# Descriptors by backbone and scale ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"{os.cpu_count()} cores)")
+    sets = {"emoji": emoji_set(args.emoji_dir, args.emoji, args.queries),
+            "products": products_set(args.products, args.queries)}
+    tables = {"emoji": measure("Emoji, Google's drawings against Twitter's", *sets["emoji"]),
+              "products": measure("Products, packshots against photos", *sets["products"])}
+    print("\nDev recall@1 averaged over the two sets (where the best is chosen), then test:\n")
+    dev = {label: np.mean([t[label]["dev"] for t in tables.values()]) for label in tables["emoji"]}
+    for label in dev:
+        print(f"- {label}: dev {dev[label]:.3f}, test {np.mean([t[label]['test'] for t in tables.values()]):.3f}")
+    best = max((label for label in dev if label != REFERENCE), key=dev.get)
+    print(f"\nBest on dev: {best}; on the test halves against {REFERENCE}:")
+    for title, table in tables.items():
+        ci = table[best]["ci"][1]
+        print(f"- {title}: recall@1 {ci['difference']:+.3f} [{ci['low']:+.3f}, {ci['high']:+.3f}]")
+    photos = sets["products"][0][:64]
+    print(f"\nEncode cost, ms per image on {os.cpu_count()} cores (64 product packshots, OpenVINO fp32):\n")
+    for backbone, base in BACKBONES.items():
+        for pooling, suffix in POOLINGS.items():
+            print(f"- {backbone} {pooling} ({base + suffix}): {encode_cost(base + suffix, photos):.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
