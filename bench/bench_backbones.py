@@ -13,6 +13,10 @@ own model's vectors of 1,000 catalogue images and 3 augmented views of each (no 
 paired bootstrap (1,000 resamples) against Lite0 GeM + pair whitening on the same test queries. Encode cost: decode
 + preprocess + encode of 64 of the set's catalogue photos in batches of 32, one process, the better of two rounds,
 measured after the recall (nothing else of this benchmark running).
+
+With --scale-sets it measures instead which scales pay: Lite0's GeM at six sides (158-316 px, each the 316 px crop
+resized as the -gem-ms graph resizes it), every set of them tried summed, without and with PCA whitening
+(shrinkage 0.5, fitted on the catalogue's vectors), on both sets.
 """
 
 from __future__ import annotations
@@ -127,6 +131,66 @@ def encode_cost(name: str, jpegs: list[bytes]) -> float:
     return best * 1000 / len(jpegs)
 
 
+SIDES = (158, 192, 224, 256, 288, 316)  # Lite0's side over sqrt 2 to times sqrt 2
+SCALE_SETS = ((224,), (256,), (288,), (316,), (158, 224), (192, 224), (224, 256), (224, 288), (224, 316),
+              (158, 224, 316), (192, 224, 256), (192, 224, 288), (224, 256, 288), (224, 256, 316), (224, 288, 316),
+              SIDES)
+
+
+def gem_by_side(jpegs: list[bytes]) -> dict[int, np.ndarray]:
+    """Lite0's normalised GeM descriptor of each image at each of SIDES, from its largest crop as -gem-ms makes it."""
+    import torch
+    import torch.nn.functional as F
+
+    from imgest import encoders
+    from imgest.encoders.efficientnet import GEM, gem
+    from imgest.tasks.ingest.decode import decode_image
+
+    model = encoders.load(encoders.resolve("efficientnet-lite0-gem-ms"), "cpu")  # its torch module, preprocessing
+    out = {side: [] for side in SIDES}
+    for begin in range(0, len(jpegs), BATCH):
+        largest = torch.from_numpy(np.stack([model.preprocess(decode_image(d, min_side=model.decode_side))
+                                             for d in jpegs[begin:begin + BATCH]])).float()
+        with torch.inference_mode():
+            for side in SIDES:
+                scaled = largest if side == max(SIDES) else F.interpolate(
+                    largest, size=(side, side), mode="bicubic", antialias=True, align_corners=False).clamp(0, 255)
+                pooled = gem(model.model.extract_features((scaled - 127.0) / 128.0), GEM["gem_p"])
+                out[side].append(F.normalize(pooled, dim=1).numpy())
+    return {side: np.concatenate(parts) for side, parts in out.items()}
+
+
+def scale_sets(sets: dict) -> None:
+    from bench_descriptors import recall
+
+    from imgest.tasks.heads.whiten import fit_whitening
+
+    def summed(by_side, sides):
+        total = sum(by_side[side] for side in sides)
+        return total / np.linalg.norm(total, axis=1, keepdims=True)
+
+    dev = {}
+    for title, (catalogue_jpegs, query_jpegs, asked) in sets.items():
+        catalogue, queries = gem_by_side(catalogue_jpegs), gem_by_side(query_jpegs)
+        half = {"dev": np.arange(len(asked) // 2), "test": np.arange(len(asked) // 2, len(asked))}
+        print(f"\n{title}: {len(catalogue_jpegs)} catalogue items, {len(asked)} queries (half dev, half test)\n")
+        print("| sides (px) | dev R@1 | test R@1 | test R@10 | whitened dev R@1 | whitened test R@1 | "
+              "whitened test R@10 |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for sides in SCALE_SETS:
+            c, q = summed(catalogue, sides), summed(queries, sides)
+            white = fit_whitening(c, 0, 0.5)
+            wc, wq = white.apply(c), white.apply(q)
+            cells = [recall(a[half[part]], b, asked[half[part]], k).mean()
+                     for a, b in ((q, c), (wq, wc)) for part, k in (("dev", 1), ("test", 1), ("test", 10))]
+            dev.setdefault(sides, []).append((cells[0], cells[3]))
+            print(f"| {', '.join(map(str, sides))} | " + " | ".join(f"{x:.3f}" for x in cells) + " |", flush=True)
+    print("\nDev recall@1 averaged over the sets, plain / whitened:\n")
+    for sides, figures in dev.items():
+        print(f"- {', '.join(map(str, sides))}: {np.mean([f[0] for f in figures]):.3f} / "
+              f"{np.mean([f[1] for f in figures]):.3f}")
+
+
 def main() -> None:
     from bench_descriptors import emoji_set, products_set
 
@@ -135,6 +199,7 @@ def main() -> None:
     parser.add_argument("--emoji", type=int, default=1911, help="emoji catalogue items")
     parser.add_argument("--products", type=int, default=5000, help="products catalogue items")
     parser.add_argument("--queries", type=int, default=800, help="queries asked per set (half dev, half test)")
+    parser.add_argument("--scale-sets", action="store_true", help="which scales pay (Lite0), instead")
     args = parser.parse_args()
     os.environ.setdefault("IMGEST_COMPILED_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "imgest",
                                                                 "compiled"))
@@ -142,6 +207,8 @@ def main() -> None:
           f"{os.cpu_count()} cores)")
     sets = {"emoji": emoji_set(args.emoji_dir, args.emoji, args.queries),
             "products": products_set(args.products, args.queries)}
+    if args.scale_sets:
+        return scale_sets(sets)
     tables = {"emoji": measure("Emoji, Google's drawings against Twitter's", *sets["emoji"]),
               "products": measure("Products, packshots against photos", *sets["products"])}
     print("\nDev recall@1 averaged over the two sets (where the best is chosen), then test:\n")
