@@ -14,6 +14,7 @@ from imgest.tasks.heads.evaluate import query_scorer
 from imgest.tasks.heads.files import augment_task, heldout_set, labelled_set, save_head, train_task
 from imgest.tasks.heads.train import HeadError
 from imgest.tasks.heads.whiten import whiten_task
+from imgest.tasks.ingest import decoders
 from imgest.tasks.reports.heads import render_head, render_whitening
 from imgest.tasks.reports.plots import markdown_image
 from imgest.tasks.reports.run_names import run_name
@@ -51,8 +52,8 @@ def train_head_flow(config: TrainHeadConfig) -> dict:
     else:
         data = augment_task(live, base["name"], config.views, training.seed, config.max_items,
                             parse_augmentations(config.augment))
-    scorer = query_scorer(config.eval_queries, live, base["name"], config.device, get_run_logger().info) \
-        if config.eval_queries else None
+    scorer = query_scorer(config.eval_queries, live, base["name"], config.device, get_run_logger().info,
+                          decoders.recorded(store_loc, base["slug"])) if config.eval_queries else None
     result = train_task(data, training, scorer)
     evaluation = None
     if scorer is not None:

@@ -105,3 +105,18 @@ def test_planted_duplicates_are_found_and_new_ones_reported(tmp_path):
     strict = json.loads(runner.invoke(app, ["duplicates", "--store", str(store), "--threshold", "0.9999",
                                             "--json"]).stdout)
     assert [g["kind"] for g in strict["groups"]] == ["exact"]
+
+    # a copy is embedded as the catalogue's images were: by the JPEG decoder the model's runs recorded
+    from imgest.storage import Location
+    from imgest.tasks.duplicates.find import _searcher, embedder
+    from imgest.tasks.ingest import decoders
+    from imgest.tasks.ingest.decode import decode_image
+
+    decoders.record(Location(str(store)), report["slug"], "simplejpeg", "test")
+    searcher = _searcher(str(store), "serving", None)
+    encoder, data = searcher.encoder(), files["p/chelsea-q75.jpg"]
+    pixels = {name: encoder.preprocess(decode_image(data, min_side=encoder.decode_side, decoder=name))
+              for name in ("simplejpeg", "pillow")}
+    assert not np.array_equal(pixels["simplejpeg"], pixels["pillow"])  # 3/8 against Pillow's 1/2: they differ
+    expected = encoder.encode_images(pixels["simplejpeg"][None])
+    assert np.allclose(embedder(searcher)([data]), expected / np.linalg.norm(expected), atol=1e-6)

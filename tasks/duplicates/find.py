@@ -57,7 +57,8 @@ def embedder(searcher, batch: int = 32):
         side = getattr(encoder, "decode_side", None)
         out = []
         for begin in range(0, len(images), batch):
-            pixels = [encoder.preprocess(decode_image(data, min_side=side)) for data in images[begin:begin + batch]]
+            pixels = [encoder.preprocess(decode_image(data, min_side=side, decoder=searcher.decoder()))
+                      for data in images[begin:begin + batch]]
             out.append(np.asarray(encoder.encode_images(np.stack(pixels)), np.float32))
         vectors = np.concatenate(out)
         return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)

@@ -12,6 +12,7 @@ import numpy as np
 
 from imgest.tasks.evaluate.metrics import paired_bootstrap
 from imgest.tasks.heads.train import HeadError
+from imgest.tasks.ingest import decoders
 
 KS = (1, 5, 10)
 
@@ -54,8 +55,10 @@ class QueryScorer:
                                               if key != "samples"} for k in KS}}
 
 
-def query_scorer(url: str, live, base_name: str, device: str = "auto", log=lambda line: None) -> QueryScorer:
-    """Read the query set, encode its images with the base model, map relevant and excluded ids to live rows.
+def query_scorer(url: str, live, base_name: str, device: str = "auto", log=lambda line: None,
+                 decoder: str = decoders.PILLOW) -> QueryScorer:
+    """Read the query set, encode its images with the base model (decoded by `decoder`, the one the catalogue's
+    images were: tasks/ingest/decoders.py `recorded`), map relevant and excluded ids to live rows.
     A query none of whose relevant items is live cannot be scored and is dropped (counted)."""
     from imgest import encoders
     from imgest.storage import read_url
@@ -80,7 +83,8 @@ def query_scorer(url: str, live, base_name: str, device: str = "auto", log=lambd
     side = getattr(encoder, "decode_side", None)
     chunks = []
     for begin in range(0, len(kept), 64):
-        pixels = [encoder.preprocess(decode_image(read_url(q.image), min_side=side)) for q in kept[begin:begin + 64]]
+        pixels = [encoder.preprocess(decode_image(read_url(q.image), min_side=side, decoder=decoder))
+                  for q in kept[begin:begin + 64]]
         chunks.append(encoder.encode_images(np.stack(pixels)))
     log(f"{len(kept)} eval queries encoded by {base_name} ({len(queries) - len(kept)} without a live relevant item)")
     return QueryScorer(url, hashlib.sha256(data).hexdigest(), [q.query_id for q in kept],
