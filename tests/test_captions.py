@@ -168,6 +168,8 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
                                 "--alias", "serving", "--fuse", "rrf", "--json"])
     assert fused.exit_code == 0, fused.output
     assert json.loads(fused.output)["model_id"] == "rrf(captions, serving)"
+    encoded_by = json.loads(fused.output)["query_encoded_by"]  # per alias: what encoded the words for each
+    assert set(encoded_by) == {"captions", "serving"} and all(encoded_by.values()), encoded_by
     category = {r["item_id"]: r["category"] for r in rows if "category" in r}
     product = {r["item_id"]: r["product_id"] for r in rows if "product_id" in r}
     shoes = runner.invoke(app, ["search", "--store", str(store), "--text", "winter jacket", "--alias", "captions",
@@ -258,6 +260,7 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
         assert served.exit_code == 0, served.output
         payload = json.loads(served.output)
         assert payload["model_id"].startswith(f"route {route} ") and len(payload["results"][0]["hits"]) == 4
+        assert any(payload["query_encoded_by"].values()) and "query_encoded_by" not in payload.get("how", {})
 
 
 class _Retriever:

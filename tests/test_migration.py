@@ -138,7 +138,9 @@ def test_promote_then_finish_with_kill_changes_and_searcher(tmp_path, tiny_model
         store_loc = Location(str(store))
         assert read_alias(store_loc, "serving")["version"] == 2 and read_alias(store_loc, "shadow")["version"] == 2
 
-        fused = fused_search(str(store), [Query("q", image=query)], k=5)[0]
+        fused_hits, encoded_by = fused_search(str(store), [Query("q", image=query)], k=5)
+        fused = fused_hits[0]
+        assert set(encoded_by) == {"serving", "shadow"} and all(encoded_by.values())  # each alias's query encoder
         assert len(fused) == 5 and "p/003.jpg" not in {h.item_id for h in fused}
 
         assert read_alias(store_loc, "serving")["slug"] == base["ingest"]["slug"], "the nightly never promotes"

@@ -108,13 +108,13 @@ def search_cmd(
 
             results, how = routed_search(store, batch, k, route, query_class, device, where, group_by, per_group)
             card = {"model_id": f"route {how['route']} ({', '.join(how['aliases'])}; {how['from']})",
-                    "version": None}
+                    "version": None, "query_encoded_by": how.pop("query_encoded_by")}
         elif (chosen := fusion(aliases, fuse, rrf_k)).combine is not None:
             from imgest.tasks.search.combined import fused_search
 
             aliases = chosen.aliases
-            results = fused_search(store, batch, k, aliases, rrf_k, device, where, group_by, per_group)
-            card = {"model_id": f"rrf({', '.join(aliases)})", "version": None}
+            results, encoded_by = fused_search(store, batch, k, aliases, rrf_k, device, where, group_by, per_group)
+            card = {"model_id": f"rrf({', '.join(aliases)})", "version": None, "query_encoded_by": encoded_by}
         else:
             opened: dict[str, Searcher] = {}
             if model is None:  # a text query to an image-only alias goes to the caption retriever, if any

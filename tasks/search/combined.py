@@ -149,17 +149,21 @@ def answer(named: Named, queries: list[Query], k: int, combine: Combine | None, 
 
 def fused_search(store_url: str, queries: list[Query], k: int = 10, aliases: tuple[str, ...] = ("serving", "shadow"),
                  rrf_k: int = RRF_K, device: str = "auto", where: str | None = None, group_by: str | None = None,
-                 per_group: int = 1) -> list[list[Hit]]:
+                 per_group: int = 1) -> tuple[list[list[Hit]], dict[str, str | None]]:
     """Reciprocal rank fusion of several aliases (a caption index and an image index; serving and shadow
-    during a migration window). `where` filters every retriever; `group_by` groups the fused ranking."""
+    during a migration window). `where` filters every retriever; `group_by` groups the fused ranking. Returns the
+    hits and, per alias, what encoded its queries ("openvino fp32")."""
     named = [(alias, Searcher(store_url, alias=alias, device=device)) for alias in aliases]
-    return fuse(named, queries, k, rrf_combine(rrf_k), where, group_by, per_group)
+    hits = fuse(named, queries, k, rrf_combine(rrf_k), where, group_by, per_group)
+    return hits, {alias: searcher.query_encoded_by for alias, searcher in named}
 
 
 def routed_search(store_url: str, queries: list[Query], k: int, route_url: str, query_class: str | None,
                   device: str = "auto", where: str | None = None, group_by: str | None = None,
                   per_group: int = 1) -> tuple[list[list[Hit]], dict]:
-    """Serve a routing table: the query class's winner, and how it was chosen."""
+    """Serve a routing table: the query class's winner, and how it was chosen (with, per alias, what encoded its
+    queries)."""
     route = choose(read_route(route_url), query_class, route_url)
     named = [(alias, Searcher(store_url, alias=alias, device=device)) for alias in route.aliases]
-    return answer(named, queries, k, route.combine, where, group_by, per_group), route.how
+    hits = answer(named, queries, k, route.combine, where, group_by, per_group)
+    return hits, {**route.how, "query_encoded_by": {alias: searcher.query_encoded_by for alias, searcher in named}}
