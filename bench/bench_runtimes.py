@@ -3,8 +3,9 @@ reduced decode cost in retrieval, measured in one run.
 
     OPENBLAS_CORETYPE=Haswell .venv/bin/python bench/bench_runtimes.py --images 600 --emoji-dir /tmp/emoji
 
-1. Bare model (EfficientNet-Lite0) per runtime and precision, on one thread and on every core, and its min
-   cosine against torch fp32 on the parity sample (bf16 shown even where the parity check refuses it).
+1. Bare model (EfficientNet-Lite0) per runtime and precision, on one thread and on every core, and its parity
+   figures against torch fp32 on the parity sample; bf16 as it runs (the stem and first block in fp32) and with
+   every layer in bf16, shown even where the parity check refuses it.
 2. The pipeline (read, hash, decode in processes, encode, write the shard: `encode_shard`) on ~1200 px product
    JPEGs at `--runtime torch --precision fp32` with Pillow's decoder (the old path), `openvino fp32` and the
    defaults (auto, auto, the JPEG decoder measured fastest), in alternating rounds; images/s, the work bound
@@ -16,13 +17,15 @@ reduced decode cost in retrieval, measured in one run.
    catalogue) against eager torch fp32; p50 and p90 over the photos.
 4. Retrieval on a real shift (the same emoji drawn by Google and by Twitter, rendered as 800-1400 px product
    JPEGs; catalogue Google, queries Twitter; `npm pack emoji-datasource-{google,twitter}@16.0.0` in
-   --emoji-dir), exact search: recall@1/10 with OpenVINO fp32, OpenVINO bf16, torch bf16, and a store mixing
-   precisions (bf16 queries against an fp32 catalogue), each with its paired-bootstrap interval against fp32.
+   --emoji-dir), exact search: recall@1/10 with OpenVINO fp32, OpenVINO bf16 (as it runs, and every layer in
+   bf16), torch bf16, and a store mixing precisions (bf16 queries against an fp32 catalogue), each with its
+   paired-bootstrap interval against fp32.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -33,6 +36,13 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+
+def every_layer_bf16(plain, runtime: str):
+    """The tower with no layer kept in fp32 under bf16 (how bf16 ran before the split), for comparison."""
+    twin = copy.copy(plain)
+    twin._split = None
+    return twin.compiled_as(runtime, "bf16")
 
 
 def bare(args, spec) -> None:
@@ -50,8 +60,14 @@ def bare(args, spec) -> None:
     print(f"| runtime | precision | img/s, 1 thread | img/s, {cores} threads | min cosine to torch fp32 | mean | "
           f"1st percentile | overlap@10 | parity gate |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
-    for runtime, precision in (("torch", "fp32"), ("torch", "bf16"), ("openvino", "fp32"), ("openvino", "bf16")):
-        encoder = plain if (runtime, precision) == ("torch", "fp32") else plain.compiled_as(runtime, precision)
+    kept = plain.graphs()["image"].kept_fp32("bf16")
+    for runtime, precision, every_layer in (("torch", "fp32", False), ("torch", "bf16", False),
+                                            ("torch", "bf16", True), ("openvino", "fp32", False),
+                                            ("openvino", "bf16", False), ("openvino", "bf16", True)):
+        encoder = plain if (runtime, precision) == ("torch", "fp32") else \
+            every_layer_bf16(plain, runtime) if every_layer else plain.compiled_as(runtime, precision)
+        label = f"{precision}, every layer" if every_layer else \
+            f"{precision} ({kept} in fp32)" if precision != "fp32" and kept else precision
         got = encoder.encode_images(sample)
         cosines = (reference * got).sum(1)
         figures = {"min_cosine": float(cosines.min()), "mean_cosine": float(cosines.mean()),
@@ -62,7 +78,7 @@ def bare(args, spec) -> None:
             torch.set_num_threads(threads)
             rates.append(measure(encoder, 16, min_seconds=args.seconds))
         torch.set_num_threads(cores)
-        print(f"| {runtime} | {precision} | {rates[0]:.1f} | {rates[1]:.1f} | {figures['min_cosine']:.6f} | "
+        print(f"| {runtime} | {label} | {rates[0]:.1f} | {rates[1]:.1f} | {figures['min_cosine']:.6f} | "
               f"{figures['mean_cosine']:.6f} | {figures['p1_cosine']:.6f} | {figures['overlap']:.3f} | {verdict} |",
               flush=True)
 
@@ -191,6 +207,7 @@ def retrieval(args, spec, work: str) -> None:
     plain = encoders.load(spec, "cpu")
     encoders_ = {"openvino fp32": plain.compiled_as("openvino", "fp32"),
                  "openvino bf16": plain.compiled_as("openvino", "bf16"),
+                 "openvino bf16, every layer": every_layer_bf16(plain, "openvino"),
                  "torch bf16": plain.compiled_as("torch", "bf16")}
 
     def embed(encoder, datas):
@@ -213,6 +230,8 @@ def retrieval(args, spec, work: str) -> None:
 
     runs = {"fp32 queries, fp32 catalogue (OpenVINO)": hits("openvino fp32", "openvino fp32"),
             "bf16 queries, bf16 catalogue (OpenVINO)": hits("openvino bf16", "openvino bf16"),
+            "bf16 queries, bf16 catalogue, every layer in bf16 (OpenVINO)": hits("openvino bf16, every layer",
+                                                                               "openvino bf16, every layer"),
             "bf16 queries, bf16 catalogue (torch autocast)": hits("torch bf16", "torch bf16"),
             "bf16 queries, fp32 catalogue (a store mixing both; OpenVINO)": hits("openvino bf16", "openvino fp32"),
             "fp32 queries, bf16 catalogue (OpenVINO)": hits("openvino fp32", "openvino bf16")}

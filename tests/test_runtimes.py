@@ -11,7 +11,7 @@ import pytest
 
 from imgest import encoders
 from imgest.config import ConfigError, IngestConfig, build
-from imgest.encoders import compiled, parity, runtimes
+from imgest.encoders import compiled, openvino_runtime, parity, runtimes
 from imgest.encoders.base import EncoderError
 from imgest.encoders.parity import ParityError
 from tests.helpers import small_catalogue, write_files
@@ -121,7 +121,8 @@ def test_bf16_within_the_gate_is_accepted_and_one_made_to_drift_is_refused(cache
     monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path / "fresh"))  # measured again, not read back
     monkeypatch.setattr(encoders, "_loaded", {})
     _wrong(monkeypatch, runtimes.TorchRuntime, scale=0.2, precision_only="bf16")
-    with pytest.raises(ParityError, match=r"torch bf16 against torch fp32 on the parity sample: mean cosine 0\.9\d+ "
+    with pytest.raises(ParityError, match=r"torch bf16 \(the stem and first block in fp32\) against torch fp32 on "
+                                          r"the parity sample: mean cosine 0\.9\d+ "
                                           r"below the 0\.998 it needs"):
         encoders.load(spec, "cpu", "torch", "bf16")
 
@@ -238,7 +239,7 @@ def test_a_model_the_runtime_cannot_compile_falls_back_with_one_warning(cache, m
 
     def cannot(graph, folder):
         raise RuntimeError("Check 'is_conversion_supported' failed: aten::some_op has no translation\nmore")
-    monkeypatch.setattr(runtimes, "_convert", cannot)
+    monkeypatch.setattr(openvino_runtime, "_convert", cannot)
     with caplog.at_level("WARNING", logger="imgest"):
         chosen = choose_encoding(str(tmp_path / "store"), encoders.resolve(LITE0), "cpu", "openvino", "fp32",
                                  fixed=4)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from imgest.encoders.base import EncoderError, EncoderSpec, l2_normalise
-from imgest.encoders.runtimes import Graph, GraphEncoder, default_precision, torch_module
+from imgest.encoders.runtimes import Graph, GraphEncoder, Split, default_precision, torch_module
 
 PREFIX = "head:"
 # A head's folder: head.json (written last: a folder without it is not a head), the weights, and what
@@ -198,11 +198,12 @@ def project(module, vectors: np.ndarray, device: str = "cpu", batch: int = 65536
     return out
 
 
-def _headed(self, pixels):
-    """The base model's tower, its features L2-normalised (as stored base embeddings are), then the head."""
+def _headed(self, *inputs):
+    """The base model's tower (or the rest of it, after its split), its features L2-normalised (as stored base
+    embeddings are), then the head."""
     import torch
 
-    return self.head(torch.nn.functional.normalize(self.base(pixels).float(), dim=-1))
+    return self.head(torch.nn.functional.normalize(self.base(*inputs).float(), dim=-1))
 
 
 class HeadEncoder(GraphEncoder):
@@ -258,7 +259,9 @@ class HeadEncoder(GraphEncoder):
             return {}  # a base that runs as it is (raw pixels): so does the head
         base = self.base.graphs()["image"]
         tower = torch_module(_headed, base=base.module, head=self.module)
-        return {"image": Graph("image", tower, base.example, base.dynamic)}
+        split = None if base.split is None else Split(  # the base's fp32 layers stay in fp32 under the head too
+            base.split.what, base.split.head, torch_module(_headed, base=base.split.rest, head=self.module))
+        return {"image": Graph("image", tower, base.example, base.dynamic, split)}
 
     def _run_on(self, runtime: str, precision: str) -> None:
         if (runtime, precision) == ("torch", default_precision(self.device)):

@@ -5,7 +5,8 @@ of 0.99999. A reduced precision (bf16, fp16) is an approximation, like an index,
 in retrieval rather than by its worst single vector: over the sample, the mean cosine to torch fp32 >= 0.998,
 the 1st percentile >= 0.99, and each image's 10 nearest neighbours within the sample (exact search) overlapping
 its fp32 ones by >= 0.90 on average. The smallest cosine is recorded, not gated (one near-blank image can sit
-far below the rest and change no ranking).
+far below the rest and change no ranking). A tower that keeps some layers in fp32 under a reduced precision
+(runtimes.Split) is checked as it runs, and its record names those layers.
 
 The sample is 256 product photos made from scikit-image's photos (`imgest.demo.product_photos`, seed 0: real
 pictures at 800-2000 px, JPEG, every tenth a PNG cut-out on white), through the encoder's own preprocessing,
@@ -64,6 +65,7 @@ class Parity:
     overlap: float  # mean share of each input's OVERLAP_K neighbours within the sample kept (1.0: same lists)
     gate: dict
     passed: bool
+    kept_fp32: str  # the layers run in fp32 at this reduced precision ("" for none): runtimes.Split
     sample: str
     reference: str
     host: str
@@ -76,7 +78,8 @@ class Parity:
     def reason(self) -> str:
         short = [f"{name.replace('_', ' ')} {self.figures()[name]:.6g} below the {need} it needs"
                  for name, need in self.gate.items() if self.figures()[name] < need]
-        return (f"{self.runtime} {self.precision} against {self.reference} on the parity sample: "
+        kept = f" ({self.kept_fp32} in fp32)" if self.kept_fp32 else ""
+        return (f"{self.runtime} {self.precision}{kept} against {self.reference} on the parity sample: "
                 + "; ".join(short or ["passed"]))
 
     def to_dict(self) -> dict:
@@ -172,12 +175,13 @@ def check(reference, candidate, device_key: str) -> Parity:
     entry = compiled.entry(candidate.spec.model_id, graph, candidate.runtime, _runtime_version(candidate.runtime))
     name = _record_name(candidate.precision, device_key)
     record = compiled.read_record(entry, name)
-    parity = _parse(record, candidate) if record is not None else None
+    kept = graph.kept_fp32(candidate.precision)
+    parity = _parse(record, candidate, kept) if record is not None else None
     if parity is None:
         figures = {k: round(v, 7) for k, v in measure(reference, candidate).items()}
         parity = Parity(candidate.spec.model_id, candidate.runtime, candidate.precision, candidate.device,
-                        gate=gate(candidate.precision), passed=passes(figures, candidate.precision), sample=SAMPLE,
-                        reference=REFERENCE, host=socket.gethostname(),
+                        gate=gate(candidate.precision), passed=passes(figures, candidate.precision), kept_fp32=kept,
+                        sample=SAMPLE, reference=REFERENCE, host=socket.gethostname(),
                         created=datetime.now(UTC).isoformat(timespec="seconds"), **figures)
         compiled.write_record(entry, name, parity.to_dict())
     if not parity.passed:
@@ -185,14 +189,15 @@ def check(reference, candidate, device_key: str) -> Parity:
     return parity
 
 
-def _parse(record: dict, candidate) -> Parity | None:
-    """A kept record, if it is whole and about this candidate, sample and gate (else it is measured again)."""
+def _parse(record: dict, candidate, kept: str) -> Parity | None:
+    """A kept record, if it is whole and about this candidate, the layers it keeps in fp32, the sample and the
+    gate (else it is measured again)."""
     try:
         parity = Parity(**record)
     except TypeError:
         return None
-    same = (parity.model_id, parity.runtime, parity.precision, parity.gate, parity.sample) == \
-        (candidate.spec.model_id, candidate.runtime, candidate.precision, gate(candidate.precision), SAMPLE)
+    same = (parity.model_id, parity.runtime, parity.precision, parity.kept_fp32, parity.gate, parity.sample) == \
+        (candidate.spec.model_id, candidate.runtime, candidate.precision, kept, gate(candidate.precision), SAMPLE)
     whole = all(isinstance(v, float) for v in parity.figures().values())
     return parity if same and whole else None
 

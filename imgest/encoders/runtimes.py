@@ -3,18 +3,16 @@
 An encoder exposes its computation as `Graph`s (the image tower; a CLIP or SigLIP text tower too): a torch
 module taking the batch as the pipeline feeds it, returning features before L2 normalisation. A runtime turns
 a graph into a `Runner` (numpy or tensor inputs -> features) at one precision. `torch` runs the module
-itself (autocast for bf16 and fp16); `openvino` converts it once with `ov.convert_model`, keeps the converted
-model in the local compiled-model cache (imgest/encoders/compiled.py) and compiles it for the CPU at the
-precision asked. Which one a run uses is decided once, by measurement behind a parity check
-(imgest/encoders/parity.py, tasks/ingest/batch_size.py); this module only knows how to run them.
+itself (autocast for bf16 and fp16); `openvino` converts and compiles it for the CPU
+(imgest/encoders/openvino_runtime.py). A tower may name the layers a reduced precision keeps in fp32 (`Split`);
+both runtimes honour it. Which runtime and precision a run uses is decided once, by measurement behind a parity
+check (imgest/encoders/parity.py, tasks/ingest/batch_size.py); this module only knows how to run them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -22,24 +20,56 @@ from typing import Any, Protocol
 import numpy as np
 
 from imgest.encoders.base import EncoderError
+from imgest.encoders.openvino_runtime import OpenVINORuntime
 from imgest.names import PRECISIONS, RUNTIMES
+
+
+@dataclass(frozen=True)
+class Split:
+    """A tower cut where a reduced precision would lose too much: `module(*x) == rest(*head(*x))`, `head` returning
+    a tuple of tensors. Under bf16 or fp16 `head` runs in fp32 and `rest` in the reduced precision, as autocast
+    keeps its sensitive operations in fp32: the first layers of a CNN see differences in smooth regions that
+    bf16's 8-bit mantissa rounds away and the rest of the network amplifies. `what` says which layers."""
+
+    what: str
+    head: Any  # torch.nn.Module
+    rest: Any  # torch.nn.Module
 
 
 @dataclass
 class Graph:
     """One tower of a loaded encoder as a torch module. `example` is a small input for tracing, of the dtype
     and shape the pipeline feeds; `dynamic` lists, per input, the axes that vary between calls (the batch,
-    a text's length). `on_device`: the module already sits on the encoder's device."""
+    a text's length). `split`: the layers kept in fp32 under a reduced precision, if any."""
 
-    name: str  # "image" or "text"
+    name: str  # "image" or "text"; a part of a split tower: "image.fp32-head", "image.rest"
     module: Any  # torch.nn.Module
     example: tuple[np.ndarray, ...]
     dynamic: tuple[tuple[int, ...], ...]
+    split: Split | None = None
 
     def input_shapes(self) -> list[list[int]]:
         """The inputs' shapes with -1 on the axes that vary: part of a compiled model's cache key."""
         return [[-1 if axis in dyn else size for axis, size in enumerate(x.shape)]
                 for x, dyn in zip(self.example, self.dynamic)]
+
+    def kept_fp32(self, precision: str) -> str:
+        """What of the tower runs in fp32 at `precision` though it is reduced ("" for none): in parity records."""
+        return self.split.what if self.split is not None and precision != "fp32" else ""
+
+    def parts(self, precision: str) -> tuple[Graph | None, Graph]:
+        """What a runtime compiles at `precision`: (the part run in fp32 first, or None; the part at `precision`),
+        each a graph of its own with the example traced through the head."""
+        if not self.kept_fp32(precision):
+            return None, self
+        import torch
+
+        with torch.inference_mode():
+            middle = self.split.head(*(torch.from_numpy(np.ascontiguousarray(x)) for x in self.example))
+        middle = tuple(t.cpu().numpy() for t in middle)
+        batch_axis = tuple((0,) for _ in middle)  # the head keeps the batch axis first, and only it varies
+        return (Graph(f"{self.name}.fp32-head", self.split.head, self.example, self.dynamic),
+                Graph(f"{self.name}.rest", self.split.rest, middle, batch_axis))
 
 
 Runner = Callable[..., Any]  # inputs (numpy arrays or tensors) -> features (a tensor or a float32 array)
@@ -138,135 +168,19 @@ class TorchRuntime:
         from imgest.encoders.base import to_device
 
         kind = "cuda" if device.startswith("cuda") else "cpu"
-        module = graph.module
+        split = graph.split if graph.kept_fp32(precision) else None
 
         def run(*inputs):
             cast = (contextlib.nullcontext() if precision == "fp32"
                     else torch.autocast(kind, dtype=_torch_dtype(precision)))
-            with torch.inference_mode(), cast:
-                return module(*(to_device(x, device) for x in inputs))
+            with torch.inference_mode():
+                inputs = tuple(to_device(x, device) for x in inputs)
+                if split is not None:
+                    inputs = split.head(*inputs)  # in fp32, outside the autocast
+                with cast:
+                    return (graph.module if split is None else split.rest)(*inputs)
 
         return run
-
-
-# -- OpenVINO -----------------------------------------------------------------------------------------------------
-OV_PRECISION = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
-
-
-class OpenVINORuntime:
-    """The module converted by `ov.convert_model` (traced once, kept in the compiled-model cache) and compiled
-    for the CPU at the precision asked, with as many threads as torch has at the call (the pipeline's split of
-    the cores). One infer request per thread: searches and the pipeline may call from several."""
-
-    name = "openvino"
-
-    def missing(self) -> str | None:
-        _decline_telemetry()  # before openvino is first imported: importing its converter reports too
-        try:
-            import openvino  # noqa: F401
-        except ImportError as exc:
-            return f"the openvino package is not installed ({exc})"
-        return None
-
-    def version(self) -> str:
-        _decline_telemetry()
-        import openvino
-
-        return openvino.get_version()
-
-    def devices(self) -> tuple[str, ...]:
-        return ("cpu",)
-
-    def compile(self, graph: Graph, precision: str, device: str, model_id: str) -> Runner:
-        from imgest.encoders import compiled
-
-        if not device.startswith("cpu"):
-            raise EncoderError(f"openvino runs on the CPU here, not on {device}: use --runtime torch (or auto) there")
-        if (why := self.missing()) is not None:
-            raise EncoderError(f"runtime openvino: {why}")
-        import torch
-
-        entry = compiled.entry(model_id, graph, self.name, self.version())
-        for attempt in (1, 2):
-            try:
-                xml = compiled.ensure(entry, functools.partial(_convert, graph))
-                runner = _OpenVINORunner(xml, compiled.blob_dir(entry), OV_PRECISION[precision])
-                runner.request(max(1, torch.get_num_threads()))  # compiled now, not in the middle of a shard
-                return runner
-            except Exception as exc:  # OpenVINO raises its own types for a graph it cannot convert or compile
-                if attempt == 1 and compiled.discard(entry):
-                    continue  # a damaged cached entry: converted once more
-                reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-                raise EncoderError(f"openvino cannot compile the {graph.name} tower of {model_id}: "
-                                   f"{type(exc).__name__}: {reason}") from exc
-        raise AssertionError("unreachable")
-
-
-def _convert(graph: Graph, folder: str) -> None:
-    """Trace and convert `graph` into an OpenVINO IR (model.xml, model.bin) in `folder`, weights kept in fp32."""
-    import openvino as ov
-    import torch
-
-    example = tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in graph.example)
-    shapes = [(ov.PartialShape(shape), ov.Type(np.dtype(x.dtype).type))
-              for shape, x in zip(graph.input_shapes(), graph.example)]
-    _decline_telemetry()
-    with torch.inference_mode():
-        model = ov.convert_model(graph.module, example_input=example if len(example) > 1 else example[0],
-                                 input=shapes)
-    # compress_to_fp16 would round the weights to fp16 in the file: fp32 must give torch fp32's embeddings
-    ov.save_model(model, os.path.join(folder, "model.xml"), compress_to_fp16=False)
-
-
-@functools.lru_cache(maxsize=1)
-def _decline_telemetry() -> None:
-    """OpenVINO's converter reports usage to Google Analytics unless the user opted out (on importing it and on
-    every conversion), forking a process to send each event: from a worker holding threads (Prefect's,
-    torch's) that fork can deadlock or crash (seen here: a child stuck on OpenSSL's lock, segfaults), and a
-    batch job over a catalogue does not report home. This process answers the consent check as declined,
-    which is what `opt_in_out --opt_out` records for a user."""
-    try:
-        from openvino_telemetry.utils import opt_in_checker
-    except ImportError:  # a release without it sends nothing
-        return
-    declined = opt_in_checker.ConsentCheckResult.DECLINED
-    opt_in_checker.OptInChecker.check = lambda self, *args, **kwargs: declined
-
-
-@functools.lru_cache(maxsize=1)
-def _core():
-    import openvino as ov
-
-    return ov.Core()
-
-
-class _OpenVINORunner:
-    def __init__(self, xml: str, blobs: str, precision: str):
-        self.xml, self.blobs, self.precision = xml, blobs, precision
-        self._compiled: dict[int, Any] = {}
-        self._local = threading.local()
-        self._lock = threading.Lock()
-
-    def request(self, threads: int):
-        requests = self._local.__dict__.setdefault("requests", {})
-        if threads not in requests:
-            with self._lock:
-                if threads not in self._compiled:
-                    # CACHE_DIR: OpenVINO keeps the compiled blob (per precision and threads) and reloads it
-                    # instead of compiling again; pinning off, so decode processes share the cores fairly
-                    self._compiled[threads] = _core().compile_model(self.xml, "CPU", {
-                        "INFERENCE_PRECISION_HINT": self.precision, "INFERENCE_NUM_THREADS": threads,
-                        "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": False, "CACHE_DIR": self.blobs})
-                requests[threads] = self._compiled[threads].create_infer_request()
-        return requests[threads]
-
-    def __call__(self, *inputs):
-        import torch
-
-        arrays = [x.cpu().numpy() if isinstance(x, torch.Tensor) else np.ascontiguousarray(x) for x in inputs]
-        request = self.request(max(1, torch.get_num_threads()))
-        out = request.infer(arrays)
-        return np.array(out[request.model_outputs[0]], dtype=np.float32)  # a copy: the request reuses its buffer
 
 
 # -- the registry --------------------------------------------------------------------------------------------
