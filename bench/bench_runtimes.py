@@ -14,7 +14,8 @@ reduced decode cost in retrieval, measured in one run.
    photo (read, hash, decode, preprocess) as the run measures it to choose.
 3. Image queries: one ~1200 px product JPEG at a time, decoded, preprocessed and encoded by what `imgest search`
    and the service use for a version (`query_encoder`: the runtime and precision its card says encoded the
-   catalogue) against eager torch fp32; p50 and p90 over the photos.
+   catalogue: OpenVINO fp32, and OpenVINO bf16 where it is native) against eager torch fp32; p50 and p90 over
+   the photos.
 4. Retrieval on a real shift (the same emoji drawn by Google and by Twitter, rendered as 800-1400 px product
    JPEGs; catalogue Google, queries Twitter; `npm pack emoji-datasource-{google,twitter}@16.0.0` in
    --emoji-dir), exact search: recall@1/10 with OpenVINO fp32, OpenVINO bf16 (as it runs, and every layer in
@@ -124,7 +125,6 @@ def pipeline(args, spec, work: str) -> None:
                                             ("defaults (auto, auto)", "auto", "auto", decoder)):
         chosen = choose_encoding(tuning_store, spec, "cpu", runtime, precision)
         configs[label] = (encoders.load(spec, "cpu", chosen.runtime, chosen.precision), chosen, jpeg)
-        args.defaults = f"{chosen.runtime} {chosen.precision}"  # the last: the defaults' choice, for part 3
         print(f"- {label}: {chosen.runtime} {chosen.precision}, batch {chosen.batch_size} ({chosen.source}); "
               f"not used: {'; '.join(chosen.refused) or 'none'}", flush=True)
     cores = os.cpu_count() or 1
@@ -166,12 +166,13 @@ def pipeline(args, spec, work: str) -> None:
 def queries(args, spec) -> None:
     from imgest import encoders
     from imgest.demo import product_photos
+    from imgest.encoders import runtimes
     from imgest.tasks.ingest.decode import decode_image
     from imgest.tasks.search.query import query_encoder
 
     photos = [d for d in product_photos(args.query_photos, seed=2, sides=(1100, 1300)).values()]
-    # a catalogue encoded by OpenVINO fp32, and one by what the defaults chose in the pipeline part (as its card says)
-    made_by = dict.fromkeys(["openvino fp32", getattr(args, "defaults", "openvino fp32")])
+    # a catalogue encoded by OpenVINO fp32, and one by OpenVINO bf16 where it is native (as each one's card says)
+    made_by = ["openvino fp32"] + (["openvino bf16"] if "bf16" in runtimes.native_precisions("cpu") else [])
     print(f"\n## Image queries: {len(photos)} product photos, 1100-1300 px, one at a time (decode, preprocess, "
           "encode)\n")
     print("| query encoder | p50 ms | p90 ms | x eager torch at p50 |")

@@ -52,7 +52,7 @@ def test_the_split_tower_computes_what_the_network_does(name):
 def test_openvino_bf16_runs_the_first_block_in_fp32_and_passes_the_gate(cache):
     spec = encoders.resolve(LITE0)
     reference, encoder = encoders.load(spec, "cpu"), encoders.load(spec, "cpu", "openvino", "bf16")
-    record = json.loads(next(cache.glob("openvino-image-*/parity-bf16-*.json")).read_text())
+    record = json.loads(next(cache.glob("openvino-image.rest-*/parity-bf16-*.json")).read_text())
     assert record["passed"] and record["kept_fp32"] == "the stem and first block"
     assert record["p1_cosine"] >= 0.99 and record["mean_cosine"] >= 0.998 and record["overlap"] >= 0.9
 
@@ -96,8 +96,8 @@ def test_a_record_of_another_split_is_measured_again(cache, monkeypatch):
     figures = {"min_cosine": 0.97, "mean_cosine": 0.9995, "p1_cosine": 0.999, "overlap": 0.99}
     measured = []
     monkeypatch.setattr(parity, "measure", lambda ref, cand: measured.append(1) or figures)
-    graph = candidate.graphs()["image"]
-    entry = compiled.entry(spec.model_id, graph, "torch", runtimes.get("torch").version())
+    _, rest = candidate.graphs()["image"].parts("bf16")  # the record lives with the part run in bf16
+    entry = compiled.entry(spec.model_id, rest, "torch", runtimes.get("torch").version())
     before = parity.Parity(spec.model_id, "torch", "bf16", "cpu", gate=parity.gate("bf16"), passed=False,
                            kept_fp32="", sample=parity.SAMPLE, reference=parity.REFERENCE, host="h",
                            created="2026-12-01T00:00:00+00:00", **{**figures, "p1_cosine": 0.988})

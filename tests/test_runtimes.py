@@ -113,7 +113,7 @@ def test_bf16_within_the_gate_is_accepted_and_one_made_to_drift_is_refused(cache
     spec = encoders.resolve(LITE0)
     accepted = encoders.load(spec, "cpu", "torch", "bf16")
     assert (accepted.runtime, accepted.precision) == ("torch", "bf16")
-    record = json.loads(next(cache.glob("torch-image-*/parity-bf16-*.json")).read_text())
+    record = json.loads(next(cache.glob("torch-image.rest-*/parity-bf16-*.json")).read_text())
     assert record["passed"] and record["gate"] == {"mean_cosine": 0.998, "p1_cosine": 0.99, "overlap@10": 0.9}
     assert record["mean_cosine"] >= 0.998 and record["p1_cosine"] >= 0.99 and record["overlap"] >= 0.9
     assert record["min_cosine"] <= record["p1_cosine"] and record["sample"].startswith("256 product photos")

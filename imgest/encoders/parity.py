@@ -172,10 +172,12 @@ def check(reference, candidate, device_key: str) -> Parity:
     """The candidate's parity with the reference: read from the compiled-model cache, else measured and kept
     there. Raises ParityError when it falls short of its precision's gate."""
     graph = next(iter(candidate.graphs().values()))
-    entry = compiled.entry(candidate.spec.model_id, graph, candidate.runtime, _runtime_version(candidate.runtime))
+    kept = graph.kept_fp32(candidate.precision)
+    _, runs_reduced = graph.parts(candidate.precision)  # the record lives with the part run at the precision
+    entry = compiled.entry(candidate.spec.model_id, runs_reduced, candidate.runtime,
+                           _runtime_version(candidate.runtime))
     name = _record_name(candidate.precision, device_key)
     record = compiled.read_record(entry, name)
-    kept = graph.kept_fp32(candidate.precision)
     parity = _parse(record, candidate, kept) if record is not None else None
     if parity is None:
         figures = {k: round(v, 7) for k, v in measure(reference, candidate).items()}

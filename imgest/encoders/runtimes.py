@@ -62,10 +62,13 @@ class Graph:
         each a graph of its own with the example traced through the head."""
         if not self.kept_fp32(precision):
             return None, self
+        import itertools
+
         import torch
 
+        device = next(itertools.chain(self.split.head.parameters(), self.split.head.buffers())).device
         with torch.inference_mode():
-            middle = self.split.head(*(torch.from_numpy(np.ascontiguousarray(x)) for x in self.example))
+            middle = self.split.head(*(torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in self.example))
         middle = tuple(t.cpu().numpy() for t in middle)
         batch_axis = tuple((0,) for _ in middle)  # the head keeps the batch axis first, and only it varies
         return (Graph(f"{self.name}.fp32-head", self.split.head, self.example, self.dynamic),
