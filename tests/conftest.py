@@ -139,3 +139,16 @@ class Clock:
 @pytest.fixture
 def clock() -> Clock:
     return Clock()
+
+
+@pytest.fixture
+def compiled_cache(tmp_path, monkeypatch) -> pathlib.Path:
+    """A compiled-model cache of the test's own (and no encoder loaded before it), so conversions and parity
+    records are seen happening."""
+    from imgest import encoders
+    from imgest.encoders import compiled
+
+    folder = tmp_path / "compiled"
+    monkeypatch.setenv(compiled.CACHE_ENV, str(folder))
+    monkeypatch.setattr(encoders, "_loaded", {})
+    return folder

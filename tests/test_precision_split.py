@@ -16,14 +16,6 @@ LITE0 = "efficientnet-lite0"
 bf16_only = pytest.mark.skipif("bf16" not in runtimes.native_precisions("cpu"), reason="this CPU has no native bf16")
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    folder = tmp_path / "compiled"
-    monkeypatch.setenv(compiled.CACHE_ENV, str(folder))
-    monkeypatch.setattr(encoders, "_loaded", {})
-    return folder
-
-
 def _normalised(x):
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
@@ -49,10 +41,10 @@ def test_the_split_tower_computes_what_the_network_does(name):
 
 
 @bf16_only
-def test_openvino_bf16_runs_the_first_block_in_fp32_and_passes_the_gate(cache):
+def test_openvino_bf16_runs_the_first_block_in_fp32_and_passes_the_gate(compiled_cache):
     spec = encoders.resolve(LITE0)
     reference, encoder = encoders.load(spec, "cpu"), encoders.load(spec, "cpu", "openvino", "bf16")
-    record = json.loads(next(cache.glob("openvino-image.rest-*/parity-bf16-*.json")).read_text())
+    record = json.loads(next(compiled_cache.glob("openvino-image.rest-*/parity-bf16-*.json")).read_text())
     assert record["passed"] and record["kept_fp32"] == "the stem and first block"
     assert record["p1_cosine"] >= 0.99 and record["mean_cosine"] >= 0.998 and record["overlap"] >= 0.9
 
@@ -65,7 +57,7 @@ def test_openvino_bf16_runs_the_first_block_in_fp32_and_passes_the_gate(cache):
                             for op in model.get_runtime_model().get_ops()
                             if op.get_rt_info()["layerType"].astype(str) == "Convolution"}
     assert precisions == {"head": {"f32"}, "rest": {"bf16"}}
-    assert sorted(p.name.split("-")[1] for p in cache.glob("openvino-image.*")) == ["image.fp32", "image.rest"]
+    assert sorted(p.name.split("-")[1] for p in compiled_cache.glob("openvino-image.*")) == ["image.fp32", "image.rest"]
 
     pixels = _photos(reference, 16)
     cosines = (reference.encode_images(pixels) * encoder.encode_images(pixels)).sum(1)
@@ -73,7 +65,7 @@ def test_openvino_bf16_runs_the_first_block_in_fp32_and_passes_the_gate(cache):
 
 
 @bf16_only
-def test_torch_bf16_runs_the_head_outside_autocast(cache):
+def test_torch_bf16_runs_the_head_outside_autocast(compiled_cache):
     encoder = encoders.load(encoders.resolve(LITE0), "cpu", "torch", "bf16")
     split = encoder.graphs()["image"].split
     seen = {}
@@ -87,7 +79,7 @@ def test_torch_bf16_runs_the_head_outside_autocast(cache):
     assert seen == {"stem": torch.float32, "last": torch.bfloat16}
 
 
-def test_a_record_of_another_split_is_measured_again(cache, monkeypatch):
+def test_a_record_of_another_split_is_measured_again(compiled_cache, monkeypatch):
     """A parity record kept before the tower kept layers in fp32 (a cache from an earlier release, whose bf16
     was refused) is not read back for the split tower: it is measured again, and the new record kept."""
     spec = encoders.resolve(LITE0)
@@ -109,7 +101,7 @@ def test_a_record_of_another_split_is_measured_again(cache, monkeypatch):
     for key in ("cpu", "old"):
         assert parity.check(reference, candidate, key).passed
     assert len(measured) == 2
-    kept = json.loads((cache / entry.folder.rsplit("/", 1)[-1] / "parity-bf16-cpu.json").read_text())
+    kept = json.loads((compiled_cache / entry.folder.rsplit("/", 1)[-1] / "parity-bf16-cpu.json").read_text())
     assert kept["kept_fp32"] == "the stem and first block" and kept["passed"]
     parity.check(reference, candidate, "cpu")
     assert len(measured) == 2  # read back now

@@ -19,33 +19,24 @@ from tests.helpers import small_catalogue, write_files
 LITE0 = "efficientnet-lite0"
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A compiled-model cache of the test's own, so conversions and parity records are seen happening."""
-    folder = tmp_path / "compiled"
-    monkeypatch.setenv(compiled.CACHE_ENV, str(folder))
-    monkeypatch.setattr(encoders, "_loaded", {})
-    return folder
-
-
 def _cosine(a, b):
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
 @pytest.mark.parametrize("name", [LITE0, f"{LITE0}-gem", f"{LITE0}-gem-ms"])
-def test_openvino_fp32_gives_torch_fp32_embeddings_on_photos(cache, name):
+def test_openvino_fp32_gives_torch_fp32_embeddings_on_photos(compiled_cache, name):
     spec = encoders.resolve(name)
     reference, compiled_ = encoders.load(spec, "cpu"), encoders.load(spec, "cpu", "openvino", "fp32")
     assert (compiled_.runtime, compiled_.precision) == ("openvino", "fp32")
     batch = parity.sample_batch(reference)
     assert _cosine(reference.encode_images(batch), compiled_.encode_images(batch)).min() >= parity.FP32_MIN_COSINE
-    record = json.loads(next(cache.glob("openvino-image-*/parity-fp32-*.json")).read_text())
+    record = json.loads(next(compiled_cache.glob("openvino-image-*/parity-fp32-*.json")).read_text())
     assert record["passed"] and record["min_cosine"] >= 0.99999 and record["reference"] == "torch fp32"
     assert record["model_id"] == spec.model_id
 
 
 @pytest.mark.parametrize("kind", ["clip", "siglip", "dinov2"])
-def test_transformers_towers_compile_with_openvino(cache, tiny_models, kind):
+def test_transformers_towers_compile_with_openvino(compiled_cache, tiny_models, kind):
     spec = encoders.resolve(f"hf:{tiny_models[kind]}")
     reference, compiled_ = encoders.load(spec, "cpu"), encoders.load(spec, "cpu", "openvino", "fp32")
     assert set(compiled_.runners) == ({"image", "text"} if kind != "dinov2" else {"image"})
@@ -75,13 +66,13 @@ def _wrong(monkeypatch, runtime_cls, scale: float = 0.3, precision_only: str | N
     monkeypatch.setattr(runtime_cls, "compile", compile_noisy)
 
 
-def test_a_runtime_that_returns_wrong_vectors_is_refused_and_the_figure_is_kept(cache, monkeypatch):
+def test_a_runtime_that_returns_wrong_vectors_is_refused_and_the_figure_is_kept(compiled_cache, monkeypatch):
     _wrong(monkeypatch, runtimes.OpenVINORuntime)
     spec = encoders.resolve(LITE0)
     with pytest.raises(ParityError, match=r"openvino fp32 against torch fp32 on the parity sample: min cosine "
                                           r"0\.\d+ below the 0\.99999 it needs"):
         encoders.load(spec, "cpu", "openvino", "fp32")
-    record = json.loads(next(cache.glob("openvino-image-*/parity-fp32-*.json")).read_text())
+    record = json.loads(next(compiled_cache.glob("openvino-image-*/parity-fp32-*.json")).read_text())
     assert not record["passed"] and record["min_cosine"] < 0.99999
     # kept: a second load in a fresh process state reads the figure instead of measuring again
     monkeypatch.setattr(encoders, "_loaded", {})
@@ -109,11 +100,11 @@ def test_the_reduced_precision_gate_is_retrieval_worked_by_hand():
 
 
 @pytest.mark.skipif("bf16" not in runtimes.native_precisions("cpu"), reason="this CPU has no native bf16")
-def test_bf16_within_the_gate_is_accepted_and_one_made_to_drift_is_refused(cache, monkeypatch, tmp_path):
+def test_bf16_within_the_gate_is_accepted_and_one_made_to_drift_is_refused(compiled_cache, monkeypatch, tmp_path):
     spec = encoders.resolve(LITE0)
     accepted = encoders.load(spec, "cpu", "torch", "bf16")
     assert (accepted.runtime, accepted.precision) == ("torch", "bf16")
-    record = json.loads(next(cache.glob("torch-image.rest-*/parity-bf16-*.json")).read_text())
+    record = json.loads(next(compiled_cache.glob("torch-image.rest-*/parity-bf16-*.json")).read_text())
     assert record["passed"] and record["gate"] == {"mean_cosine": 0.998, "p1_cosine": 0.99, "overlap@10": 0.9}
     assert record["mean_cosine"] >= 0.998 and record["p1_cosine"] >= 0.99 and record["overlap"] >= 0.9
     assert record["min_cosine"] <= record["p1_cosine"] and record["sample"].startswith("256 product photos")
@@ -127,7 +118,7 @@ def test_bf16_within_the_gate_is_accepted_and_one_made_to_drift_is_refused(cache
         encoders.load(spec, "cpu", "torch", "bf16")
 
 
-def test_the_choice_falls_back_to_torch_with_one_warning(cache, monkeypatch, tmp_path, caplog):
+def test_the_choice_falls_back_to_torch_with_one_warning(compiled_cache, monkeypatch, tmp_path, caplog):
     from imgest.tasks.ingest.batch_size import choose_encoding
 
     _wrong(monkeypatch, runtimes.OpenVINORuntime)
@@ -141,7 +132,7 @@ def test_the_choice_falls_back_to_torch_with_one_warning(cache, monkeypatch, tmp
     assert chosen.warning == warnings[0] and chosen.parity == 1.0
 
 
-def test_auto_measures_the_runtimes_that_pass_and_caches_each(cache, monkeypatch, tmp_path):
+def test_auto_measures_the_runtimes_that_pass_and_caches_each(compiled_cache, monkeypatch, tmp_path):
     from imgest.tasks.ingest.batch_size import choose_encoding
 
     monkeypatch.setattr(runtimes, "precision_candidates", lambda p, d: ("fp32",))  # fp32 only: a short test
@@ -157,7 +148,7 @@ def test_auto_measures_the_runtimes_that_pass_and_caches_each(cache, monkeypatch
     assert again.measured == chosen.measured  # read back, not measured again
 
 
-def test_converting_sends_no_telemetry(cache, monkeypatch):
+def test_converting_sends_no_telemetry(compiled_cache, monkeypatch):
     """OpenVINO's converter would fork a process to report usage; from a worker holding threads that fork can
     hang or crash, and a catalogue job does not report home."""
     from openvino_telemetry.backend import backend_ga4
@@ -165,11 +156,11 @@ def test_converting_sends_no_telemetry(cache, monkeypatch):
     sent = []
     monkeypatch.setattr(backend_ga4.GA4Backend, "send", lambda self, message: sent.append(message))
     encoder = encoders.load(encoders.resolve(LITE0), "cpu", "openvino", "fp32")
-    assert encoder.runtime == "openvino" and list(cache.glob("openvino-image-*/model.xml"))
+    assert encoder.runtime == "openvino" and list(compiled_cache.glob("openvino-image-*/model.xml"))
     assert sent == []
 
 
-def test_the_converted_model_is_keyed_by_revision_runtime_version_and_shape(cache, monkeypatch):
+def test_the_converted_model_is_keyed_by_revision_runtime_version_and_shape(compiled_cache, monkeypatch):
     spec = encoders.resolve(LITE0)
     graph = encoders.load(spec, "cpu").graphs()["image"]
     conversions = []
@@ -191,14 +182,15 @@ def test_the_converted_model_is_keyed_by_revision_runtime_version_and_shape(cach
         assert other.folder != first.folder
         compiled.ensure(other, convert)
     assert len(conversions) == 4
-    assert not list(cache.glob("*.tmp-*"))  # converted in a temporary folder, renamed whole
+    assert not list(compiled_cache.glob("*.tmp-*"))  # converted in a temporary folder, renamed whole
 
 
-def test_a_half_written_entry_is_converted_again(cache):
+def test_a_half_written_entry_is_converted_again(compiled_cache):
     spec = encoders.resolve(LITE0)
     graph = encoders.load(spec, "cpu").graphs()["image"]
     entry = compiled.entry(spec.model_id, graph, "openvino", runtimes.get("openvino").version())
-    (cache / entry.folder.rsplit("/", 1)[-1]).mkdir(parents=True)  # a folder without its key file: a kill mid-way
+    # a folder without its key file: a kill mid-way
+    (compiled_cache / entry.folder.rsplit("/", 1)[-1]).mkdir(parents=True)
     runner = runtimes.get("openvino").compile(graph, "fp32", "cpu", spec.model_id)
     batch = np.zeros((2, 3, 224, 224), np.uint8)
     assert np.asarray(runner(batch)).shape == (2, 1280)
@@ -234,7 +226,7 @@ def test_a_run_refuses_what_this_host_cannot_run_before_any_work(prefect_harness
     assert not (tmp_path / "store").exists()  # nothing listed, locked or written
 
 
-def test_a_model_the_runtime_cannot_compile_falls_back_with_one_warning(cache, monkeypatch, tmp_path, caplog):
+def test_a_model_the_runtime_cannot_compile_falls_back_with_one_warning(compiled_cache, monkeypatch, tmp_path, caplog):
     from imgest.tasks.ingest.batch_size import choose_encoding
 
     def cannot(graph, folder):
@@ -246,13 +238,13 @@ def test_a_model_the_runtime_cannot_compile_falls_back_with_one_warning(cache, m
     assert (chosen.runtime, chosen.precision) == ("torch", "fp32")
     assert "openvino cannot compile the image tower of efficientnet-lite0@" in chosen.warning
     assert "RuntimeError: Check 'is_conversion_supported' failed" in chosen.warning and "more" not in chosen.warning
-    assert not list(cache.glob("*"))  # nothing half-written left in the cache
+    assert not list(compiled_cache.glob("*"))  # nothing half-written left in the cache
 
 
-def test_a_damaged_cached_model_is_converted_again(cache):
+def test_a_damaged_cached_model_is_converted_again(compiled_cache):
     spec = encoders.resolve(LITE0)
     first = encoders.load(spec, "cpu", "openvino", "fp32")
-    xml = next(cache.glob("openvino-image-*/model.xml"))
+    xml = next(compiled_cache.glob("openvino-image-*/model.xml"))
     xml.write_text("<net>not a model")  # damaged on disk after it was written whole
     encoders._loaded.clear()
     again = encoders.load(spec, "cpu", "openvino", "fp32")
