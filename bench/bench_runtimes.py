@@ -100,7 +100,8 @@ def pipeline(args, spec, work: str) -> None:
     from imgest.demo import product_photos
     from imgest.storage import Location
     from imgest.tasks.ingest.batch_size import choose_encoding, measure
-    from imgest.tasks.ingest.encode import encode_shard, plan_decode
+    from imgest.tasks.ingest.decode_workers import plan_decode
+    from imgest.tasks.ingest.encode import encode_shard
     from imgest.tasks.ingest.plan import ShardPlan, WorkItem
     from imgest.tasks.ingest.shards import embedding_matrix
     from imgest.tasks.state.committed import shard_key

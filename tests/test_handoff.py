@@ -9,10 +9,11 @@ import pyarrow.parquet as pq
 
 from imgest import encoders
 from imgest.storage import Location
+from imgest.tasks.ingest import decode_workers, handoff
 from imgest.tasks.ingest import encode as encode_module
-from imgest.tasks.ingest import handoff
 from imgest.tasks.ingest.decode import decode_image
-from imgest.tasks.ingest.encode import _prepare_in_process, encode_shard, plan_decode, prepare
+from imgest.tasks.ingest.decode_workers import plan_decode
+from imgest.tasks.ingest.encode import _prepare_in_process, encode_shard, prepare
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
 from imgest.tasks.ingest.shards import embedding_matrix
 from imgest.tasks.state.committed import shard_key
@@ -60,12 +61,12 @@ def test_processes_and_threads_encode_the_same_shard_alike_and_the_block_is_free
     for workers, kind in ((2, "process"), (1, "thread")):
         store = Location(str(tmp_path / f"store-{kind}"))
         if kind == "thread":  # fewer objects than PROCESS_MIN_ITEMS decode in threads: lower the bar instead
-            encode_module.PROCESS_MIN_ITEMS, old = 10**9, encode_module.PROCESS_MIN_ITEMS
+            decode_workers.PROCESS_MIN_ITEMS, old = 10**9, decode_workers.PROCESS_MIN_ITEMS
         try:
             result = encode_shard(ShardPlan(RUN, 0, items), lite0, cat, store, batch_size=8, decode_workers=workers)
         finally:
             if kind == "thread":
-                encode_module.PROCESS_MIN_ITEMS = old
+                decode_workers.PROCESS_MIN_ITEMS = old
         assert kind in result.decode and result.encoded == 79 and len(result.rejected) == 1
         tables[kind] = pq.read_table(store.path(shard_key(lite0.spec.slug, result.shard)))
     assert tables["process"].column("item_id").to_pylist() == tables["thread"].column("item_id").to_pylist()
@@ -79,7 +80,7 @@ def test_the_cores_split_in_the_proportion_of_measured_costs(monkeypatch):
     # decode 7 ms, encode 5 ms a picture: 16 x 7 / 12 = 9.3 -> 9 decode cores, 7 encoder threads; one more
     # decode process, all of them niced: they take what the encoder leaves idle
     plan = plan_decode(lite0, 0, 2000, False, costs=(0.007, 0.005))
-    assert (plan.workers, plan.torch_threads, plan.processes, plan.nice) == (10, 7, True, encode_module.DECODE_NICE)
+    assert (plan.workers, plan.torch_threads, plan.processes, plan.nice) == (10, 7, True, decode_workers.DECODE_NICE)
     assert plan.describe() == "10 decode processes (nice 10), torch 7 thread(s)"
     assert plan_decode(lite0, 0, 2000, False, costs=(0.05, 0.0001)).torch_threads == 1  # one core stays the encoder's
     assert plan_decode(lite0, 0, 2000, False, costs=(0.0001, 0.05)).torch_threads == 15

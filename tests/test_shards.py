@@ -166,7 +166,7 @@ def test_a_write_killed_before_its_rename_is_ignored_then_swept(tmp_path, pixels
 def test_decode_processes_write_the_shard_threads_write(tmp_path, monkeypatch):
     """A shard big enough decodes in processes (spawned, the catalogue passed by URL): same rows, same
     vectors, same rejects as decode threads; a small one stays on threads."""
-    import imgest.tasks.ingest.encode as encode_module
+    import imgest.tasks.ingest.decode_workers as decode_workers
 
     lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
     files = {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, (300, 200))) for i in range(70)}
@@ -175,8 +175,8 @@ def test_decode_processes_write_the_shard_threads_write(tmp_path, monkeypatch):
     cat = Location(str(tmp_path / "cat"))
     items = tuple(_item(k, tmp_path / "cat") for k in sorted(files))
     tables, results = [], []
-    for name, minimum in (("processes", encode_module.PROCESS_MIN_ITEMS), ("threads", 10**9)):
-        monkeypatch.setattr(encode_module, "PROCESS_MIN_ITEMS", minimum)
+    for name, minimum in (("processes", decode_workers.PROCESS_MIN_ITEMS), ("threads", 10**9)):
+        monkeypatch.setattr(decode_workers, "PROCESS_MIN_ITEMS", minimum)
         store = Location(str(tmp_path / name))
         result = encode_shard(ShardPlan(RUN, 0, items), lite0, cat, store, batch_size=16, decode_workers=2)
         tables.append(pq.read_table(store.path(shard_key(lite0.spec.slug, result.shard))))
@@ -187,11 +187,11 @@ def test_decode_processes_write_the_shard_threads_write(tmp_path, monkeypatch):
     np.testing.assert_array_equal(embedding_matrix(tables[0], 1280), embedding_matrix(tables[1], 1280))
 
     monkeypatch.undo()
-    auto = encode_module.plan_decode(lite0, 0, 1000, gpu_jpeg=False)
+    auto = decode_workers.plan_decode(lite0, 0, 1000, gpu_jpeg=False)
     cores = len(os.sched_getaffinity(0))
     share = max(1, cores // 2)  # nothing measured: half the cores each, and one niced decoder more beside them
     assert auto.torch_threads == max(1, cores - share) and auto.workers == share + (cores > 1)
-    assert auto.processes and not encode_module.plan_decode(lite0, 0, 10, gpu_jpeg=False).processes
+    assert auto.processes and not decode_workers.plan_decode(lite0, 0, 10, gpu_jpeg=False).processes
 
 
 KILLED_ENCODER = """

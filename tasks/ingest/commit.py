@@ -100,6 +100,7 @@ def shard_timeline(results: list[ShardResult]) -> pa.Table:
         "seconds": pa.array([r.seconds for r in results], pa.float64()),
         "encode_seconds": pa.array([r.encode_seconds for r in results], pa.float64()),
         "wait_seconds": pa.array([r.wait_seconds for r in results], pa.float64()),
+        "decode": pa.array([r.decode for r in results], pa.string()),
         "runtime": pa.array([r.runtime for r in results], pa.string()),
         "precision": pa.array([r.precision for r in results], pa.string()),
         "encoded": pa.array([r.encoded for r in results], pa.int64()),

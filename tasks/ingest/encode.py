@@ -1,29 +1,14 @@
-"""One shard: read and decode ahead (bounded; threads or processes), encode in batches, write the shard.
-
-Where decoding runs (`plan_decode`): on 2 CPU cores the model and the JPEG decoder compete for the same
-cores, and measured (BENCHMARKS.md, "Threads or processes for decoding") the split that wins is one core
-each, with the decode in a process (no GIL shared with the encoder's thread): 0.71 x the bare model against
-0.66 for one decode thread and 0.60 for two decode threads beside two torch threads. So with
---decode-workers 0 (the default) the cores are split between decode and encoder in the proportion of their
-measured cost per image (the run measures both before its first shard; half each when it has not), all but
-one decode on a GPU, where the model does not need them; a shard with enough images to pay for starting them
-decodes in processes when the encoder's preprocessing can run in one, and their pixels come back through
-shared memory (tasks/ingest/handoff.py).
-"""
+"""One shard: read and decode ahead (tasks/ingest/decode_workers.py), encode in batches, write the shard."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import hashlib
-import multiprocessing
 import os
 import socket
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -35,6 +20,7 @@ from imgest.names import DEFAULT_DECODE_WORKERS, DEFAULT_DTYPE, DEFAULT_MAX_PIXE
 from imgest.storage import Location, StorageError, is_transient, one_line
 from imgest.tasks.ingest import decoders, handoff
 from imgest.tasks.ingest.decode import DecodeError, decode_image
+from imgest.tasks.ingest.decode_workers import DecodeWorkers, plan_decode, read_ahead
 from imgest.tasks.ingest.derive import derive_from_base
 from imgest.tasks.ingest.gpu_decode import BatchJpegDecoder, plain_jpeg
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
@@ -110,45 +96,9 @@ def catalogue_reachable(catalogue: Location) -> bool:
         return False
 
 
+DIED = ("the decode process died on this object (killed or crashed: out of memory, or a fault in the image "
+        "decoder); the other objects were decoded in a new process")
 READ_AHEAD_MIN = 32  # in flight at least: a run of slow objects (PNG cut-outs, EXIF turns) must not starve the model
-PROCESS_MIN_ITEMS = 64  # fewer images to decode than this: starting processes costs more than it saves
-DECODE_NICE = 10  # how far below the encoder decode processes run when they outnumber their share of the cores
-
-
-@dataclass(frozen=True)
-class DecodePlan:
-    workers: int
-    processes: bool
-    torch_threads: int | None  # set for the shard's encode (CPU), restored after; None: leave as it is
-    nice: int = 0  # decode processes this much below the encoder: they take the cores it leaves idle
-
-    def describe(self) -> str:
-        kind = ("process" if self.processes else "thread") + ("es" if self.processes and self.workers > 1 else
-                                                              "s" if self.workers > 1 else "")
-        return f"{self.workers} decode {kind}" + (f" (nice {self.nice})" if self.nice else "") + \
-            (f", torch {self.torch_threads} thread(s)" if self.torch_threads else "")
-
-
-def plan_decode(encoder: Encoder, decode_workers: int, to_read: int, gpu_jpeg: bool,
-                costs: tuple[float, float] | None = None) -> DecodePlan:
-    """How many decode workers, threads or processes, and the encoder's threads beside them (module docstring).
-    With `costs` (decode and encode core-seconds per image, measured by the run), a CPU's cores are split in
-    their proportion; without, in half. Decode processes on a CPU get one more than their share, at a lower
-    priority: the encoder's threads take their cores when they have work, the decoders what they leave idle
-    (measured on 2 cores: +7-11% images/s over one decode process beside one encoder thread)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    on_gpu = str(getattr(encoder, "device", "cpu")).startswith("cuda")
-    processes = (getattr(encoder, "preprocess_fn", None) is not None and to_read >= PROCESS_MIN_ITEMS
-                 and not gpu_jpeg  # a GPU decode leaves the workers only reading and hashing
-                 and not multiprocessing.current_process().daemon)  # a Dask worker may not start processes
-    torch_threads, nice = None, 0
-    if decode_workers == 0:
-        share = costs[0] / sum(costs) if costs and all(c and c > 0 for c in costs) else 0.5
-        decode_workers = max(1, cores - 1) if on_gpu else min(max(1, round(cores * share)), max(1, cores - 1))
-        torch_threads = None if on_gpu else max(1, cores - decode_workers)
-        if processes and not on_gpu and cores > 1:
-            decode_workers, nice = decode_workers + 1, DECODE_NICE
-    return DecodePlan(decode_workers, processes, torch_threads, nice)
 
 
 @dataclass(frozen=True)
@@ -230,86 +180,6 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _exit_with_parent(parent: int, nice: int = 0) -> None:
-    """In a decode process: end when the process that started it is gone (killed with -9, say), instead of
-    waiting for work that will never come; at a lower priority when `nice` (it yields to the encoder)."""
-    import threading
-
-    if nice:
-        os.nice(nice)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="imgest-parent-watch", daemon=True).start()
-
-
-def decode_pool(plan: DecodePlan) -> Executor:
-    if plan.processes:  # spawn: never fork a process that holds torch's and Prefect's threads
-        return ProcessPoolExecutor(plan.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_exit_with_parent, initargs=(os.getpid(), plan.nice))
-    return ThreadPoolExecutor(max_workers=plan.workers, thread_name_prefix="imgest-decode")
-
-
-DIED = ("the decode process died on this object (killed or crashed: out of memory, or a fault in the image "
-        "decoder); the other objects were decoded in a new process")
-
-
-def _alone(fn: Callable[[WorkItem, int], Prepared], item: WorkItem, position: int) -> Prepared:
-    """One object in a fresh decode process of its own: its result, or its rejection if that dies too."""
-    with decode_pool(DecodePlan(1, True, None)) as solo:
-        try:
-            return solo.submit(fn, item, position).result()
-        except BrokenProcessPool:
-            return Prepared(item, reason=DIED)
-
-
-def read_ahead(items: tuple[WorkItem, ...], fn: Callable[[WorkItem, int], Prepared],
-               make_pool: Callable[[], Executor], depth: int) -> Iterator[Prepared]:
-    """Yield ``fn(item, position)`` in order while up to ``depth`` items are in flight: memory stays flat. Closing
-    the generator early (the shard failed) cancels what has not started and stops the workers. When the n-th
-    object is sent, the (n - depth - 1)-th has been taken by the consumer (the hand-off's slots rely on it).
-
-    A decode process that dies (the kernel's OOM killer, a crash inside a decoder) breaks its pool: the
-    object being waited for is tried again alone, in a process of its own, and rejected if that dies too
-    (one object's fault); the objects in flight go to a new pool. Threads never break a pool."""
-    pool = make_pool()
-    pending: deque[tuple[WorkItem, int, Future]] = deque()
-
-    def renew() -> None:
-        """The pool broke: a new one, and every object in flight that did not finish sent to it."""
-        nonlocal pool
-        pool.shutdown(wait=True, cancel_futures=True)
-        pool = make_pool()
-        for n, (it, at, fut) in enumerate(pending):
-            if fut.cancelled() or isinstance(fut.exception(), BrokenProcessPool):
-                pending[n] = (it, at, pool.submit(fn, it, at))
-
-    try:
-        source = enumerate(items)
-        for at, item in source:
-            pending.append((item, at, pool.submit(fn, item, at)))
-            if len(pending) >= depth:
-                break
-        while pending:
-            item, at, future = pending.popleft()
-            try:
-                done = future.result()
-            except (BrokenProcessPool, CancelledError):  # this object, or one beside it, killed the process
-                done = _alone(fn, item, at)
-                renew()
-            nxt = next(source, None)
-            if nxt is not None:
-                try:
-                    pending.append((nxt[1], nxt[0], pool.submit(fn, nxt[1], nxt[0])))
-                except BrokenProcessPool:
-                    renew()
-                    pending.append((nxt[1], nxt[0], pool.submit(fn, nxt[1], nxt[0])))
-            yield done
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _now() -> str:
@@ -356,7 +226,6 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     decode_side = getattr(encoder, "decode_side", None)  # JPEGs decode at reduced size down to this
     gpu_jpeg = jpeg_decoder is not None
     where = plan_decode(encoder, decode_workers, len(to_read), gpu_jpeg, costs)
-    writer.result.decode = where.describe()
     # measured on 1,500 product photos, 2 cores, OpenVINO at batch 4: 8 in flight left the encoder waiting 1.8 s
     # of 12 (126 img/s), 32 waited 0.9-1.1 s (136-142 img/s); a slot is one preprocessed image (150 kB for Lite0)
     depth = max(2 * batch_size, 4 * where.workers, READ_AHEAD_MIN)
@@ -367,28 +236,30 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     else:
         def fn(item: WorkItem, position: int) -> Prepared:
             return prepare(catalogue, item, encoder.preprocess, max_pixels, decode_side, gpu_jpeg, decoder)
-    stream = read_ahead(to_read, fn, functools.partial(decode_pool, where), depth)
-    with torch_threads(where.torch_threads), contextlib.closing(stream), \
-            contextlib.closing(slots) if slots is not None else contextlib.nullcontext():
-        while True:
-            with waiting:
-                prepared = next(stream, None)
-            if prepared is None:
-                break
-            if prepared.slot is not None:  # copied out now: the slot is sent again depth + 1 objects later
-                prepared.pixels, prepared.slot = slots.read(*prepared.slot), None
-            if prepared.vanished:
-                writer.vanished(prepared.item)
-            elif prepared.unchanged:
-                writer.unchanged(prepared.item, prepared.content_hash)
-            elif prepared.revived:
-                writer.revive(prepared.item, prepared.content_hash)
-            elif prepared.reason is not None:
-                writer.reject(prepared.item, prepared.content_hash, prepared.reason, prepared.transient)
-            else:
-                batch.append(prepared)
-                if len(batch) >= batch_size:
-                    flush_batch()
+    with contextlib.closing(slots) if slots is not None else contextlib.nullcontext(), \
+            DecodeWorkers(where) as workers, torch_threads(where.torch_threads):
+        writer.result.decode = workers.describe()
+        stream = read_ahead(to_read, fn, workers, depth, died=lambda item: Prepared(item, reason=DIED))
+        with contextlib.closing(stream):
+            while True:
+                with waiting:
+                    prepared = next(stream, None)
+                if prepared is None:
+                    break
+                if prepared.slot is not None:  # copied out now: the slot is sent again depth + 1 objects later
+                    prepared.pixels, prepared.slot = slots.read(*prepared.slot), None
+                if prepared.vanished:
+                    writer.vanished(prepared.item)
+                elif prepared.unchanged:
+                    writer.unchanged(prepared.item, prepared.content_hash)
+                elif prepared.revived:
+                    writer.revive(prepared.item, prepared.content_hash)
+                elif prepared.reason is not None:
+                    writer.reject(prepared.item, prepared.content_hash, prepared.reason, prepared.transient)
+                else:
+                    batch.append(prepared)
+                    if len(batch) >= batch_size:
+                        flush_batch()
         if batch:
             flush_batch()
     return _finished(writer, total, encoding, waiting)

@@ -1,0 +1,224 @@
+"""Where a shard's decoding runs: the plan (threads or processes, how many, at what priority), the workers
+(decode processes kept from one shard to the next) and the bounded read-ahead over them.
+
+On 2 CPU cores the model and the JPEG decoder compete for the same cores, and measured (BENCHMARKS.md,
+"Threads or processes for decoding") the split that wins is one core each, with the decode in a process (no
+GIL shared with the encoder's thread): 0.71 x the bare model against 0.66 for one decode thread and 0.60 for
+two decode threads beside two torch threads. So with --decode-workers 0 (the default) the cores are split
+between decode and encoder in the proportion of their measured cost per image (the run measures both before
+its first shard; half each when it has not), all but one decode on a GPU, where the model does not need them;
+a shard with enough images to pay for starting them decodes in processes when the encoder's preprocessing can
+run in one, and their pixels come back through shared memory (tasks/ingest/handoff.py).
+
+Starting a decode process costs about half a core-second (the interpreter and its imports): two of them for
+every 2,000-object shard were 3-6% of a run's images/s on 2 cores. So a shard that ends normally leaves its
+processes to the next shard of the same plan, started in the same environment (they read the catalogue with
+the credentials they inherited); they end after `KEEP_IDLE_SECONDS` without one, with the process that
+started them, or when a shard needs others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from imgest.encoders import Encoder
+
+PROCESS_MIN_ITEMS = 64  # fewer images to decode than this: starting processes costs more than it saves
+DECODE_NICE = 10  # how far below the encoder decode processes run when they outnumber their share of the cores
+KEEP_IDLE_SECONDS = 60.0  # a run's next shard starts within seconds; a process serving flows does not hold them
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    workers: int
+    processes: bool
+    torch_threads: int | None  # set for the shard's encode (CPU), restored after; None: leave as it is
+    nice: int = 0  # decode processes this much below the encoder: they take the cores it leaves idle
+
+    def describe(self) -> str:
+        kind = ("process" if self.processes else "thread") + ("es" if self.processes and self.workers > 1 else
+                                                              "s" if self.workers > 1 else "")
+        return f"{self.workers} decode {kind}" + (f" (nice {self.nice})" if self.nice else "") + \
+            (f", torch {self.torch_threads} thread(s)" if self.torch_threads else "")
+
+
+def plan_decode(encoder: Encoder, decode_workers: int, to_read: int, gpu_jpeg: bool,
+                costs: tuple[float, float] | None = None) -> DecodePlan:
+    """How many decode workers, threads or processes, and the encoder's threads beside them (module docstring).
+    With `costs` (decode and encode core-seconds per image, measured by the run), a CPU's cores are split in
+    their proportion; without, in half. Decode processes on a CPU get one more than their share, at a lower
+    priority: the encoder's threads take their cores when they have work, the decoders what they leave idle
+    (measured on 2 cores: +7-11% images/s over one decode process beside one encoder thread)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    on_gpu = str(getattr(encoder, "device", "cpu")).startswith("cuda")
+    processes = (getattr(encoder, "preprocess_fn", None) is not None and to_read >= PROCESS_MIN_ITEMS
+                 and not gpu_jpeg  # a GPU decode leaves the workers only reading and hashing
+                 and not multiprocessing.current_process().daemon)  # a Dask worker may not start processes
+    torch_threads, nice = None, 0
+    if decode_workers == 0:
+        share = costs[0] / sum(costs) if costs and all(c and c > 0 for c in costs) else 0.5
+        decode_workers = max(1, cores - 1) if on_gpu else min(max(1, round(cores * share)), max(1, cores - 1))
+        torch_threads = None if on_gpu else max(1, cores - decode_workers)
+        if processes and not on_gpu and cores > 1:
+            decode_workers, nice = decode_workers + 1, DECODE_NICE
+    return DecodePlan(decode_workers, processes, torch_threads, nice)
+
+
+def _exit_with_parent(parent: int, nice: int = 0) -> None:
+    """In a decode process: end when the process that started it is gone (killed with -9, say), instead of
+    waiting for work that will never come; at a lower priority when `nice` (it yields to the encoder)."""
+    if nice:
+        os.nice(nice)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="imgest-parent-watch", daemon=True).start()
+
+
+def decode_pool(plan: DecodePlan) -> Executor:
+    """New workers for `plan`."""
+    if plan.processes:  # spawn: never fork a process that holds torch's and Prefect's threads
+        return ProcessPoolExecutor(plan.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_exit_with_parent, initargs=(os.getpid(), plan.nice))
+    return ThreadPoolExecutor(max_workers=plan.workers, thread_name_prefix="imgest-decode")
+
+
+# The processes a shard left (module docstring): its plan and environment, the pool, the timer that ends it.
+_kept: tuple[tuple, Executor, threading.Timer] | None = None
+_kept_lock = threading.Lock()
+
+
+def _environment() -> str:
+    """What a decode process inherited that its reads depend on (credentials, endpoints), as a digest."""
+    return hashlib.sha256(repr(sorted(os.environ.items())).encode()).hexdigest()
+
+
+def _expire(pool: Executor) -> None:
+    global _kept
+    with _kept_lock:
+        if _kept is None or _kept[1] is not pool:  # taken by a shard, or replaced, since the timer started
+            return
+        _kept = None
+    pool.shutdown(wait=True)
+
+
+class DecodeWorkers:
+    """One shard's decode workers, a context manager: the processes kept from the shard before when they were
+    started for the same plan in the same environment, new ones otherwise. A shard that ends normally leaves
+    its processes for the next one; a shard that fails stops them (what had not started is cancelled)."""
+
+    def __init__(self, plan: DecodePlan):
+        global _kept
+        self.plan, self.key, self.kept, self.finished = plan, (plan, _environment()), False, False
+        with _kept_lock:
+            left, _kept = _kept, None
+        if left is not None:
+            left[2].cancel()
+            if plan.processes and left[0] == self.key:
+                self.pool, self.kept = left[1], True
+                return
+            left[1].shutdown(wait=False, cancel_futures=True)
+        self.pool = decode_pool(plan)
+
+    def describe(self) -> str:
+        return self.plan.describe() + (", kept from the shard before" if self.kept else "")
+
+    def renew(self) -> Executor:
+        """The pool broke (a process died): new workers in its place."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool = decode_pool(self.plan)
+        return self.pool
+
+    def __enter__(self) -> DecodeWorkers:
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        global _kept
+        if kind is not None or not self.finished or not self.plan.processes:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            return
+        timer = threading.Timer(KEEP_IDLE_SECONDS, _expire, (self.pool,))
+        timer.daemon = True
+        with _kept_lock:
+            left, _kept = _kept, (self.key, self.pool, timer)
+        timer.start()
+        if left is not None:  # another shard's, kept while this one ran (shards on two threads)
+            left[2].cancel()
+            left[1].shutdown(wait=False, cancel_futures=True)
+
+
+def _alone(fn: Callable[[Item, int], Result], item: Item, position: int, died: Callable[[Item], Result]) -> Result:
+    """One object in a fresh decode process of its own: its result, or `died(item)` if that dies too."""
+    with decode_pool(DecodePlan(1, True, None)) as solo:
+        try:
+            return solo.submit(fn, item, position).result()
+        except BrokenProcessPool:
+            return died(item)
+
+
+def read_ahead(items: tuple[Item, ...], fn: Callable[[Item, int], Result], workers: DecodeWorkers, depth: int,
+               died: Callable[[Item], Result]) -> Iterator[Result]:
+    """Yield ``fn(item, position)`` in order on `workers` while up to ``depth`` items are in flight: memory stays
+    flat. Closing the generator early (the shard failed) cancels what has not started; `workers` stop the rest.
+    When the n-th object is sent, the (n - depth - 1)-th has been taken by the consumer (the hand-off's slots
+    rely on it). Every item yielded, `workers.finished` is set: their processes may serve the next shard.
+
+    A decode process that dies (the kernel's OOM killer, a crash inside a decoder) breaks its pool: the
+    object being waited for is tried again alone, in a process of its own, and `died(item)` if that dies too
+    (one object's fault); the objects in flight go to new workers. Threads never break a pool."""
+    pool = workers.pool
+    pending: deque[tuple[Any, int, Future]] = deque()
+
+    def renew() -> None:
+        """The pool broke: new workers, and every object in flight that did not finish sent to them."""
+        nonlocal pool
+        pool = workers.renew()
+        for n, (it, at, fut) in enumerate(pending):
+            if fut.cancelled() or isinstance(fut.exception(), BrokenProcessPool):
+                pending[n] = (it, at, pool.submit(fn, it, at))
+
+    def send(item: Item, at: int) -> None:
+        try:
+            pending.append((item, at, pool.submit(fn, item, at)))
+        except BrokenProcessPool:  # broken by an object before, or kept from a shard whose last object broke it
+            renew()
+            pending.append((item, at, pool.submit(fn, item, at)))
+
+    try:
+        source = enumerate(items)
+        for at, item in source:
+            send(item, at)
+            if len(pending) >= depth:
+                break
+        while pending:
+            item, at, future = pending.popleft()
+            try:
+                done = future.result()
+            except (BrokenProcessPool, CancelledError):  # this object, or one beside it, killed the process
+                done = _alone(fn, item, at, died)
+                renew()
+            nxt = next(source, None)
+            if nxt is not None:
+                send(nxt[1], nxt[0])
+            yield done
+        workers.finished = True
+    finally:
+        for _, _, future in pending:
+            future.cancel()
