@@ -50,7 +50,8 @@ def test_a_decode_process_hands_back_a_slot_not_the_pixels(tmp_path):
 
 
 def _shm_segments() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """Shared-memory blocks (a kept decode pool's semaphores live beside them, as sem.mp-*, until it ends)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")} if os.path.isdir("/dev/shm") else set()
 
 
 def test_processes_and_threads_encode_the_same_shard_alike_and_the_block_is_freed(tmp_path):

@@ -20,6 +20,7 @@ started them, or when a shard needs others.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import multiprocessing
 import os
 import threading
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 PROCESS_MIN_ITEMS = 64  # fewer images to decode than this: starting processes costs more than it saves
 DECODE_NICE = 10  # how far below the encoder decode processes run when they outnumber their share of the cores
+CHUNK = 4  # objects per call to a decode process (read_ahead)
 KEEP_IDLE_SECONDS = 60.0  # a run's next shard starts within seconds; a process serving flows does not hold them
 
 Item = TypeVar("Item")
@@ -173,52 +175,63 @@ def _alone(fn: Callable[[Item, int], Result], item: Item, position: int, died: C
             return died(item)
 
 
+def _each(fn: Callable[[Item, int], Result], chunk: list[tuple[Item, int]]) -> list[Result]:
+    """In a worker: one call's objects, in order."""
+    return [fn(item, at) for item, at in chunk]
+
+
 def read_ahead(items: tuple[Item, ...], fn: Callable[[Item, int], Result], workers: DecodeWorkers, depth: int,
                died: Callable[[Item], Result]) -> Iterator[Result]:
     """Yield ``fn(item, position)`` in order on `workers` while up to ``depth`` items are in flight: memory stays
     flat. Closing the generator early (the shard failed) cancels what has not started; `workers` stop the rest.
-    When the n-th object is sent, the (n - depth - 1)-th has been taken by the consumer (the hand-off's slots
-    rely on it). Every item yielded, `workers.finished` is set: their processes may serve the next shard.
+    An object is sent only once the one ``depth`` places before it has been taken by the consumer (the hand-off's
+    slots rely on it). Every item yielded, `workers.finished` is set: their processes may serve the next shard.
 
-    A decode process that dies (the kernel's OOM killer, a crash inside a decoder) breaks its pool: the
-    object being waited for is tried again alone, in a process of its own, and `died(item)` if that dies too
-    (one object's fault); the objects in flight go to new workers. Threads never break a pool."""
-    pool = workers.pool
-    pending: deque[tuple[Any, int, Future]] = deque()
+    A decode process gets `CHUNK` objects a call (one call costs it and the encoder's process some 0.3 ms each).
+    A decode process that dies (the kernel's OOM killer, a crash inside a decoder) breaks its pool: each object
+    of the call being waited for is tried again alone, in a process of its own, and `died(item)` if that dies
+    too (one object's fault); the objects in flight go to new workers. Threads never break a pool."""
+    pool, size = workers.pool, CHUNK if workers.plan.processes else 1
+    pending: deque[tuple[list[tuple[Any, int]], Future]] = deque()
+    source = iter(enumerate(items))
+    sent = taken = 0
 
     def renew() -> None:
-        """The pool broke: new workers, and every object in flight that did not finish sent to them."""
+        """The pool broke: new workers, and every call in flight that did not finish sent to them."""
         nonlocal pool
         pool = workers.renew()
-        for n, (it, at, fut) in enumerate(pending):
+        for n, (chunk, fut) in enumerate(pending):
             if fut.cancelled() or isinstance(fut.exception(), BrokenProcessPool):
-                pending[n] = (it, at, pool.submit(fn, it, at))
+                pending[n] = (chunk, pool.submit(_each, fn, chunk))
 
-    def send(item: Item, at: int) -> None:
-        try:
-            pending.append((item, at, pool.submit(fn, item, at)))
-        except BrokenProcessPool:  # broken by an object before, or kept from a shard whose last object broke it
-            renew()
-            pending.append((item, at, pool.submit(fn, item, at)))
+    def fill() -> None:
+        """Send whole calls while the objects sent and not yet taken stay within `depth`."""
+        nonlocal sent
+        while sent - taken + size <= max(depth, size):
+            chunk = [(item, at) for at, item in itertools.islice(source, size)]
+            if not chunk:
+                return
+            try:
+                pending.append((chunk, pool.submit(_each, fn, chunk)))
+            except BrokenProcessPool:  # broken by an object before, or kept from a shard whose last one broke it
+                renew()
+                pending.append((chunk, pool.submit(_each, fn, chunk)))
+            sent += len(chunk)
 
     try:
-        source = enumerate(items)
-        for at, item in source:
-            send(item, at)
-            if len(pending) >= depth:
-                break
+        fill()
         while pending:
-            item, at, future = pending.popleft()
+            chunk, future = pending.popleft()
             try:
-                done = future.result()
-            except (BrokenProcessPool, CancelledError):  # this object, or one beside it, killed the process
-                done = _alone(fn, item, at, died)
+                results = future.result()
+            except (BrokenProcessPool, CancelledError):  # an object of this call, or of one beside it, killed it
+                results = [_alone(fn, item, at, died) for item, at in chunk]
                 renew()
-            nxt = next(source, None)
-            if nxt is not None:
-                send(nxt[1], nxt[0])
-            yield done
+            for done in results:
+                yield done
+                taken += 1  # the consumer asks again once it has copied the object out
+                fill()
         workers.finished = True
     finally:
-        for _, _, future in pending:
+        for _, future in pending:
             future.cancel()
