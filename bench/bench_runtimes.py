@@ -8,7 +8,8 @@ reduced decode cost in retrieval, measured in one run.
    every layer in bf16, shown even where the parity check refuses it.
 2. The pipeline (read, hash, decode in processes, encode, write the shard: `encode_shard`) on ~1200 px product
    JPEGs at `--runtime torch --precision fp32` with Pillow's decoder (the old path), `openvino fp32` and the
-   defaults (auto, auto, the JPEG decoder measured fastest), in alternating rounds; images/s, the work bound
+   defaults (auto, auto, the JPEG decoder measured fastest), in alternating rounds (each shard decodes on the
+   processes the one before left, as a run's shards do; the first starts them); images/s, the work bound
    (cores / (decode + encode core-seconds per image), both measured here) and the min cosine of each run's
    embeddings against the torch fp32 run's, item by item. Before it, each installed JPEG decoder's core-ms per
    photo (read, hash, decode, preprocess) as the run measures it to choose.

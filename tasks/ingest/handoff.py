@@ -19,7 +19,7 @@ import numpy as np
 class PixelSlots:
     """`count` slots of `nbytes` each, named so a decode process can attach by name. The n-th object of a
     shard goes to slot n % count: with `count` one more than the read-ahead's depth, no slot is written again
-    before the encoder has copied it out (tasks/ingest/encode.py `read_ahead`)."""
+    before the encoder has copied it out (tasks/ingest/decode_workers.py `read_ahead`)."""
 
     def __init__(self, count: int, nbytes: int):
         self.count, self.nbytes = count, nbytes
