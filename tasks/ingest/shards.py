@@ -91,7 +91,7 @@ class ShardResult:
     wait_seconds: float = 0.0  # encoder idle, waiting on decode
     runtime: str = ""  # what ran the encoder (imgest/encoders/runtimes.py) and at which precision
     precision: str = ""
-    decode: str = ""  # where decoding ran: "1 decode process, torch 1 thread(s)" (tasks/ingest/decode_workers.py plan_decode)
+    decode: str = ""  # where decoding ran: "1 decode process, torch 1 thread(s)" (decode_workers.py plan_decode)
     worker: str = ""  # host:pid of the process that encoded it
     started: str = ""  # UTC ISO times of the encode, for a timeline of the workers
     finished: str = ""
