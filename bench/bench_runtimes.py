@@ -12,7 +12,7 @@ reduced decode cost in retrieval, measured in one run.
    processes the one before left, as a run's shards do; the first starts them); images/s, the work bound
    (cores / (decode + encode core-seconds per image), both measured here) and the min cosine of each run's
    embeddings against the torch fp32 run's, item by item. Before it, each installed JPEG decoder's core-ms per
-   photo (read, hash, decode, preprocess) as the run measures it to choose.
+   photo (read, hash, decode, preprocess) as the run measures it to choose, and JPEGs' and PNG cut-outs' alone.
 3. Image queries: one ~1200 px product JPEG at a time, decoded, preprocessed and encoded by what `imgest search`
    and the service use for a version (`query_encoder`: the runtime and precision its card says encoded the
    catalogue: OpenVINO fp32, and OpenVINO bf16 where it is native) against eager torch fp32; p50 and p90 over
@@ -121,7 +121,14 @@ def pipeline(args, spec, work: str) -> None:
     print("| JPEG decoder | core-ms per photo (hash, decode, preprocess) |\n|---|---:|")
     for name, cost in by_decoder.items():
         print(f"| {name}{' (chosen)' if name == decoder else ''} | {cost * 1e3:.2f} |")
-    print(f"\nwith reading: {decode_s * 1e3:.2f} core-ms per photo, {decoder}\n", flush=True)
+    print(f"\nwith reading: {decode_s * 1e3:.2f} core-ms per photo, {decoder}", flush=True)
+    from imgest.tasks.ingest.encode import decode_cost
+
+    encoder = encoders.load(spec, "cpu", "openvino", "fp32")
+    for kind, suffix in (("JPEGs", ".jpg"), ("PNG cut-outs", ".png")):
+        alone = decode_cost(cat, tuple(i for i in items if i.item_id.endswith(suffix))[:120], encoder, 10**9, 120)
+        print(f"{kind} alone: {alone.seconds * 1e3:.2f} core-ms each with reading", flush=True)
+    print()
     for label, runtime, precision, jpeg in (("torch fp32, Pillow (the old path)", "torch", "fp32", "pillow"),
                                             ("openvino fp32", "openvino", "fp32", decoder),
                                             ("defaults (auto, auto)", "auto", "auto", decoder)):
