@@ -18,6 +18,7 @@ from imgest.memory import give_back
 from imgest.progress import report
 from imgest.storage import one_line, open_location
 from imgest.tasks.ingest.commit import new_summary
+from imgest.tasks.ingest.decode_workers import end_kept
 from imgest.tasks.ingest.encode import ShardFailedError
 from imgest.tasks.ingest.listing import check_apart
 from imgest.tasks.ingest.runners import SHARDS_AHEAD, shard_runner, submit_in_order
@@ -108,6 +109,7 @@ def ingest(config: IngestConfig) -> dict:
                                              description=progress_line(results, plan))
                     report(spec.slug, int(counts[:len(results)].sum()), plan.to_read)
                 summary.encode_wall_seconds = encoding.seconds
+            end_kept()  # the decode processes the last shard left: no shard of this run will want them
         summary.batch_size, summary.batch_size_source, summary.device = batch, source, device
         summary.record_encoding(chosen, results)
         summary.removed_orphans = orphans

@@ -127,7 +127,7 @@ def test_a_kept_process_killed_while_idle_costs_no_object(tmp_path, lite0):
 @pytest.mark.slow
 def test_an_ingest_runs_its_shards_on_the_same_decode_processes(prefect_harness, tmp_path):
     """Through Prefect (the shards are tasks of one flow run): every shard after the first decodes on the
-    processes the one before left, and the run's shard timeline says so."""
+    processes the one before left, the run's shard timeline says so, and they end with the run's last shard."""
     from imgest.config import IngestConfig
     from imgest.flows.ingest import ingest
     from tests.helpers import small_catalogue
@@ -140,3 +140,4 @@ def test_an_ingest_runs_its_shards_on_the_same_decode_processes(prefect_harness,
     timeline = pq.read_table(store / "runs" / f"{summary['run_id']}.shards.parquet").sort_by("started")
     assert timeline.column("decode").to_pylist() == ["2 decode processes"] + \
         ["2 decode processes, kept from the shard before"] * 2
+    assert not _settled(0, 10)  # ended with the run's last shard, not a minute later

@@ -13,8 +13,8 @@ run in one, and their pixels come back through shared memory (tasks/ingest/hando
 Starting a decode process costs about half a core-second (the interpreter and its imports): two of them for
 every 2,000-object shard were 3-6% of a run's images/s on 2 cores. So a shard that ends normally leaves its
 processes to the next shard of the same plan, started in the same environment (they read the catalogue with
-the credentials they inherited); they end after `KEEP_IDLE_SECONDS` without one, with the process that
-started them, or when a shard needs others.
+the credentials they inherited); they end with the run's encoding (`end_kept`), after `KEEP_IDLE_SECONDS`
+without a shard, with the process that started them, or when a shard needs others.
 """
 
 from __future__ import annotations
@@ -164,6 +164,16 @@ class DecodeWorkers:
         if left is not None:  # another shard's, kept while this one ran (shards on two threads)
             left[2].cancel()
             left[1].shutdown(wait=False, cancel_futures=True)
+
+
+def end_kept() -> None:
+    """End the processes the last shard left: the run has no shard for them (its index build wants the memory)."""
+    global _kept
+    with _kept_lock:
+        left, _kept = _kept, None
+    if left is not None:
+        left[2].cancel()
+        left[1].shutdown(wait=True)
 
 
 def _alone(fn: Callable[[Item, int], Result], item: Item, position: int, died: Callable[[Item], Result]) -> Result:
