@@ -11,10 +11,10 @@ a shard with enough images to pay for starting them decodes in processes when th
 run in one, and their pixels come back through shared memory (tasks/ingest/handoff.py).
 
 Starting a decode process costs about half a core-second (the interpreter and its imports): two of them for
-every 2,000-object shard were 3-6% of a run's images/s on 2 cores. So a shard that ends normally leaves its
-processes to the next shard of the same plan, started in the same environment (they read the catalogue with
-the credentials they inherited); they end with the run's encoding (`end_kept`), after `KEEP_IDLE_SECONDS`
-without a shard, with the process that started them, or when a shard needs others.
+every shard cost 4-6% of the images/s of a 1,500-photo shard on 2 cores (measured 2026-12-05). So a shard
+that ends normally leaves its processes to the next shard of the same plan, started in the same environment
+(they read the catalogue with the credentials they inherited); they end with the run's encoding (`end_kept`),
+after `KEEP_IDLE_SECONDS` without a shard, with the process that started them, or when a shard needs others.
 """
 
 from __future__ import annotations
@@ -112,6 +112,16 @@ def _environment() -> str:
     return hashlib.sha256(repr(sorted(os.environ.items())).encode()).hexdigest()
 
 
+def _take_kept() -> tuple[tuple, Executor, threading.Timer] | None:
+    """The processes a shard left, if any, now no longer kept (their timer stopped)."""
+    global _kept
+    with _kept_lock:
+        left, _kept = _kept, None
+    if left is not None:
+        left[2].cancel()
+    return left
+
+
 def _expire(pool: Executor) -> None:
     global _kept
     with _kept_lock:
@@ -127,12 +137,8 @@ class DecodeWorkers:
     its processes for the next one; a shard that fails stops them (what had not started is cancelled)."""
 
     def __init__(self, plan: DecodePlan):
-        global _kept
         self.plan, self.key, self.kept, self.finished = plan, (plan, _environment()), False, False
-        with _kept_lock:
-            left, _kept = _kept, None
-        if left is not None:
-            left[2].cancel()
+        if (left := _take_kept()) is not None:
             if plan.processes and left[0] == self.key:
                 self.pool, self.kept = left[1], True
                 return
@@ -158,21 +164,17 @@ class DecodeWorkers:
             return
         timer = threading.Timer(KEEP_IDLE_SECONDS, _expire, (self.pool,))
         timer.daemon = True
-        with _kept_lock:
+        with _kept_lock:  # one swap: a shard on another thread may keep its own meanwhile
             left, _kept = _kept, (self.key, self.pool, timer)
         timer.start()
         if left is not None:  # another shard's, kept while this one ran (shards on two threads)
             left[2].cancel()
-            left[1].shutdown(wait=False, cancel_futures=True)
+            left[1].shutdown(wait=False)
 
 
 def end_kept() -> None:
     """End the processes the last shard left: the run has no shard for them (its index build wants the memory)."""
-    global _kept
-    with _kept_lock:
-        left, _kept = _kept, None
-    if left is not None:
-        left[2].cancel()
+    if (left := _take_kept()) is not None:
         left[1].shutdown(wait=True)
 
 
@@ -197,7 +199,7 @@ def read_ahead(items: tuple[Item, ...], fn: Callable[[Item, int], Result], worke
     An object is sent only once the one ``depth`` places before it has been taken by the consumer (the hand-off's
     slots rely on it). Every item yielded, `workers.finished` is set: their processes may serve the next shard.
 
-    A decode process gets `CHUNK` objects a call (one call costs it and the encoder's process some 0.3 ms each).
+    A decode process gets `CHUNK` objects a call (a call costs it and the encoder's process about 0.5 ms each).
     A decode process that dies (the kernel's OOM killer, a crash inside a decoder) breaks its pool: each object
     of the call being waited for is tried again alone, in a process of its own, and `died(item)` if that dies
     too (one object's fault); the objects in flight go to new workers. Threads never break a pool."""
