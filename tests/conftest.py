@@ -29,19 +29,136 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.helpers import make_tiny_hf_model  # noqa: E402
+from tests.s3servers import DEFAULT as S3_DEFAULT  # noqa: E402
 from tests.s3servers import SERVERS as S3_SERVERS  # noqa: E402
 from tests.s3servers import MotoServer, SeaweedServer  # noqa: E402
 from tests.s3servers import use as use_s3  # noqa: E402
 
-SLOW_FIXTURES = {"prefect_harness", "installed_imgest", "s3_endpoint", "moto_server", "seaweedfs_server"}
+SLOW_FIXTURES = {"prefect_harness", "installed_imgest", "s3_endpoint", "s3_each_endpoint", "moto_server",
+                 "seaweedfs_server"}
+
+
+def _thread_budget() -> int:
+    """The cores a test process may keep busy: its share of this machine's, so the workers of `-n N` do not
+    fight over the same cores (torch, OpenVINO, faiss and BLAS each default to every core)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+# Before torch, numpy or faiss start their thread pools; subprocesses of a test inherit the budget.
+for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_name] = str(_thread_budget())
+
+
+SLOW_CAUSES = {"prefect_harness": "a Prefect server", "installed_imgest": "a fresh install",
+               "s3_endpoint": "an S3 server", "s3_each_endpoint": "each S3 server", "moto_server": "an S3 server",
+               "seaweedfs_server": "an S3 server"}
 
 
 def pytest_collection_modifyitems(items):
-    """`slow`: a test that starts Prefect, an S3 server or a fresh install (or is marked so by hand, for real
-    weights and subprocesses). `pytest -m "not slow"` is the fast lane of unit tests."""
+    """`slow`: a test that starts Prefect, an S3 server or a fresh install, or is marked so by hand (real weights,
+    an OpenVINO compile, a subprocess, a sleep: `fast_lane_rule` fails a test that does one unmarked).
+    `pytest -m "not slow"` is the fast lane of unit tests."""
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_caches(tmp_path_factory) -> pathlib.Path:
+    """The compiled-model cache (converted models, parity records, measured batch sizes) of this test run,
+    shared by its workers (entries are written whole and renamed into place), never the user's ~/.cache: a
+    model is converted, parity-checked and measured once per run, and no run depends on what an earlier one
+    left."""
+    from imgest.encoders import compiled
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "compiled-cache"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(compiled.CACHE_ENV, str(root))
+        yield root
+
+
+@pytest.fixture(autouse=True)
+def slow_causes(request, record_property) -> None:
+    """Why the test is in the slow lane (its fixtures, then the reasons its `slow` marks give), as the JUnit
+    property `causes`: bench/suite_time.py sums the suite's time by it."""
+    causes = [SLOW_CAUSES[name] for name in request.fixturenames if name in SLOW_CAUSES]
+    causes += [str(reason) for mark in request.node.iter_markers("slow") for reason in mark.args]
+    if request.node.get_closest_marker("slow") and not causes:
+        causes.append("marked slow")
+    record_property("causes", ", ".join(dict.fromkeys(causes)))
+
+
+class FastLaneViolation(Exception):
+    """What a test not marked slow did that the fast lane has no room for."""
+
+
+FAST_LANE = ("the fast lane (tests not marked slow) has no server, no real weights, no OpenVINO compile, no "
+             "subprocess and no sleep")
+
+
+@pytest.fixture(autouse=True)
+def fast_lane_rule(request, monkeypatch):
+    """A test not marked slow that starts a subprocess or a server, loads packaged weights, compiles an OpenVINO
+    model or sleeps fails, naming what it did: mark it `@pytest.mark.slow`, or make it cheaper."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    import multiprocessing.process
+    import socket
+    import threading
+
+    from imgest import encoders
+    from imgest.encoders import efficientnet, openvino_runtime, text
+
+    seen: list[str] = []
+
+    def refuse(what: str):
+        def refused(*args, **kwargs):
+            seen.append(what)
+            raise FastLaneViolation(f"{request.node.nodeid}: {what}; {FAST_LANE}")
+        return refused
+
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        if seconds > 0:
+            caller = sys._getframe(1)
+            what = f"time.sleep({seconds}) in {caller.f_code.co_filename}:{caller.f_lineno}"
+            seen.append(what)
+            if threading.current_thread() is threading.main_thread():
+                raise FastLaneViolation(f"{request.node.nodeid}: {what}; {FAST_LANE}")
+        real_sleep(seconds)
+
+    real_execute = subprocess.Popen._execute_child
+
+    def execute_child(self, *args, **kwargs):
+        # ctypes.util.find_library asks ldconfig where a shared library is (PyTurboJPEG's, once per process): a
+        # library being located, not a test starting a process of its own
+        if sys._getframe(2).f_code.co_filename.endswith(os.path.join("ctypes", "util.py")):
+            return real_execute(self, *args, **kwargs)
+        return refuse("starts a subprocess")()
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", execute_child)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("starts a process"))
+    monkeypatch.setattr(socket.socket, "listen", refuse("starts a server (listens on a socket)"))
+    monkeypatch.setattr(openvino_runtime.OpenVINORuntime, "compile", refuse("compiles an OpenVINO model"))
+    packaged, real_load = {*efficientnet.NAMES, text.NAME}, encoders.load
+
+    def load(spec, *args, **kwargs):  # loaded in this process before or not: the fast lane may run it first
+        base = spec
+        while base.base is not None:  # a head runs on its base model's weights
+            base = base.base
+        if base.family in packaged:
+            return refuse(f"loads the packaged weights of {base.name}")()
+        return real_load(spec, *args, **kwargs)
+    monkeypatch.setattr(encoders, "load", load)
+    monkeypatch.setattr(time, "sleep", sleep)
+    yield
+    if seen:
+        pytest.fail(f"{request.node.nodeid}: {'; '.join(dict.fromkeys(seen))}: {FAST_LANE}; mark it "
+                    "@pytest.mark.slow or make it cheaper", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -68,11 +185,17 @@ def seaweedfs_server(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(params=S3_SERVERS)
+@pytest.fixture(params=[S3_DEFAULT])
 def s3_endpoint(request) -> str:
-    """A real S3 API server on 127.0.0.1, moto's then SeaweedFS's: the test runs once on each. Its endpoint and
-    keys are in the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) for this test only; both servers
-    live for the session, so a test's environment names only its own."""
+    """A real S3 API server on 127.0.0.1 (SeaweedFS), its endpoint and keys in the environment (AWS_ENDPOINT_URL,
+    AWS_ACCESS_KEY_ID, ...) for this test only, as a user sets theirs. For what works the same on any S3 API."""
+    return use_s3(request, request.param)
+
+
+@pytest.fixture(params=S3_SERVERS)
+def s3_each_endpoint(request) -> str:
+    """As `s3_endpoint`, once on each server (moto's, then SeaweedFS): for the behaviours in which S3 servers
+    differ (conditional writes, listing, errors, faults), where one server's answer proves nothing of another's."""
     return use_s3(request, request.param)
 
 
@@ -139,6 +262,16 @@ class Clock:
 @pytest.fixture
 def clock() -> Clock:
     return Clock()
+
+
+@pytest.fixture
+def host_measured_nothing(tmp_path, monkeypatch) -> pathlib.Path:
+    """A host that has measured no batch size yet (its compiled models kept): a run measures, as on a new host."""
+    from imgest.tasks.ingest import batch_size
+
+    folder = tmp_path / "host-tuning"
+    monkeypatch.setattr(batch_size, "host_folder", lambda: str(folder))
+    return folder
 
 
 @pytest.fixture

@@ -20,12 +20,13 @@ KEY_ID = "AKIAIMGESTTESTKEY001"
 SECRET = "imgest/Test+Secret/never+logged/EXAMPLE0"
 REGION = "us-east-1"
 SERVERS = ("moto", "seaweedfs")
+DEFAULT = "seaweedfs"  # an object store people run, its conditional writes atomic as S3's are (tests/test_lock.py)
 
 
 def on(*servers: str) -> list:
     """Parameters naming servers, for a store fixture that also runs without one (`local`): `slow`, as any test
     that starts an S3 server is."""
-    return [pytest.param(name, marks=pytest.mark.slow) for name in servers]
+    return [pytest.param(name, marks=pytest.mark.slow("an S3 server")) for name in servers]
 
 
 def use(request: pytest.FixtureRequest, server: str) -> str:

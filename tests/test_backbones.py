@@ -32,6 +32,7 @@ def test_each_backbone_has_its_own_input_side_and_weights(name, side, short):
     assert len({spec.model_id, gem.model_id}) == 2 and gem.preprocessing["pooling"] == "gem"
 
 
+@pytest.mark.slow("real weights")
 @pytest.mark.parametrize("name", ["efficientnet-lite1", "efficientnet-lite2"])
 def test_the_packaged_weights_recognise_real_photos_through_its_preprocessing(name):
     """The weights and preprocessing fit: ImageNet's classifier on top says chelsea is a cat (tabby, tiger or

@@ -53,6 +53,7 @@ def test_decompression_bomb_limit():
     assert decode_image(FILES["huge.png"], max_pixels=200_000).size == (400, 400)
 
 
+@pytest.mark.slow("real weights")
 def test_reduced_jpeg_decode_gives_nearly_the_same_embeddings_on_real_photos():
     """Product-sized JPEGs (real photos scaled to 1000-1700 px; baseline and progressive, one with an EXIF
     rotation; fine textures included) decoded at reduced size in the DCT domain give nearly the embeddings

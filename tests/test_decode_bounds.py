@@ -81,6 +81,7 @@ def sixteen_bit_8000(tmp_path_factory):
     # grey between them (61 MB) = 366 MB; 600 MB is the stated limit.
     (None, [SIDE, SIDE], 600),
 ])
+@pytest.mark.slow("a subprocess")
 def test_a_16_bit_8000_square_png_decodes_within_a_stated_peak(sixteen_bit_8000, min_side, expected_size, limit_mb):
     result = _decode_in_subprocess(sixteen_bit_8000, min_side)
     assert result["mode"] == "RGB" and result["size"] == expected_size
@@ -127,6 +128,7 @@ def test_a_bomb_is_refused_from_its_header_naming_the_limit(width, height):
         decode_image(png_header(width, height, 8), max_pixels=1_000_000)
 
 
+@pytest.mark.slow("a subprocess")
 def test_a_larger_max_pixels_raises_pillows_guard_with_it():
     code = ("from PIL import Image; from imgest.tasks.ingest.decode import decode_image; "
             "from tests.helpers import png_bytes, solid; "

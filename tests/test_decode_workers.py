@@ -64,6 +64,7 @@ def _shard(lite0, cat, items, store, number: int = 0, encoder=None):
     return encode_shard(ShardPlan(RUN, number, items), encoder or lite0, cat, store, batch_size=8, decode_workers=2)
 
 
+@pytest.mark.slow("decode processes")
 def test_the_next_shard_decodes_on_the_processes_the_last_one_left(tmp_path, lite0):
     cat, items = _catalogue(tmp_path / "cat")
     first = _shard(lite0, cat, items, Location(str(tmp_path / "a")))
@@ -80,6 +81,7 @@ def test_the_next_shard_decodes_on_the_processes_the_last_one_left(tmp_path, lit
     np.testing.assert_array_equal(embedding_matrix(tables[0], 1280), embedding_matrix(tables[1], 1280))
 
 
+@pytest.mark.slow("decode processes")
 def test_a_changed_environment_gets_new_processes(tmp_path, lite0, monkeypatch):
     """Decode processes read the catalogue with the credentials they inherited: new ones see new ones."""
     cat, items = _catalogue(tmp_path / "cat")
@@ -91,6 +93,7 @@ def test_a_changed_environment_gets_new_processes(tmp_path, lite0, monkeypatch):
     assert not _settled(2) & before
 
 
+@pytest.mark.slow("decode processes")
 def test_a_failed_shard_keeps_nothing(tmp_path, lite0):
     cat, items = _catalogue(tmp_path / "cat")
 
@@ -107,6 +110,7 @@ def test_a_failed_shard_keeps_nothing(tmp_path, lite0):
     assert after.decode == "2 decode processes" and after.encoded == 69
 
 
+@pytest.mark.slow("decode processes")
 def test_kept_processes_end_when_no_shard_comes(tmp_path, lite0, monkeypatch):
     monkeypatch.setattr(decode_workers, "KEEP_IDLE_SECONDS", 0.5)
     cat, items = _catalogue(tmp_path / "cat")
@@ -115,6 +119,7 @@ def test_kept_processes_end_when_no_shard_comes(tmp_path, lite0, monkeypatch):
     assert _shard(lite0, cat, items, Location(str(tmp_path / "b")), 1).decode == "2 decode processes"
 
 
+@pytest.mark.slow("decode processes")
 def test_a_kept_process_killed_while_idle_costs_no_object(tmp_path, lite0):
     cat, items = _catalogue(tmp_path / "cat")
     _shard(lite0, cat, items, Location(str(tmp_path / "a")))
@@ -124,7 +129,7 @@ def test_a_kept_process_killed_while_idle_costs_no_object(tmp_path, lite0):
     assert (second.encoded, [i for i, _ in second.rejected]) == (69, ["p/broken.jpg"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow("decode processes")
 def test_an_ingest_runs_its_shards_on_the_same_decode_processes(prefect_harness, tmp_path):
     """Through Prefect (the shards are tasks of one flow run): every shard after the first decodes on the
     processes the one before left, the run's shard timeline says so, and they end with the run's last shard."""

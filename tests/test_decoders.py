@@ -38,6 +38,7 @@ def test_libjpeg_turbo_decoders_reach_eighths_where_pillow_halves(name):
     assert decode_image(big, decoder=name).size == (1200, 900)  # without a side: the whole image
 
 
+@pytest.mark.slow("real weights")
 @pytest.mark.parametrize("name", OTHERS)
 def test_decoders_give_pillows_embeddings_on_product_photos(name):
     """Real photos at product size, a fifth sideways by EXIF, a tenth PNG cut-outs (Pillow's own): each decoder's

@@ -30,7 +30,7 @@ def _next_commands(output: str) -> list[str]:
     return [line.split("    #", 1)[0].strip() for line in lines if line.startswith("  ")]
 
 
-@pytest.mark.slow
+@pytest.mark.slow("a subprocess")
 def test_the_demo_finds_things_as_printed_and_on_its_page(installed_imgest, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PREFECT_API_URL", "IMGEST_MODEL_DIRS")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")

@@ -104,7 +104,7 @@ def test_a_planted_calibration_record_is_skipped_with_a_warning(tmp_path, caplog
     assert latest_calibration(store, "m") is None
 
 
-@pytest.mark.slow
+@pytest.mark.slow("real weights")
 @pytest.mark.usefixtures("prefect_harness")
 @pytest.mark.parametrize("kind,originals,copies", [("photos", 24, 12), ("art", 30, 15)])
 def test_planted_copies_are_found_at_the_defaults_and_no_group_joins_two_originals(tmp_path, kind, originals,

@@ -85,6 +85,7 @@ def test_gem_pooling_worked_out_by_hand():
     np.testing.assert_allclose(gem(fmap, 1.0).numpy(), [[2.5, 2.0]], rtol=1e-5)  # p = 1 is the average
 
 
+@pytest.mark.slow("real weights")
 def test_gem_model_is_a_model_of_its_own_on_the_same_weights(lite0):
     avg, gem_spec = encoders.resolve("efficientnet-lite0"), encoders.resolve("efficientnet-lite0-gem")
     assert gem_spec.revision == avg.revision and gem_spec.family == avg.family
@@ -143,7 +144,7 @@ def test_missing_config_is_a_clear_error(tmp_path):
         encoders.resolve(f"hf:{tmp_path}")
 
 
-def test_tuning_picks_the_measured_best_and_caches_it(tiny_models, tmp_path):
+def test_tuning_picks_the_measured_best_and_caches_it(tiny_models, tmp_path, compiled_cache):
     encoder = encoders.load(encoders.resolve(f"hf:{tiny_models['dinov2']}"), "cpu")
     tuning = tune_batch_size(encoder, candidates=(1, 2, 4, 8), min_seconds=0.05)
     assert tuning.batch_size == max(tuning.measured, key=tuning.measured.get)
@@ -153,3 +154,26 @@ def test_tuning_picks_the_measured_best_and_caches_it(tiny_models, tmp_path):
     key = f"tuning/model={encoder.spec.slug}/{tuning.device_key}-torch-fp32-batch-auto.json"
     assert store.exists(key) and not cached
     assert cached_or_tuned(store, encoder) == (first, True)  # read back, not measured again
+
+
+def test_a_second_store_on_the_host_reads_the_first_ones_measurement(tiny_models, tmp_path, compiled_cache,
+                                                                      monkeypatch):
+    """A batch size is about the hardware, the runtime and the model: measured once on a host (kept beside its
+    compiled models), then read by every store there; a damaged host record is measured again, never believed."""
+    from imgest.tasks.ingest import batch_size
+
+    encoder = encoders.load(encoders.resolve(f"hf:{tiny_models['dinov2']}"), "cpu")
+    measured = []
+    real = batch_size.tune_batch_size
+    monkeypatch.setattr(batch_size, "tune_batch_size",
+                        lambda enc, candidates=None: measured.append(candidates) or real(enc, candidates, 0.05))
+    first, cached = cached_or_tuned(Location(str(tmp_path / "one")), encoder, fixed=2)
+    assert not cached and measured == [(2,)]
+    second, cached = cached_or_tuned(Location(str(tmp_path / "two")), encoder, fixed=2)
+    assert (second, cached) == (first, True) and measured == [(2,)]  # not measured again
+    assert Location(str(tmp_path / "two")).exists(  # and the store still says what its runs were chosen by
+        batch_size.tuning_key(encoder.spec.slug, first.device_key, "torch", "fp32", 2))
+    (record,) = compiled_cache.glob("tuning/*/*.json")
+    record.write_text('{"batch_size": 64, "measured": {"64": "fast"}}')
+    third, cached = cached_or_tuned(Location(str(tmp_path / "three")), encoder, fixed=2)
+    assert not cached and measured == [(2,), (2,)] and third.batch_size == 2

@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from imgest.tasks.index.build import new_index
 from imgest.tasks.search.filters import FilterError, GroupOf, filtered_search, grouped, matching_items, positions
 from imgest.tasks.search.query import Hit
 
@@ -45,7 +46,7 @@ def _vectors(n=3000, d=32, seed=0):
                                                    ("OPQ8_32,IVF64,PQ8,Refine(SQfp16)", "nprobe", 1)])
 def test_a_selective_filter_is_never_under_filled(factory, param, value):
     x = _vectors()
-    index = faiss.index_factory(x.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
+    index = new_index(x.shape[1], factory)  # as imgest trains them: polysemous training off, OPQ bounded
     index.train(x)
     index.add(x)
     if param == "efSearch":

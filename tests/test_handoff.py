@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from imgest import encoders
 from imgest.storage import Location
@@ -31,6 +32,7 @@ def _catalogue(root, n: int) -> tuple[Location, tuple[WorkItem, ...]]:
     return cat, tuple(WorkItem(k, cat.uri(k), len(files[k]), 1.0, None, None) for k in sorted(files))
 
 
+@pytest.mark.slow("real weights")
 def test_a_decode_process_hands_back_a_slot_not_the_pixels(tmp_path):
     lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
     cat, items = _catalogue(tmp_path / "cat", 4)
@@ -54,6 +56,7 @@ def _shm_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")} if os.path.isdir("/dev/shm") else set()
 
 
+@pytest.mark.slow("real weights")
 def test_processes_and_threads_encode_the_same_shard_alike_and_the_block_is_freed(tmp_path):
     lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
     cat, items = _catalogue(tmp_path / "cat", 80)
@@ -75,6 +78,7 @@ def test_processes_and_threads_encode_the_same_shard_alike_and_the_block_is_free
     assert _shm_segments() <= before  # the shared block is unlinked when the shard ends
 
 
+@pytest.mark.slow("real weights")
 def test_the_cores_split_in_the_proportion_of_measured_costs(monkeypatch):
     lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
@@ -91,6 +95,7 @@ def test_the_cores_split_in_the_proportion_of_measured_costs(monkeypatch):
     assert plan_decode(lite0, 4, 2000, False).nice == 0
 
 
+@pytest.mark.slow("real weights")
 def test_the_decode_cost_is_measured_on_what_will_be_read(tmp_path):
     lite0 = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
     cat, items = _catalogue(tmp_path / "cat", 10)

@@ -13,16 +13,8 @@ from PIL import Image
 from skimage import data
 
 from imgest import encoders
-from imgest.encoders import compiled
 
 KINDS = ["clip", "siglip", "dinov2"]
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A compiled-model cache of the test's own, and encoders loaded afresh."""
-    monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path / "compiled"))
-    monkeypatch.setattr(encoders, "_loaded", {})
 
 
 def _photos() -> list[Image.Image]:
@@ -49,9 +41,9 @@ def _float_path(folder: str, kind: str, images) -> np.ndarray:
     return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
 
 
-@pytest.mark.parametrize("runtime", ["torch", "openvino"])
+@pytest.mark.parametrize("runtime", ["torch", pytest.param("openvino", marks=pytest.mark.slow("an OpenVINO compile"))])
 @pytest.mark.parametrize("kind", KINDS)
-def test_uint8_pixels_give_the_float_paths_embeddings(cache, tiny_models, kind, runtime):
+def test_uint8_pixels_give_the_float_paths_embeddings(tiny_models, kind, runtime):
     spec = encoders.resolve(f"hf:{tiny_models[kind]}")
     encoder = encoders.load(spec, "cpu", runtime, "fp32")
     assert (encoder.runtime, encoder.precision) == (runtime, "fp32")
@@ -88,6 +80,7 @@ def test_preprocess_fn_pickles_as_the_model_folder(tiny_models, kind):
     assert np.array_equal(pickle.loads(sent)(photo), encoder.preprocess(photo))
 
 
+@pytest.mark.slow("decode processes")
 def test_a_spawned_decode_process_preprocesses_as_the_encoder(tiny_models):
     encoder = encoders.load(encoders.resolve(f"hf:{tiny_models['siglip']}"), "cpu")
     photos = _photos()[:2]

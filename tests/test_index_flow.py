@@ -24,6 +24,7 @@ from imgest.tasks.migration.aliases import read_alias, set_alias
 from imgest.tasks.reports.index import render_card
 from imgest.tasks.search.query import Query, Searcher, SearchError, search
 from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
+from tests.s3servers import DEFAULT as S3_DEFAULT
 from tests.s3servers import on as on_s3
 from tests.s3servers import use as use_s3
 
@@ -193,7 +194,7 @@ def test_ivf_index_opens_memory_mapped_and_serves(lite0_store, tmp_path):
     assert hits[0].item_id == "photos/rocket.jpg"
 
 
-@pytest.mark.parametrize("where", ["local", *on_s3("moto", "seaweedfs")])
+@pytest.mark.parametrize("where", ["local", *on_s3(S3_DEFAULT)])
 def test_unchanged_catalogue_reuses_the_index_through_its_build_record(tmp_path, where, request):
     cat = tmp_path / "catalogue"
     write_files(str(cat), {f"p/{i:02d}.png": png_bytes(gradient(i, (16, 16))) for i in range(30)})

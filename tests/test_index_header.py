@@ -221,6 +221,7 @@ print(json.dumps(failures))
 MUTATED = ["flat-ip", "hnsw", "ivf-pq", "ivf-flat-sparse", "ivf-hnsw-sq8", "opq-ivf-pq-refine", "idmap2-flat"]
 
 
+@pytest.mark.slow("a subprocess")
 def test_mutated_bytes_are_accepted_or_refused_and_what_is_accepted_reads_within_its_count(genuine, tmp_path):
     accepted = []
     sources = {name: genuine(name) for name in MUTATED}

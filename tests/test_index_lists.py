@@ -7,6 +7,7 @@ import faiss
 import numpy as np
 import pytest
 
+from imgest.tasks.index.build import new_index
 from imgest.tasks.index.lists import SizedAdd
 
 D, N, BLOCK = 16, 60_000, 4096
@@ -28,7 +29,7 @@ def heap_in_use() -> int:
 
 def trained(factory: str, seed: int = 0):
     rng = np.random.default_rng(seed)
-    index = faiss.index_factory(D, factory, faiss.METRIC_INNER_PRODUCT)
+    index = new_index(D, factory)  # as imgest trains them: polysemous training off, OPQ bounded
     index.train(rng.standard_normal((20_000, D), dtype=np.float32))
     return index
 

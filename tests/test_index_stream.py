@@ -198,6 +198,7 @@ def test_an_id_map_out_of_item_id_order_is_scanned_not_searched_by_halves(tmp_pa
         assert ids.items([2, 0]) == [order[2], order[0]] and ids.uri(1) == f"s3://x/{order[1]}"
 
 
+@pytest.mark.slow("a subprocess")
 def test_a_querys_hits_read_their_own_batches_of_the_id_map_not_the_whole_column(tmp_path):
     """The service names a query's hits from the mapped id map: each row read from its own batch. A take on the
     whole chunked column joins every batch first (at 10M items, 430 MB of Arrow memory and 150 ms a query):

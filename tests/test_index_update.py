@@ -11,6 +11,7 @@ from imgest.config import IndexConfig, IngestConfig
 from imgest.flows.build_index import build_index
 from imgest.flows.ingest import ingest
 from imgest.storage import Location
+from imgest.tasks.index.build import new_index
 from imgest.tasks.index.store import IdMapFile, open_index
 from imgest.tasks.index.truth import carry_truth, exact_truth
 from imgest.tasks.index.update import Delta, apply_delta
@@ -86,7 +87,7 @@ def test_an_updated_ivf_index_searches_like_one_filled_afresh_with_the_same_trai
     import faiss
 
     old = clustered(4000, 32, 0)
-    trained = faiss.index_factory(32, factory, faiss.METRIC_INNER_PRODUCT)
+    trained = new_index(32, factory)  # as imgest trains them: polysemous training off, OPQ bounded
     trained.train(old)
     first = faiss.clone_index(trained)
     first.add(old)
@@ -121,7 +122,7 @@ def test_re_rank_vectors_on_disk_are_renumbered_into_a_new_file_equal_to_the_upd
 
     monkeypatch.setattr(rerank, "BLOCK", 3)
     old = clustered(2000, 32, 0)
-    first = faiss.index_factory(32, factory, faiss.METRIC_INNER_PRODUCT)
+    first = new_index(32, factory)
     first.train(old)
     first.add(old)
     path = str(tmp_path / "v1.faiss")
@@ -147,7 +148,7 @@ def test_a_build_writes_re_rank_vectors_to_disk_as_faiss_writes_them_from_ram(tm
 
     monkeypatch.setattr(rerank, "BLOCK", 7)
     x = clustered(1500, 32, 3)
-    trained = faiss.index_factory(32, "IVF16,PQ8,Refine(SQfp16)", faiss.METRIC_INNER_PRODUCT)
+    trained = new_index(32, "IVF16,PQ8,Refine(SQfp16)")
     trained.train(x)
     in_ram = faiss.clone_index(trained)
     in_ram.add(x)

@@ -108,7 +108,7 @@ def test_incremental_runs_add_change_touch_delete(tmp_path):
     assert sorted(item for (item,) in live_view) == sorted(new)
 
 
-def test_second_model_gets_its_own_namespace_and_auto_batch(tmp_path, tiny_models):
+def test_second_model_gets_its_own_namespace_and_auto_batch(tmp_path, tiny_models, host_measured_nothing):
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     write_files(str(cat), small_catalogue(6))
     _run(cat, store)

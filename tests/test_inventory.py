@@ -25,8 +25,11 @@ SCHEMA = ["Bucket", "Key", "VersionId", "IsLatest", "IsDeleteMarker", "Size", "L
 
 
 @pytest.fixture()
-def bucket(s3_endpoint):
+def bucket(s3_each_endpoint):
+    """A bucket on each S3 server: how a listing spells keys, sizes and ETags is where servers differ."""
     import s3fs
+
+    s3_endpoint = s3_each_endpoint
 
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint})
     name = f"shop-{uuid.uuid4().hex[:8]}"

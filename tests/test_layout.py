@@ -153,6 +153,7 @@ def test_architecture_table_lists_every_module_and_only_real_ones():
             f"{rel} is missing from the architecture table (docs/architecture.md)"
 
 
+@pytest.mark.slow("a subprocess")
 def test_the_encode_path_imports_without_prefect_or_faiss():
     """What bench/gpu_check.py relies on: a GPU machine can run decode, tuning and encode_shard with only
     torch, Pillow, pyarrow, fsspec and the model's own wheels."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 STEP = """
 import gc, numpy as np, pyarrow as pa
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +30,7 @@ print(before, freed, rss())
 """
 
 
+@pytest.mark.slow("a subprocess")
 def test_memory_a_step_freed_goes_back_to_the_system():
     before, freed, after = map(int, subprocess.run([sys.executable, "-c", STEP], check=True, capture_output=True,
                                                    text=True).stdout.split())

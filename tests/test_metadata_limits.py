@@ -46,6 +46,7 @@ def _refused_in_subprocess(path) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow("a subprocess")
 def test_a_100000_column_csv_is_refused_from_its_header(tmp_path):
     """Accepted before at a 1.1 GB peak; now refused after the header line, adding under 30 MB of RSS (the
     file itself, 1.3 MB, is read and decoded once)."""
@@ -114,6 +115,7 @@ def test_a_cell_longer_than_the_limit_is_refused(tmp_path):
         read_metadata(str(tmp_path / "m.parquet"))
 
 
+@pytest.mark.slow("a subprocess")
 @pytest.mark.parametrize("arrow_schema", [True, False])  # without it, Parquet's own dictionary encoding
 def test_a_parquet_dictionary_bomb_is_refused_before_it_is_expanded(tmp_path, arrow_schema):
     """One 100 KB title referenced by 20,000 rows: a 140 KB file that decodes to 2 GB of strings (and more

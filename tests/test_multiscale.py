@@ -35,6 +35,7 @@ def test_each_scale_is_a_multiple_of_the_backbones_side_and_the_decode_gives_the
     assert (spec.preprocessing["center_crop"], spec.preprocessing["resize_shorter"]) == (sides[-1], short)
 
 
+@pytest.mark.slow("real weights")
 def test_a_multiscale_embedding_is_the_normalised_sum_of_its_single_scale_gem_embeddings():
     """Computed here: the largest scale's crop resized to each side, GeM-pooled by the network, each
     normalised, summed and normalised; and the base scale's part is the single-scale `-gem` descriptor of the
@@ -67,7 +68,7 @@ def test_a_multiscale_embedding_is_the_normalised_sum_of_its_single_scale_gem_em
     assert (got * one_scale).sum(1).max() < 0.999  # and the larger scale adds something of its own
 
 
-def test_a_run_encodes_at_every_scale_through_the_compiled_graph(prefect_harness, tmp_path):
+def test_a_run_encodes_at_every_scale_through_the_compiled_graph(prefect_harness, tmp_path, host_measured_nothing):
     """An ingest with the multi-scale model: OpenVINO's graph passes parity, the batch size is measured on the
     largest scale's input, and each stored vector is the model's embedding of that image as the run decoded it."""
     import pyarrow.parquet as pq

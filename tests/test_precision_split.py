@@ -24,6 +24,7 @@ def _photos(encoder, n=8):
     return parity.sample_batch(encoder)[:n]
 
 
+@pytest.mark.slow("real weights")
 @pytest.mark.parametrize("name", [LITE0, f"{LITE0}-gem"])
 def test_the_split_tower_computes_what_the_network_does(name):
     """The tower is its fp32 head then the rest; in fp32 that is the package's own `extract_features` and the
@@ -40,6 +41,7 @@ def test_the_split_tower_computes_what_the_network_does(name):
     assert np.abs(encoder.encode_images(pixels) - _normalised(pooled.numpy())).max() < 1e-5
 
 
+@pytest.mark.slow("real weights")
 @bf16_only
 def test_openvino_bf16_runs_the_first_block_in_fp32_and_passes_the_gate(compiled_cache):
     spec = encoders.resolve(LITE0)
@@ -64,6 +66,7 @@ def test_openvino_bf16_runs_the_first_block_in_fp32_and_passes_the_gate(compiled
     assert cosines.min() > 0.99
 
 
+@pytest.mark.slow("real weights")
 @bf16_only
 def test_torch_bf16_runs_the_head_outside_autocast(compiled_cache):
     encoder = encoders.load(encoders.resolve(LITE0), "cpu", "torch", "bf16")
@@ -79,6 +82,7 @@ def test_torch_bf16_runs_the_head_outside_autocast(compiled_cache):
     assert seen == {"stem": torch.float32, "last": torch.bfloat16}
 
 
+@pytest.mark.slow("real weights")
 def test_a_record_of_another_split_is_measured_again(compiled_cache, monkeypatch):
     """A parity record kept before the tower kept layers in fp32 (a cache from an earlier release, whose bf16
     was refused) is not read back for the split tower: it is measured again, and the new record kept."""
@@ -107,6 +111,7 @@ def test_a_record_of_another_split_is_measured_again(compiled_cache, monkeypatch
     assert len(measured) == 2  # read back now
 
 
+@pytest.mark.slow("real weights")
 def test_a_heads_tower_keeps_its_bases_fp32_layers():
     from imgest.encoders.head import HeadEncoder
 

@@ -25,6 +25,7 @@ def test_the_catalogues_encoding_is_the_majority_of_the_cards_rows_and_never_any
     assert catalogue_encoding({}) is None  # a version built before the card counted it
 
 
+@pytest.mark.slow("real weights")
 def test_a_runtime_that_cannot_run_here_falls_back_to_the_plain_encoder_with_one_warning(monkeypatch, caplog):
     from imgest import encoders
 

@@ -47,6 +47,12 @@ ingest(config=dict(catalogue=sys.argv[1], store=sys.argv[2], model="raw-pixels",
 
 
 @pytest.fixture
+def s3_endpoint(s3_each_endpoint):
+    """The fault suite runs on each server: how a server answers a cut, a restart or a race is where they differ."""
+    return s3_each_endpoint
+
+
+@pytest.fixture
 def s3(s3_endpoint):
     import s3fs
 
@@ -56,7 +62,7 @@ def s3(s3_endpoint):
 @pytest.fixture
 def figures(request, s3_endpoint) -> dict[str, dict]:
     """The figures of the scenarios run on this test's server."""
-    return FIGURES.setdefault(request.node.callspec.params["s3_endpoint"], {})
+    return FIGURES.setdefault(request.node.callspec.params["s3_each_endpoint"], {})
 
 
 @pytest.fixture(scope="module", autouse=True)

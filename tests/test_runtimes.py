@@ -23,6 +23,7 @@ def _cosine(a, b):
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
+@pytest.mark.slow("real weights")
 @pytest.mark.parametrize("name", [LITE0, f"{LITE0}-gem", f"{LITE0}-gem-ms"])
 def test_openvino_fp32_gives_torch_fp32_embeddings_on_photos(compiled_cache, name):
     spec = encoders.resolve(name)
@@ -35,6 +36,7 @@ def test_openvino_fp32_gives_torch_fp32_embeddings_on_photos(compiled_cache, nam
     assert record["model_id"] == spec.model_id
 
 
+@pytest.mark.slow("an OpenVINO compile")
 @pytest.mark.parametrize("kind", ["clip", "siglip", "dinov2"])
 def test_transformers_towers_compile_with_openvino(compiled_cache, tiny_models, kind):
     spec = encoders.resolve(f"hf:{tiny_models[kind]}")
@@ -66,6 +68,7 @@ def _wrong(monkeypatch, runtime_cls, scale: float = 0.3, precision_only: str | N
     monkeypatch.setattr(runtime_cls, "compile", compile_noisy)
 
 
+@pytest.mark.slow("real weights")
 def test_a_runtime_that_returns_wrong_vectors_is_refused_and_the_figure_is_kept(compiled_cache, monkeypatch):
     _wrong(monkeypatch, runtimes.OpenVINORuntime)
     spec = encoders.resolve(LITE0)
@@ -99,6 +102,7 @@ def test_the_reduced_precision_gate_is_retrieval_worked_by_hand():
         {**good, "min_cosine": 0.99999}, "fp32")
 
 
+@pytest.mark.slow("real weights")
 @pytest.mark.skipif("bf16" not in runtimes.native_precisions("cpu"), reason="this CPU has no native bf16")
 def test_bf16_within_the_gate_is_accepted_and_one_made_to_drift_is_refused(compiled_cache, monkeypatch, tmp_path):
     spec = encoders.resolve(LITE0)
@@ -118,6 +122,7 @@ def test_bf16_within_the_gate_is_accepted_and_one_made_to_drift_is_refused(compi
         encoders.load(spec, "cpu", "torch", "bf16")
 
 
+@pytest.mark.slow("real weights")
 def test_the_choice_falls_back_to_torch_with_one_warning(compiled_cache, monkeypatch, tmp_path, caplog):
     from imgest.tasks.ingest.batch_size import choose_encoding
 
@@ -132,6 +137,7 @@ def test_the_choice_falls_back_to_torch_with_one_warning(compiled_cache, monkeyp
     assert chosen.warning == warnings[0] and chosen.parity == 1.0
 
 
+@pytest.mark.slow("real weights")
 def test_auto_measures_the_runtimes_that_pass_and_caches_each(compiled_cache, monkeypatch, tmp_path):
     from imgest.tasks.ingest.batch_size import choose_encoding
 
@@ -148,6 +154,7 @@ def test_auto_measures_the_runtimes_that_pass_and_caches_each(compiled_cache, mo
     assert again.measured == chosen.measured  # read back, not measured again
 
 
+@pytest.mark.slow("real weights")
 def test_converting_sends_no_telemetry(compiled_cache, monkeypatch):
     """OpenVINO's converter would fork a process to report usage; from a worker holding threads that fork can
     hang or crash, and a catalogue job does not report home."""
@@ -160,6 +167,7 @@ def test_converting_sends_no_telemetry(compiled_cache, monkeypatch):
     assert sent == []
 
 
+@pytest.mark.slow("real weights")
 def test_the_converted_model_is_keyed_by_revision_runtime_version_and_shape(compiled_cache, monkeypatch):
     spec = encoders.resolve(LITE0)
     graph = encoders.load(spec, "cpu").graphs()["image"]
@@ -185,6 +193,7 @@ def test_the_converted_model_is_keyed_by_revision_runtime_version_and_shape(comp
     assert not list(compiled_cache.glob("*.tmp-*"))  # converted in a temporary folder, renamed whole
 
 
+@pytest.mark.slow("real weights")
 def test_a_half_written_entry_is_converted_again(compiled_cache):
     spec = encoders.resolve(LITE0)
     graph = encoders.load(spec, "cpu").graphs()["image"]
@@ -205,6 +214,7 @@ def test_precisions_follow_the_cpu(monkeypatch):
     assert runtimes.precision_candidates("fp16", "cpu") == ("fp16",)  # named: tried, and refused if not native
 
 
+@pytest.mark.slow("real weights")
 def test_a_precision_the_cpu_lacks_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(runtimes, "cpu_flags", lambda: frozenset({"avx2"}))
     monkeypatch.setattr(encoders, "_loaded", {})
@@ -226,6 +236,7 @@ def test_a_run_refuses_what_this_host_cannot_run_before_any_work(prefect_harness
     assert not (tmp_path / "store").exists()  # nothing listed, locked or written
 
 
+@pytest.mark.slow("real weights")
 def test_a_model_the_runtime_cannot_compile_falls_back_with_one_warning(compiled_cache, monkeypatch, tmp_path, caplog):
     from imgest.tasks.ingest.batch_size import choose_encoding
 
@@ -241,6 +252,7 @@ def test_a_model_the_runtime_cannot_compile_falls_back_with_one_warning(compiled
     assert not list(compiled_cache.glob("*"))  # nothing half-written left in the cache
 
 
+@pytest.mark.slow("real weights")
 def test_a_damaged_cached_model_is_converted_again(compiled_cache):
     spec = encoders.resolve(LITE0)
     first = encoders.load(spec, "cpu", "openvino", "fp32")

@@ -79,7 +79,7 @@ def test_a_candidate_that_cannot_answer_is_recorded_as_an_error_not_raised(tmp_p
     assert row["overlap"] is None and "not loaded yet" in row["error"] and traffic.failed == 1
 
 
-@pytest.mark.slow
+@pytest.mark.slow("an HTTP server")
 @pytest.mark.usefixtures("prefect_harness")
 def test_shadow_traffic_is_recorded_shown_in_status_and_gates_promote(tmp_path, tiny_models):
     cat, store = tmp_path / "catalogue", tmp_path / "store"

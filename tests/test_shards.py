@@ -163,6 +163,7 @@ def test_a_write_killed_before_its_rename_is_ignored_then_swept(tmp_path, pixels
     assert not [p for p in killed if os.path.exists(p)] and os.path.exists(marker)
 
 
+@pytest.mark.slow("real weights")
 def test_decode_processes_write_the_shard_threads_write(tmp_path, monkeypatch):
     """A shard big enough decodes in processes (spawned, the catalogue passed by URL): same rows, same
     vectors, same rejects as decode threads; a small one stays on threads."""
@@ -209,7 +210,7 @@ encode_shard(ShardPlan("r00000001-20261130T000000-abcdef", 0, items), lite0, cat
 """
 
 
-@pytest.mark.slow
+@pytest.mark.slow("a subprocess")
 def test_decode_processes_end_when_their_encoder_is_killed(tmp_path):
     """kill -9 of the process encoding a shard leaves no decode process behind waiting for work."""
     import signal
@@ -252,6 +253,7 @@ def test_decode_processes_end_when_their_encoder_is_killed(tmp_path):
     assert not alive, f"decode processes {alive} outlived their encoder"
 
 
+@pytest.mark.slow("real weights")
 def test_a_decode_process_that_dies_costs_its_object_only(tmp_path):
     """One image kills its decode process: it is retried alone, rejected with the reason, and every other
     object of the shard is encoded by new decode processes."""

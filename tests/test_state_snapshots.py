@@ -157,6 +157,7 @@ def test_killed_between_the_snapshot_and_the_marker_deletion_nothing_is_counted_
     assert list_commits(store, "m") == []
 
 
+@pytest.mark.slow("a subprocess")
 def test_scratch_folders_of_a_killed_process_are_swept(tmp_path, monkeypatch):
     import subprocess
     import sys

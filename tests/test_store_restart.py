@@ -46,7 +46,7 @@ from tests.test_reliability import (
     _wait,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
+pytestmark = [pytest.mark.slow("a SeaweedFS server of its own"), pytest.mark.usefixtures("prefect_harness")]
 
 
 @pytest.fixture(scope="module")

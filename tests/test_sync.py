@@ -272,7 +272,7 @@ sync(SyncConfig(store=sys.argv[1], to=sys.argv[2], model="raw-pixels", batch=1))
 """
 
 
-@pytest.mark.slow
+@pytest.mark.slow("a subprocess")
 @pytest.mark.parametrize("engine", ENGINES)
 def test_kill_9_mid_sync_then_a_rerun_converges(engine, tmp_path, synced_store):
     images, titles = synced_store
@@ -309,15 +309,14 @@ def test_kill_9_mid_sync_then_a_rerun_converges(engine, tmp_path, synced_store):
     assert kills >= 1, "no kill landed before the watermark"
 
 
-@pytest.fixture(params=["moto", "seaweedfs"])
-def s3_for_lance(request):
-    """An S3 API server on loopback (moto's, SeaweedFS), its endpoint and keys in the environment as users set them."""
-    from tests.s3servers import use
+@pytest.fixture
+def s3_for_lance(s3_each_endpoint):
+    """An S3 API server on loopback, its endpoint and keys in the environment as users set them: each server, as
+    LanceDB commits a table version by a conditional write, where S3 servers differ."""
+    return s3_each_endpoint
 
-    return use(request, request.param)
 
-
-@pytest.mark.slow
+@pytest.mark.slow("each S3 server")
 def test_lancedb_on_an_object_store_with_credentials_from_the_environment(tmp_path, synced_store, s3_for_lance):
     import boto3
 

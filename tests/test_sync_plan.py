@@ -8,6 +8,7 @@ import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from imgest.tasks.state.committed import LIVE, snapshot_key
 from imgest.tasks.state.rows import STATE_SCHEMA
@@ -33,6 +34,7 @@ print(json.dumps({{"arrow_peak": pa.default_memory_pool().max_memory(), "delete"
 """
 
 
+@pytest.mark.slow("a subprocess")
 def test_a_sync_plan_brings_back_only_the_deletions_and_sends_what_changed(tmp_path):
     snapshot = tmp_path / snapshot_key("m", 1)
     snapshot.parent.mkdir(parents=True)

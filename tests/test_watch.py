@@ -249,6 +249,7 @@ def test_a_drift_reference_that_is_not_one_is_refused_and_the_night_goes_on(tmp_
     assert read_reference(store, "m-1a2b3c4d", 4, 8) is None  # a version built before references were kept
 
 
+@pytest.mark.slow("a client's retry waits")
 def test_alerts_apply_refuses_a_bad_target_or_window_and_an_unreachable_server_in_one_line():
     from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 

@@ -34,7 +34,8 @@ def test_a_whitening_head_through_the_window_and_the_nightly(tmp_path, tiny_mode
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     write_files(str(cat), {f"p/{i:03d}.png": png_bytes(gradient(i, (48, 48))) for i in range(48)})
     base = f"hf:{tiny_models['dinov2']}"  # 32 dimensions: 48 items are enough to fit on
-    night = nightly(NightlyConfig(catalogue=str(cat), store=str(store), model=base, batch_size="8"))
+    night = nightly(NightlyConfig(catalogue=str(cat), store=str(store), model=base, batch_size="8", runtime="torch",
+                                  precision="fp32"))  # stored rows are compared with a torch fp32 query below
     code, output = _whiten(store, "--base-model", base, "--dim", "16")
     assert code == 0, output
     saved = json.loads(output[output.index("{"):])

@@ -137,6 +137,21 @@ def _in_chunks(encode, batch: np.ndarray, size: int = CHUNK) -> np.ndarray:
     return np.concatenate([encode(batch[i:i + size]) for i in range(0, len(batch), size)])
 
 
+# (model id, device, tower) -> torch fp32's embeddings of the sample: a run checks two or more candidates of one
+# model (each runtime at each precision) against the same reference, computed once per process.
+_references: dict[tuple[str, str, str], np.ndarray] = {}
+_KEPT_REFERENCES = 8
+
+
+def _reference(reference, tower: str, encode) -> np.ndarray:
+    key = (reference.spec.model_id, str(reference.device), tower)
+    if key not in _references:
+        while len(_references) >= _KEPT_REFERENCES:
+            _references.pop(next(iter(_references)))
+        _references[key] = encode()
+    return _references[key]
+
+
 def measure(reference, candidate) -> dict[str, float]:
     """The parity figures of `candidate` against `reference` on the sample, over each tower the candidate runs on
     a graph: min, mean and 1st-percentile cosine of every input's two embeddings, and the neighbour overlap (of
@@ -144,11 +159,13 @@ def measure(reference, candidate) -> dict[str, float]:
     cosines, overlaps = [], []
     if "image" in candidate.runners:
         batch = sample_batch(reference)
-        ours, theirs = _in_chunks(reference.encode_images, batch), _in_chunks(candidate.encode_images, batch)
+        ours = _reference(reference, "image", lambda: _in_chunks(reference.encode_images, batch))
+        theirs = _in_chunks(candidate.encode_images, batch)
         cosines.append(_cosines(ours, theirs))
         overlaps.append(neighbour_overlap(ours, theirs))
     if "text" in candidate.runners:
-        ours, theirs = reference.encode_texts(SAMPLE_TEXTS), candidate.encode_texts(SAMPLE_TEXTS)
+        ours = _reference(reference, "text", lambda: reference.encode_texts(SAMPLE_TEXTS))
+        theirs = candidate.encode_texts(SAMPLE_TEXTS)
         cosines.append(_cosines(ours, theirs))
         if not overlaps:
             overlaps.append(neighbour_overlap(ours, theirs))

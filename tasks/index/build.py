@@ -50,18 +50,25 @@ def warn_if_generic_blas() -> dict:
 def train(vectors: np.ndarray, choice: IndexChoice, seed: int = 0, rows: np.ndarray | None = None):
     """An empty index of `choice`, trained on `rows` of `vectors` (default: a seeded sample of at most
     `choice.train_size` of them)."""
-    import faiss
 
     n, d = vectors.shape
-    index = faiss.index_factory(d, choice.factory, faiss.METRIC_INNER_PRODUCT)
-    _disable_polysemous(index)
-    _bound_opq(index)
+    index = new_index(d, choice.factory)
     if not index.is_trained:
         if rows is None:
             rng = np.random.default_rng(seed)
             rows = np.sort(rng.choice(n, size=min(n, choice.train_size or n), replace=False))
         whole = len(rows) == n and bool((rows == np.arange(n)).all())  # every row in order: no copy needed
         index.train(np.ascontiguousarray(vectors if whole else vectors[rows]))
+    return index
+
+
+def new_index(d: int, factory: str, metric: int | None = None):
+    """An empty index of `factory` as imgest trains them: polysemous training off, OPQ's training bounded."""
+    import faiss
+
+    index = faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT if metric is None else metric)
+    _disable_polysemous(index)
+    _bound_opq(index)
     return index
 
 

@@ -4,19 +4,21 @@ The candidates are every installed runtime that runs on the device (`--runtime a
 device computes in natively (`--precision auto`), or the ones named. Each must pass the parity check against
 torch fp32 before it is measured (imgest/encoders/parity.py); each one kept is measured at the candidate batch
 sizes, and the fastest (runtime, precision, batch) wins. A measurement is cached per (model, device,
-runtime, precision) as the batch size always was, so a later run reads it instead of measuring. When nothing
+runtime, precision) in the store and in this host's cache beside its compiled models (imgest/encoders/compiled.py),
+so a later run, or a run into another store on the same host, reads it instead of measuring. When nothing
 that was asked for can run, the run encodes with torch fp32 (the reference) and says why in one warning.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from imgest import encoders
-from imgest.encoders import Encoder, EncoderError, device_key, runtimes
+from imgest.encoders import Encoder, EncoderError, compiled, device_key, runtimes
 from imgest.storage import Location
 from imgest.tasks.state.committed import now_iso
 from imgest.timing import Stopwatch
@@ -138,14 +140,15 @@ def tuning_key(slug: str, key: str, runtime: str = "torch", precision: str = "fp
     return f"tuning/model={slug}/{key}-{runtime}-{precision}-batch-{batch or 'auto'}.json"
 
 
-def _read_tuning(store: Location, key: str, encoder: Encoder) -> Tuning | None:
-    """A cached tuning, if it is whole and about this model, device, runtime and precision (the store is
+def _read_tuning(cached: object, key: str, encoder: Encoder) -> Tuning | None:
+    """A cached tuning, if it is whole and about this model, device, runtime and precision (a store is
     untrusted: a planted or older file is measured again, never believed)."""
+    if cached is None:
+        return None
     try:
-        cached = store.read_json(key)
         tuning = Tuning(**cached)
         tuning.measured = {int(k): float(v) for k, v in dict(tuning.measured).items()}
-    except (TypeError, ValueError, AttributeError, OSError) as exc:
+    except (TypeError, ValueError, AttributeError) as exc:
         logging.getLogger("imgest").warning("tuning %s measured again: %s", key, exc)
         return None
     if (tuning.model_id, tuning.runtime, tuning.precision) != (encoder.spec.model_id, encoder.runtime,
@@ -155,15 +158,42 @@ def _read_tuning(store: Location, key: str, encoder: Encoder) -> Tuning | None:
     return tuning
 
 
+def _stored(store: Location, key: str) -> object:
+    try:
+        return store.read_json(key)
+    except (OSError, ValueError) as exc:  # a damaged record is measured again
+        logging.getLogger("imgest").warning("tuning %s measured again: %s", key, exc)
+        return None
+
+
+def host_folder() -> str:
+    """Where this host keeps its measurements, beside its compiled models: a measurement is about the hardware,
+    the runtime's release and the model, never about a store, so a second store on the host reads the first's."""
+    return os.path.join(compiled.root(), "tuning")
+
+
+def _host_entry(encoder: Encoder) -> compiled.Entry:
+    try:
+        version = runtimes.get(encoder.runtime).version()
+    except EncoderError:  # runs as it is (raw pixels: numpy): the torch release around it
+        version = runtimes.get("torch").version()
+    return compiled.Entry(os.path.join(host_folder(), f"{encoder.runtime}-{version}"), {})
+
+
 def cached_or_tuned(store: Location, encoder: Encoder, fixed: int | None = None) -> tuple[Tuning, bool]:
-    """The (model, device, runtime, precision) tuning from the store, or a fresh measurement saved there; and
-    whether it was cached. With `fixed`, only that batch size is measured."""
+    """The (model, device, runtime, precision) tuning from the store, else from this host's cache, else a fresh
+    measurement; saved in both; and whether it was cached. With `fixed`, only that batch size is measured."""
     key = tuning_key(encoder.spec.slug, device_key(encoder.device), encoder.runtime, encoder.precision, fixed)
-    if store.exists(key) and (cached := _read_tuning(store, key, encoder)) is not None:
+    if store.exists(key) and (cached := _read_tuning(_stored(store, key), key, encoder)) is not None:
         return cached, True
-    tuning = tune_batch_size(encoder, candidates=(fixed,) if fixed else None)
+    host, name = _host_entry(encoder), key.replace("/", "-")
+    tuning = _read_tuning(compiled.read_record(host, name), name, encoder)
+    cached = tuning is not None
+    if tuning is None:
+        tuning = tune_batch_size(encoder, candidates=(fixed,) if fixed else None)
+        compiled.write_record(host, name, asdict(tuning))
     store.write_json(key, asdict(tuning))
-    return tuning, False
+    return tuning, cached
 
 
 def _label(encoder: Encoder) -> str:
