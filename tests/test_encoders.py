@@ -144,7 +144,10 @@ def test_missing_config_is_a_clear_error(tmp_path):
         encoders.resolve(f"hf:{tmp_path}")
 
 
-def test_tuning_picks_the_measured_best_and_caches_it(tiny_models, tmp_path, compiled_cache):
+def test_tuning_picks_the_measured_best_and_caches_it(tiny_models, tmp_path, compiled_cache, monkeypatch):
+    from imgest.tasks.ingest import batch_size
+
+    monkeypatch.setattr(batch_size, "MIN_SECONDS", 0.05)  # how long each size is timed is not what is tested
     encoder = encoders.load(encoders.resolve(f"hf:{tiny_models['dinov2']}"), "cpu")
     tuning = tune_batch_size(encoder, candidates=(1, 2, 4, 8), min_seconds=0.05)
     assert tuning.batch_size == max(tuning.measured, key=tuning.measured.get)
@@ -165,8 +168,9 @@ def test_a_second_store_on_the_host_reads_the_first_ones_measurement(tiny_models
     encoder = encoders.load(encoders.resolve(f"hf:{tiny_models['dinov2']}"), "cpu")
     measured = []
     real = batch_size.tune_batch_size
+    monkeypatch.setattr(batch_size, "MIN_SECONDS", 0.05)
     monkeypatch.setattr(batch_size, "tune_batch_size",
-                        lambda enc, candidates=None: measured.append(candidates) or real(enc, candidates, 0.05))
+                        lambda enc, candidates=None: measured.append(candidates) or real(enc, candidates))
     first, cached = cached_or_tuned(Location(str(tmp_path / "one")), encoder, fixed=2)
     assert not cached and measured == [(2,)]
     second, cached = cached_or_tuned(Location(str(tmp_path / "two")), encoder, fixed=2)

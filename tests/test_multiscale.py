@@ -68,15 +68,21 @@ def test_a_multiscale_embedding_is_the_normalised_sum_of_its_single_scale_gem_em
     assert (got * one_scale).sum(1).max() < 0.999  # and the larger scale adds something of its own
 
 
-def test_a_run_encodes_at_every_scale_through_the_compiled_graph(prefect_harness, tmp_path, host_measured_nothing):
+def test_a_run_encodes_at_every_scale_through_the_compiled_graph(prefect_harness, tmp_path, host_measured_nothing,
+                                                                 monkeypatch):
     """An ingest with the multi-scale model: OpenVINO's graph passes parity, the batch size is measured on the
     largest scale's input, and each stored vector is the model's embedding of that image as the run decoded it."""
     import pyarrow.parquet as pq
 
     from imgest.config import IngestConfig
     from imgest.flows.ingest import ingest
+    from imgest.tasks.ingest import batch_size
     from imgest.tasks.ingest.decode import decode_image
     from tests.helpers import small_catalogue, write_files
+
+    # which sizes are tried and for how long is not what is tested (tests/test_encoders.py)
+    monkeypatch.setattr(batch_size, "CPU_CANDIDATES", (1, 2))
+    monkeypatch.setattr(batch_size, "MIN_SECONDS", 0.1)
 
     name = "efficientnet-lite0-gem-ms"
     files = small_catalogue(5)

@@ -25,6 +25,7 @@ from imgest.timing import Stopwatch
 
 CPU_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 CUDA_CANDIDATES = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
+MIN_SECONDS = 1.0  # each batch size is timed for at least this long
 
 
 @dataclass
@@ -76,7 +77,7 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def measure(encoder: Encoder, batch_size: int, min_seconds: float = 1.0, min_batches: int = 2) -> float:
+def measure(encoder: Encoder, batch_size: int, min_seconds: float | None = None, min_batches: int = 2) -> float:
     """Images/s at one batch size: warm-up batches, then at least ``min_batches`` timed ones for at least
     ``min_seconds``; the rate of the median batch, so a batch slowed by something else on the machine (a
     process waking, a page fault) does not decide it."""
@@ -88,7 +89,7 @@ def measure(encoder: Encoder, batch_size: int, min_seconds: float = 1.0, min_bat
     batch = np.repeat(sample[None], batch_size, axis=0)
     for _ in range(2):  # warm-up: allocator, kernels, autotuning, a runtime's first compile (torch's takes two)
         encoder.encode_images(batch)
-    times, running = [], Stopwatch()
+    times, running, min_seconds = [], Stopwatch(), MIN_SECONDS if min_seconds is None else min_seconds
     while len(times) < min_batches or running.elapsed < min_seconds:
         one = Stopwatch()
         encoder.encode_images(batch)
@@ -97,7 +98,7 @@ def measure(encoder: Encoder, batch_size: int, min_seconds: float = 1.0, min_bat
 
 
 def tune_batch_size(encoder: Encoder, candidates: tuple[int, ...] | None = None,
-                    min_seconds: float = 1.0, patience: int = 2) -> Tuning:
+                    min_seconds: float | None = None, patience: int = 2) -> Tuning:
     """Try candidates in increasing order; stop at out-of-memory or after ``patience`` sizes that are
     clearly slower (< 90%) than the best so far; then measure the contenders once more, largest first, and
     keep each one's faster figure. Bigger is not assumed to be better: on a small CPU the best batch is often 1."""
