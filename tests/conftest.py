@@ -45,9 +45,10 @@ def _thread_budget() -> int:
     return max(1, cores // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
-# Before torch, numpy or faiss start their thread pools; subprocesses of a test inherit the budget.
+# Before torch, numpy or faiss start their thread pools; subprocesses of a test inherit the budget. A count set
+# in the environment is kept (OMP_NUM_THREADS=2 is every core here, as before the budget: docs/development.md).
 for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[_name] = str(_thread_budget())
+    os.environ.setdefault(_name, str(_thread_budget()))
 
 
 SLOW_CAUSES = {"prefect_harness": "a Prefect server", "installed_imgest": "a fresh install",

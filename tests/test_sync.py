@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,13 +154,30 @@ def test_sync_follows_three_nights_of_churn(engine, tmp_path):
     assert watermark.last_watermark(store, slug)["live"] == 24
 
 
-@pytest.fixture()
-def synced_store(tmp_path, prefect_harness):
+@pytest.fixture(scope="session")
+def synced_original(tmp_path_factory, prefect_harness):
+    """The catalogue, its text and the store every sync test starts from, ingested once per test process."""
+    root = tmp_path_factory.mktemp("synced")
     images = {f"{i:03d}.png": i for i in range(30)}
     titles = {n: f"gradient {s}" for n, s in images.items()}
-    _catalogue(tmp_path / "cat", tmp_path / "meta.csv", images, titles)
-    _ingest(tmp_path)
-    return images, titles
+    _catalogue(root / "cat", root / "meta.csv", images, titles)
+    _ingest(root)
+    return root, images, titles
+
+
+@pytest.fixture()
+def synced_store(tmp_path, synced_original):
+    """A copy of `synced_original` in this test's folder (its files' times kept, so the next night sees what
+    changed, and the store's catalogue root pointed at the copy), which the test may change."""
+    from imgest.tasks.state.catalogue_images import record_root
+
+    root, images, titles = synced_original
+    for name in ("cat", "store"):
+        shutil.copytree(root / name, tmp_path / name)
+    shutil.copy2(root / "meta.csv", tmp_path / "meta.csv")
+    store = Location(str(tmp_path / "store"))
+    record_root(store, find_model(store, MODEL)["slug"], Location(str(tmp_path / "cat")))
+    return dict(images), dict(titles)
 
 
 def _plant_another_model(url: str, slug: str) -> None:

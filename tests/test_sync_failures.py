@@ -22,7 +22,7 @@ from imgest.tasks.sync.targets import MODEL_KEY, SLUG_KEY, Model, parse_target, 
 from tests import test_sync
 from tests.test_sync import MODEL, _catalogue, _ingest, _url
 
-synced_store = test_sync.synced_store  # the fixture, shared
+synced_original, synced_store = test_sync.synced_original, test_sync.synced_store  # the fixtures, shared
 
 
 def _sync_cli(tmp_path, url: str, *extra: str):

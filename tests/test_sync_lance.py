@@ -15,7 +15,7 @@ from imgest.tasks.sync import lance
 from tests import test_sync
 from tests.test_sync import MODEL, _catalogue, _check_target, _ingest, _url
 
-synced_store = test_sync.synced_store  # the fixture, shared
+synced_original, synced_store = test_sync.synced_original, test_sync.synced_store  # the fixtures, shared
 
 
 def _sync(tmp_path, url: str, batch: int = 4):

@@ -17,7 +17,7 @@ from imgest.tasks.sync.targets import Model, open_target, parse_target
 from tests import test_sync
 from tests.test_sync import ENGINES, MODEL, _catalogue, _check_target, _plant_another_model, _url
 
-synced_store = test_sync.synced_store  # the fixture, shared
+synced_original, synced_store = test_sync.synced_original, test_sync.synced_store  # the fixtures, shared
 
 
 @pytest.mark.usefixtures("prefect_harness")

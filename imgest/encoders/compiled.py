@@ -1,5 +1,6 @@
-"""The compiled-model cache: a runtime's converted models, their parity records and the batch sizes measured on
-them (tasks/ingest/batch_size.py), on this host's own disk.
+"""The compiled-model cache: a runtime's converted models, their parity records, the parity sample's reference
+embeddings (imgest/encoders/parity.py) and the batch sizes measured on them (tasks/ingest/batch_size.py), on this
+host's own disk.
 
 An entry is a folder named by hashing what the converted model depends on: the model id (its weights'
 revision and its preprocessing), the tower, the runtime and its version, the inputs' shapes and dtypes. A
