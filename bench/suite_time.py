@@ -68,7 +68,9 @@ def main() -> None:
         return test_id.split("::")[0]
 
     def lane_of(test_id: str, cause: str) -> str:  # a before-run's test takes the causes this run recorded
-        return causes.get(test_id, cause) or "fast lane"
+        if test_id not in causes:
+            return cause or "not in this run"
+        return causes[test_id] or "fast lane"
 
     print(table("file", by(after, file_of), by(before, file_of) if before else None, args.top))
     print()

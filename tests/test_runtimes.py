@@ -45,6 +45,7 @@ def test_openvino_fp32_gives_torch_fp32_embeddings_on_photos(name):
 def test_the_parity_samples_reference_is_computed_once_on_a_host(tiny_models, compiled_cache, monkeypatch):
     """torch fp32's embeddings of the sample are the reference of every check of a model: kept in the host's
     cache, read back by a later check (a new process), computed again when the kept file is damaged."""
+    monkeypatch.setattr(parity, "_references", {})  # nothing computed in this process yet (as compiled_cache's)
     reference = encoders.load(encoders.resolve(f"hf:{tiny_models['dinov2']}"), "cpu")
     candidate = reference.compiled_as("torch", "bf16")
     calls, encode = [], reference.encode_images
