@@ -50,7 +50,6 @@ def warn_if_generic_blas() -> dict:
 def train(vectors: np.ndarray, choice: IndexChoice, seed: int = 0, rows: np.ndarray | None = None):
     """An empty index of `choice`, trained on `rows` of `vectors` (default: a seeded sample of at most
     `choice.train_size` of them)."""
-
     n, d = vectors.shape
     index = new_index(d, choice.factory)
     if not index.is_trained:
@@ -62,11 +61,12 @@ def train(vectors: np.ndarray, choice: IndexChoice, seed: int = 0, rows: np.ndar
     return index
 
 
-def new_index(d: int, factory: str, metric: int | None = None):
-    """An empty index of `factory` as imgest trains them: polysemous training off, OPQ's training bounded."""
+def new_index(d: int, factory: str):
+    """An empty inner-product index of `factory` as imgest trains them: polysemous training off, OPQ's training
+    bounded."""
     import faiss
 
-    index = faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT if metric is None else metric)
+    index = faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
     _disable_polysemous(index)
     _bound_opq(index)
     return index
