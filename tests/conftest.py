@@ -164,9 +164,14 @@ def fast_lane_rule(request, monkeypatch):
 
 @pytest.fixture(scope="session")
 def prefect_harness():
+    """A Prefect server for the process's flow runs. Flow-run heartbeats (crash detection for runs a worker
+    started) are off: each run and subflow would otherwise wait up to a second at its end for the heartbeat
+    thread's sleep, and no test here is about Prefect's crash detection."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=90):
+    with prefect_test_harness(server_startup_timeout=90), \
+            temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield
 
 

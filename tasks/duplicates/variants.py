@@ -31,6 +31,8 @@ def _flat(image: Image.Image) -> Image.Image:
 
 def _save(image: Image.Image, fmt: str, **options) -> bytes:
     buf = io.BytesIO()
+    if fmt == "PNG":  # lossless at any level: the copy lives only to be embedded, so the fastest (5x level 6)
+        options.setdefault("compress_level", 1)
     image.save(buf, fmt, **options)
     return buf.getvalue()
 
