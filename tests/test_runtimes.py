@@ -4,6 +4,8 @@ run records, and the options' refusals."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -230,6 +232,50 @@ def test_a_half_written_entry_is_converted_again(compiled_cache):
     assert np.asarray(runner(batch)).shape == (2, 1280)
 
 
+
+def _model_file(folder: str) -> None:
+    with open(os.path.join(folder, compiled.MODEL_FILE), "w") as fh:
+        fh.write("<net/>")
+
+
+@pytest.mark.slow("a process waiting its turn")
+def test_a_second_process_waits_for_the_conversion_under_way_and_reads_it(compiled_cache):
+    """Two workers of a host loading the same model: the second waits for the first's conversion and uses its
+    entry instead of converting beside it (open file descriptions lock each other as two processes do)."""
+    entry = compiled.Entry(str(compiled_cache / "openvino-image-0"), {"model_id": "m@1"})
+    inside, release, converted, second = threading.Event(), threading.Event(), [], []
+
+    def convert(folder: str) -> None:
+        converted.append(folder)
+        inside.set()
+        assert release.wait(30)
+        _model_file(folder)
+
+    first = threading.Thread(target=compiled.ensure, args=(entry, convert))
+    first.start()
+    assert inside.wait(30)
+    waiting = threading.Thread(target=lambda: second.append(compiled.ensure(entry, convert)))
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive() and not second, "the second converter did not wait its turn"
+    release.set()
+    first.join(30)
+    waiting.join(30)
+    assert len(converted) == 1 and second == [os.path.join(entry.folder, compiled.MODEL_FILE)]
+
+
+@pytest.mark.slow("a process waiting its turn")
+def test_a_turn_held_too_long_is_passed_by_with_a_warning(compiled_cache, monkeypatch, caplog):
+    """A holder paused or stuck never stops the others: past TURN_WAIT_S the job is done here too."""
+    monkeypatch.setattr(compiled, "TURN_WAIT_S", 0.3)
+    entry = compiled.Entry(str(compiled_cache / "openvino-image-1"), {"model_id": "m@1"})
+    with compiled.one_at_a_time(f"convert {entry.folder}"), caplog.at_level("WARNING", logger="imgest"):
+        done = []
+        waiting = threading.Thread(target=lambda: done.append(compiled.ensure(entry, _model_file)))
+        waiting.start()
+        waiting.join(30)
+    assert done == [os.path.join(entry.folder, compiled.MODEL_FILE)]
+    assert "another process has held it for 0.3 s; done here too" in caplog.text
 def test_precisions_follow_the_cpu(monkeypatch):
     monkeypatch.setattr(runtimes, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
     assert runtimes.native_precisions("cpu") == ("fp32",)

@@ -191,8 +191,12 @@ def cached_or_tuned(store: Location, encoder: Encoder, fixed: int | None = None)
     tuning = _read_tuning(compiled.read_record(host, name), name, encoder)
     cached = tuning is not None
     if tuning is None:
-        tuning = tune_batch_size(encoder, candidates=(fixed,) if fixed else None)
-        compiled.write_record(host, name, asdict(tuning))
+        with compiled.one_at_a_time(f"tuning {host.folder} {name}"):  # never two timings side by side on a host
+            tuning = _read_tuning(compiled.read_record(host, name), name, encoder)  # another's, while this waited
+            cached = tuning is not None
+            if tuning is None:
+                tuning = tune_batch_size(encoder, candidates=(fixed,) if fixed else None)
+                compiled.write_record(host, name, asdict(tuning))
     store.write_json(key, asdict(tuning))
     return tuning, cached
 
