@@ -38,17 +38,27 @@ SLOW_FIXTURES = {"prefect_harness", "installed_imgest", "s3_endpoint", "s3_each_
                  "seaweedfs_server"}
 
 
-def _thread_budget() -> int:
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _thread_budget(workers: int) -> int:
     """The cores a test process may keep busy: its share of this machine's, so the workers of `-n N` do not
     fight over the same cores (torch, OpenVINO, faiss and BLAS each default to every core)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    return max(1, cores // max(1, workers))
 
 
-# Before torch, numpy or faiss start their thread pools; subprocesses of a test inherit the budget. A count set
-# in the environment is kept (OMP_NUM_THREADS=2 is every core here, as before the budget: docs/development.md).
-for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_name, str(_thread_budget()))
+def pytest_configure(config):
+    """The budget, set before torch, numpy or faiss start their thread pools: by the controlling process of
+    `-n N`, whose environment its workers start with (a worker's own count of workers comes too late: this file
+    was read and its environment copied before), else by the single test process. Subprocesses of a test
+    inherit it. A count set in the environment is kept (OMP_NUM_THREADS=2 is every core here, as before the
+    budget: docs/development.md)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    workers = getattr(config.option, "numprocesses", None)
+    for name in THREAD_VARIABLES:
+        os.environ.setdefault(name, str(_thread_budget(workers if isinstance(workers, int) else 1)))
 
 
 SLOW_CAUSES = {"prefect_harness": "a Prefect server", "installed_imgest": "a fresh install",
