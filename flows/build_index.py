@@ -15,6 +15,11 @@ from imgest.flow_params import configured_flow
 from imgest.flows.build_version import build_version
 from imgest.lock import StoreLock
 from imgest.names import VERSION
+from imgest.plots import markdown_image, recall_sweep_png
+from imgest.reports.index import render_card
+from imgest.reports.run_names import run_name
+from imgest.state.live import live_fingerprint
+from imgest.state.models import default_model, find_model
 from imgest.storage import open_location
 from imgest.tasks.index.steps import (
     build_key,
@@ -24,11 +29,6 @@ from imgest.tasks.index.steps import (
     write_reference_task,
     write_version_task,
 )
-from imgest.tasks.reports.index import render_card
-from imgest.tasks.reports.plots import markdown_image, recall_sweep_png
-from imgest.tasks.reports.run_names import run_name
-from imgest.tasks.state.live import live_fingerprint
-from imgest.tasks.state.models import default_model, find_model
 
 
 @configured_flow(name="build-index", flow_run_name=run_name("build-index"))

@@ -10,9 +10,9 @@ from prefect.artifacts import create_markdown_artifact
 from imgest.config import DuplicatesConfig
 from imgest.flow_params import configured_flow
 from imgest.lock import LOCK_WAIT_S, StoreLock
+from imgest.reports.run_names import run_name
 from imgest.storage import open_location
 from imgest.tasks.duplicates.find import choose_task, find_task
-from imgest.tasks.reports.run_names import run_name
 
 
 @configured_flow(name="duplicates", flow_run_name=run_name("duplicates", None))

@@ -13,15 +13,19 @@ from prefect.utilities.annotations import quote
 from imgest import encoders
 from imgest.config import IngestConfig
 from imgest.flow_params import configured_flow
+from imgest.images.listing import check_apart
 from imgest.lock import StoreLock
 from imgest.memory import give_back
 from imgest.progress import report
+from imgest.reports.ingest import progress_line, render_summary
+from imgest.reports.run_names import run_name
+from imgest.runners import SHARDS_AHEAD, shard_runner, submit_in_order
+from imgest.state.committed import new_run_id
+from imgest.state.models import default_model
 from imgest.storage import one_line, open_location
 from imgest.tasks.ingest.commit import new_summary
 from imgest.tasks.ingest.decode_workers import end_kept
 from imgest.tasks.ingest.encode import ShardFailedError
-from imgest.tasks.ingest.listing import check_apart
-from imgest.tasks.ingest.runners import SHARDS_AHEAD, shard_runner, submit_in_order
 from imgest.tasks.ingest.steps import (
     attach_base_task,
     choose_encoding_task,
@@ -34,15 +38,11 @@ from imgest.tasks.ingest.steps import (
     store_metadata_task,
     text_listing_task,
 )
-from imgest.tasks.reports.ingest import progress_line, render_summary
-from imgest.tasks.reports.run_names import run_name
-from imgest.tasks.state.committed import new_run_id
-from imgest.tasks.state.models import default_model
 from imgest.timing import Stopwatch
 
 
 # Listing, planning and commit run in the flow's process; encode-shard tasks run on `runner`
-# (tasks/ingest/runners.py): one at a time locally, or spread over a Dask cluster.
+# (imgest/runners.py): one at a time locally, or spread over a Dask cluster.
 @configured_flow(name="ingest", flow_run_name=run_name("ingest"), task_runner=ThreadPoolTaskRunner(max_workers=1))
 def ingest(config: IngestConfig) -> dict:
     store_loc = open_location(config.store)

@@ -14,12 +14,12 @@ from imgest.flows.build_index import build_index
 from imgest.flows.reencode import reencode
 from imgest.lock import LOCK_WAIT_S, StoreLock
 from imgest.memory import give_back
+from imgest.reports.migration import render_finished, render_window
+from imgest.reports.run_names import run_name
+from imgest.state.aliases import read_alias
+from imgest.state.status import last_run
 from imgest.storage import open_location
 from imgest.tasks.migration import window as migration
-from imgest.tasks.migration.aliases import read_alias
-from imgest.tasks.reports.migration import render_finished, render_window
-from imgest.tasks.reports.run_names import run_name
-from imgest.tasks.state.status import last_run
 from imgest.tasks.sync.targets import parse_target
 from imgest.tasks.sync.window import switch_targets
 

@@ -14,11 +14,11 @@ from imgest.flows.build_index import build_index
 from imgest.flows.duplicates import duplicates
 from imgest.flows.ingest import ingest
 from imgest.lock import StoreLock
+from imgest.reports.nightly import render_nightly
+from imgest.reports.run_names import run_name
+from imgest.state.retention import collect_retired
 from imgest.storage import open_location
-from imgest.tasks.migration.retention import collect_retired
 from imgest.tasks.migration.window import check_window_model, nightly_models
-from imgest.tasks.reports.nightly import render_nightly
-from imgest.tasks.reports.run_names import run_name
 from imgest.tasks.sync.run import sync_task
 from imgest.tasks.sync.targets import parse_target
 from imgest.tasks.sync.window import window_companions

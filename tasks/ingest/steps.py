@@ -12,16 +12,14 @@ from prefect.cache_policies import NO_CACHE
 
 from imgest import encoders
 from imgest.encoders import EncoderSpec
+from imgest.events import emit
+from imgest.images.listing import Listing, catalogue_parts, list_catalogue, merge_listings
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DTYPE, DEFAULT_MAX_PIXELS
-from imgest.storage import Location
-from imgest.tasks.ingest.batch_size import Encoding, choose_encoding
-from imgest.tasks.ingest.commit import RunSummary, commit_run
-from imgest.tasks.ingest.encode import decode_cost, encode_shard
-from imgest.tasks.ingest.encode_text import encode_text_shard, text_listing, text_of
-from imgest.tasks.ingest.inventory import read_inventory
-from imgest.tasks.ingest.listing import Listing, catalogue_parts, list_catalogue, merge_listings
-from imgest.tasks.ingest.metadata import (
+from imgest.policy import COMMIT_TIMEOUT_S, IO_RETRIES, LIST_TIMEOUT_S, SHARD_RETRIES
+from imgest.state.catalogue_images import record_root
+from imgest.state.committed import CatalogueState, load_state, prepare_state
+from imgest.state.metadata import (
     MetadataReport,
     NoMetadataError,
     latest_seq,
@@ -29,12 +27,14 @@ from imgest.tasks.ingest.metadata import (
     snapshot_key,
     store_metadata,
 )
+from imgest.storage import Location
+from imgest.tasks.ingest.batch_size import Encoding, choose_encoding
+from imgest.tasks.ingest.commit import RunSummary, commit_run
+from imgest.tasks.ingest.encode import decode_cost, encode_shard
+from imgest.tasks.ingest.encode_text import encode_text_shard, text_listing, text_of
+from imgest.tasks.ingest.inventory import read_inventory
 from imgest.tasks.ingest.plan import MassDeleteError, Plan, ShardPlan, WorkItem, attach_base, plan_ingest
-from imgest.tasks.ingest.policy import COMMIT_TIMEOUT_S, IO_RETRIES, LIST_TIMEOUT_S, SHARD_RETRIES
-from imgest.tasks.ingest.shards import ShardResult
-from imgest.tasks.state.catalogue_images import record_root
-from imgest.tasks.state.committed import CatalogueState, load_state, prepare_state
-from imgest.tasks.watch.events import emit
+from imgest.tasks.ingest.writer import ShardResult
 
 
 @task(name="choose-encoding", cache_policy=NO_CACHE)
