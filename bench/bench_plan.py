@@ -87,7 +87,8 @@ def flow_path(work: str):
     file read in place by DuckDB), plan against the listing file as the listing task leaves it, fold one commit
     marker per shard of the work (every object re-encoded), tombstone the unlisted, write the next snapshot."""
     from imgest.images.listing import Listing
-    from imgest.state.committed import now_iso, prepare_state, write_snapshot
+    from imgest.state.clock import now_iso
+    from imgest.state.committed import prepare_state, write_snapshot
     from imgest.storage import Location
     from imgest.tasks.ingest.plan import plan_ingest
 

@@ -24,7 +24,8 @@ from imgest.storage import Location
 def test_a_small_change_is_written_as_a_delta_and_read_back_whole(tmp_path):
     """Nights of small change write only the changed rows; the state read back equals the whole state kept
     by hand, across deltas and the full snapshot that compacts them."""
-    from imgest.state.committed import list_snapshots, now_iso, write_snapshot
+    from imgest.state.clock import now_iso
+    from imgest.state.committed import list_snapshots, write_snapshot
 
     store = Location(str(tmp_path))
     model = {f"k{i:04d}": ItemState(f"k{i:04d}", f"u{i}", LIVE, f"e{i}", 1, 1.0, f"h{i}", "part-r00000001-a-b-00000",
@@ -52,7 +53,8 @@ def test_a_small_change_is_written_as_a_delta_and_read_back_whole(tmp_path):
 
 
 def test_snapshots_a_full_one_replaces_go_after_a_week(tmp_path):
-    from imgest.state.committed import list_snapshots, now_iso, write_snapshot
+    from imgest.state.clock import now_iso
+    from imgest.state.committed import list_snapshots, write_snapshot
 
     store = Location(str(tmp_path))
     items = {f"k{i}": ItemState(f"k{i}", "u", LIVE, None, 1, 1.0, f"h{i}", "part-r00000001-a-b-00000", None, None,
@@ -136,7 +138,8 @@ def test_the_state_is_queried_on_disk_and_its_folder_goes_with_it(tmp_path):
 def test_killed_between_the_snapshot_and_the_marker_deletion_nothing_is_counted_twice(tmp_path):
     """A run killed after its snapshot (a delta here) but before it deleted the commit markers it folded: the
     next load sees them as already folded (their run is not after the snapshot), and the next write drops them."""
-    from imgest.state.committed import list_commits, now_iso, write_snapshot
+    from imgest.state.clock import now_iso
+    from imgest.state.committed import list_commits, write_snapshot
 
     store = Location(str(tmp_path))
     items = {f"k{i:03d}": ItemState(f"k{i:03d}", "u", LIVE, f"e{i}", 1, 1.0, f"h{i}", "part-r00000001-a-b-00000",
@@ -186,7 +189,8 @@ def test_scratch_folders_of_a_killed_process_are_swept(tmp_path, monkeypatch):
 def test_a_full_snapshot_whose_upload_fails_publishes_nothing_and_keeps_the_markers(tmp_path, monkeypatch):
     """The streamed full snapshot is the run's commit: an upload that fails (a dropped connection) stops the run
     with the markers still in place, no snapshot and no temp file; the next load sees the same state."""
-    from imgest.state.committed import list_commits, list_snapshots, now_iso, write_snapshot
+    from imgest.state.clock import now_iso
+    from imgest.state.committed import list_commits, list_snapshots, write_snapshot
     from imgest.storage import StorageError
 
     store = Location(str(tmp_path))

@@ -19,7 +19,7 @@ from PIL import ImageEnhance, ImageOps
 from imgest.errors import UserError
 from imgest.images.decode import decode_image
 from imgest.images.listing import list_catalogue
-from imgest.state.committed import now_iso
+from imgest.state.clock import now_iso
 from imgest.storage import Location, read_url
 
 

@@ -24,7 +24,7 @@ from imgest.lock import Fence
 from imgest.retrieval.idmap import IdMap, IdMapFile
 from imgest.retrieval.mapped import open_mapped
 from imgest.state.aliases import list_aliases, read_alias
-from imgest.state.committed import now_iso
+from imgest.state.clock import now_iso
 from imgest.storage import Location
 from imgest.storage.cache import local_copy
 

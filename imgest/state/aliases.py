@@ -9,7 +9,7 @@ from imgest import records
 from imgest.errors import UserError
 from imgest.lock import Fence, fenced_delete, fenced_write
 from imgest.names import ALIAS_NAME
-from imgest.state.committed import now_iso
+from imgest.state.clock import now_iso
 from imgest.storage import Location
 
 

@@ -11,7 +11,8 @@ only when its uri lies under that root, through the catalogue's own Location (wh
 from __future__ import annotations
 
 from imgest.errors import UserError
-from imgest.state.committed import now_iso, state_prefix
+from imgest.state.clock import now_iso
+from imgest.state.committed import state_prefix
 from imgest.storage import ContainmentError, Location, RecordError, redact
 
 

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from imgest import records
+from imgest.state.clock import now_iso
 from imgest.state.markers import check_marker, rows_table
 from imgest.state.rows import SORT_MEMORY, STATE_SCHEMA, StateBase, one_thread, write_rows
 from imgest.storage import TEMP_PREFIX, Location, StorageError
@@ -81,10 +82,6 @@ def snapshot_key(slug: str, seq: int, delta: bool = False) -> str:
 DELTA = ".delta"  # a run's changed items only, on top of the full snapshot before it (and earlier deltas)
 COMPACT_SHARE = 0.1  # a full snapshot again once the deltas since the last one would hold this share of its rows
 SNAPSHOT_RETAIN_DAYS = 7  # snapshots a newer full one replaces are kept this long (a reader may still be on one)
-
-
-def now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def new_run_id(seq: int) -> str:

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from imgest.errors import UserError
 from imgest.records import depth
-from imgest.state.committed import now_iso
+from imgest.state.clock import now_iso
 from imgest.storage import Location, redact
 
 SNAPSHOTS = "metadata/snapshots"

@@ -18,7 +18,8 @@ from imgest.lock import Fence
 from imgest.names import DEFAULT_DUPLICATE_THRESHOLD
 from imgest.progress import report
 from imgest.state.catalogue_images import CatalogueImages, CatalogueRootError
-from imgest.state.committed import LIVE, load_state, now_iso
+from imgest.state.clock import now_iso
+from imgest.state.committed import LIVE, load_state
 from imgest.state.live import LiveShards, live_sample, live_set
 from imgest.storage import ContainmentError, Location, StorageError
 from imgest.tasks.duplicates.calibrate import (

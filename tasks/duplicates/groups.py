@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from imgest.state.catalogue_images import CatalogueImages, CatalogueRootError
-from imgest.state.committed import now_iso
+from imgest.state.clock import now_iso
 from imgest.storage import Location, StorageError
 
 NEIGHBOURS = 16  # candidates per item; a group larger than this still joins up through its members

@@ -16,7 +16,7 @@ from imgest.config import HeadConfig
 from imgest.encoders.head import ARCHITECTURES, HELDOUT_VIEWS, serialise_weights, write_head
 from imgest.images.decode import DecodeError, decode_image
 from imgest.names import VERSION
-from imgest.state.committed import now_iso
+from imgest.state.clock import now_iso
 from imgest.state.live import LiveVectors
 from imgest.storage import Location, StorageError, read_url
 from imgest.tasks.heads.train import HeadError, loss_curves_png, read_labels, train_head

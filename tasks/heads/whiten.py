@@ -28,7 +28,7 @@ from prefect.cache_policies import NO_CACHE
 
 from imgest.encoders.head import ARCHITECTURES, write_head
 from imgest.names import AUGMENTATIONS, DEFAULT_VIEWS, VERSION
-from imgest.state.committed import now_iso
+from imgest.state.clock import now_iso
 from imgest.state.live import sample_rows
 from imgest.tasks.heads.train import HeadError
 from imgest.tasks.heads.views import augmented_instances

@@ -20,7 +20,7 @@ import numpy as np
 from imgest import encoders
 from imgest.encoders import Encoder, EncoderError, compiled, device_key, runtimes
 from imgest.encoders import precision as precisions
-from imgest.state.committed import now_iso
+from imgest.state.clock import now_iso
 from imgest.storage import Location
 from imgest.timing import Stopwatch
 

@@ -11,7 +11,8 @@ import pyarrow as pa
 
 from imgest.encoders import EncoderSpec
 from imgest.lock import Fence
-from imgest.state.committed import commit_key, now_iso, shard_key
+from imgest.state.clock import now_iso
+from imgest.state.committed import commit_key, shard_key
 from imgest.state.shards import DTYPES, shard_schema
 from imgest.storage import Location
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem

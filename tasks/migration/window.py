@@ -18,7 +18,8 @@ from imgest.events import emit
 from imgest.lock import Fence, RecordChangedError, fenced_delete, fenced_write
 from imgest.retrieval.versions import index_prefix, list_versions, open_index, read_card
 from imgest.state.aliases import delete_alias, list_aliases, read_alias, set_alias
-from imgest.state.committed import embeddings_prefix, latest_snapshot_seq, now_iso, state_prefix
+from imgest.state.clock import now_iso
+from imgest.state.committed import embeddings_prefix, latest_snapshot_seq, state_prefix
 from imgest.state.models import find_model, read_model
 from imgest.state.retention import collect_retired, retired_slugs
 from imgest.state.shadow import check_agreement

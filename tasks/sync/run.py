@@ -21,7 +21,8 @@ from prefect.cache_policies import NO_CACHE
 from imgest.config import SyncConfig
 from imgest.lock import StoreLock, StoreLockedError
 from imgest.progress import report
-from imgest.state.committed import LIVE, load_state, now_iso, shard_key
+from imgest.state.clock import now_iso
+from imgest.state.committed import LIVE, load_state, shard_key
 from imgest.state.live import live_fingerprint, shard_groups
 from imgest.state.metadata import load_metadata
 from imgest.state.models import find_model
