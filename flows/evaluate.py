@@ -4,14 +4,12 @@ its model; report and plots."""
 from __future__ import annotations
 
 import hashlib
-import os
-import socket
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from imgest.config import EvalConfig
 from imgest.flow_params import configured_flow
-from imgest.lock import LOCK_WAIT_S, StoreLock
+from imgest.lock import LOCK_WAIT_S, StoreLock, run_owner
 from imgest.plots import markdown_image
 from imgest.reports.evaluation import candidates_table, render_eval
 from imgest.reports.run_names import run_name
@@ -38,7 +36,7 @@ def evaluate(config: EvalConfig) -> dict:
     report["query_file"] = config.queries
     report["query_sha256"] = hashlib.sha256(read_url(config.queries)).hexdigest()
     if evaluates_window(store_loc, report):  # serving vs shadow in an open window: kept for status and the gate
-        with StoreLock(store_loc, owner=f"eval@{socket.gethostname()}:{os.getpid()}", wait=LOCK_WAIT_S) as lock:
+        with StoreLock(store_loc, owner=run_owner("eval"), wait=LOCK_WAIT_S) as lock:
             record_evaluation(store_loc, report, lock.fence)
     plots = plot_report(store_loc, report)
     markdown = render_eval(report)

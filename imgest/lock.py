@@ -77,6 +77,11 @@ def _iso(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds")
 
 
+def run_owner(action: str) -> str:
+    """The owner a run takes the lock as, which `imgest status` and a refused run show: `<action>@<host>:<pid>`."""
+    return f"{action}@{socket.gethostname()}:{os.getpid()}"
+
+
 def generation_key(generation: int) -> str:
     return f"{LOCK_DIR}/{generation:012d}.json"
 

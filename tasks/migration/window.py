@@ -13,6 +13,7 @@ import secrets
 import socket
 from datetime import UTC, datetime, timedelta
 
+from imgest.encoders import EncoderSpec
 from imgest.errors import UserError
 from imgest.events import emit
 from imgest.lock import Fence, RecordChangedError, fenced_delete, fenced_write
@@ -359,8 +360,10 @@ def nightly_models(store: Location, model: str | None = None) -> tuple[list[tupl
     return pairs, left_out
 
 
-def check_window_model(expected_slug: str | None, summary: dict) -> None:
-    if expected_slug is not None and summary["slug"] != expected_slug:
-        raise MigrationError(f"the weights behind {summary['model_id'].split('@')[0]} changed during the migration "
-                             f"window (now model={summary['slug']}, window has model={expected_slug}); restore them "
+def check_window_model(expected_slug: str | None, spec: EncoderSpec) -> None:
+    """A window's model resolves to the slug the window recorded (its weights unchanged): checked before a
+    night ingests anything."""
+    if expected_slug is not None and spec.slug != expected_slug:
+        raise MigrationError(f"the weights behind {spec.model_id.split('@')[0]} changed during the migration "
+                             f"window (now model={spec.slug}, window has model={expected_slug}); restore them "
                              "or roll back and finish the window")
