@@ -7,7 +7,7 @@ import pyarrow as pa
 from imgest import records
 from imgest.state.rows import STATE_SCHEMA
 
-# What each part of a commit marker's rows holds (imgest/state/shards.py writes them), and the types of the fields.
+# What each part of a commit marker's rows holds (tasks/ingest/writer.py writes them), and the types of the fields.
 _OBJECT = {"item_id", "uri", "etag", "size", "mtime", "content_hash"}
 _ROW_FIELDS = {"encoded": _OBJECT, "unchanged": _OBJECT, "revived": _OBJECT | {"shard"},
                "rejected": _OBJECT | {"reason", "transient"}}
