@@ -103,8 +103,8 @@ def overhead(store: str, service: Service, ids: list[str]) -> None:
 
     import httpx
 
-    from imgest.tasks.search.following import FollowingSearcher
-    from imgest.tasks.search.query import Query
+    from imgest.retrieval.following import FollowingSearcher
+    from imgest.retrieval.query import Query
 
     follower = FollowingSearcher(store, device="cpu")
     follower.refresh()

@@ -49,8 +49,8 @@ def load(name: str):
 def encode_backbone(names: list[str], jpegs: list[bytes], paired: np.ndarray) -> dict[str, tuple]:
     """name -> (the catalogue's or queries' vectors, the views' vectors of the `paired` rows, VIEWS each, item-major):
     each image decoded once, at the largest side any of `names` needs."""
+    from imgest.images.decode import decode_image
     from imgest.tasks.heads.views import WORK_SIDE, augment, view_rng
-    from imgest.tasks.ingest.decode import decode_image
 
     models = {name: load(name) for name in names}
     side = max(m.decode_side for m in models.values())
@@ -75,7 +75,7 @@ def encode_backbone(names: list[str], jpegs: list[bytes], paired: np.ndarray) ->
 def measure(title: str, catalogue_jpegs: list[bytes], query_jpegs: list[bytes], asked: np.ndarray) -> dict:
     from bench_descriptors import recall
 
-    from imgest.tasks.evaluate.metrics import paired_bootstrap
+    from imgest.retrieval.metrics import paired_bootstrap
     from imgest.tasks.heads.whiten import fit_pair_whitening
 
     paired = np.sort(np.random.default_rng(2).choice(len(catalogue_jpegs), size=min(PAIR_IMAGES, len(catalogue_jpegs)),
@@ -116,7 +116,7 @@ def measure(title: str, catalogue_jpegs: list[bytes], query_jpegs: list[bytes], 
 
 def encode_cost(name: str, jpegs: list[bytes]) -> float:
     """ms per image: decode + preprocess + encode, batches of BATCH, one process, the better of two rounds."""
-    from imgest.tasks.ingest.decode import decode_image
+    from imgest.images.decode import decode_image
 
     model = load(name)
     model.encode_images(np.stack([model.preprocess(decode_image(d, min_side=model.decode_side))
@@ -144,7 +144,7 @@ def gem_by_side(jpegs: list[bytes]) -> dict[int, np.ndarray]:
 
     from imgest import encoders
     from imgest.encoders.efficientnet import GEM, gem
-    from imgest.tasks.ingest.decode import decode_image
+    from imgest.images.decode import decode_image
 
     model = encoders.load(encoders.resolve("efficientnet-lite0-gem-ms"), "cpu")  # its torch module, preprocessing
     out = {side: [] for side in SIDES}

@@ -60,9 +60,9 @@ def main() -> None:
     from imgest.demo import FASHION_CLASSES, product_metadata, read_fashion_mnist
     from imgest.flows.build_index import build_index
     from imgest.flows.ingest import ingest
-    from imgest.tasks.evaluate.querysets import LabelledQuery
+    from imgest.retrieval.querysets import LabelledQuery
+    from imgest.retrieval.routing import traffic_gain
     from imgest.tasks.evaluate.retrievers import run_evaluation
-    from imgest.tasks.evaluate.routing import traffic_gain
 
     rng = np.random.default_rng(0)
     train, train_labels = read_fashion_mnist("train")

@@ -38,8 +38,8 @@ def main() -> None:
 
     from imgest import encoders
     from imgest.demo import product_photos
-    from imgest.tasks.ingest import decode as decode_module
-    from imgest.tasks.ingest.decode import decode_image, to_rgb
+    from imgest.images import decode as decode_module
+    from imgest.images.decode import decode_image, to_rgb
 
     torch.set_num_threads(1)
     encoder = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")

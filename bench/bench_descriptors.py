@@ -52,7 +52,7 @@ PAIR_IMAGES, VIEWS = 1000, 3  # train-head --whiten's defaults (it holds a fifth
 
 
 def embed(encoder, datas: list[bytes]) -> np.ndarray:
-    from imgest.tasks.ingest.decode import decode_image
+    from imgest.images.decode import decode_image
 
     out = []
     for begin in range(0, len(datas), 32):
@@ -64,8 +64,8 @@ def embed(encoder, datas: list[bytes]) -> np.ndarray:
 
 def views_of(encoder, datas: list[bytes], seed: int = 0) -> np.ndarray:
     """VIEWS augmented views of each image, made as train-head makes them (imgest.tasks.heads.views), item-major."""
+    from imgest.images.decode import decode_image
     from imgest.tasks.heads.views import WORK_SIDE, augment, view_rng
-    from imgest.tasks.ingest.decode import decode_image
 
     out, batch = [], []
     for row, data in enumerate(datas):
@@ -181,7 +181,7 @@ def products_set(items: int, queries: int) -> tuple[list[bytes], list[bytes], np
 
 def measure(title: str, catalogue_jpegs: list[bytes], query_jpegs: list[bytes], asked: np.ndarray) -> dict:
     from imgest import encoders
-    from imgest.tasks.evaluate.metrics import paired_bootstrap
+    from imgest.retrieval.metrics import paired_bootstrap
     from imgest.tasks.heads.whiten import fit_pair_whitening, fit_whitening
 
     runs, fits = {}, {}

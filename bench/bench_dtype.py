@@ -31,13 +31,14 @@ def main() -> None:
 
     from imgest import encoders
     from imgest.demo import read_fashion_mnist
+    from imgest.retrieval.params import set_param
     from imgest.storage import Location
     from imgest.tasks.index.build import build
     from imgest.tasks.index.choice import choose_index
-    from imgest.tasks.index.tuning import exact_neighbours, knn_recall, sample_queries, set_param
+    from imgest.tasks.index.tuning import exact_neighbours, knn_recall, sample_queries
     from imgest.tasks.ingest.encode import encode_shard
     from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-    from imgest.tasks.ingest.shards import ShardWriter
+    from imgest.tasks.ingest.writer import ShardWriter
 
     images, _ = read_fashion_mnist("t10k")
     encoder = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
@@ -85,8 +86,8 @@ def main() -> None:
 
 def live_vectors(store, spec, plan):
     """The store's live vectors as the index build reads them (in float32), after folding the one marker."""
-    from imgest.tasks.state.committed import CatalogueState, commit_key, write_snapshot
-    from imgest.tasks.state.live import load_live_vectors
+    from imgest.state.committed import CatalogueState, commit_key, write_snapshot
+    from imgest.state.live import load_live_vectors
 
     state = CatalogueState(spec.slug, {})
     state.apply_commit(store.read_json(commit_key(spec.slug, plan.name)))

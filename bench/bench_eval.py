@@ -36,8 +36,8 @@ def main() -> None:
     from imgest.flows.evaluate import evaluate
     from imgest.flows.ingest import ingest
     from imgest.flows.nightly import nightly
-    from imgest.tasks.evaluate.querysets import build_class_queries, build_instance_queries
-    from imgest.tasks.reports.evaluation import render_eval
+    from imgest.reports.evaluation import render_eval
+    from imgest.retrieval.querysets import build_class_queries, build_instance_queries
 
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-eval-")
     cat, store = os.path.join(work, "catalogue"), os.path.join(work, "store")

@@ -34,8 +34,9 @@ def main() -> None:
     import faiss
     import pyarrow as pa
 
-    from imgest.tasks.index.tuning import candidates, set_param
-    from imgest.tasks.search.filters import filtered_search, matching_items, positions
+    from imgest.retrieval.filters import filtered_search, matching_items, positions
+    from imgest.retrieval.params import set_param
+    from imgest.tasks.index.tuning import candidates
 
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()

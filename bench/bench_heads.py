@@ -50,10 +50,10 @@ def main() -> None:
     from imgest.encoders.head import project as apply_head
     from imgest.flows.ingest import ingest
     from imgest.flows.train_head import train_head_flow
+    from imgest.retrieval.metrics import paired_bootstrap
+    from imgest.state.live import load_live_vectors
+    from imgest.state.models import find_model
     from imgest.storage import Location
-    from imgest.tasks.evaluate.metrics import paired_bootstrap
-    from imgest.tasks.state.live import load_live_vectors
-    from imgest.tasks.state.models import find_model
 
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-heads-")
     cat, store = os.path.join(work, "catalogue"), os.path.join(work, "store")

@@ -137,10 +137,10 @@ def main() -> None:
     from imgest.encoders.head import load_module, project
     from imgest.flows.ingest import ingest
     from imgest.flows.train_head import train_head_flow
+    from imgest.state.live import load_live_vectors
+    from imgest.state.models import find_model
     from imgest.storage import Location
     from imgest.tasks.heads.evaluate import query_scorer
-    from imgest.tasks.state.live import load_live_vectors
-    from imgest.tasks.state.models import find_model
 
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-heads-shift-")
     if not os.path.exists(os.path.join(work, "test.jsonl")):

@@ -25,8 +25,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from imgest.names import parse_memory  # noqa: E402
 from imgest.tasks.index.build import build  # noqa: E402
-from imgest.tasks.index.choice import choose_index, parse_memory  # noqa: E402
+from imgest.tasks.index.choice import choose_index  # noqa: E402
 from imgest.tasks.index.tuning import exact_neighbours, knn_recall, sample_queries, tune_search  # noqa: E402
 
 
@@ -175,9 +176,9 @@ def main() -> None:
                                                        for i in threadpool_info()))
     kinds = args.kinds.split(",")
     if args.real_store:
+        from imgest.state.live import load_live_vectors
+        from imgest.state.models import find_model
         from imgest.storage import Location
-        from imgest.tasks.state.live import load_live_vectors
-        from imgest.tasks.state.models import find_model
 
         store = Location(args.real_store)
         card = find_model(store, "efficientnet-lite0")

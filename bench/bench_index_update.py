@@ -44,7 +44,7 @@ MODEL = model_card("raw-pixels-13")  # d = 507
 
 def write_shard(store, name: str, ids: list[str], vectors: np.ndarray, hashes: list[str],
                 slug: str = MODEL["slug"]) -> None:
-    from imgest.tasks.state.committed import shard_key
+    from imgest.state.committed import shard_key
 
     d = vectors.shape[1]
     table = pa.table({"item_id": ids, "uri": [f"s3://catalogue/{i}" for i in ids], "content_hash": hashes,
@@ -54,7 +54,7 @@ def write_shard(store, name: str, ids: list[str], vectors: np.ndarray, hashes: l
 
 def seed_store(store, x: np.ndarray, shard_rows: int = 50_000, model: dict = MODEL) -> None:
     """One committed run holding `x` as the live vectors of `model` (a model card: slug, model_id, ...)."""
-    from imgest.tasks.state.committed import (
+    from imgest.state.committed import (
         LIVE,
         CatalogueState,
         ItemState,
@@ -79,7 +79,7 @@ def seed_store(store, x: np.ndarray, shard_rows: int = 50_000, model: dict = MOD
 def night(store, rng, pool: np.ndarray, used: int, seq: int, n_next: int,
           model: dict = MODEL) -> tuple[int, int, dict]:
     """One night's churn committed as one run: returns (pool rows used, next new item number, counts)."""
-    from imgest.tasks.state.committed import DELETED, LIVE, ItemState, load_state, new_run_id, write_snapshot
+    from imgest.state.committed import DELETED, LIVE, ItemState, load_state, new_run_id, write_snapshot
 
     state = load_state(store, model["slug"])
     live = sorted(k for k, v in state.items.items() if v.status == LIVE)
@@ -103,9 +103,9 @@ def night(store, rng, pool: np.ndarray, used: int, seq: int, n_next: int,
 
 def common_recall(stores, cards: list[dict], queries: int = 1000) -> list[float]:
     """recall@10 of each version at its served nprobe, on one probe set of the current live vectors."""
-    from imgest.tasks.index.store import open_index
+    from imgest.retrieval.versions import open_index
+    from imgest.state.live import load_live_vectors
     from imgest.tasks.index.tuning import exact_neighbours, knn_recall, sample_queries
-    from imgest.tasks.state.live import load_live_vectors
 
     live = load_live_vectors(stores[0], MODEL["slug"], cards[0]["d"])
     qids = sample_queries(len(live), queries, seed=42)

@@ -29,15 +29,15 @@ def _status_kb(field: str) -> int:
 
 
 def child(store_url: str, memory: str, spill: bool) -> dict:
-    import imgest.tasks.state.live
+    import imgest.state.live
+    from imgest.state.models import find_model
     from imgest.storage import Location
     from imgest.tasks.index.build import build
     from imgest.tasks.index.choice import choose_index
     from imgest.tasks.index.tuning import tune_search
-    from imgest.tasks.state.models import find_model
 
     if spill:
-        imgest.tasks.state.live.SPILL_BYTES = 0
+        imgest.state.live.SPILL_BYTES = 0
     store = Location(store_url)
     model = find_model(store, "efficientnet-lite0")
     base_anon = _status_kb("RssAnon")
@@ -51,7 +51,7 @@ def child(store_url: str, memory: str, spill: bool) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
-    live = imgest.tasks.state.live.load_live_vectors(store, model["slug"], model["dim"])
+    live = imgest.state.live.load_live_vectors(store, model["slug"], model["dim"])
     loaded = time.perf_counter() - start
     choice = choose_index(len(live), live.vectors.shape[1], memory, "auto")
     index, _ = build(live.vectors, choice)

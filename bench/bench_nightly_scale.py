@@ -243,8 +243,8 @@ def nightly_run(args, cat: Catalogue, work: str) -> dict:
 def check_store(cat: Catalogue, store_dir: str) -> dict:
     """The state the night left: live = before - deleted + new, and tonight's objects encoded."""
     from imgest import encoders
+    from imgest.state.committed import load_state
     from imgest.storage import Location
-    from imgest.tasks.state.committed import load_state
 
     state = load_state(Location(store_dir), encoders.resolve(MODEL).slug)
     live = state.count("live")
@@ -260,7 +260,7 @@ from imgest import encoders
 from imgest.storage import Location
 from imgest.tasks.ingest.inventory import read_inventory
 from imgest.tasks.ingest.plan import plan_ingest
-from imgest.tasks.state.committed import new_run_id, prepare_state
+from imgest.state.committed import new_run_id, prepare_state
 
 def mark(stage, start):
     print(json.dumps({{"stage": stage, "start": start, "end": time.time()}}), flush=True)

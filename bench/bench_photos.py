@@ -31,7 +31,7 @@ def _prepare(path: str, side: int) -> np.ndarray:
     import hashlib
 
     from imgest.encoders.efficientnet import preprocess
-    from imgest.tasks.ingest.decode import decode_image
+    from imgest.images.decode import decode_image
 
     with open(path, "rb") as fh:
         data = fh.read()
@@ -71,9 +71,9 @@ def main() -> None:
 
     from imgest import encoders
     from imgest.demo import product_photos
+    from imgest.images.decode import decode_image
     from imgest.storage import Location
     from imgest.tasks.ingest.batch_size import measure, tune_batch_size
-    from imgest.tasks.ingest.decode import decode_image
     from imgest.tasks.ingest.encode import encode_shard
     from imgest.tasks.ingest.plan import ShardPlan, WorkItem
 

@@ -30,8 +30,8 @@ OLD = "a29ef69"  # the last commit with the per-item planner
 
 def write_inputs(n: int, work: str, seed: int = 0) -> dict:
     """snapshot.parquet (STATE_SCHEMA, n live items) and listing.parquet (LISTING_SCHEMA) after one night."""
-    from imgest.tasks.ingest.listing import LISTING_SCHEMA
-    from imgest.tasks.state.committed import STATE_SCHEMA
+    from imgest.images.listing import LISTING_SCHEMA
+    from imgest.state.committed import STATE_SCHEMA
 
     rng = np.random.default_rng(seed)
     ids = np.array([f"catalogue/{i % 997:03d}/item-{i:09d}.jpg" for i in range(n)], dtype=object)
@@ -86,10 +86,11 @@ def flow_path(work: str):
     """What the ingest flow does with the state on a night, minus listing and encoding: load it (the snapshot
     file read in place by DuckDB), plan against the listing file as the listing task leaves it, fold one commit
     marker per shard of the work (every object re-encoded), tombstone the unlisted, write the next snapshot."""
+    from imgest.images.listing import Listing
+    from imgest.state.clock import now_iso
+    from imgest.state.committed import prepare_state, write_snapshot
     from imgest.storage import Location
-    from imgest.tasks.ingest.listing import Listing
     from imgest.tasks.ingest.plan import plan_ingest
-    from imgest.tasks.state.committed import now_iso, prepare_state, write_snapshot
 
     store = Location(os.path.join(work, "store"))
     state, _ = prepare_state(store, {"slug": "m", "model_id": "bench"})
@@ -106,10 +107,10 @@ def flow_path(work: str):
 
 
 def child(kind: str, work: str) -> None:
+    from imgest.images.listing import LISTING_SCHEMA, Listing
+    from imgest.state.committed import CatalogueState, ItemState
     from imgest.storage import ObjectInfo
-    from imgest.tasks.ingest.listing import LISTING_SCHEMA, Listing
     from imgest.tasks.ingest.plan import plan_ingest
-    from imgest.tasks.state.committed import CatalogueState, ItemState
 
     start = time.perf_counter()
     if kind == "old":  # what the flow did: the state as a dict of ItemState, the listing as ObjectInfo objects

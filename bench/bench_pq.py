@@ -41,9 +41,9 @@ def rss_anon_mib() -> float:
 
 def vectors(args) -> np.ndarray:
     if args.real_store:
+        from imgest.state.live import load_live_vectors
+        from imgest.state.models import find_model
         from imgest.storage import Location
-        from imgest.tasks.state.live import load_live_vectors
-        from imgest.tasks.state.models import find_model
 
         store = Location(args.real_store)
         card = find_model(store, "efficientnet-lite0")
@@ -104,9 +104,8 @@ def child(args) -> None:
 def serve(path: str, params: dict) -> None:
     """Open the index as `imgest search` does, in a process of its own (so the memory it adds is its own), and
     search the saved queries: k+1 ids each (the query item is among them), once to warm the page cache."""
-    from imgest.tasks.index.build import refine_of
-    from imgest.tasks.index.store import read_served
-    from imgest.tasks.index.tuning import set_param
+    from imgest.retrieval.params import refine_of, set_param
+    from imgest.retrieval.versions import read_served
 
     queries = np.load(path + ".queries.npy")
     before = rss_anon_mib()

@@ -99,13 +99,13 @@ def pipeline(args, spec, work: str) -> None:
 
     from imgest import encoders
     from imgest.demo import product_photos
+    from imgest.state.committed import shard_key
+    from imgest.state.shards import embedding_matrix
     from imgest.storage import Location
     from imgest.tasks.ingest.batch_size import choose_encoding, measure
     from imgest.tasks.ingest.decode_workers import plan_decode
     from imgest.tasks.ingest.encode import encode_shard
     from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-    from imgest.tasks.ingest.shards import embedding_matrix
-    from imgest.tasks.state.committed import shard_key
 
     files = product_photos(args.images, seed=1, sides=(1100, 1300))
     cat = Location(os.path.join(work, "catalogue"))
@@ -175,13 +175,13 @@ def pipeline(args, spec, work: str) -> None:
 def queries(args, spec) -> None:
     from imgest import encoders
     from imgest.demo import product_photos
-    from imgest.encoders import runtimes
-    from imgest.tasks.ingest.decode import decode_image
-    from imgest.tasks.search.query import query_encoder
+    from imgest.encoders import precision
+    from imgest.images.decode import decode_image
+    from imgest.retrieval.query import query_encoder
 
     photos = [d for d in product_photos(args.query_photos, seed=2, sides=(1100, 1300)).values()]
     # a catalogue encoded by OpenVINO fp32, and one by OpenVINO bf16 where it is native (as each one's card says)
-    made_by = ["openvino fp32"] + (["openvino bf16"] if "bf16" in runtimes.native_precisions("cpu") else [])
+    made_by = ["openvino fp32"] + (["openvino bf16"] if "bf16" in precision.native_precisions("cpu") else [])
     print(f"\n## Image queries: {len(photos)} product photos, 1100-1300 px, one at a time (decode, preprocess, "
           "encode)\n")
     print("| query encoder | p50 ms | p90 ms | x eager torch at p50 |")
@@ -206,8 +206,8 @@ def retrieval(args, spec, work: str) -> None:
     import bench_heads_shift as shift
 
     from imgest import encoders
-    from imgest.tasks.evaluate.metrics import paired_bootstrap
-    from imgest.tasks.ingest.decode import decode_image
+    from imgest.images.decode import decode_image
+    from imgest.retrieval.metrics import paired_bootstrap
 
     entries, archives = shift.artwork(args.emoji_dir)
     rng = np.random.default_rng(0)
@@ -278,12 +278,12 @@ def main() -> None:
     import torch
 
     from imgest import encoders
-    from imgest.encoders import runtimes
+    from imgest.encoders import precision
 
     spec = encoders.resolve("efficientnet-lite0")
     print(f"# Encoder runtimes ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
     print(f"{os.cpu_count()} cores, torch {torch.__version__}, openvino {openvino.get_version()}, native "
-          f"precisions: {', '.join(runtimes.native_precisions('cpu'))}; {spec.model_id}")
+          f"precisions: {', '.join(precision.native_precisions('cpu'))}; {spec.model_id}")
     with tempfile.TemporaryDirectory() as work:
         os.environ.setdefault("IMGEST_COMPILED_CACHE", os.path.join(work, "compiled"))
         if "bare" not in args.skip:

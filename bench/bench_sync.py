@@ -39,7 +39,7 @@ def unit(rng, n: int, d: int) -> np.ndarray:
 
 def change(store, rng, slug: str, share: float, d: int) -> int:
     """One night: `share` of the live items get new content (a new vector), committed as one run."""
-    from imgest.tasks.state.committed import LIVE, ItemState, load_state, new_run_id, write_snapshot
+    from imgest.state.committed import LIVE, ItemState, load_state, new_run_id, write_snapshot
 
     state = load_state(store, slug)
     live = sorted(k for k, v in state.items.items() if v.status == LIVE)
@@ -71,8 +71,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from imgest.config import SyncConfig
+    from imgest.state.export import export_live
     from imgest.storage import Location
-    from imgest.tasks.state.export import export_live
     from imgest.tasks.sync.run import sync
     from imgest.tasks.sync.targets import Model, open_target, parse_target
 

@@ -42,13 +42,13 @@ def main() -> None:
 
     from imgest import encoders
     from imgest.demo import product_photos
+    from imgest.images.decode import decode_image
+    from imgest.state.shards import embedding_matrix
     from imgest.storage import Location
     from imgest.tasks.ingest.batch_size import tune_batch_size
-    from imgest.tasks.ingest.decode import decode_image
     from imgest.tasks.ingest.encode import encode_shard
     from imgest.tasks.ingest.gpu_decode import BatchJpegDecoder
     from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-    from imgest.tasks.ingest.shards import embedding_matrix
 
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: this check is for a GPU machine")

@@ -157,7 +157,7 @@ def write_inventory(cat: Catalogue, tonight: dict, put) -> str:
 
 def state_batches(cat: Catalogue):
     """The night before's state, STATE_SCHEMA, in item_id order, CHUNK rows at a time."""
-    from imgest.tasks.state.rows import STATE_SCHEMA
+    from imgest.state.rows import STATE_SCHEMA
 
     for start in range(0, cat.n, CHUNK):
         ids = np.arange(start, min(start + CHUNK, cat.n))
@@ -175,11 +175,11 @@ def write_store(cat: Catalogue, store_dir: str, with_shards: bool) -> None:
     """The state the night before: the model card, the shards (ShardWriter; their markers folded into the
     snapshot, as the run that wrote them would have), one full snapshot."""
     from imgest import encoders
+    from imgest.state.committed import commit_key, snapshot_key, write_model_card
+    from imgest.state.rows import STATE_SCHEMA, write_rows
     from imgest.storage import Location
     from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-    from imgest.tasks.ingest.shards import ShardWriter
-    from imgest.tasks.state.committed import commit_key, snapshot_key, write_model_card
-    from imgest.tasks.state.rows import STATE_SCHEMA, write_rows
+    from imgest.tasks.ingest.writer import ShardWriter
 
     spec = encoders.resolve(MODEL)
     store = Location(store_dir)

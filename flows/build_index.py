@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-
 import faiss
 from prefect import tags
 from prefect.artifacts import create_markdown_artifact
@@ -13,8 +10,13 @@ from prefect.utilities.annotations import quote
 from imgest.config import IndexConfig
 from imgest.flow_params import configured_flow
 from imgest.flows.build_version import build_version
-from imgest.lock import StoreLock
+from imgest.lock import StoreLock, run_owner
 from imgest.names import VERSION
+from imgest.plots import markdown_image, recall_sweep_png
+from imgest.reports.index import render_card
+from imgest.reports.run_names import run_name
+from imgest.state.live import live_fingerprint
+from imgest.state.models import default_model, find_model
 from imgest.storage import open_location
 from imgest.tasks.index.steps import (
     build_key,
@@ -24,11 +26,6 @@ from imgest.tasks.index.steps import (
     write_reference_task,
     write_version_task,
 )
-from imgest.tasks.reports.index import render_card
-from imgest.tasks.reports.plots import markdown_image, recall_sweep_png
-from imgest.tasks.reports.run_names import run_name
-from imgest.tasks.state.live import live_fingerprint
-from imgest.tasks.state.models import default_model, find_model
 
 
 @configured_flow(name="build-index", flow_run_name=run_name("build-index"))
@@ -37,7 +34,7 @@ def build_index(config: IndexConfig) -> dict:
     card_model = find_model(store_loc, default_model(store_loc, config.model))
     config = config.model_copy(update={"model": card_model["slug"]})
     with tags(f"model:{card_model['slug']}"), \
-            StoreLock(store_loc, owner=f"build-index@{socket.gethostname()}:{os.getpid()}") as lock:
+            StoreLock(store_loc, owner=run_owner("build-index")) as lock:
         inputs = {"model_id": card_model["model_id"], "live_state": live_fingerprint(store_loc, card_model["slug"]),
                   "kind": config.kind, "memory": config.memory, "disk": config.disk,
                   "target_recall": config.target_recall, "k": config.k, "queries": config.queries,

@@ -6,6 +6,7 @@ from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
 from imgest.config import IndexConfig
+from imgest.reports.run_names import run_name
 from imgest.tasks.index.steps import (
     card_task,
     choose_index_task,
@@ -15,7 +16,6 @@ from imgest.tasks.index.steps import (
     previous_version_task,
     update_task,
 )
-from imgest.tasks.reports.run_names import run_name
 
 
 @flow(name="build-version", flow_run_name=run_name("build-version"), validate_parameters=False)

@@ -4,22 +4,20 @@ its model; report and plots."""
 from __future__ import annotations
 
 import hashlib
-import os
-import socket
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from imgest.config import EvalConfig
 from imgest.flow_params import configured_flow
-from imgest.lock import LOCK_WAIT_S, StoreLock
+from imgest.lock import LOCK_WAIT_S, StoreLock, run_owner
+from imgest.plots import markdown_image
+from imgest.reports.evaluation import candidates_table, render_eval
+from imgest.reports.run_names import run_name
+from imgest.retrieval.querysets import read_query_set
 from imgest.storage import open_location, read_url
 from imgest.tasks.evaluate.candidates import compare_candidates_task
-from imgest.tasks.evaluate.querysets import read_query_set
 from imgest.tasks.evaluate.retrievers import evaluate_task, metrics_table, plot_report, write_outputs
 from imgest.tasks.migration.window import evaluates_window, record_evaluation
-from imgest.tasks.reports.evaluation import candidates_table, render_eval
-from imgest.tasks.reports.plots import markdown_image
-from imgest.tasks.reports.run_names import run_name
 
 
 @configured_flow(name="eval", flow_run_name=run_name("eval", "compare"))
@@ -38,7 +36,7 @@ def evaluate(config: EvalConfig) -> dict:
     report["query_file"] = config.queries
     report["query_sha256"] = hashlib.sha256(read_url(config.queries)).hexdigest()
     if evaluates_window(store_loc, report):  # serving vs shadow in an open window: kept for status and the gate
-        with StoreLock(store_loc, owner=f"eval@{socket.gethostname()}:{os.getpid()}", wait=LOCK_WAIT_S) as lock:
+        with StoreLock(store_loc, owner=run_owner("eval"), wait=LOCK_WAIT_S) as lock:
             record_evaluation(store_loc, report, lock.fence)
     plots = plot_report(store_loc, report)
     markdown = render_eval(report)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-
 from prefect import tags
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -13,15 +10,20 @@ from prefect.utilities.annotations import quote
 from imgest import encoders
 from imgest.config import IngestConfig
 from imgest.flow_params import configured_flow
-from imgest.lock import StoreLock
+from imgest.images.listing import check_apart
+from imgest.lock import StoreLock, run_owner
 from imgest.memory import give_back
 from imgest.progress import report
+from imgest.reports.ingest import progress_line, render_summary
+from imgest.reports.run_names import run_name
+from imgest.runners import SHARDS_AHEAD, shard_runner, submit_in_order
+from imgest.state.committed import new_run_id
+from imgest.state.models import default_model
 from imgest.storage import one_line, open_location
 from imgest.tasks.ingest.commit import new_summary
 from imgest.tasks.ingest.decode_workers import end_kept
 from imgest.tasks.ingest.encode import ShardFailedError
-from imgest.tasks.ingest.listing import check_apart
-from imgest.tasks.ingest.runners import SHARDS_AHEAD, shard_runner, submit_in_order
+from imgest.tasks.ingest.job import ShardJob
 from imgest.tasks.ingest.steps import (
     attach_base_task,
     choose_encoding_task,
@@ -34,15 +36,11 @@ from imgest.tasks.ingest.steps import (
     store_metadata_task,
     text_listing_task,
 )
-from imgest.tasks.reports.ingest import progress_line, render_summary
-from imgest.tasks.reports.run_names import run_name
-from imgest.tasks.state.committed import new_run_id
-from imgest.tasks.state.models import default_model
 from imgest.timing import Stopwatch
 
 
 # Listing, planning and commit run in the flow's process; encode-shard tasks run on `runner`
-# (tasks/ingest/runners.py): one at a time locally, or spread over a Dask cluster.
+# (imgest/runners.py): one at a time locally, or spread over a Dask cluster.
 @configured_flow(name="ingest", flow_run_name=run_name("ingest"), task_runner=ThreadPoolTaskRunner(max_workers=1))
 def ingest(config: IngestConfig) -> dict:
     store_loc = open_location(config.store)
@@ -54,7 +52,7 @@ def ingest(config: IngestConfig) -> dict:
     catalogue_loc = open_location(config.catalogue, must_exist=True, what="catalogue", follow_links=True)
     check_apart(catalogue_loc, store_loc)
     catalogue_url = catalogue_loc.url
-    with tags(f"model:{spec.slug}"), StoreLock(store_loc, owner=f"ingest@{socket.gethostname()}:{os.getpid()}") as lock:
+    with tags(f"model:{spec.slug}"), StoreLock(store_loc, owner=run_owner("ingest")) as lock:
         state, orphans = prepare_state_task(store_loc.url, spec.describe(), catalogue_loc.url)
         run_id = new_run_id(state.seq + 1)
         summary = new_summary(spec, run_id, catalogue_url, store_loc.url, config.to_dict())
@@ -89,15 +87,11 @@ def ingest(config: IngestConfig) -> dict:
             counts = plan.counts()
             with shard_runner(config.runner, config.workers) as shard_tasks:
                 encoding = Stopwatch()  # after a local cluster has started
-                shared = {"spec": spec, "device": device, "catalogue_url": catalogue_url,
-                          "store_url": store_loc.url, "batch_size": batch, "decode_workers": config.decode_workers,
-                          "max_pixels": config.max_pixels, "encode_limit": config.encode_limit,
-                          "fence": lock.fence, "dtype": config.dtype, "metadata_seq": metadata_seq,
-                          "runtime": chosen.runtime if chosen else "torch",
-                          "precision": chosen.precision if chosen else None,
-                          "costs": chosen.costs() if chosen else None,
-                          "decoder": chosen.decoder if chosen else "pillow"}
-                running = submit_in_order(shard_tasks, encode_shard_task, plan.shards, shared,
+                job = ShardJob.of(chosen, spec=spec, device=device, catalogue_url=catalogue_url,
+                                  store_url=store_loc.url, batch_size=batch, decode_workers=config.decode_workers,
+                                  max_pixels=config.max_pixels, encode_limit=config.encode_limit, fence=lock.fence,
+                                  dtype=config.dtype, metadata_seq=metadata_seq)
+                running = submit_in_order(shard_tasks, encode_shard_task, plan.shards, {"job": job},
                                           ahead=SHARDS_AHEAD * max(config.workers, 1))
                 for shard, future in running:  # in order: progress moves as shards commit
                     try:

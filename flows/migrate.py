@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-
 from prefect.artifacts import create_markdown_artifact
 
 from imgest import encoders
@@ -12,14 +9,14 @@ from imgest.config import IndexConfig, MigrateConfig, ReencodeConfig
 from imgest.flow_params import configured_flow
 from imgest.flows.build_index import build_index
 from imgest.flows.reencode import reencode
-from imgest.lock import LOCK_WAIT_S, StoreLock
+from imgest.lock import LOCK_WAIT_S, StoreLock, run_owner
 from imgest.memory import give_back
+from imgest.reports.migration import render_finished, render_window
+from imgest.reports.run_names import run_name
+from imgest.state.aliases import read_alias
+from imgest.state.status import last_run
 from imgest.storage import open_location
 from imgest.tasks.migration import window as migration
-from imgest.tasks.migration.aliases import read_alias
-from imgest.tasks.reports.migration import render_finished, render_window
-from imgest.tasks.reports.run_names import run_name
-from imgest.tasks.state.status import last_run
 from imgest.tasks.sync.targets import parse_target
 from imgest.tasks.sync.window import switch_targets
 
@@ -35,7 +32,7 @@ def migrate(config: MigrateConfig) -> dict:
     elif config.action in ("promote", "rollback", "finish"):
         # Alias moves and deletions hold the writer lock: a nightly build moving `serving` on the old model
         # at the same moment would otherwise overwrite the promote (or finish would delete what it reads).
-        with StoreLock(store_loc, owner=f"migrate-{config.action}@{socket.gethostname()}:{os.getpid()}") as lock:
+        with StoreLock(store_loc, owner=run_owner(f"migrate-{config.action}")) as lock:
             if config.action == "promote":
                 migration.promote(store_loc, config.gate, config.margin, config.force, lock.fence,
                                   config.min_shadow_agreement)
@@ -66,15 +63,15 @@ def migrate_start(config: MigrateConfig) -> dict:
     catalogue = config.catalogue or (last_run(store_loc, serving["slug"]) or {}).get("catalogue")
     if not catalogue:
         raise migration.MigrationError("no catalogue known for the serving model; pass --catalogue")
-    owner = f"migrate-start@{socket.gethostname()}:{os.getpid()}"
+    owner = run_owner("migrate-start")
     with StoreLock(store_loc, owner=owner, wait=LOCK_WAIT_S) as lock:  # the window is written under the lock
         window = migration.open_window(store_loc, serving["slug"], target.describe(), catalogue, lock.fence)
+        migration.check_window_model(window["to"]["slug"], target)  # a resumed window: before the re-encode commits
         migration.record(store_loc, window, "reencode-started", lock.fence)
     summary = reencode(ReencodeConfig(catalogue=window["catalogue"], inventory=config.inventory, store=store_loc.url,
                                       model=config.to,
                                       batch_size=config.batch_size, device=config.device,
                                       runtime=config.runtime, precision=config.precision, shard_size=config.shard_size))
-    migration.check_window_model(window["to"]["slug"], summary)
     give_back()  # a cold start's freed memory, before the build
     with StoreLock(store_loc, owner=owner, wait=LOCK_WAIT_S) as lock:
         migration.record(store_loc, window, "reencode-finished", lock.fence, encoded=summary["encoded"],

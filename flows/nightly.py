@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-
 from prefect.artifacts import create_markdown_artifact
 
 from imgest import encoders
@@ -13,12 +10,12 @@ from imgest.flow_params import configured_flow
 from imgest.flows.build_index import build_index
 from imgest.flows.duplicates import duplicates
 from imgest.flows.ingest import ingest
-from imgest.lock import StoreLock
+from imgest.lock import StoreLock, run_owner
+from imgest.reports.nightly import render_nightly
+from imgest.reports.run_names import run_name
+from imgest.state.retention import collect_retired
 from imgest.storage import open_location
-from imgest.tasks.migration.retention import collect_retired
 from imgest.tasks.migration.window import check_window_model, nightly_models
-from imgest.tasks.reports.nightly import render_nightly
-from imgest.tasks.reports.run_names import run_name
 from imgest.tasks.sync.run import sync_task
 from imgest.tasks.sync.targets import parse_target
 from imgest.tasks.sync.window import window_companions
@@ -32,7 +29,9 @@ def nightly(config: NightlyConfig) -> dict:
         parse_target(target)
     runs, bases, ingested = [], [], set()
     models, left_out = nightly_models(store_loc, config.model)
-    for name, expected_slug in models:
+    for name, expected_slug in models:  # a window's model whose weights changed refuses the night before any commit
+        check_window_model(expected_slug, encoders.resolve(name))
+    for name, _ in models:
         base = encoders.resolve(name).base
         if base is not None and base.slug not in ingested:
             # A head: its base model first, so new images are decoded and encoded once, into the base's
@@ -42,14 +41,13 @@ def nightly(config: NightlyConfig) -> dict:
             ingested.add(base_summary["slug"])
             bases.append(base_summary)
         summary = ingest(config.ingest(name))
-        check_window_model(expected_slug, summary)
         drift = drift_task(store_loc.url, summary["slug"], summary["run_id"])  # against the index before tonight's
         index = build_index(config.index(summary["slug"]))
         ingested.add(summary["slug"])
         night = record_night_task(store_loc.url, summary, index, drift)  # the trend row, marked; events emitted
         runs.append({"ingest": summary, "index": index, "night": night})
     # models retired by a finished migration window go once their retention has passed and no alias needs them
-    with StoreLock(store_loc, owner=f"nightly-retire@{socket.gethostname()}:{os.getpid()}") as lock:
+    with StoreLock(store_loc, owner=run_owner("nightly-retire")) as lock:
         retired = collect_retired(store_loc, lock.fence)
     found = None
     if config.report_duplicates and runs:  # the serving model's duplicate groups, new ones since the last report

@@ -7,8 +7,8 @@ from prefect.artifacts import create_markdown_artifact
 from imgest.config import IngestConfig, ReencodeConfig
 from imgest.flow_params import configured_flow
 from imgest.flows.ingest import ingest
-from imgest.tasks.reports.ingest import render_reencode
-from imgest.tasks.reports.run_names import run_name
+from imgest.reports.ingest import render_reencode
+from imgest.reports.run_names import run_name
 
 
 @configured_flow(name="reencode", flow_run_name=run_name("reencode"))

@@ -7,19 +7,19 @@ from prefect.artifacts import create_markdown_artifact
 
 from imgest.config import TrainHeadConfig
 from imgest.flow_params import configured_flow
+from imgest.images import decoders
 from imgest.names import parse_augmentations
+from imgest.plots import markdown_image
+from imgest.reports.heads import render_head, render_whitening
+from imgest.reports.run_names import run_name
+from imgest.state.live import load_live_sample, load_live_vectors
+from imgest.state.models import default_model, find_model
 from imgest.storage import open_location
 from imgest.storage.probe import check_writable
 from imgest.tasks.heads.evaluate import query_scorer
 from imgest.tasks.heads.files import augment_task, heldout_set, labelled_set, save_head, train_task
 from imgest.tasks.heads.train import HeadError
 from imgest.tasks.heads.whiten import whiten_task
-from imgest.tasks.ingest import decoders
-from imgest.tasks.reports.heads import render_head, render_whitening
-from imgest.tasks.reports.plots import markdown_image
-from imgest.tasks.reports.run_names import run_name
-from imgest.tasks.state.live import load_live_sample, load_live_vectors
-from imgest.tasks.state.models import default_model, find_model
 
 
 @configured_flow(name="train-head", flow_run_name=run_name("train-head", "loss"))

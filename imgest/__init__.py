@@ -21,11 +21,11 @@ redact_logging()
 def __getattr__(name: str):
     # Lazy: `import imgest` (the CLI, every worker) must not pay for faiss, torch and Prefect up front.
     if name in ("Query", "Searcher", "search"):
-        from imgest.tasks.search import query as module
+        from imgest.retrieval import query as module
 
         return getattr(module, name)
     if name == "FollowingSearcher":
-        from imgest.tasks.search.following import FollowingSearcher
+        from imgest.retrieval.following import FollowingSearcher
 
         return FollowingSearcher
     raise AttributeError(f"module 'imgest' has no attribute {name!r}")

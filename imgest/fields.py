@@ -193,7 +193,7 @@ MODEL_NAMES = ("efficientnet-lite0, efficientnet-lite0-gem, efficientnet-lite0-g
                "or a model the store holds, by name, model id or slug")
 OWN_MODEL = "default: the store's own model (its only one; of several, the one the serving alias points at)"
 Model = Annotated[str, AfterValidator(not_empty), Field(description=MODEL_NAMES)]
-# a model of the store, None until the store is read: `default_model` (tasks/state/models.py) then chooses it
+# a model of the store, None until the store is read: `default_model` (imgest/state/models.py) then chooses it
 StoreModel = Annotated[str | None, AfterValidator(not_empty_if_given)]
 BatchSize = Annotated[str, BeforeValidator(_batch_size),
                       Field(description="'auto' (measured, cached per model and device) or N")]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from imgest.errors import UserError
 from imgest.storage import Location
 
 LOCK_DIR = "locks/writer"
@@ -41,11 +42,11 @@ _MAX_PID = 2**31 - 1  # what kill(2) takes: a larger number names no process
 _MAX_LOCK_BYTES = 1 << 16  # a lock file is a few hundred bytes; a longer one is read cut off, so malformed
 
 
-class StoreLockedError(RuntimeError):
+class StoreLockedError(UserError, RuntimeError):
     """Another run holds the store; the message says which and since when."""
 
 
-class LockLostError(RuntimeError):
+class LockLostError(UserError, RuntimeError):
     """This run no longer holds the store's writer lock: it stops before its next commit, changing nothing."""
 
 
@@ -74,6 +75,11 @@ def _text(value: str) -> str:
 
 def _iso(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds")
+
+
+def run_owner(action: str) -> str:
+    """The owner a run takes the lock as, which `imgest status` and a refused run show: `<action>@<host>:<pid>`."""
+    return f"{action}@{socket.gethostname()}:{os.getpid()}"
 
 
 def generation_key(generation: int) -> str:

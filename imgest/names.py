@@ -1,7 +1,9 @@
 """Names every layer shares: the version, every default, and the vocabularies (index kinds, vector dtypes,
-migration actions, alias names, augmentations). The leaf of the import graph: imports nothing of imgest."""
+migration actions, alias names, augmentations). A leaf of the import graph: imports only imgest.errors."""
 
 import re
+
+from imgest.errors import UserError
 
 VERSION = "0.1.0"
 
@@ -69,7 +71,7 @@ def parse_augmentations(text: str | None) -> tuple[str, ...]:
     return tuple(name for name in AUGMENTATIONS if name in names)
 
 
-class SizeError(ValueError):
+class SizeError(UserError, ValueError):
     """A memory or disk size that does not parse; the message shows the forms that do."""
 
 

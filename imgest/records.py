@@ -12,13 +12,14 @@ import json
 import re
 from typing import Any
 
+from imgest.errors import UserError
 from imgest.redact import one_line
 
 MAX_RECORD_BYTES = 16 << 20  # a JSON record larger than this is not one imgest wrote
 MAX_RECORD_DEPTH = 32
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A store record that is not one imgest wrote: too large, too deep, not JSON, or a field out of grammar."""
 
 

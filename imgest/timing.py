@@ -35,3 +35,9 @@ class Stopwatch:
     def seconds(self) -> float:
         """`elapsed` to the millisecond, as cards, summaries and logs record it."""
         return round(self.elapsed, 3)
+
+
+def projected_hours(corpus_size: int, images_per_second: float) -> float:
+    """Hours to encode `corpus_size` images at `images_per_second`: corpus_size / rate / 3600, to 4 significant
+    digits (small projections too). The figure of `report cost` and of `eval --candidates`."""
+    return float(f"{corpus_size / images_per_second / 3600:.4g}")

@@ -138,14 +138,14 @@ def make_tiny_hf_model(kind: str, folder: str) -> str:
 # would), so a test can act mid-run and kill it however fast the machine is.
 HANG_AFTER_FIRST_SHARD = """
 import time
-import imgest.tasks.ingest.shards
+import imgest.tasks.ingest.writer
 
-_flush = imgest.tasks.ingest.shards.ShardWriter.flush
+_flush = imgest.tasks.ingest.writer.ShardWriter.flush
 def _flush_then_hang(self):
     result = _flush(self)
     time.sleep(3600)
     return result
-imgest.tasks.ingest.shards.ShardWriter.flush = _flush_then_hang
+imgest.tasks.ingest.writer.ShardWriter.flush = _flush_then_hang
 """
 
 

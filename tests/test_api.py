@@ -17,13 +17,13 @@ from imgest.cli import app
 from imgest.config import IndexConfig, IngestConfig
 from imgest.flows.build_index import build_index
 from imgest.flows.ingest import ingest
+from imgest.retrieval.combined import read_route
+from imgest.retrieval.following import FollowingSearcher
+from imgest.retrieval.items import ItemNotFound, StoredVectors
+from imgest.retrieval.query import Searcher
+from imgest.retrieval.versions import read_card
+from imgest.state.aliases import set_alias
 from imgest.storage import Location
-from imgest.tasks.index.store import read_card
-from imgest.tasks.migration.aliases import set_alias
-from imgest.tasks.search.combined import read_route
-from imgest.tasks.search.following import FollowingSearcher
-from imgest.tasks.search.items import ItemNotFound, StoredVectors
-from imgest.tasks.search.query import Searcher
 from imgest.tasks.search.service import create_app
 from tests.helpers import gradient, png_bytes, served_app, write_files
 
@@ -252,9 +252,9 @@ def test_thumbnails_are_read_only_under_the_catalogue_root_and_bounded(tmp_path)
 
     from PIL import Image
 
+    from imgest.state.catalogue_images import record_root
     from imgest.storage import ContainmentError, RecordError
     from imgest.tasks.search import thumbnails
-    from imgest.tasks.state.catalogue_images import record_root
 
     cat, store = tmp_path / "cat", Location(str(tmp_path / "store"))
     write_files(str(cat), {"a.png": png_bytes(gradient(1, (600, 300))), "big.png": b"x" * 2048})

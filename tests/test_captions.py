@@ -13,9 +13,9 @@ from imgest import encoders
 from imgest.config import IndexConfig, IngestConfig, NightlyConfig
 from imgest.encoders import EncoderError
 from imgest.encoders.text import compose
+from imgest.images.listing import Listing, listing_table
 from imgest.storage import Location, ObjectInfo
 from imgest.tasks.ingest.encode_text import encode_text_shard, text_listing, text_of
-from imgest.tasks.ingest.listing import Listing, listing_table
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
 
 RUN = "r00000001-20261130T000000-abcdef"
@@ -115,7 +115,7 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     from imgest.demo import FASHION_CLASSES, product_metadata, read_fashion_mnist
     from imgest.flows.build_index import build_index
     from imgest.flows.ingest import ingest
-    from imgest.tasks.search.query import search
+    from imgest.retrieval.query import search
 
     images, labels = read_fashion_mnist()
     cat, store = tmp_path / "cat", tmp_path / "store"
@@ -183,7 +183,7 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     hits = json.loads(grouped.output)["results"][0]["hits"]
     assert len(hits) == 5 and len({h["group"] for h in hits}) == 5
     assert all(h["group"] == product.get(h["item_id"], h["item_id"]) for h in hits)
-    from imgest.tasks.search.query import Query, Searcher
+    from imgest.retrieval.query import Query, Searcher
 
     searcher = Searcher(str(store), alias="captions")
     cheap = [searcher.search([Query("q", text=t)], 3, where="price < 100")[0] for t in ("coat", "boots")]
@@ -272,12 +272,12 @@ class _Retriever:
         self.spec, self.ranking, self.asked = SimpleNamespace(name=name, modalities=modalities), ranking, []
 
     def modality(self, query):
-        from imgest.tasks.search.query import Searcher
+        from imgest.retrieval.query import Searcher
 
         return Searcher.modality(self, query)
 
     def search(self, queries, k, where=None, group_by=None, per_group=1):
-        from imgest.tasks.search.query import Hit
+        from imgest.retrieval.query import Hit
 
         self.asked.append([q.query_id for q in queries])
         return [[Hit(r, item, f"file:///{item}", 1.0 / r) for r, item in enumerate(self.ranking[:k], 1)]
@@ -285,8 +285,8 @@ class _Retriever:
 
 
 def test_text_to_an_image_only_alias_goes_to_captions_and_fusion_lets_each_read_what_it_can():
-    from imgest.tasks.search.combined import fuse, fusion, rrf_combine, text_to_captions
-    from imgest.tasks.search.query import Query, SearchError
+    from imgest.retrieval.combined import fuse, fusion, rrf_combine, text_to_captions
+    from imgest.retrieval.query import Query, SearchError
 
     captions = _Retriever("minilm-l6", ("text",), ["boot/1", "boot/2"])
     lite0 = _Retriever("efficientnet-lite0", ("image",), ["boot/2", "bag/1"])
@@ -315,7 +315,7 @@ def test_text_to_an_image_only_alias_goes_to_captions_and_fusion_lets_each_read_
 def test_a_query_with_a_photo_and_words_goes_to_each_retriever_as_it_reads():
     from types import SimpleNamespace
 
-    from imgest.tasks.search.query import Query, Searcher, SearchError
+    from imgest.retrieval.query import Query, Searcher, SearchError
 
     both = Query("q", image="p.jpg", text="red sneaker")
     caption, lite0, clip = (SimpleNamespace(spec=SimpleNamespace(name=n, modalities=m)) for n, m in

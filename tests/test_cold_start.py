@@ -9,11 +9,11 @@ import tracemalloc
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from imgest.images.listing import LISTING_SCHEMA, Listing
+from imgest.state.committed import LIVE, CatalogueState, load_state, snapshot_key, write_snapshot
+from imgest.state.rows import STATE_SCHEMA
 from imgest.storage import Location
-from imgest.tasks.ingest.listing import LISTING_SCHEMA, Listing
 from imgest.tasks.ingest.plan import PlannedShards, attach_base, plan_ingest
-from imgest.tasks.state.committed import LIVE, CatalogueState, load_state, snapshot_key, write_snapshot
-from imgest.tasks.state.rows import STATE_SCHEMA
 
 N, SHARD = 200_000, 2_000
 CAP = 16 << 20  # a shard's WorkItems, a batch of rows, a marker's dicts: nothing in proportion to N

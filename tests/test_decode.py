@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from imgest.tasks.ingest.decode import DecodeError, decode_image
+from imgest.images.decode import DecodeError, decode_image
 from tests.helpers import gradient, hostile_files, jpeg_bytes, png_bytes
 
 FILES = hostile_files()

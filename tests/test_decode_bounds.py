@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from imgest.images.decode import DecodeError, decode_image, to_rgb
 from imgest.names import DEFAULT_MAX_PIXELS
-from imgest.tasks.ingest.decode import DecodeError, decode_image, to_rgb
 from tests.helpers import png_bytes
 
 SIDE = 8000
@@ -40,11 +40,11 @@ def png_header(width: int, height: int, depth: int = 16, rows: int = 0) -> bytes
             + _chunk(b"IDAT", bytes(idat)) + _chunk(b"IEND", b""))
 
 
-# The subprocess imports imgest.tasks.ingest.decode only; the peak RSS it adds while decoding is the measure.
+# The subprocess imports imgest.images.decode only; the peak RSS it adds while decoding is the measure.
 PROBE = """
 import json, resource, sys
 import numpy as np
-from imgest.tasks.ingest.decode import decode_image
+from imgest.images.decode import decode_image
 data = open(sys.argv[1], "rb").read()
 min_side = int(sys.argv[2]) or None
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -130,7 +130,7 @@ def test_a_bomb_is_refused_from_its_header_naming_the_limit(width, height):
 
 @pytest.mark.slow("a subprocess")
 def test_a_larger_max_pixels_raises_pillows_guard_with_it():
-    code = ("from PIL import Image; from imgest.tasks.ingest.decode import decode_image; "
+    code = ("from PIL import Image; from imgest.images.decode import decode_image; "
             "from tests.helpers import png_bytes, solid; "
             "decode_image(png_bytes(solid(1, (8, 8), 'L')), max_pixels=300_000_000); "
             "print(Image.MAX_IMAGE_PIXELS)")

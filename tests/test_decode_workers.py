@@ -14,12 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from imgest import encoders
+from imgest.state.committed import shard_key
+from imgest.state.shards import embedding_matrix
 from imgest.storage import Location
 from imgest.tasks.ingest import decode_workers
 from imgest.tasks.ingest.encode import encode_shard
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-from imgest.tasks.ingest.shards import embedding_matrix
-from imgest.tasks.state.committed import shard_key
 from tests.helpers import gradient, jpeg_bytes, write_files
 
 RUN = "r00000001-20261205T000000-abcdef"

@@ -6,8 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from imgest.tasks.ingest import decoders
-from imgest.tasks.ingest.decode import DecodeError, decode_image
+from imgest.images import decoders
+from imgest.images.decode import DecodeError, decode_image
 from tests.helpers import gradient, hostile_files, jpeg_bytes
 
 OTHERS = [name for name in decoders.REGISTRY if name != decoders.PILLOW]

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from imgest.cli import app
+from imgest.state.aliases import read_alias
+from imgest.state.models import list_models
 from imgest.storage import open_location
-from imgest.tasks.migration.aliases import read_alias
-from imgest.tasks.state.models import list_models
 from tests.helpers import gradient, png_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

@@ -13,8 +13,8 @@ import pytest
 from imgest.config import IndexConfig, IngestConfig
 from imgest.flows.build_index import build_index
 from imgest.flows.ingest import ingest
-from imgest.tasks.search.query import search
-from imgest.tasks.state.export import export_live
+from imgest.retrieval.query import search
+from imgest.state.export import export_live
 from tests.helpers import gradient, png_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

@@ -15,12 +15,12 @@ from typer.testing import CliRunner
 
 from imgest.cli import app
 from imgest.demo import photo, planted_duplicates
+from imgest.images.decode import decode_image
 from imgest.storage import Location
 from imgest.tasks.duplicates.calibrate import Calibration, latest_calibration, stale, write_calibration
 from imgest.tasks.duplicates.hashes import hamming, perceptual_hash, picture
 from imgest.tasks.duplicates.variants import KINDS, make_variant
 from imgest.tasks.duplicates.verify import correlation, same_picture
-from imgest.tasks.ingest.decode import decode_image
 from tests.helpers import write_files
 
 

@@ -107,10 +107,10 @@ def test_planted_duplicates_are_found_and_new_ones_reported(tmp_path):
     assert [g["kind"] for g in strict["groups"]] == ["exact"]
 
     # a copy is embedded as the catalogue's images were: by the JPEG decoder the model's runs recorded
+    from imgest.images import decoders
+    from imgest.images.decode import decode_image
     from imgest.storage import Location
     from imgest.tasks.duplicates.find import _searcher, embedder
-    from imgest.tasks.ingest import decoders
-    from imgest.tasks.ingest.decode import decode_image
 
     decoders.record(Location(str(store)), report["slug"], "simplejpeg", "test")
     searcher = _searcher(str(store), "serving", None)

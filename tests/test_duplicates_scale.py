@@ -8,13 +8,13 @@ import tracemalloc
 
 import faiss
 
+from imgest.retrieval.idmap import IdMap
+from imgest.retrieval.versions import OpenIndex
+from imgest.state.live import LiveShards, load_live_vectors
 from imgest.tasks.duplicates.groups import find_duplicates
 from imgest.tasks.duplicates.scan import candidates, scan_pairs
 from imgest.tasks.index.choice import choose_index
-from imgest.tasks.index.idmap import IdMap
-from imgest.tasks.index.store import OpenIndex
 from imgest.tasks.index.stream import stream_build
-from imgest.tasks.state.live import LiveShards, load_live_vectors
 from tests.test_index_stream import SPEC, write_store
 
 N = 200_000

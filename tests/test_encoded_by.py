@@ -12,15 +12,16 @@ from typer.testing import CliRunner
 
 from imgest import encoders
 from imgest.cli import app
+from imgest.state.committed import load_state, shard_key, snapshot_key, write_model_card
+from imgest.state.live import LiveShards
+from imgest.state.shards import shard_encoder
 from imgest.storage import Location
 from imgest.tasks.index.build import train
 from imgest.tasks.index.choice import choose_index
 from imgest.tasks.index.parts import add_store_part, plan_parts
 from imgest.tasks.index.stream import stream_build
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-from imgest.tasks.ingest.shards import ShardWriter, shard_encoder
-from imgest.tasks.state.committed import load_state, shard_key, snapshot_key, write_model_card
-from imgest.tasks.state.live import LiveShards
+from imgest.tasks.ingest.writer import ShardWriter
 from tests.test_index_stream import state_rows
 
 SPEC = encoders.resolve("raw-pixels-2")  # d = 12

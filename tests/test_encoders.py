@@ -8,9 +8,9 @@ import pytest
 from imgest import encoders
 from imgest.demo import photo
 from imgest.encoders import EncoderError
+from imgest.images.decode import to_rgb
 from imgest.storage import Location
 from imgest.tasks.ingest.batch_size import cached_or_tuned, tune_batch_size
-from imgest.tasks.ingest.decode import to_rgb
 
 
 def test_unknown_model_lists_the_registry():

@@ -14,7 +14,7 @@ from imgest.flows.build_index import build_index
 from imgest.flows.evaluate import evaluate
 from imgest.flows.ingest import ingest
 from imgest.flows.nightly import nightly
-from imgest.tasks.evaluate.querysets import build_class_queries, build_instance_queries, read_query_set
+from imgest.retrieval.querysets import build_class_queries, build_instance_queries, read_query_set
 from imgest.tasks.migration.window import check_gate
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -106,8 +106,8 @@ def test_gate_reads_an_eval_report():
 
 
 def test_cost_report_of_the_serving_model(tmp_path, tiny_models):
-    from imgest.tasks.index.cost import cost_report, read_rehearsal
-    from imgest.tasks.reports.index import render_cost
+    from imgest.reports.cost import cost_report, read_rehearsal
+    from imgest.reports.index import render_cost
     from tests.helpers import gradient, png_bytes, write_files
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
@@ -145,7 +145,7 @@ def test_cost_report_of_the_serving_model(tmp_path, tiny_models):
 
 
 def test_query_set_for_another_root_is_refused(evaluated, tmp_path):
-    from imgest.tasks.evaluate.querysets import QuerySetError
+    from imgest.retrieval.querysets import QuerySetError
 
     wrong = tmp_path / "wrong.jsonl"
     build_class_queries(str(evaluated["cat"] / "fashion"), str(wrong), per_class=1)  # ids relative to fashion/
@@ -154,8 +154,9 @@ def test_query_set_for_another_root_is_refused(evaluated, tmp_path):
 
 
 def test_serving_vs_shadow_evaluation_is_recorded_in_the_open_window(tmp_path):
+    from imgest.state.window import read_window
     from imgest.storage import Location
-    from imgest.tasks.migration.window import read_window, record_evaluation
+    from imgest.tasks.migration.window import record_evaluation
 
     store = Location(str(tmp_path))
     store.write_json("migration/window.json", {"id": "w-1", "status": "open", "events": [],

@@ -14,9 +14,9 @@ from imgest.cli import app
 from imgest.config import NightlyConfig
 from imgest.demo import FASHION_CLASSES, photo, read_fashion_mnist
 from imgest.flows.nightly import nightly
-from imgest.tasks.evaluate.querysets import build_class_queries
-from imgest.tasks.index.cost import projected_hours
-from imgest.tasks.reports.evaluation import candidates_table
+from imgest.reports.evaluation import candidates_table
+from imgest.retrieval.querysets import build_class_queries
+from imgest.timing import projected_hours
 
 CANDIDATES = ("raw-pixels", "efficientnet-lite0-gem")
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera", "horse")

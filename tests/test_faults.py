@@ -15,10 +15,10 @@ import pytest
 
 from imgest.config import IngestConfig, MigrateConfig, NightlyConfig
 from imgest.flows.ingest import ingest
+from imgest.state.committed import FAILED, LIVE, REJECTED, CatalogueState, ItemState, load_state
 from imgest.storage import Location, StorageError, is_transient
 from imgest.tasks.ingest.encode import prepare
 from imgest.tasks.ingest.plan import MassDeleteError, WorkItem, item_key, plan_ingest
-from imgest.tasks.state.committed import FAILED, LIVE, REJECTED, CatalogueState, ItemState, load_state
 from tests.helpers import gradient, png_bytes, write_files
 
 MODEL = "raw-pixels"
@@ -135,7 +135,7 @@ def test_a_transient_failure_is_retried_next_run_a_permanent_one_only_on_change(
     assert failed.transient and failed.reason.startswith("MemoryError")
     assert not broken.transient and "UnidentifiedImageError" in broken.reason
 
-    from imgest.tasks.ingest.listing import list_catalogue
+    from imgest.images.listing import list_catalogue
 
     listing = list_catalogue(str(tmp_path))
     state = CatalogueState("s", {})
@@ -161,7 +161,7 @@ def test_transient_faults_are_told_from_permanent_ones():
 
 
 def test_the_retry_backoff_is_the_operators_and_a_bad_value_is_named(monkeypatch):
-    from imgest.tasks.ingest.policy import backoff_base
+    from imgest.policy import backoff_base
 
     monkeypatch.setenv("IMGEST_RETRY_BACKOFF_S", "0.5")
     assert backoff_base() == 0.5

@@ -22,9 +22,9 @@ from imgest.lock import (
     generation_key,
     generations,
 )
+from imgest.state.aliases import delete_alias, read_alias, set_alias
 from imgest.storage import Location, RecordError
 from imgest.tasks.migration import window as migration
-from imgest.tasks.migration.aliases import delete_alias, read_alias, set_alias
 from tests.s3servers import on as on_s3
 from tests.s3servers import use as use_s3
 
@@ -333,8 +333,8 @@ def test_a_retired_model_is_kept_until_its_retention_has_passed(tmp_path):
     collection before that date deletes nothing, after it deletes the model's data and stamps the record."""
     from datetime import UTC, datetime, timedelta
 
-    from imgest.tasks.migration.retention import collect_retired
-    from imgest.tasks.state.committed import embeddings_prefix
+    from imgest.state.committed import embeddings_prefix
+    from imgest.state.retention import collect_retired
 
     store = Location(str(tmp_path / "store"))
     window = open_test_window(store)

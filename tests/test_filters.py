@@ -8,9 +8,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from imgest.retrieval.filters import FilterError, GroupOf, filtered_search, grouped, matching_items, positions
+from imgest.retrieval.query import Hit
 from imgest.tasks.index.build import new_index
-from imgest.tasks.search.filters import FilterError, GroupOf, filtered_search, grouped, matching_items, positions
-from imgest.tasks.search.query import Hit
 
 TABLE = pa.table({"item_id": ["a", "b", "c", "d"], "category": ["shoes", "shoes", "coats", None],
                   "price": [39.5, 80.0, 120.0, 10.0], "row_hash": ["1", "2", "3", "4"]})

@@ -12,11 +12,11 @@ import pytest
 from imgest.config import IndexConfig, IngestConfig
 from imgest.flows.build_index import build_index
 from imgest.flows.ingest import ingest
+from imgest.retrieval.following import FollowingSearcher
+from imgest.retrieval.query import SearchError
+from imgest.retrieval.versions import read_card
+from imgest.state.aliases import set_alias
 from imgest.storage import Location
-from imgest.tasks.index.store import read_card
-from imgest.tasks.migration.aliases import set_alias
-from imgest.tasks.search.following import FollowingSearcher
-from imgest.tasks.search.query import SearchError
 from tests.helpers import gradient, png_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

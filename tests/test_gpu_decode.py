@@ -15,12 +15,12 @@ from PIL import Image
 
 from imgest import encoders
 from imgest.demo import PHOTOS, photo
+from imgest.images.decode import decode_image
+from imgest.state.shards import embedding_matrix
 from imgest.storage import Location
-from imgest.tasks.ingest.decode import decode_image
 from imgest.tasks.ingest.encode import encode_shard
 from imgest.tasks.ingest.gpu_decode import BatchJpegDecoder, plain_jpeg
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-from imgest.tasks.ingest.shards import embedding_matrix
 from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
 
 

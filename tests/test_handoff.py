@@ -9,15 +9,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from imgest import encoders
+from imgest.images.decode import decode_image
+from imgest.state.committed import shard_key
+from imgest.state.shards import embedding_matrix
 from imgest.storage import Location
 from imgest.tasks.ingest import decode_workers, handoff
 from imgest.tasks.ingest import encode as encode_module
-from imgest.tasks.ingest.decode import decode_image
 from imgest.tasks.ingest.decode_workers import plan_decode
 from imgest.tasks.ingest.encode import _prepare_in_process, encode_shard, prepare
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-from imgest.tasks.ingest.shards import embedding_matrix
-from imgest.tasks.state.committed import shard_key
 from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
 
 RUN = "r00000001-20261202T000000-abcdef"

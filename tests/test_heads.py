@@ -226,8 +226,8 @@ def test_head_weights_are_checked_against_their_hash_at_resolve_and_at_load(labe
 
 def test_derived_shards_equal_base_then_head_on_the_same_images(labelled, tmp_path, monkeypatch):
     from imgest.flows.ingest import ingest
+    from imgest.state.export import export_live
     from imgest.storage import Location
-    from imgest.tasks.state.export import export_live
 
     head = _train(labelled)["head"]
     cat = labelled / "catalogue"
@@ -255,8 +255,8 @@ def test_derived_shards_equal_base_then_head_on_the_same_images(labelled, tmp_pa
 def test_head_goes_through_the_migration_window(labelled):
     from imgest.flows.migrate import migrate
     from imgest.flows.nightly import nightly
+    from imgest.state.aliases import read_alias
     from imgest.storage import Location
-    from imgest.tasks.migration.aliases import read_alias
 
     store = str(labelled / "store")
     nightly(NightlyConfig(catalogue=str(labelled / "catalogue"), store=store, batch_size="8"))
@@ -328,7 +328,7 @@ def test_without_labels_each_item_is_an_instance_with_augmented_views(labelled):
     assert validation["proxy"] is True and "views made by the training augmentations" in validation["measured_on"]
     assert "does not show robustness to a shift" in validation["note"]
     assert source["augmentations"] == list(AUGMENTATIONS) and "quantisation" in source["transforms"]
-    from imgest.tasks.reports.heads import render_head
+    from imgest.reports.heads import render_head
 
     assert "(**a proxy**)" in render_head(trained)
 
@@ -373,10 +373,10 @@ def test_encoded_views_are_cached_by_what_makes_them(labelled, tmp_path, monkeyp
     another augmentation set, or an item whose content changed, is encoded afresh."""
     from dataclasses import replace
 
+    from imgest.state.live import load_live_vectors
+    from imgest.state.models import find_model
     from imgest.storage import Location
     from imgest.tasks.heads.views import augmented_instances
-    from imgest.tasks.state.live import load_live_vectors
-    from imgest.tasks.state.models import find_model
 
     loc = Location(str(labelled / "store"))
     base = find_model(loc, "efficientnet-lite0")

@@ -14,20 +14,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from imgest.cli import _user_errors, app
+from imgest.cli import app
 from imgest.config import NightlyConfig
+from imgest.errors import USER_ERRORS
 from imgest.flows.nightly import nightly
+from imgest.retrieval.query import Searcher
+from imgest.retrieval.versions import IndexIntegrityError, open_index, resolve_target
+from imgest.state.aliases import list_aliases, read_alias
+from imgest.state.catalogue_images import CatalogueImages
+from imgest.state.committed import load_state
+from imgest.state.live import load_live_vectors
+from imgest.state.models import list_models
+from imgest.state.retention import collect_retired
+from imgest.state.status import store_status
 from imgest.storage import ContainmentError, Location
-from imgest.tasks.index.store import IndexIntegrityError, open_index, resolve_target
-from imgest.tasks.migration.aliases import list_aliases, read_alias
-from imgest.tasks.migration.retention import collect_retired
 from imgest.tasks.migration.window import nightly_models
-from imgest.tasks.search.query import Searcher
-from imgest.tasks.state.catalogue_images import CatalogueImages
-from imgest.tasks.state.committed import load_state
-from imgest.tasks.state.live import load_live_vectors
-from imgest.tasks.state.models import list_models
-from imgest.tasks.state.status import store_status
 from tests.helpers import gradient, jpeg_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -139,16 +140,16 @@ def test_records_never_make_a_network_request(store, listener):
 
     # an index card naming a head at a URL
     edit(store, card_key, lambda card: card.update(model_name=f"head:{listener}/card-head"))
-    with pytest.raises(_user_errors(), match="inside the store"):
+    with pytest.raises(USER_ERRORS, match="inside the store"):
         Searcher(store.url)
     # a model record naming one: the nightly refuses it, a listing leaves it out
     store.write_json(model_key, {**original, "name": f"head:{listener}/model-head"})
-    with pytest.raises(_user_errors(), match="inside the store"):
+    with pytest.raises(USER_ERRORS, match="inside the store"):
         nightly_models(store)
     assert [m["slug"] for m in list_models(store)] == []
     # a hub id the machine does not have: never downloaded on a record's word
     store.write_json(model_key, {**original, "name": "hf:someone/planted-model"})
-    with pytest.raises(_user_errors(), match="never makes imgest download"):
+    with pytest.raises(USER_ERRORS, match="never makes imgest download"):
         nightly_models(store)
     # a shard row's image uri outside the catalogue root recorded at ingest
     store.write_json(model_key, original)
@@ -255,7 +256,7 @@ def test_mutated_records_end_in_a_clear_error_or_are_ignored(built, tmp_path_fac
     for read in readers(store):
         try:
             read()
-        except _user_errors():
+        except USER_ERRORS:
             pass  # a clear, one-line error
     assert untouched(store) and sorted(os.listdir(root)) == before
     assert Recorder.seen == []

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from imgest.names import SizeError
+from imgest.names import SizeError, parse_memory
 from imgest.tasks.index.build import build
 from imgest.tasks.index.choice import (
     HNSW_NIGHTLY_MAX_N,
@@ -14,7 +14,6 @@ from imgest.tasks.index.choice import (
     kept_fallback,
     nightly_fallback,
     nlist_for,
-    parse_memory,
 )
 from imgest.tasks.index.tuning import knn_recall, tune_search
 
@@ -177,7 +176,7 @@ def test_unmet_target_is_reported_not_hidden():
 def test_pq_with_a_re_rank_meets_the_target_that_pq_alone_misses():
     """8 bytes of PQ per 64-d vector plateau far below 0.95; the same codes searched for k x k_factor candidates
     re-scored by float16 vectors meet it, and the sweep serves the fastest (nprobe, k_factor) that does."""
-    from imgest.tasks.index.build import refine_of
+    from imgest.retrieval.params import refine_of
 
     x = clustered(n=8_000, d=64, clusters=80, noise=0.6)
     alone, _ = build(x, choose_index(len(x), 64, "4G", "IVF32,PQ8"))

@@ -17,12 +17,12 @@ from imgest.demo import PHOTOS, photo
 from imgest.flows.build_index import build_index
 from imgest.flows.ingest import ingest
 from imgest.flows.nightly import nightly
+from imgest.reports.index import render_card
+from imgest.retrieval.query import Query, Searcher, SearchError, search
+from imgest.retrieval.versions import IndexIntegrityError, open_index
+from imgest.state.aliases import read_alias, set_alias
 from imgest.storage import Location
 from imgest.tasks.index.rerank import on_disk
-from imgest.tasks.index.store import IndexIntegrityError, open_index
-from imgest.tasks.migration.aliases import read_alias, set_alias
-from imgest.tasks.reports.index import render_card
-from imgest.tasks.search.query import Query, Searcher, SearchError, search
 from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
 from tests.s3servers import DEFAULT as S3_DEFAULT
 from tests.s3servers import on as on_s3
@@ -238,8 +238,8 @@ def test_live_vectors_spill_to_an_unlinked_scratch_map_and_build_the_same_index(
     holds one shard at a time); the vectors, their order and the index built from them are unchanged."""
     import tempfile
 
-    import imgest.tasks.state.live
-    from imgest.tasks.state.live import load_live_vectors
+    import imgest.state.live
+    from imgest.state.live import load_live_vectors
 
     store = tmp_path / "store"
     shutil.copytree(lite0_store["store"], store)
@@ -248,7 +248,7 @@ def test_live_vectors_spill_to_an_unlinked_scratch_map_and_build_the_same_index(
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    monkeypatch.setattr(imgest.tasks.state.live, "SPILL_BYTES", 0)
+    monkeypatch.setattr(imgest.state.live, "SPILL_BYTES", 0)
     spilled = load_live_vectors(Location(str(store)), slug, d)
     assert isinstance(spilled.vectors, np.memmap) and not isinstance(in_memory.vectors, np.memmap)
     assert list(scratch.iterdir()) == [], "the scratch file is unlinked as soon as it is mapped"

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from imgest.retrieval.header import KINDS, IndexHeaderError, check_index_file
 from imgest.tasks.index.build import add_in_blocks, train
 from imgest.tasks.index.choice import choose_index
-from imgest.tasks.index.header import KINDS, IndexHeaderError, check_index_file
 
 D, N = 32, 600
 IP, L2 = faiss.METRIC_INNER_PRODUCT, faiss.METRIC_L2

@@ -10,15 +10,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from imgest import encoders
+from imgest.state.committed import load_state, snapshot_key, write_model_card
+from imgest.state.live import LiveShards
+from imgest.state.rows import STATE_SCHEMA
 from imgest.storage import Location
 from imgest.tasks.index.choice import choose_index
 from imgest.tasks.index.rerank import on_disk
 from imgest.tasks.index.stream import stream_build
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-from imgest.tasks.ingest.shards import ShardWriter
-from imgest.tasks.state.committed import load_state, snapshot_key, write_model_card
-from imgest.tasks.state.live import LiveShards
-from imgest.tasks.state.rows import STATE_SCHEMA
+from imgest.tasks.ingest.writer import ShardWriter
 
 SPEC = encoders.resolve("raw-pixels-2")  # d = 12
 
@@ -115,7 +115,7 @@ def test_a_streamed_build_holds_no_object_per_item_where_loading_the_live_set_di
     with their ids, URIs and hashes as lists (the build before it streamed) takes several times the cap."""
     import tracemalloc
 
-    from imgest.tasks.state.live import load_live_vectors
+    from imgest.state.live import load_live_vectors
 
     n = 200_000
     store, state, _ = write_store(tmp_path, n, 2000)
@@ -140,7 +140,7 @@ def test_a_streamed_build_holds_no_object_per_item_where_loading_the_live_set_di
 def test_a_live_sample_is_the_same_rows_as_the_whole_live_set_at_the_sampled_positions(tmp_path):
     """What a whitening fits on: the seeded sample of rows in item_id order, read from the shards holding them,
     with their ids, uris and hashes; `total` counts every live item. A sample as large as the live set is it."""
-    from imgest.tasks.state.live import load_live_sample, load_live_vectors, sample_rows
+    from imgest.state.live import load_live_sample, load_live_vectors, sample_rows
 
     store, state, _ = write_store(tmp_path, 3000, 250, deleted={5, 6})
     state.close()
@@ -160,10 +160,10 @@ def test_a_live_sample_is_the_same_rows_as_the_whole_live_set_at_the_sampled_pos
 def test_a_query_by_item_id_reads_the_shard_its_version_recorded_without_loading_the_state(tmp_path, monkeypatch):
     """The id map records the shard each vector came from: the service finds an item by binary search in the
     memory-mapped map and reads that one shard (no catalogue state, no scan of every item)."""
-    import imgest.tasks.search.items as items
+    import imgest.retrieval.items as items
     from imgest.config import IndexConfig
     from imgest.flows.build_index import build_index
-    from imgest.tasks.search.query import Query, Searcher
+    from imgest.retrieval.query import Query, Searcher
 
     store, state, vectors = write_store(tmp_path, 3000, 300)
     shards = dict(zip(*state.query("SELECT item_id, shard FROM state").to_pydict().values()))
@@ -185,7 +185,7 @@ def test_a_query_by_item_id_reads_the_shard_its_version_recorded_without_loading
 def test_an_id_map_out_of_item_id_order_is_scanned_not_searched_by_halves(tmp_path):
     """The binary search holds only for a map in item_id order, which is checked when the map is converted: a map
     written otherwise (an older build, a hand-made store) still finds every item, by a scan."""
-    from imgest.tasks.index.idmap import IdMap
+    from imgest.retrieval.idmap import IdMap
 
     keys = ["b.jpg", "a.jpg", "c.jpg"]
     for name, order in (("ordered", sorted(keys)), ("unordered", keys)):
@@ -206,7 +206,7 @@ def test_a_querys_hits_read_their_own_batches_of_the_id_map_not_the_whole_column
     import subprocess
     import sys
 
-    from imgest.tasks.index.idmap import ID_MAP_BATCH, IdMap
+    from imgest.retrieval.idmap import ID_MAP_BATCH, IdMap
 
     n = 3 * ID_MAP_BATCH + 123
     keys = [f"catalogue/sku-{i:07d}.jpg" for i in range(n)]
@@ -219,7 +219,7 @@ def test_a_querys_hits_read_their_own_batches_of_the_id_map_not_the_whole_column
     assert ids.items(np.array(rows)) == [keys[r] for r in rows]
     assert ids.uris_of(np.array(rows)) == [f"s3://shop/{keys[r]}" for r in rows]
     assert ids.items(np.array([], np.int64)) == []
-    script = (f"import numpy as np, pyarrow as pa\nfrom imgest.tasks.index.idmap import IdMap\n"
+    script = (f"import numpy as np, pyarrow as pa\nfrom imgest.retrieval.idmap import IdMap\n"
               f"ids = IdMap({str(path)!r}, 'checksum', {str(tmp_path)!r})\n"
               f"ids.items(np.array({rows})); ids.uris_of(np.array({rows}))\n"
               "print(pa.default_memory_pool().max_memory())")

@@ -10,12 +10,12 @@ import pytest
 from imgest.config import IndexConfig, IngestConfig
 from imgest.flows.build_index import build_index
 from imgest.flows.ingest import ingest
+from imgest.retrieval.versions import IdMapFile, open_index
+from imgest.state.live import load_live_vectors
 from imgest.storage import Location
 from imgest.tasks.index.build import new_index
-from imgest.tasks.index.store import IdMapFile, open_index
 from imgest.tasks.index.truth import carry_truth, exact_truth
 from imgest.tasks.index.update import Delta, apply_delta
-from imgest.tasks.state.live import load_live_vectors
 from tests.helpers import gradient, png_bytes, write_files
 
 
@@ -118,6 +118,7 @@ def test_re_rank_vectors_on_disk_are_renumbered_into_a_new_file_equal_to_the_upd
     at a time (3 rows here), and is byte for byte the file of the same update done in RAM."""
     import faiss
 
+    from imgest.retrieval.mapped import open_mapped
     from imgest.tasks.index import rerank
 
     monkeypatch.setattr(rerank, "BLOCK", 3)
@@ -134,7 +135,7 @@ def test_re_rank_vectors_on_disk_are_renumbered_into_a_new_file_equal_to_the_upd
         return Delta(ids=IdMapFile(len(keep) + len(added)), remap=remap, added_ids=added_ids, added=added)
 
     in_ram = apply_delta(faiss.read_index(path), delta())
-    mapped = rerank.open_mapped(path)
+    mapped = open_mapped(path)
     assert rerank.on_disk(faiss.downcast_index(mapped))
     on_disk = apply_delta(mapped, delta())
     assert on_disk is not mapped and rerank.on_disk(faiss.downcast_index(on_disk)), "a new file, still mapped"
@@ -210,8 +211,8 @@ def test_nightly_change_updates_the_ivf_version_in_place_then_retrains_past_the_
 
 @pytest.mark.usefixtures("prefect_harness")
 def test_an_update_starts_from_the_version_an_alias_serves(tmp_path):
-    from imgest.tasks.index.store import read_card
-    from imgest.tasks.migration.aliases import set_alias
+    from imgest.retrieval.versions import read_card
+    from imgest.state.aliases import set_alias
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     _catalogue(cat, range(200))
@@ -310,7 +311,7 @@ def test_an_ivf_index_missing_the_target_falls_back_to_hnsw_and_keeps_it_until_t
 
 
 def _state_rows(keys: list[str], status: str, hashes: list[str], shards: list[str]):
-    from imgest.tasks.state.rows import STATE_SCHEMA
+    from imgest.state.rows import STATE_SCHEMA
 
     n = len(keys)
     return pa.table({"item_id": keys, "uri": [f"s3://shop/{k}" for k in keys], "status": [status] * n,
@@ -329,11 +330,11 @@ def test_an_update_scans_the_state_in_place_and_brings_back_the_change_and_an_id
     import pyarrow.parquet as pq
 
     from imgest import encoders
+    from imgest.state import rows
+    from imgest.state.committed import CatalogueState
     from imgest.tasks.index.update import plan_delta
     from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-    from imgest.tasks.ingest.shards import ShardWriter
-    from imgest.tasks.state import rows
-    from imgest.tasks.state.committed import CatalogueState
+    from imgest.tasks.ingest.writer import ShardWriter
 
     monkeypatch.setattr(rows, "STATE_MEMORY", "128MB")
     n, spec, store = 400_000, encoders.resolve("raw-pixels-2"), Location(str(tmp_path / "store"))

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from imgest.cli import app
 from imgest.config import IngestConfig
 from imgest.flows.ingest import ingest
-from imgest.tasks.state.export import export_live
-from imgest.tasks.state.status import store_status
+from imgest.state.export import export_live
+from imgest.state.status import store_status
 from tests.helpers import (
     HANG_AFTER_FIRST_SHARD,
     commit_markers,

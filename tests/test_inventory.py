@@ -16,8 +16,8 @@ import pytest
 
 from imgest.config import IngestConfig
 from imgest.flows.ingest import ingest
+from imgest.images.listing import list_catalogue
 from imgest.tasks.ingest.inventory import InventoryError, read_inventory
-from imgest.tasks.ingest.listing import list_catalogue
 from tests.helpers import gradient, png_bytes
 
 SCHEMA = ["Bucket", "Key", "VersionId", "IsLatest", "IsDeleteMarker", "Size", "LastModifiedDate", "ETag",

@@ -2,11 +2,11 @@
 
 import os
 
+from imgest.images.listing import Listing, is_image_key, list_catalogue, listing_table
+from imgest.state.committed import DELETED, LIVE, REJECTED, CatalogueState, ItemState
 from imgest.storage import Location, ObjectInfo
 from imgest.tasks.ingest import plan as plan_module
-from imgest.tasks.ingest.listing import Listing, is_image_key, list_catalogue, listing_table
 from imgest.tasks.ingest.plan import plan_ingest
-from imgest.tasks.state.committed import DELETED, LIVE, REJECTED, CatalogueState, ItemState
 from tests.helpers import jpeg_bytes, solid, write_files
 
 ODD_KEYS = ["with space.jpg", "ünïcode/ß.png", "hash#tag.JPG", "what?.jpeg", "plus+sign.Png"]
@@ -133,7 +133,7 @@ def test_a_listing_is_written_to_local_parquet_as_listed_and_its_folder_goes_wit
 
     import pyarrow.parquet as pq
 
-    from imgest.tasks.ingest.listing import merge_listings
+    from imgest.images.listing import merge_listings
 
     write_files(str(tmp_path / "cat"), {"a/1.jpg": b"1", "a/2.jpg": b"22", "b/3.jpg": b"333", "top.jpg": b"4"})
     parts = [list_catalogue(str(tmp_path / "cat"), folder, depth) for folder, depth in [("", 1), ("a", None),

@@ -159,9 +159,9 @@ def test_an_empty_lock_file_is_stale_after_the_heartbeat_window(tmp_path, clock)
 
 def test_a_writer_that_lost_the_lock_leaves_no_marker(tmp_path, clock):
     from imgest import encoders
+    from imgest.state.committed import commit_key
     from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-    from imgest.tasks.ingest.shards import ShardWriter
-    from imgest.tasks.state.committed import commit_key
+    from imgest.tasks.ingest.writer import ShardWriter
 
     store = Location(str(tmp_path / "store"))
     lost = StoreLock(store, owner="ingest@paused:1", ttl=TTL, heartbeat=3600, clock=clock)

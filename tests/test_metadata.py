@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from imgest.state.metadata import MetadataError, load_metadata, read_metadata, store_metadata
 from imgest.storage import Location
-from imgest.tasks.ingest.metadata import MetadataError, load_metadata, read_metadata, store_metadata
 
 CSV = """item_id,product_id,title,caption,category,price
 p/1.jpg,00017,Red canvas sneaker,"A red sneaker, side view",shoes,39.5

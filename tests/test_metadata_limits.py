@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from imgest.tasks.ingest import metadata
-from imgest.tasks.ingest.metadata import (
+from imgest.state import metadata
+from imgest.state.metadata import (
     MAX_CELL_CHARS,
     MAX_JSON_DEPTH,
     MAX_LINE_CHARS,
@@ -23,10 +23,10 @@ from imgest.tasks.ingest.metadata import (
     read_metadata,
 )
 
-# In a subprocess that imports only imgest.tasks.ingest.metadata: the refusal and the peak RSS it added.
+# In a subprocess that imports only imgest.state.metadata: the refusal and the peak RSS it added.
 PROBE = """
 import json, resource, sys
-from imgest.tasks.ingest.metadata import MetadataError, read_metadata
+from imgest.state.metadata import MetadataError, read_metadata
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
     read_metadata(sys.argv[1])

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from imgest.tasks.evaluate.fusion import max_score, rrf
-from imgest.tasks.evaluate.metrics import evaluate, paired_bootstrap, parse_metric, per_query, win_loss
+from imgest.retrieval.fusion import max_score, rrf
+from imgest.retrieval.metrics import evaluate, paired_bootstrap, parse_metric, per_query, win_loss
 
 RUN = {"q1": ["x", "a", "y", "b"], "q2": ["c", "z"], "q3": ["w"]}
 QRELS = {"q1": {"a", "b"}, "q2": {"c"}, "q3": {"v"}}

@@ -18,11 +18,12 @@ from imgest.encoders import EncoderError
 from imgest.flows.evaluate import evaluate
 from imgest.flows.migrate import migrate
 from imgest.flows.nightly import nightly
+from imgest.retrieval.combined import fused_search
+from imgest.retrieval.query import Query, Searcher
+from imgest.state.aliases import read_alias
+from imgest.state.window import read_window
 from imgest.storage import Location
-from imgest.tasks.migration.aliases import read_alias
-from imgest.tasks.migration.window import MigrationError, read_window, window_status
-from imgest.tasks.search.combined import fused_search
-from imgest.tasks.search.query import Query, Searcher
+from imgest.tasks.migration.window import MigrationError, window_status
 from tests.helpers import HANG_AFTER_FIRST_SHARD, commit_markers, events_seen, gradient, jpeg_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -278,7 +279,7 @@ def test_the_window_on_an_s3_store_with_a_searcher_following_serving(s3_endpoint
     finish, with a long-lived searcher following `serving` through each move."""
     import s3fs
 
-    from imgest.tasks.search.following import FollowingSearcher
+    from imgest.retrieval.following import FollowingSearcher
 
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint})
     bucket = f"window-{os.urandom(3).hex()}"

@@ -76,8 +76,8 @@ def test_a_run_encodes_at_every_scale_through_the_compiled_graph(prefect_harness
 
     from imgest.config import IngestConfig
     from imgest.flows.ingest import ingest
+    from imgest.images.decode import decode_image
     from imgest.tasks.ingest import batch_size
-    from imgest.tasks.ingest.decode import decode_image
     from tests.helpers import small_catalogue, write_files
 
     # which sizes are tried and for how long is not what is tested (tests/test_encoders.py)

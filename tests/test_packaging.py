@@ -45,7 +45,7 @@ def test_installed_outside_the_checkout_has_no_top_level_flows_or_tasks(installe
     where, nightly_file, api = result.stdout.split()
     site = installed_imgest["site"]
     assert where.startswith(site) and nightly_file.startswith(site), (where, nightly_file)
-    assert api == "imgest.tasks.search.query"
+    assert api == "imgest.retrieval.query"
 
 
 def test_installed_package_loads_every_deployment_entrypoint(installed_imgest, tmp_path):

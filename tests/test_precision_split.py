@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from imgest import encoders
-from imgest.encoders import compiled, efficientnet, parity, runtimes
+from imgest.encoders import compiled, efficientnet, parity, precision, runtimes
 
 LITE0 = "efficientnet-lite0"
-bf16_only = pytest.mark.skipif("bf16" not in runtimes.native_precisions("cpu"), reason="this CPU has no native bf16")
+bf16_only = pytest.mark.skipif("bf16" not in precision.native_precisions("cpu"), reason="this CPU has no native bf16")
 
 
 def _normalised(x):

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from imgest.cli import app
 from imgest.config import IndexConfig, IngestConfig
-from imgest.encoders import runtimes
-from imgest.tasks.search.query import Searcher, catalogue_encoding, query_encoder
+from imgest.encoders import precision, runtimes
+from imgest.retrieval.query import Searcher, catalogue_encoding, query_encoder
 from tests.helpers import small_catalogue, write_files
 
 
@@ -39,7 +39,7 @@ def test_a_runtime_that_cannot_run_here_falls_back_to_the_plain_encoder_with_one
     assert len(warned) == 1 and "encoded with openvino fp32, which cannot run here" in warned[0]
 
 
-@pytest.mark.skipif("bf16" not in runtimes.native_precisions("cpu"), reason="this CPU has no native bf16")
+@pytest.mark.skipif("bf16" not in precision.native_precisions("cpu"), reason="this CPU has no native bf16")
 def test_a_bf16_catalogue_is_searched_with_bf16_queries(prefect_harness, tmp_path):
     """A catalogue encoded in torch bf16 (it passes the parity gate with Lite0 here): a query that is one of its
     images gets that image's stored vector back (score 1 to rounding), which an fp32 query would not; the
@@ -70,6 +70,6 @@ def test_a_bf16_catalogue_is_searched_with_bf16_queries(prefect_harness, tmp_pat
 
 
 def _decoded(path, encoder):
-    from imgest.tasks.ingest.decode import decode_image
+    from imgest.images.decode import decode_image
 
     return decode_image(path.read_bytes(), min_side=encoder.decode_side)

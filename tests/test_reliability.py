@@ -23,9 +23,9 @@ from imgest.encoders import resolve
 from imgest.flows.build_index import build_index
 from imgest.flows.ingest import ingest
 from imgest.lock import generations
+from imgest.retrieval.query import Query, Searcher
+from imgest.state.committed import load_state
 from imgest.storage import Location
-from imgest.tasks.search.query import Query, Searcher
-from imgest.tasks.state.committed import load_state
 from tests.helpers import TcpProxy, gradient, png_bytes
 from tests.s3servers import SECRET
 

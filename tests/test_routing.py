@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from imgest.tasks.evaluate.routing import (
+from imgest.retrieval.routing import (
     RoutingError,
     candidate_runs,
     platt,
@@ -90,7 +90,7 @@ def _with(**changes) -> str:
 
 
 def test_a_routing_table_from_routing_file_reads_back(tmp_path):
-    from imgest.tasks.evaluate.routing import read_routing, routing_file
+    from imgest.retrieval.routing import read_routing, routing_file
 
     report = {"a": {"alias": "serving", "model_id": "m-a"}, "b": {"alias": "captions", "model_id": "m-b"},
               "query_file": "q.jsonl"}
@@ -126,7 +126,7 @@ MALFORMED = {
 
 @pytest.mark.parametrize("name", sorted(MALFORMED))
 def test_a_malformed_routing_table_is_one_routing_error(tmp_path, name):
-    from imgest.tasks.evaluate.routing import read_routing
+    from imgest.retrieval.routing import read_routing
 
     content, message = MALFORMED[name]
     path = tmp_path / "route.json"
@@ -137,7 +137,7 @@ def test_a_malformed_routing_table_is_one_routing_error(tmp_path, name):
 
 
 def test_a_routing_table_over_the_size_limit_is_refused_unread(tmp_path):
-    from imgest.tasks.evaluate.routing import MAX_ROUTING_BYTES, read_routing
+    from imgest.retrieval.routing import MAX_ROUTING_BYTES, read_routing
 
     big = _with(classes={f"class-{n}": "a" for n in range(MAX_ROUTING_BYTES // 16)})
     (tmp_path / "route.json").write_text(big)

@@ -13,7 +13,7 @@ import pytest
 
 from imgest import encoders
 from imgest.config import ConfigError, IngestConfig, build
-from imgest.encoders import compiled, openvino_runtime, parity, runtimes
+from imgest.encoders import compiled, openvino_runtime, parity, precision, runtimes
 from imgest.encoders.base import EncoderError
 from imgest.encoders.parity import ParityError
 from tests.helpers import small_catalogue, write_files
@@ -43,7 +43,7 @@ def test_openvino_fp32_gives_torch_fp32_embeddings_on_photos(name):
 
 
 @pytest.mark.slow("the parity sample: 256 product photos made and encoded")
-@pytest.mark.skipif("bf16" not in runtimes.native_precisions("cpu"), reason="this CPU has no native bf16")
+@pytest.mark.skipif("bf16" not in precision.native_precisions("cpu"), reason="this CPU has no native bf16")
 def test_the_parity_samples_reference_is_computed_once_on_a_host(tiny_models, compiled_cache, monkeypatch):
     """torch fp32's embeddings of the sample are the reference of every check of a model: kept in the host's
     cache, read back by a later check (a new process), computed again when the kept file is damaged."""
@@ -130,7 +130,7 @@ def test_the_reduced_precision_gate_is_retrieval_worked_by_hand():
 
 
 @pytest.mark.slow("real weights")
-@pytest.mark.skipif("bf16" not in runtimes.native_precisions("cpu"), reason="this CPU has no native bf16")
+@pytest.mark.skipif("bf16" not in precision.native_precisions("cpu"), reason="this CPU has no native bf16")
 def test_bf16_within_the_gate_is_accepted_and_one_made_to_drift_is_refused(compiled_cache, monkeypatch, tmp_path):
     spec = encoders.resolve(LITE0)
     accepted = encoders.load(spec, "cpu", "torch", "bf16")
@@ -168,7 +168,7 @@ def test_the_choice_falls_back_to_torch_with_one_warning(compiled_cache, monkeyp
 def test_auto_measures_the_runtimes_that_pass_and_caches_each(compiled_cache, monkeypatch, tmp_path):
     from imgest.tasks.ingest.batch_size import choose_encoding
 
-    monkeypatch.setattr(runtimes, "precision_candidates", lambda p, d: ("fp32",))  # fp32 only: a short test
+    monkeypatch.setattr(precision, "precision_candidates", lambda p, d: ("fp32",))  # fp32 only: a short test
     spec = encoders.resolve(LITE0)
     store = tmp_path / "store"
     chosen = choose_encoding(str(store), spec, "cpu", "auto", "auto", fixed=8)
@@ -277,17 +277,17 @@ def test_a_turn_held_too_long_is_passed_by_with_a_warning(compiled_cache, monkey
     assert done == [os.path.join(entry.folder, compiled.MODEL_FILE)]
     assert "another process has held it for 0.3 s; done here too" in caplog.text
 def test_precisions_follow_the_cpu(monkeypatch):
-    monkeypatch.setattr(runtimes, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
-    assert runtimes.native_precisions("cpu") == ("fp32",)
-    assert runtimes.precision_candidates("auto", "cpu") == ("fp32",)
-    monkeypatch.setattr(runtimes, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
-    assert runtimes.precision_candidates("auto", "cpu") == ("bf16", "fp32")
-    assert runtimes.precision_candidates("fp16", "cpu") == ("fp16",)  # named: tried, and refused if not native
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert precision.native_precisions("cpu") == ("fp32",)
+    assert precision.precision_candidates("auto", "cpu") == ("fp32",)
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
+    assert precision.precision_candidates("auto", "cpu") == ("bf16", "fp32")
+    assert precision.precision_candidates("fp16", "cpu") == ("fp16",)  # named: tried, and refused if not native
 
 
 @pytest.mark.slow("real weights")
 def test_a_precision_the_cpu_lacks_is_refused_in_one_line(monkeypatch):
-    monkeypatch.setattr(runtimes, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2"}))
     monkeypatch.setattr(encoders, "_loaded", {})
     with pytest.raises(EncoderError, match=r"^cpu does not compute in bf16 natively \(it does: fp32\); use "
                                            r"--precision auto or fp32$"):
@@ -298,7 +298,7 @@ def test_a_run_refuses_what_this_host_cannot_run_before_any_work(prefect_harness
     from imgest.flows.ingest import ingest
 
     write_files(str(tmp_path / "catalogue"), small_catalogue(3))
-    monkeypatch.setattr(runtimes, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2"}))
     with pytest.raises(EncoderError, match=r"^precision bf16: cpu does not compute in bf16 natively"):
         ingest(IngestConfig(catalogue=str(tmp_path / "catalogue"), store=str(tmp_path / "store"), precision="bf16"))
     monkeypatch.setattr(runtimes.OpenVINORuntime, "missing", lambda self: "the openvino package is not installed")
@@ -359,8 +359,8 @@ def test_unknown_runtime_or_precision_is_refused_naming_the_allowed(tmp_path, fi
 
 def test_a_run_records_its_runtime_and_precision(prefect_harness, tmp_path):
     from imgest.flows.ingest import ingest
+    from imgest.reports.ingest import render_summary
     from imgest.tasks.ingest.commit import RunSummary
-    from imgest.tasks.reports.ingest import render_summary
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     write_files(str(cat), small_catalogue(6))
@@ -378,7 +378,7 @@ def test_a_run_records_its_runtime_and_precision(prefect_harness, tmp_path):
     assert json.loads((store / "runs" / f"{summary['run_id']}.json").read_text())["runtime"] == "openvino"
     assert "- runtime: **openvino fp32**, min cosine" in render_summary(RunSummary(**summary))
     # the JPEG decoder measured on the run's own images, every installed one tried (tests/test_decoders.py)
-    from imgest.tasks.ingest import decoders
+    from imgest.images import decoders
 
     assert set(summary["encoding"]["decoders"]) == set(decoders.installed())
     chosen = summary["encoding"]["decoder"]

@@ -64,9 +64,9 @@ def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(
     import faiss
 
     from imgest.flows.build_index import build_index
+    from imgest.retrieval.versions import open_index
+    from imgest.state.live import load_live_vectors
     from imgest.storage import Location
-    from imgest.tasks.index.store import open_index
-    from imgest.tasks.state.live import load_live_vectors
     from tests.helpers import png_bytes
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
@@ -99,7 +99,7 @@ def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(
 def test_the_same_flow_runs_on_an_existing_cluster_by_address(tmp_path):
     from distributed import LocalCluster
 
-    from imgest.tasks.ingest.runners import _api_url
+    from imgest.runners import _api_url
 
     cat = tmp_path / "catalogue"
     write_files(str(cat), {f"p/{i:03d}.jpg": jpeg_bytes(gradient(i, (64, 64))) for i in range(6)})

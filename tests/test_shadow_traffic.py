@@ -17,11 +17,11 @@ from imgest.cli import app
 from imgest.config import MigrateConfig, NightlyConfig
 from imgest.flows.migrate import migrate
 from imgest.flows.nightly import nightly
+from imgest.retrieval.following import Answer, FollowingSearcher
+from imgest.retrieval.query import Query, Searcher
+from imgest.state import shadow as records
+from imgest.state.aliases import read_alias
 from imgest.storage import Location, RecordError
-from imgest.tasks.migration import shadow as records
-from imgest.tasks.migration.aliases import read_alias
-from imgest.tasks.search.following import Answer, FollowingSearcher
-from imgest.tasks.search.query import Query, Searcher
 from imgest.tasks.search.service import create_app
 from imgest.tasks.search.shadow import ShadowTraffic
 from tests.helpers import gradient, jpeg_bytes, served_app, write_files

@@ -13,13 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from imgest import encoders
-from imgest.storage import TEMP_PREFIX, Location
-from imgest.tasks.ingest.commit import commit_run, new_summary
-from imgest.tasks.ingest.decode import decode_image
-from imgest.tasks.ingest.encode import encode_shard
-from imgest.tasks.ingest.plan import Plan, ShardPlan, WorkItem
-from imgest.tasks.ingest.shards import ShardWriter, embedding_matrix
-from imgest.tasks.state.committed import (
+from imgest.images.decode import decode_image
+from imgest.state.committed import (
     LIVE,
     REJECTED,
     CatalogueState,
@@ -29,6 +24,12 @@ from imgest.tasks.state.committed import (
     prepare_state,
     shard_key,
 )
+from imgest.state.shards import embedding_matrix
+from imgest.storage import TEMP_PREFIX, Location
+from imgest.tasks.ingest.commit import commit_run, new_summary
+from imgest.tasks.ingest.encode import encode_shard
+from imgest.tasks.ingest.plan import Plan, ShardPlan, WorkItem
+from imgest.tasks.ingest.writer import ShardWriter
 from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
 
 RUN = "r00000001-20261130T000000-abcdef"

@@ -10,8 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pyarrow.parquet as pq
 import pytest
 
-from imgest.storage import Location
-from imgest.tasks.state.committed import (
+from imgest.state.committed import (
     DELETED,
     LIVE,
     CatalogueState,
@@ -19,12 +18,14 @@ from imgest.tasks.state.committed import (
     commit_key,
     load_state,
 )
+from imgest.storage import Location
 
 
 def test_a_small_change_is_written_as_a_delta_and_read_back_whole(tmp_path):
     """Nights of small change write only the changed rows; the state read back equals the whole state kept
     by hand, across deltas and the full snapshot that compacts them."""
-    from imgest.tasks.state.committed import list_snapshots, now_iso, write_snapshot
+    from imgest.state.clock import now_iso
+    from imgest.state.committed import list_snapshots, write_snapshot
 
     store = Location(str(tmp_path))
     model = {f"k{i:04d}": ItemState(f"k{i:04d}", f"u{i}", LIVE, f"e{i}", 1, 1.0, f"h{i}", "part-r00000001-a-b-00000",
@@ -52,7 +53,8 @@ def test_a_small_change_is_written_as_a_delta_and_read_back_whole(tmp_path):
 
 
 def test_snapshots_a_full_one_replaces_go_after_a_week(tmp_path):
-    from imgest.tasks.state.committed import list_snapshots, now_iso, write_snapshot
+    from imgest.state.clock import now_iso
+    from imgest.state.committed import list_snapshots, write_snapshot
 
     store = Location(str(tmp_path))
     items = {f"k{i}": ItemState(f"k{i}", "u", LIVE, None, 1, 1.0, f"h{i}", "part-r00000001-a-b-00000", None, None,
@@ -71,7 +73,7 @@ def test_a_tombstone_keeps_its_shard_for_its_days_then_the_shard_goes(tmp_path):
     """An item deleted from the catalogue can come back (revived from its old row) for TOMBSTONE_DAYS, so its
     shard file stays that long; from then on the tombstone lets go of it, and the file goes unless a live item
     is in it. A shard nothing refers to goes at once. Judged at the `now` passed, never the wall clock."""
-    from imgest.tasks.state.committed import TOMBSTONE_DAYS, prepare_state, revivable, shard_key, write_snapshot
+    from imgest.state.committed import TOMBSTONE_DAYS, prepare_state, revivable, shard_key, write_snapshot
 
     store = Location(str(tmp_path))
     deleted_at = datetime(2031, 3, 1, tzinfo=UTC)
@@ -110,7 +112,7 @@ def test_the_state_is_queried_on_disk_and_its_folder_goes_with_it(tmp_path):
     temp file left), and the folder is gone once the state is."""
     import gc
 
-    from imgest.tasks.state.committed import list_snapshots, write_snapshot
+    from imgest.state.committed import list_snapshots, write_snapshot
 
     store = Location(str(tmp_path / "store"))
     items = {f"k{i}": ItemState(f"k{i}", "u", LIVE, None, 1, 1.0, f"h{i}", "part-r00000001-a-b-00000", None, None,
@@ -136,7 +138,8 @@ def test_the_state_is_queried_on_disk_and_its_folder_goes_with_it(tmp_path):
 def test_killed_between_the_snapshot_and_the_marker_deletion_nothing_is_counted_twice(tmp_path):
     """A run killed after its snapshot (a delta here) but before it deleted the commit markers it folded: the
     next load sees them as already folded (their run is not after the snapshot), and the next write drops them."""
-    from imgest.tasks.state.committed import list_commits, now_iso, write_snapshot
+    from imgest.state.clock import now_iso
+    from imgest.state.committed import list_commits, write_snapshot
 
     store = Location(str(tmp_path))
     items = {f"k{i:03d}": ItemState(f"k{i:03d}", "u", LIVE, f"e{i}", 1, 1.0, f"h{i}", "part-r00000001-a-b-00000",
@@ -186,8 +189,9 @@ def test_scratch_folders_of_a_killed_process_are_swept(tmp_path, monkeypatch):
 def test_a_full_snapshot_whose_upload_fails_publishes_nothing_and_keeps_the_markers(tmp_path, monkeypatch):
     """The streamed full snapshot is the run's commit: an upload that fails (a dropped connection) stops the run
     with the markers still in place, no snapshot and no temp file; the next load sees the same state."""
+    from imgest.state.clock import now_iso
+    from imgest.state.committed import list_commits, list_snapshots, write_snapshot
     from imgest.storage import StorageError
-    from imgest.tasks.state.committed import list_commits, list_snapshots, now_iso, write_snapshot
 
     store = Location(str(tmp_path))
     run = "r00000001-a-b"

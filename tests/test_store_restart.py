@@ -25,10 +25,10 @@ from imgest.flows.ingest import ingest
 from imgest.flows.migrate import migrate
 from imgest.flows.nightly import nightly
 from imgest.lock import generations
+from imgest.retrieval.following import FollowingSearcher
+from imgest.retrieval.query import Query
+from imgest.state.committed import load_state
 from imgest.storage import Location
-from imgest.tasks.search.following import FollowingSearcher
-from imgest.tasks.search.query import Query
-from imgest.tasks.state.committed import load_state
 from tests.s3servers import SECRET, SeaweedServer
 from tests.test_reliability import (
     BUILD,

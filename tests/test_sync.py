@@ -22,9 +22,9 @@ from typer.testing import CliRunner
 from imgest.cli import app
 from imgest.config import IngestConfig, SyncConfig
 from imgest.lock import StoreLock, StoreLockedError
+from imgest.state.live import load_live_vectors
+from imgest.state.models import find_model
 from imgest.storage import Location
-from imgest.tasks.state.live import load_live_vectors
-from imgest.tasks.state.models import find_model
 from imgest.tasks.sync import watermark
 from imgest.tasks.sync.run import sync
 from imgest.tasks.sync.targets import Model, SyncError, credential, open_target, parse_target
@@ -169,7 +169,7 @@ def synced_original(tmp_path_factory, prefect_harness):
 def synced_store(tmp_path, synced_original):
     """A copy of `synced_original` in this test's folder (its files' times kept, so the next night sees what
     changed, and the store's catalogue root pointed at the copy), which the test may change."""
-    from imgest.tasks.state.catalogue_images import record_root
+    from imgest.state.catalogue_images import record_root
 
     root, images, titles = synced_original
     for name in ("cat", "store"):

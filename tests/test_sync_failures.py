@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from imgest.cli import app
 from imgest.config import SyncConfig
+from imgest.state.models import find_model
 from imgest.storage import Location
-from imgest.tasks.state.models import find_model
 from imgest.tasks.sync import watermark
 from imgest.tasks.sync.run import sync_or_record
 from imgest.tasks.sync.targets import MODEL_KEY, SLUG_KEY, Model, parse_target, physical_name, target_failed

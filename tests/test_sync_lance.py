@@ -8,9 +8,9 @@ import lancedb
 from typer.testing import CliRunner
 
 from imgest.cli import app
+from imgest.state.committed import embeddings_prefix
+from imgest.state.models import find_model
 from imgest.storage import Location
-from imgest.tasks.state.committed import embeddings_prefix
-from imgest.tasks.state.models import find_model
 from imgest.tasks.sync import lance
 from tests import test_sync
 from tests.test_sync import MODEL, _catalogue, _check_target, _ingest, _url

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from imgest.tasks.state.committed import LIVE, snapshot_key
-from imgest.tasks.state.rows import STATE_SCHEMA
+from imgest.state.committed import LIVE, snapshot_key
+from imgest.state.rows import STATE_SCHEMA
 
 N = 400_000
 KEYS = [f"products/{i % 97:02d}/sku-{i:09d}.jpg" for i in range(N)]
@@ -19,7 +19,7 @@ CHILD = """
 import json, shutil
 import pyarrow as pa
 from imgest.storage import Location
-from imgest.tasks.state.committed import load_state
+from imgest.state.committed import load_state
 from imgest.tasks.sync.run import plan
 
 state = load_state(Location({store!r}), "m")

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from imgest.cli import app
 from imgest.config import SyncConfig
+from imgest.state.models import find_model
 from imgest.storage import Location
-from imgest.tasks.state.models import find_model
 from imgest.tasks.sync import watermark
 from imgest.tasks.sync.targets import Model, open_target, parse_target
 from tests import test_sync

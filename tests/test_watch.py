@@ -168,7 +168,8 @@ def _embeddings(rng, n: int, centres: np.ndarray, spread: float = 0.35) -> np.nd
 
 
 def test_drift_flags_a_planted_shift_and_not_a_random_resample():
-    from imgest.tasks.watch.drift import measure, reference
+    from imgest.state.drift import reference
+    from imgest.tasks.watch.drift import measure
 
     rng = np.random.default_rng(7)
     centres = rng.standard_normal((12, 64))
@@ -225,7 +226,7 @@ def test_a_drift_reference_that_is_not_one_is_refused_and_the_night_goes_on(tmp_
     import zipfile
 
     from imgest.records import RecordError
-    from imgest.tasks.watch.drift import Reference, read_reference, reference_key, write_reference
+    from imgest.state.drift import Reference, read_reference, reference_key, write_reference
 
     store = Location(str(tmp_path / "store"))
     rng = np.random.default_rng(0)

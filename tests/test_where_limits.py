@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from imgest.tasks.search.filters import MAX_WHERE_CHARS, MAX_WHERE_DEPTH, FilterError, matching_items
+from imgest.retrieval.filters import MAX_WHERE_CHARS, MAX_WHERE_DEPTH, FilterError, matching_items
 
 TABLE = pa.table({"item_id": ["a", "b", "c", "d"], "category": ["shoes", "shoes", "coats", None],
                   "price": [39.5, 80.0, 120.0, 10.0], "tags": [["red"], ["red", "sale"], [], None],

@@ -17,9 +17,9 @@ from imgest.cli import app
 from imgest.config import MigrateConfig, NightlyConfig
 from imgest.flows.migrate import migrate
 from imgest.flows.nightly import nightly
+from imgest.state.aliases import read_alias
+from imgest.state.export import export_live
 from imgest.storage import Location
-from imgest.tasks.migration.aliases import read_alias
-from imgest.tasks.state.export import export_live
 from tests.helpers import gradient, png_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -60,7 +60,7 @@ def test_a_whitening_head_through_the_window_and_the_nightly(tmp_path, tiny_mode
     rows = pq.read_table(tmp_path / "rows.parquet").to_pydict()
     stored = dict(zip(rows["item_id"], rows["embedding"]))
     head = encoders.load(encoders.resolve(saved["head"]), "cpu")
-    from imgest.tasks.ingest.decode import decode_image
+    from imgest.images.decode import decode_image
 
     query = head.encode_images(np.stack([head.preprocess(decode_image((cat / "p" / "007.png").read_bytes()))]))[0]
     assert query.shape == (16,) and float(query @ np.asarray(stored["p/007.png"])) > 0.9999

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from imgest.cli import _fail, app
+from imgest.cli.app import app, fail
 
 alerts_app = typer.Typer(help="Alerts: Prefect automations that notify when a night fails, is late or drifts.",
                          no_args_is_help=True)
@@ -32,11 +32,11 @@ def alerts_apply(
     try:
         applied = apply_alerts(notify, no_nightly_within)
     except AlertError as exc:
-        _fail(exc)
+        fail(exc)
     except (httpx.HTTPError, PrefectHTTPStatusError) as exc:  # no server there, or it refused: nothing applied
         from prefect.settings import PREFECT_API_URL
 
-        _fail(RuntimeError(f"the Prefect API at {PREFECT_API_URL.value()} could not apply the alerts: "
+        fail(RuntimeError(f"the Prefect API at {PREFECT_API_URL.value()} could not apply the alerts: "
                            f"{type(exc).__name__}: {exc}"))
     if as_json:
         typer.echo(json.dumps(applied, indent=2))

@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from imgest.cli import _fail, _user_errors, app
+from imgest.cli.app import app, fail
+from imgest.errors import USER_ERRORS
 
 TOKEN_VARIABLE = "IMGEST_API_TOKEN"
 
@@ -65,15 +66,15 @@ def api(
         refuse_open_service(host, no_token)
         if not 0.0 <= shadow_share <= 1.0:
             raise ValueError(f"--shadow-share must be between 0 and 1, got {shadow_share}")
-        from imgest.tasks.search.combined import read_route
-        from imgest.tasks.search.following import FollowingSearcher
+        from imgest.retrieval.combined import read_route
+        from imgest.retrieval.following import FollowingSearcher
         from imgest.tasks.search.service import create_app
 
         table = read_route(route) if route else None
         if not alias:  # text queries to an image-only serving model go to the caption retriever: serve it too
+            from imgest.retrieval.combined import CAPTIONS
+            from imgest.state.aliases import read_alias
             from imgest.storage import open_location
-            from imgest.tasks.migration.aliases import read_alias
-            from imgest.tasks.search.combined import CAPTIONS
 
             has_captions = read_alias(open_location(store, must_exist=True, what="store"), CAPTIONS) is not None
             alias = ["serving", *([CAPTIONS] if has_captions else [])]
@@ -87,8 +88,8 @@ def api(
             from imgest.tasks.search.shadow import ShadowTraffic
 
             shadow = ShadowTraffic(store, shadow_share, device=device, check_every_s=follow_every)
-    except (*_user_errors(), RuntimeError, ValueError) as exc:
-        _fail(exc)
+    except (*USER_ERRORS, RuntimeError, ValueError) as exc:
+        fail(exc)
     import uvicorn
 
     follower.follow(every=follow_every)

@@ -7,9 +7,10 @@ from typing import Optional
 
 import typer
 
-from imgest.cli import _fail, _user_errors, app
+from imgest.cli.app import app, fail
 from imgest.cli.options import config_command
 from imgest.config import EvalConfig
+from imgest.errors import USER_ERRORS
 from imgest.names import DEFAULT_DEVICE
 
 
@@ -19,24 +20,24 @@ def eval_cmd(config: EvalConfig, as_json: bool = typer.Option(False, "--json")) 
     """recall@K, precision@K, MRR, mAP at the served parameters and exact, per class; A vs B when compared; with
     --candidates, candidate models against A's on one sample: recall, paired interval, encode cost."""
     try:
-        from imgest.tasks.evaluate.querysets import read_query_set
+        from imgest.retrieval.querysets import read_query_set
 
         # a malformed set or traffic file fails before Prefect starts
         read_query_set(config.queries)
         if config.traffic:
-            from imgest.tasks.evaluate.routing import read_traffic
+            from imgest.retrieval.routing import read_traffic
 
             read_traffic(config.traffic)
         from imgest.flows.evaluate import evaluate
         from imgest.tasks.evaluate.retrievers import dumps
 
         report = evaluate(config)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     if as_json:
         typer.echo(dumps(report))
     else:
-        from imgest.tasks.reports.evaluation import render_eval
+        from imgest.reports.evaluation import render_eval
 
         typer.echo(render_eval(report))
 
@@ -54,12 +55,12 @@ def queries_class(
     seed: int = typer.Option(0, help="Seed of the draw"),
 ) -> None:
     """A blind class-level set: held-out catalogue items as queries, their class as relevant, self excluded."""
-    from imgest.tasks.evaluate.querysets import build_class_queries
+    from imgest.retrieval.querysets import build_class_queries
 
     try:
         meta = build_class_queries(catalogue, out, per_class, seed, prefix)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     typer.echo(f"{meta['queries']} class queries over {len(meta['classes'])} classes written to {out} (seed {seed})")
 
 
@@ -71,12 +72,12 @@ def queries_instance(
     seed: int = typer.Option(0, help="Seed of the transforms"),
 ) -> None:
     """An instance-level set: crops, flips and colour changes of catalogue images, each finding its original."""
-    from imgest.tasks.evaluate.querysets import build_instance_queries
+    from imgest.retrieval.querysets import build_instance_queries
 
     try:
         meta = build_instance_queries(catalogue, out, prefix, seed)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     typer.echo(f"{meta['queries']} instance queries written to {meta['file']} (seed {seed})")
 
 
@@ -99,13 +100,13 @@ def report_cost(
 ) -> None:
     """Encode throughput and hours, re-encode cost, query encode time, storage, index fit, dual-window storage;
     with --rehearsal, a model change's window in hours."""
-    from imgest.tasks.index.cost import cost_report, read_rehearsal
-    from imgest.tasks.reports.index import render_cost
+    from imgest.reports.cost import cost_report, read_rehearsal
+    from imgest.reports.index import render_cost
 
     try:
         rehearsed = read_rehearsal(rehearsal) if rehearsal else None
         report = cost_report(store, corpus_size, gpu_hour_price, node_memory, device, node_disk=node_disk,
                              rehearsal=rehearsed)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     typer.echo(json.dumps(report, indent=2) if as_json else render_cost(report))

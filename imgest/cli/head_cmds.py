@@ -6,9 +6,10 @@ import json
 
 import typer
 
-from imgest.cli import _fail, _user_errors, app
+from imgest.cli.app import app, fail
 from imgest.cli.options import config_command
 from imgest.config import TrainHeadConfig
+from imgest.errors import USER_ERRORS
 
 
 @app.command("train-head")
@@ -22,21 +23,21 @@ def train_head_cmd(
     """Train a projection head with a metric loss on frozen base embeddings read from the shards, or fit a
     learned whitening of them (--whiten)."""
     from imgest.flows.train_head import train_head_flow
-    from imgest.tasks.reports.heads import render_head, render_whitening
+    from imgest.reports.heads import render_head, render_whitening
 
     if whiten:  # the same as --head-type whiten
         config = config.model_copy(update={"training": config.training.model_copy(update={"head_type": "whiten"})})
     try:
+        from imgest.state.models import default_model, find_model
         from imgest.storage import open_location
-        from imgest.tasks.state.models import default_model, find_model
 
         store = open_location(config.store, must_exist=True, what="store")  # before Prefect starts: one line
         config = config.model_copy(update={"base_model": default_model(store, config.base_model,
                                                                        flag="--base-model", base=True)})
         find_model(store, config.base_model)
         summary = train_head_flow(config)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     if as_json:
         typer.echo(json.dumps(summary, indent=2, default=str))
     else:

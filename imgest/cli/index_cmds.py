@@ -8,11 +8,12 @@ from typing import Optional
 
 import typer
 
-from imgest.cli import _fail, _user_errors, app
+from imgest.cli.app import app, fail
 from imgest.cli.options import config_command
 from imgest.config import DuplicatesConfig, IndexConfig
+from imgest.errors import USER_ERRORS
 from imgest.names import DEFAULT_DEVICE
-from imgest.tasks.evaluate.fusion import RRF_K
+from imgest.retrieval.fusion import RRF_K
 
 
 @app.command("build-index")
@@ -23,8 +24,8 @@ def build_index_cmd(
 ) -> None:
     """Build a new immutable index version from the live embeddings and move an alias to it."""
     try:
+        from imgest.state.models import default_model, find_model
         from imgest.storage import open_location
-        from imgest.tasks.state.models import default_model, find_model
 
         store = open_location(config.store, must_exist=True, what="store")
         config = config.model_copy(update={"model": default_model(store, config.model)})  # before Prefect starts
@@ -32,12 +33,12 @@ def build_index_cmd(
 
         from imgest.flows.build_index import build_index
         from imgest.progress import reporting
-        from imgest.tasks.reports.index import render_card
+        from imgest.reports.index import render_card
 
         with reporting():
             result = build_index(config)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     if not result["built"]:
         typer.echo(f"no index built: {result['reason']}")
     elif result["reused"] and not as_json:
@@ -50,9 +51,9 @@ def build_index_cmd(
 
 def _modalities(store: str, device: str, opened: dict, alias: str) -> tuple[str, ...] | None:
     """The modalities of the model `alias` serves (None: no such alias); the searcher stays open for the query."""
+    from imgest.retrieval.query import Searcher
+    from imgest.state.aliases import read_alias
     from imgest.storage import open_location
-    from imgest.tasks.migration.aliases import read_alias
-    from imgest.tasks.search.query import Searcher
 
     if alias not in opened:
         if read_alias(open_location(store, must_exist=True, what="store"), alias) is None:
@@ -95,8 +96,8 @@ def search_cmd(
     from dataclasses import asdict
 
     try:
-        from imgest.tasks.search.combined import fusion, text_to_captions
-        from imgest.tasks.search.query import Query, Searcher, SearchError, read_queries
+        from imgest.retrieval.combined import fusion, text_to_captions
+        from imgest.retrieval.query import Query, Searcher, SearchError, read_queries
 
         given = [x for x in (image, text, item_id, queries) if x is not None]
         if len(given) != 1:
@@ -104,13 +105,13 @@ def search_cmd(
         batch = read_queries(queries) if queries else [Query("query", image, text, item_id=item_id)]
         aliases, how = tuple(dict.fromkeys(alias)), None
         if route is not None:
-            from imgest.tasks.search.combined import routed_search
+            from imgest.retrieval.combined import routed_search
 
             results, how = routed_search(store, batch, k, route, query_class, device, where, group_by, per_group)
             card = {"model_id": f"route {how['route']} ({', '.join(how['aliases'])}; {how['from']})",
                     "version": None, "query_encoded_by": how.pop("query_encoded_by")}
         elif (chosen := fusion(aliases, fuse, rrf_k)).combine is not None:
-            from imgest.tasks.search.combined import fused_search
+            from imgest.retrieval.combined import fused_search
 
             aliases = chosen.aliases
             results, encoded_by = fused_search(store, batch, k, aliases, rrf_k, device, where, group_by, per_group)
@@ -124,15 +125,15 @@ def search_cmd(
             searcher = opened.get(alias_name) or Searcher(store, alias_name, model, version, device)
             results = searcher.search(batch, k, where, group_by, per_group)
             card = {**searcher.card, "query_encoded_by": searcher.query_encoded_by}
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     if as_json:
         payload = [{"query_id": q.query_id, "hits": [asdict(h) for h in hits]} for q, hits in zip(batch, results)]
         encoded = {"query_encoded_by": card["query_encoded_by"]} if card.get("query_encoded_by") else {}
         typer.echo(json.dumps({"model_id": card["model_id"], "version": card["version"], "results": payload,
                                **encoded, **({"how": how} if how else {})}, indent=2))
         return
-    from imgest.tasks.reports.index import served_parameters
+    from imgest.retrieval.versions import served_parameters
 
     if route is not None:
         typer.echo(card["model_id"])
@@ -163,8 +164,8 @@ def duplicates_cmd(
 
         with reporting():
             report = duplicates(config)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return

@@ -8,13 +8,14 @@ from typing import Optional
 
 import typer
 
-from imgest.cli import _check_model, _fail, _user_errors, app
+from imgest.cli.app import app, check_model, fail
 from imgest.cli.options import config_command
 from imgest.config import IngestConfig, NightlyConfig, ReencodeConfig
+from imgest.errors import USER_ERRORS
 from imgest.fields import OWN_MODEL
 from imgest.names import DEFAULT_DEVICE
 from imgest.progress import reporting
-from imgest.tasks.evaluate.fusion import RRF_K
+from imgest.retrieval.fusion import RRF_K
 
 
 @app.command()
@@ -26,25 +27,25 @@ def ingest(
     """Encode what is new or changed in the catalogue; tombstone what was deleted."""
     try:
         from imgest import encoders
+        from imgest.images.listing import check_apart
+        from imgest.state.models import default_model
         from imgest.storage import open_location
-        from imgest.tasks.ingest.listing import check_apart
-        from imgest.tasks.state.models import default_model
 
         # Fail on bad input before Prefect starts its server: a one-line reason, exit 2.
         store = open_location(config.store)
         config = config.model_copy(update={"model": default_model(store, config.model, field="name")})
-        _check_model(config.model, config.store)
+        check_model(config.model, config.store)
         encoders.resolve_device(config.device)
         check_apart(open_location(config.catalogue, must_exist=True, what="catalogue"), store)
 
         from imgest.flows.ingest import ingest as ingest_flow
+        from imgest.reports.ingest import render_summary
         from imgest.tasks.ingest.commit import RunSummary
-        from imgest.tasks.reports.ingest import render_summary
 
         with reporting():
             summary = ingest_flow(config)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     if as_json:
         typer.echo(json.dumps(summary, indent=2, default=str))
     else:
@@ -61,15 +62,15 @@ def status(
 ) -> None:
     """Per model: live items, shards, rejected items with reasons, tombstones, last run; the serving index and the
     runtimes and precisions that encoded its vectors."""
-    from imgest.tasks.state.status import store_status
+    from imgest.state.status import store_status
 
     if history:
         _history(store, nights, as_json)
         return
     try:
         report = store_status(store)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     if as_json:
         typer.echo(json.dumps(report, indent=2, default=str))
         return
@@ -77,7 +78,7 @@ def status(
     if report["running"]:
         typer.echo(f"running: {report['running']['owner']} since {report['running']['started']}")
     if serving := report["serving"]:
-        from imgest.tasks.reports.index import render_encoded_by
+        from imgest.reports.index import render_encoded_by
 
         vectors = f"{serving['n']:,} vectors, " if serving.get("n") is not None else ""
         typer.echo(f"serving: {serving['error']}" if "error" in serving else
@@ -102,13 +103,13 @@ def _history(store: str, nights: int, as_json: bool) -> None:
     from rich.table import Table
 
     from imgest.storage import open_location
-    from imgest.tasks.reports.trend import COLUMNS, trend_rows
     from imgest.tasks.watch.history import read_history
+    from imgest.tasks.watch.trend import COLUMNS, trend_rows
 
     try:
         rows = read_history(open_location(store, must_exist=True, what="store"), nights=nights)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     if as_json:
         typer.echo(json.dumps(rows, indent=2, default=str))
         return
@@ -138,12 +139,12 @@ def export(
     out: str = typer.Option(..., help="Output Parquet file (local path or URL)"),
 ) -> None:
     """Write the live embeddings of one model, one row per live item, as a Parquet file."""
-    from imgest.tasks.state.export import export_live
+    from imgest.state.export import export_live
 
     try:
         result = export_live(store, model, out)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     typer.echo(f"exported {result['rows']} live embeddings of {result['model_id']} to {result['out']}")
 
 
@@ -154,15 +155,15 @@ def reencode(config: ReencodeConfig) -> None:
     try:
         from imgest.storage import open_location
 
-        _check_model(config.model, config.store)
+        check_model(config.model, config.store)
         open_location(config.catalogue, must_exist=True, what="catalogue")
         from imgest.flows.reencode import reencode as reencode_flow
-        from imgest.tasks.reports.ingest import render_reencode
+        from imgest.reports.ingest import render_reencode
 
         with reporting():
             summary = reencode_flow(config)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     typer.echo(render_reencode(summary))
 
 
@@ -171,11 +172,11 @@ def reencode(config: ReencodeConfig) -> None:
 def nightly(config: NightlyConfig) -> None:
     """Ingest, then build and verify a fresh index and move `serving` to it."""
     try:
+        from imgest.images.listing import check_apart
         from imgest.storage import open_location
-        from imgest.tasks.ingest.listing import check_apart
 
         if config.model:
-            _check_model(config.model, config.store)
+            check_model(config.model, config.store)
         from imgest.tasks.sync.targets import parse_target
 
         for target in config.sync_to:  # before Prefect starts: a bad target refuses the night, not its end
@@ -183,14 +184,14 @@ def nightly(config: NightlyConfig) -> None:
         check_apart(open_location(config.catalogue, must_exist=True, what="catalogue"), open_location(config.store))
 
         from imgest.flows.nightly import nightly as nightly_flow
+        from imgest.reports.index import render_card
+        from imgest.reports.ingest import render_summary
         from imgest.tasks.ingest.commit import RunSummary
-        from imgest.tasks.reports.index import render_card
-        from imgest.tasks.reports.ingest import render_summary
 
         with reporting():
             result = nightly_flow(config)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     for base in result["bases"]:  # a head's base model, ingested first
         typer.echo(render_summary(RunSummary(**base)))
     for run in result["models"]:  # two while a migration window is open
@@ -218,9 +219,9 @@ def demo(
     from imgest.cli.index_cmds import build_index_cmd, search_cmd
     from imgest.demo import build_demo_catalogue, write_demo_metadata
     from imgest.encoders.text import NAME as CAPTION_MODEL
+    from imgest.retrieval.combined import CAPTIONS
+    from imgest.state.aliases import read_alias
     from imgest.storage import open_location
-    from imgest.tasks.migration.aliases import read_alias
-    from imgest.tasks.search.combined import CAPTIONS
 
     catalogue = os.path.join(workdir, "catalogue")
     store_dir = os.path.join(workdir, "store")

@@ -7,9 +7,10 @@ from typing import Optional
 
 import typer
 
-from imgest.cli import _check_model, _fail, _user_errors, app
+from imgest.cli.app import app, check_model, fail
 from imgest.cli.options import config_command
 from imgest.config import MigrateConfig
+from imgest.errors import USER_ERRORS
 
 migrate_app = typer.Typer(help="Change the embedding model through a dual-index migration window.",
                           no_args_is_help=True)
@@ -22,7 +23,7 @@ def _migrate(config: MigrateConfig, as_json: bool = False) -> None:
 
         open_location(config.store, must_exist=True, what="store")
         if config.action == "start":
-            _check_model(config.to, config.store)
+            check_model(config.to, config.store)
         if config.action == "status":  # read-only: no Prefect run needed
             from imgest.tasks.migration.window import window_status
 
@@ -31,15 +32,15 @@ def _migrate(config: MigrateConfig, as_json: bool = False) -> None:
             from imgest.flows.migrate import migrate
 
             result = migrate(config)
-    except _user_errors() as exc:
-        _fail(exc)
+    except USER_ERRORS as exc:
+        fail(exc)
     if as_json:
         typer.echo(json.dumps(result, indent=2, default=str))
     elif "finished" in result:
         typer.echo(f"window {result['finished']['window']['id']} finished; deleted now: "
                    f"{result['finished']['deleted'] or 'nothing yet (retention, or an alias still points at it)'}")
     else:
-        from imgest.tasks.reports.migration import render_window
+        from imgest.reports.migration import render_window
 
         typer.echo(render_window(result))
     if any("error" in sync for sync in result.get("targets", {}).get("switched", [])):
@@ -80,8 +81,8 @@ def migrate_promote(
 
         try:
             config = config.model_copy(update={"gate": json.loads(read_url(gate))})
-        except _user_errors() as exc:
-            _fail(exc)
+        except USER_ERRORS as exc:
+            fail(exc)
     _migrate(config, as_json)
 
 

@@ -87,7 +87,7 @@ def config_command(model: type[BaseModel], *, only: tuple[str, ...] | None = Non
 
         @functools.wraps(fn)
         def command(**values: Any) -> Any:
-            from imgest.cli import _fail
+            from imgest.cli.app import fail
 
             config: dict[str, Any] = dict(fixed)
             for field in (f for f in fields if f.name in values):  # absent: called from Python, model default
@@ -98,7 +98,7 @@ def config_command(model: type[BaseModel], *, only: tuple[str, ...] | None = Non
             try:
                 built = build(model, config)
             except ConfigError as exc:
-                _fail(exc)
+                fail(exc)
             return fn(built, **{p.name: values[p.name] for p in own})
 
         params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.annotation,

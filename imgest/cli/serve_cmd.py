@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from imgest.cli import _fail, app
+from imgest.cli.app import app, fail
 
 
 @app.command()
@@ -27,4 +27,4 @@ def serve(
         serve_all(host=host, port=port, say=lambda line: print(line, flush=True), notify=notify,
                   nightly_within_hours=no_nightly_within)
     except (ServeError, AlertError) as exc:
-        _fail(exc)
+        fail(exc)

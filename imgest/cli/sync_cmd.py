@@ -6,9 +6,11 @@ import json
 
 import typer
 
-from imgest.cli import _fail, _user_errors, app, redact
+from imgest.cli.app import app, fail
 from imgest.cli.options import config_command
 from imgest.config import SyncConfig
+from imgest.errors import USER_ERRORS
+from imgest.storage import redact
 
 
 @app.command("sync")
@@ -30,8 +32,8 @@ def sync_cmd(
 
         with reporting():
             result = sync(config)
-    except (*_user_errors(), SyncError, WatermarkError) as exc:
-        _fail(exc)
+    except (*USER_ERRORS, SyncError, WatermarkError) as exc:
+        fail(exc)
     except TargetError as exc:  # the target's failure, not the command's use: exit 1, as a nightly's sync
         typer.echo(f"imgest: {redact(exc)}", err=True)
         raise typer.Exit(code=1) from None

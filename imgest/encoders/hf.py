@@ -11,7 +11,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from imgest.encoders.base import EncoderError, EncoderSpec, file_digest, l2_normalise
-from imgest.encoders.runtimes import Graph, GraphEncoder, default_precision, torch_module
+from imgest.encoders.graph_encoder import GraphEncoder, torch_module
+from imgest.encoders.graphs import Graph
+from imgest.encoders.precision import default_precision
 from imgest.encoders.text import is_sentence_transformer, text_spec
 
 PREFIX = "hf:"

@@ -14,7 +14,7 @@ import numpy as np
 from imgest.encoders.base import EncoderError
 
 if TYPE_CHECKING:
-    from imgest.encoders.runtimes import Graph, Runner
+    from imgest.encoders.graphs import Graph, Runner
 
 OV_PRECISION = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
 

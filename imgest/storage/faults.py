@@ -7,10 +7,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from imgest.errors import UserError
 from imgest.records import RecordError
 
 
-class StorageError(RuntimeError):
+class StorageError(UserError, RuntimeError):
     """An object store could not be reached or used; the message names the URL (redacted)."""
 
 

@@ -37,11 +37,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from imgest.images.decode import DecodeError
 from imgest.storage import Location, RecordError, StorageError
 from imgest.tasks.duplicates.hashes import hamming, perceptual_hash, picture
 from imgest.tasks.duplicates.variants import KINDS, make_variant
 from imgest.tasks.duplicates.verify import same_picture
-from imgest.tasks.ingest.decode import DecodeError
 
 SAMPLE = 100  # originals drawn by default; each gets one copy of every kind
 MIN_SAMPLE = 8  # fewer readable originals than this: no calibration (the figures would mean nothing)
@@ -155,7 +155,7 @@ def calibrate(originals, live, opened, embed, *, sample: int = SAMPLE, seed: int
               target_recall: float = TARGET_RECALL, min_precision: float = MIN_PRECISION, created: str = "",
               model_id: str = "", progress=None) -> Calibration:
     """Measure and choose for the model whose served index is `opened`: `originals` is the seeded sample of
-    its live items (tasks/state/live.py `live_sample`, `sample` of them, `seed`), `live` the whole live set
+    its live items (imgest/state/live.py `live_sample`, `sample` of them, `seed`), `live` the whole live set
     (LiveShards: its nearest items are looked up there); `embed` turns a list of image bytes into unit vectors
     the way the catalogue's were made."""
     rng = np.random.default_rng(seed)

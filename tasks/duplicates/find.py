@@ -13,9 +13,14 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from imgest.images.decode import DecodeError, decode_image
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DUPLICATE_THRESHOLD
 from imgest.progress import report
+from imgest.state.catalogue_images import CatalogueImages, CatalogueRootError
+from imgest.state.clock import now_iso
+from imgest.state.committed import LIVE, load_state
+from imgest.state.live import LiveShards, live_sample, live_set
 from imgest.storage import ContainmentError, Location, StorageError
 from imgest.tasks.duplicates.calibrate import (
     SAMPLE,
@@ -30,10 +35,6 @@ from imgest.tasks.duplicates.groups import NEIGHBOURS, DuplicateReport, find_and
 from imgest.tasks.duplicates.hashes import HashCache, hamming, perceptual_hash, picture
 from imgest.tasks.duplicates.scan import Candidates, candidates, scan_pairs
 from imgest.tasks.duplicates.verify import same_picture
-from imgest.tasks.ingest.decode import DecodeError, decode_image
-from imgest.tasks.state.catalogue_images import CatalogueImages, CatalogueRootError
-from imgest.tasks.state.committed import LIVE, load_state, now_iso
-from imgest.tasks.state.live import LiveShards, live_sample, live_set
 
 
 def _stamp() -> str:
@@ -41,7 +42,7 @@ def _stamp() -> str:
 
 
 def _searcher(store_url: str, alias: str | None, model: str | None):
-    from imgest.tasks.search.query import Searcher, SearchError
+    from imgest.retrieval.query import Searcher, SearchError
 
     searcher = Searcher(store_url, alias, model)
     if "image" not in searcher.spec.modalities:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from imgest.state.catalogue_images import CatalogueImages, CatalogueRootError
+from imgest.state.clock import now_iso
 from imgest.storage import Location, StorageError
-from imgest.tasks.state.catalogue_images import CatalogueImages, CatalogueRootError
-from imgest.tasks.state.committed import now_iso
 
 NEIGHBOURS = 16  # candidates per item; a group larger than this still joins up through its members
 
@@ -151,7 +151,7 @@ def thumbnail_strip(uris: list[str], read=None, side: int = 96) -> bytes:
     image's bytes (`CatalogueImages.read`: only under the model's catalogue root)."""
     from PIL import Image
 
-    from imgest.tasks.ingest.decode import decode_image
+    from imgest.images.decode import decode_image
 
     tiles = []
     for uri in uris[:6]:
@@ -200,7 +200,7 @@ def describe_report(report: dict) -> str:
 
 
 def render_duplicates(report: DuplicateReport, thumbnails: dict[int, bytes]) -> str:
-    from imgest.tasks.reports.plots import markdown_image
+    from imgest.plots import markdown_image
 
     counts = report.to_dict()
     lines = [f"# Duplicates: model={report.slug}", "",

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from imgest.scratch import scratch_folder
+from imgest.state.rows import scratch_sql, sql_string
 from imgest.storage import Location, RecordError, StorageError
-from imgest.tasks.state.rows import scratch_sql, sql_string
 
 PREFIX = "duplicates/hashes"
 _SCHEMA = pa.schema([("content_hash", pa.string()), ("phash", pa.uint64())])
@@ -28,7 +28,7 @@ KEPT_SIDE = 256  # the longer side of the small copy kept for hashing and compar
 
 def picture(data: bytes):
     """An image's bytes decoded upright, small: what hashes and comparisons read."""
-    from imgest.tasks.ingest.decode import decode_image
+    from imgest.images.decode import decode_image
 
     image = decode_image(data, min_side=HASH_SIDE)
     image.thumbnail((KEPT_SIDE, KEPT_SIDE))

@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from imgest.state.live import LiveShards, read_shard_vectors
+from imgest.state.rows import sql_string
 from imgest.storage import Location
-from imgest.tasks.state.live import LiveShards, read_shard_vectors
-from imgest.tasks.state.rows import sql_string
 
 PAIRS_SCHEMA = pa.schema([("a", pa.string()), ("b", pa.string()), ("score", pa.float32())])
 

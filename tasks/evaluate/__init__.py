@@ -1,1 +1,1 @@
-"""Retrieval evaluation: query sets, metrics, served-vs-exact and two-retriever comparisons, fusion and routing."""
+"""Retrieval evaluation: served-vs-exact and two-retriever comparisons, candidate models, routing tables written."""

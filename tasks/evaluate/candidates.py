@@ -21,19 +21,18 @@ from prefect.cache_policies import NO_CACHE
 
 from imgest import encoders
 from imgest.encoders import Encoder, EncoderSpec
+from imgest.images.decode import DecodeError, decode_image
 from imgest.progress import report
 from imgest.records import RecordError
+from imgest.retrieval.metrics import evaluate, paired_bootstrap, per_query
+from imgest.retrieval.query import Searcher, catalogue_encoding
+from imgest.retrieval.querysets import LabelledQuery, QuerySetError
+from imgest.state.catalogue_images import CatalogueImages
+from imgest.state.live import LiveShards, live_set, sample_rows
+from imgest.state.rows import sql_string
 from imgest.storage import StorageError, read_url
-from imgest.tasks.evaluate.metrics import evaluate, paired_bootstrap, per_query
-from imgest.tasks.evaluate.querysets import LabelledQuery, QuerySetError
 from imgest.tasks.evaluate.retrievers import ExactScan, ranked
-from imgest.tasks.index.cost import projected_hours
-from imgest.tasks.ingest.decode import DecodeError, decode_image
-from imgest.tasks.search.query import Searcher, catalogue_encoding
-from imgest.tasks.state.catalogue_images import CatalogueImages
-from imgest.tasks.state.live import LiveShards, live_set, sample_rows
-from imgest.tasks.state.rows import sql_string
-from imgest.timing import Stopwatch
+from imgest.timing import Stopwatch, projected_hours
 
 ENCODE_BATCH = 32  # sample images decoded and encoded at a time
 NOTE = ("every model encodes the same sample (the relevant items plus seeded distractors) and is searched exactly "

@@ -11,11 +11,12 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from imgest.storage import Location
-from imgest.tasks.evaluate.fusion import max_score, rrf
-from imgest.tasks.evaluate.metrics import evaluate, paired_bootstrap, per_query, win_loss
-from imgest.tasks.evaluate.querysets import LabelledQuery, QuerySetError
-from imgest.tasks.evaluate.routing import (
+from imgest.plots import bootstrap_png, recall_sweep_png
+from imgest.retrieval.fusion import max_score, rrf
+from imgest.retrieval.metrics import evaluate, paired_bootstrap, per_query, win_loss
+from imgest.retrieval.query import Query, Searcher
+from imgest.retrieval.querysets import LabelledQuery, QuerySetError
+from imgest.retrieval.routing import (
     FOLDS,
     candidate_runs,
     fit_calibration,
@@ -24,14 +25,12 @@ from imgest.tasks.evaluate.routing import (
     routing_table,
     traffic_gain,
 )
-from imgest.tasks.index.store import read_card
-from imgest.tasks.index.stream import keep_best
-from imgest.tasks.migration.aliases import read_alias
-from imgest.tasks.reports.index import served_parameters
-from imgest.tasks.reports.plots import bootstrap_png, recall_sweep_png
-from imgest.tasks.search.query import Query, Searcher
-from imgest.tasks.state.live import live_set, read_shard_vectors, shard_groups
-from imgest.tasks.state.rows import sql_string
+from imgest.retrieval.topk import keep_best
+from imgest.retrieval.versions import read_card, served_parameters
+from imgest.state.aliases import read_alias
+from imgest.state.live import live_set, read_shard_vectors, shard_groups
+from imgest.state.rows import sql_string
+from imgest.storage import Location
 
 EMBED_CHUNK = 64
 

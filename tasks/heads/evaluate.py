@@ -10,9 +10,9 @@ import hashlib
 
 import numpy as np
 
-from imgest.tasks.evaluate.metrics import paired_bootstrap
+from imgest.images import decoders
+from imgest.retrieval.metrics import paired_bootstrap
 from imgest.tasks.heads.train import HeadError
-from imgest.tasks.ingest import decoders
 
 KS = (1, 5, 10)
 
@@ -58,12 +58,12 @@ class QueryScorer:
 def query_scorer(url: str, live, base_name: str, device: str = "auto", log=lambda line: None,
                  decoder: str = decoders.PILLOW) -> QueryScorer:
     """Read the query set, encode its images with the base model (decoded by `decoder`, the one the catalogue's
-    images were: tasks/ingest/decoders.py `recorded`), map relevant and excluded ids to live rows.
+    images were: imgest/images/decoders.py `recorded`), map relevant and excluded ids to live rows.
     A query none of whose relevant items is live cannot be scored and is dropped (counted)."""
     from imgest import encoders
+    from imgest.images.decode import decode_image
+    from imgest.retrieval.querysets import read_query_set
     from imgest.storage import read_url
-    from imgest.tasks.evaluate.querysets import read_query_set
-    from imgest.tasks.ingest.decode import decode_image
 
     data = read_url(url)
     queries = read_query_set(url)

@@ -14,13 +14,13 @@ from prefect.cache_policies import NO_CACHE
 
 from imgest.config import HeadConfig
 from imgest.encoders.head import ARCHITECTURES, HELDOUT_VIEWS, serialise_weights, write_head
+from imgest.images.decode import DecodeError, decode_image
 from imgest.names import VERSION
+from imgest.state.clock import now_iso
+from imgest.state.live import LiveVectors
 from imgest.storage import Location, StorageError, read_url
 from imgest.tasks.heads.train import HeadError, loss_curves_png, read_labels, train_head
 from imgest.tasks.heads.views import DESCRIPTION, augment, augmented_instances, view_rng
-from imgest.tasks.ingest.decode import DecodeError, decode_image
-from imgest.tasks.state.committed import now_iso
-from imgest.tasks.state.live import LiveVectors
 
 
 @dataclass

@@ -24,9 +24,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from imgest.config import HeadConfig
+from imgest.errors import UserError
 
 
-class HeadError(ValueError):
+class HeadError(UserError, ValueError):
     """Labels, split or parameters cannot train a head; says what is wrong and what is allowed."""
 
 
@@ -329,7 +330,7 @@ def loss_curves_png(result: TrainResult) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from imgest.tasks.reports.plots import _png
+    from imgest.plots import _png
 
     epochs = [h["epoch"] for h in result.history]
     fig, ax = plt.subplots(figsize=(5.5, 3.2))

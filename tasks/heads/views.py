@@ -195,8 +195,8 @@ def augmented_instances(live, base_name: str, views: int, seed: int, max_items: 
 
 def _encode_views(live, rows: list[int], encoder, views: int, seed: int, names: tuple[str, ...],
                   log) -> tuple[list[int], np.ndarray]:
+    from imgest.images.decode import DecodeError, decode_image
     from imgest.storage import StorageError
-    from imgest.tasks.ingest.decode import DecodeError, decode_image
 
     batch, chunks, used = [], [], []
     for n, row in enumerate(rows):

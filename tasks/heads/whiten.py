@@ -28,10 +28,10 @@ from prefect.cache_policies import NO_CACHE
 
 from imgest.encoders.head import ARCHITECTURES, write_head
 from imgest.names import AUGMENTATIONS, DEFAULT_VIEWS, VERSION
+from imgest.state.clock import now_iso
+from imgest.state.live import sample_rows
 from imgest.tasks.heads.train import HeadError
 from imgest.tasks.heads.views import augmented_instances
-from imgest.tasks.state.committed import now_iso
-from imgest.tasks.state.live import sample_rows
 
 
 class WhiteningError(HeadError):

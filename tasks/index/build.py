@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from imgest.retrieval.params import has_ivf, refine_of
 from imgest.tasks.index.choice import OPQ_NITER, OPQ_TRAIN, IndexChoice
 from imgest.timing import Stopwatch
 
@@ -145,14 +146,6 @@ def _disable_polysemous(index) -> None:
             ivf.do_polysemous_training = False
 
 
-def refine_of(index):
-    """The IndexRefine (PQ codes searched, float vectors re-ranking) an index is, or None."""
-    import faiss
-
-    inner = faiss.downcast_index(index)
-    return inner if isinstance(inner, faiss.IndexRefine) else None
-
-
 def _bound_opq(index) -> None:
     # an OPQ rotation trains on at most OPQ_TRAIN vectors for OPQ_NITER iterations (see index_choice)
     import faiss
@@ -164,13 +157,3 @@ def _bound_opq(index) -> None:
             transform = faiss.downcast_VectorTransform(inner.chain.at(i))
             if isinstance(transform, faiss.OPQMatrix):
                 transform.niter, transform.max_train_points = OPQ_NITER, OPQ_TRAIN
-
-
-def has_ivf(index) -> bool:
-    import faiss
-
-    try:
-        faiss.extract_index_ivf(index)
-        return True
-    except RuntimeError:
-        return False

@@ -1,12 +1,13 @@
-"""Assemble an index card: what made the index, what it serves, what it costs (rendered by tasks/reports/index.py)."""
+"""Assemble an index card: what made the index, what it serves, what it costs (rendered by imgest/reports/index.py)."""
 
 from __future__ import annotations
 
 import faiss
 
-from imgest.names import VERSION
-from imgest.tasks.index.build import BuildTimes, faiss_blas, refine_of
-from imgest.tasks.index.choice import HNSW_M, RULE, IndexChoice, parse_memory
+from imgest.names import VERSION, parse_memory
+from imgest.retrieval.params import refine_of
+from imgest.tasks.index.build import BuildTimes, faiss_blas
+from imgest.tasks.index.choice import HNSW_M, RULE, IndexChoice
 from imgest.tasks.index.tuning import Tuned
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from imgest.errors import UserError
 from imgest.names import KINDS, parse_disk, parse_memory
 
 RULE = ("first that fits the memory budget: Flat if N <= 50000; HNSW32,Flat if N*(4d+281.6) bytes fit and "
@@ -86,7 +87,7 @@ def kept_fallback(previous: dict | None, n: int, d: int, memory: int | str,
     return IndexChoice(**{**back.to_dict(), "reason": why, "missed_at_n": missed})
 
 
-class IndexChoiceError(ValueError):
+class IndexChoiceError(UserError, ValueError):
     """The kind, factory string or memory budget cannot work; the message says what would."""
 
 

@@ -12,10 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from imgest.state.live import LiveShards, read_vectors
 from imgest.storage import Location
 from imgest.tasks.index.truth import Truth
-from imgest.tasks.index.update import read_vectors
-from imgest.tasks.state.live import LiveShards
 
 
 @dataclass(frozen=True)

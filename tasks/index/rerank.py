@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from imgest.retrieval.mapped import open_mapped
+
 # The last bytes faiss writes for an IndexRefine over an IndexScalarQuantizer: the re-rank codes as a
 # length-prefixed byte vector (uint64 length, then the codes), then IndexRefine's k_factor (float32).
 TAIL = struct.Struct("<Qf")
@@ -107,7 +109,8 @@ def renumbered_blocks(refine, remap: np.ndarray, rows: int, added_ids: np.ndarra
 def add_on_disk(index, vectors: np.ndarray, on_added: Callable[[int], None] | None = None):
     """Fill a trained, empty IndexRefine from `vectors` (a memory map, faiss id order): the PQ codes added in
     RAM, the re-rank codes encoded into its file; returns the index read back with them mapped."""
-    from imgest.tasks.index.build import add_in_blocks, refine_of
+    from imgest.retrieval.params import refine_of
+    from imgest.tasks.index.build import add_in_blocks
 
     refine = refine_of(index)
     add_in_blocks(refine.base_index, vectors, on_added=on_added)
@@ -151,20 +154,3 @@ def write_mapped(refine, rows: int, blocks: Iterable[np.ndarray], folder: str | 
         return open_mapped(path)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def open_mapped(path: str, io_flags: int | None = None):
-    """An IndexRefine file read with its re-rank codes mapped (faiss.IO_FLAG_MMAP_IFC, or `io_flags`) and its
-    base copied to RAM (owned by the index: writable, freed with it)."""
-    import faiss
-
-    index = faiss.read_index(path, faiss.IO_FLAG_MMAP_IFC if io_flags is None else io_flags)
-    inner = faiss.downcast_index(index)
-    mapped = inner.base_index
-    inner.own_fields = False
-    mapped.thisown = True  # the mapped base is Python's to free (after the swap)
-    # a serialised round trip owns its copy of the base; clone_index would keep viewing the mapping
-    base = faiss.deserialize_index(faiss.serialize_index(mapped))
-    base.thisown = False
-    inner.base_index, inner.own_fields = base, True
-    return index

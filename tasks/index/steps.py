@@ -21,7 +21,26 @@ from prefect.utilities.annotations import quote
 
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DISK
+from imgest.policy import IO_RETRIES
 from imgest.progress import report
+from imgest.retrieval.versions import (
+    IdMapFile,
+    IndexIntegrityError,
+    ids_file,
+    index_prefix,
+    previous_version,
+    read_card,
+    read_index_for_update,
+    read_truth,
+    version_counts,
+    version_exists,
+    write_version,
+)
+from imgest.runners import shard_runner
+from imgest.state.aliases import aliases_to_move, set_alias
+from imgest.state.committed import LIVE, load_state
+from imgest.state.drift import Reference, reference, write_reference
+from imgest.state.live import LiveShards, live_set
 from imgest.storage import Location
 from imgest.tasks.index.build import (
     BuildTimes,
@@ -35,19 +54,6 @@ from imgest.tasks.index.build import (
 from imgest.tasks.index.card import make_card
 from imgest.tasks.index.choice import IndexChoice, choose_index, kept_fallback, nightly_fallback, refines
 from imgest.tasks.index.parts import PartSpec, add_store_part, merge_id_parts, merge_truth, plan_parts
-from imgest.tasks.index.store import (
-    IdMapFile,
-    IndexIntegrityError,
-    ids_file,
-    index_prefix,
-    previous_version,
-    read_card,
-    read_index_for_update,
-    read_truth,
-    version_counts,
-    version_exists,
-    write_version,
-)
 from imgest.tasks.index.stream import Streamed, adds_by_shard, read_sample, stream_build
 from imgest.tasks.index.truth import Truth, carry_truth
 from imgest.tasks.index.tuning import TRUTH_DEPTH_PER_K, Tuned, tune_with_truth
@@ -62,12 +68,6 @@ from imgest.tasks.index.update import (
     updatable,
     updated_lineage,
 )
-from imgest.tasks.ingest.policy import IO_RETRIES
-from imgest.tasks.ingest.runners import shard_runner
-from imgest.tasks.migration.aliases import aliases_to_move, set_alias
-from imgest.tasks.state.committed import LIVE, load_state
-from imgest.tasks.state.live import LiveShards, live_set
-from imgest.tasks.watch.drift import Reference, reference, write_reference
 from imgest.timing import Stopwatch
 
 MIN_USABLE_PROBES = 0.8  # below this share of probes with a known exact top-k, the recall is measured afresh

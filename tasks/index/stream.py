@@ -18,17 +18,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from imgest.retrieval.topk import keep_best
+from imgest.retrieval.versions import IdMapFile
+from imgest.state.drift import Reference, reference
+from imgest.state.live import LiveShards, read_shard_vectors, vector_array
 from imgest.storage import Location
 from imgest.tasks.index.build import add_in_blocks, train
 from imgest.tasks.index.choice import IndexChoice, refines
 from imgest.tasks.index.lists import SizedAdd
 from imgest.tasks.index.parts import merge_truth
 from imgest.tasks.index.rerank import add_on_disk
-from imgest.tasks.index.store import IdMapFile
 from imgest.tasks.index.truth import Truth
 from imgest.tasks.index.update import rename_ids
-from imgest.tasks.state.live import LiveShards, read_shard_vectors, vector_array
-from imgest.tasks.watch.drift import Reference, reference
 from imgest.timing import Stopwatch
 
 ADD_BLOCK = 65_536  # vectors gathered from consecutive shards before one faiss add (and one probe scan)
@@ -87,13 +88,6 @@ def read_sample(store: Location, slug: str, dim: int, live: LiveShards, size: in
         keep = np.sort(np.random.default_rng(seed).choice(len(rows), size=size, replace=False))
         rows, vectors = rows[keep], vectors[keep]
     return Sample(rows, vectors)
-
-
-def keep_best(scores: np.ndarray, values: np.ndarray, more_scores: np.ndarray, more_values: np.ndarray, k: int):
-    """Each row's `k` best (highest score, earlier first on ties) of what it had and what came: (scores, values)."""
-    scores, values = np.concatenate([scores, more_scores], axis=1), np.concatenate([values, more_values], axis=1)
-    best = np.argsort(-scores, axis=1, kind="stable")[:, :min(k, scores.shape[1])]
-    return np.take_along_axis(scores, best, 1), np.take_along_axis(values, best, 1)
 
 
 class TruthScan:

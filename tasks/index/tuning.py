@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from imgest.tasks.index.build import has_ivf, refine_of
+from imgest.retrieval.params import param_name, refine_of, set_param
 from imgest.tasks.index.truth import Truth, exact_truth, truth_recall
 from imgest.timing import Stopwatch
 
@@ -41,27 +41,6 @@ class Tuned:
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("truth", "sweep")}
         return {**out, "sweep": [asdict(p) for p in self.sweep]}
-
-
-def param_name(index) -> str | None:
-    import faiss
-
-    if has_ivf(index):
-        return "nprobe"
-    if isinstance(faiss.downcast_index(index), faiss.IndexHNSW):
-        return "efSearch"
-    return None
-
-
-def set_param(index, name: str | None, value: int | None, k_factor: int | None = None) -> None:
-    import faiss
-
-    if k_factor is not None:
-        refine_of(index).k_factor = float(k_factor)
-    if name == "nprobe":
-        faiss.extract_index_ivf(index).nprobe = int(value)
-    elif name == "efSearch":
-        faiss.downcast_index(index).hnsw.efSearch = int(value)
 
 
 def candidates(index, name: str | None) -> list[int | None]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import Counter, defaultdict
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -24,13 +24,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from imgest.retrieval.params import refine_of
+from imgest.retrieval.versions import IdMapFile, IndexIntegrityError
+from imgest.state.committed import LIVE, CatalogueState, shard_key
+from imgest.state.live import read_vectors
+from imgest.state.rows import one_thread, sql_string
+from imgest.state.shards import UNRECORDED, shard_encoder
 from imgest.storage import Location
-from imgest.tasks.index.build import refine_of
 from imgest.tasks.index.rerank import emptied, on_disk, renumbered_blocks, write_mapped
-from imgest.tasks.index.store import IdMapFile, IndexIntegrityError
-from imgest.tasks.ingest.shards import UNRECORDED, embedding_matrix, shard_encoder
-from imgest.tasks.state.committed import LIVE, CatalogueState, shard_key
-from imgest.tasks.state.rows import one_thread, sql_string
 
 RETRAIN_PARAM_GROWTH = 2  # retrain when an update needs more than twice the nprobe its training served
 
@@ -50,26 +51,6 @@ class Delta:
     @property
     def removed(self) -> int:
         return int((self.remap < 0).sum())
-
-
-def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table,
-                 encoded_by: Counter | None = None) -> tuple[pa.Table, np.ndarray]:
-    """The rows of `wanted` (item_id, shard) found in their shards, with their vectors; only those shards read.
-    With `encoded_by`, the rows found are counted under what encoded them (`shard_encoder`)."""
-    by_shard: dict[str, list[str]] = defaultdict(list)
-    for item_id, shard in zip(wanted["item_id"].to_pylist(), wanted["shard"].to_pylist()):
-        by_shard[shard].append(item_id)
-    tables, vectors = [], []
-    for shard, keep in sorted(by_shard.items()):
-        table = store.read_table(shard_key(slug, shard))
-        table = table.filter(pc.is_in(table["item_id"], value_set=pa.array(keep, pa.string())))
-        if encoded_by is not None:
-            encoded_by[shard_encoder(table.schema.metadata)] += len(table)
-        tables.append(table.select(["item_id"]))
-        vectors.append(embedding_matrix(table, dim))
-    if not tables:
-        return pa.table({"item_id": pa.array([], pa.string())}), np.empty((0, dim), np.float32)
-    return pa.concat_tables(tables), np.concatenate(vectors).astype(np.float32, copy=False)
 
 
 def _write_id_map(cur, ids: IdMapFile) -> None:

@@ -19,8 +19,9 @@ import numpy as np
 
 from imgest import encoders
 from imgest.encoders import Encoder, EncoderError, compiled, device_key, runtimes
+from imgest.encoders import precision as precisions
+from imgest.state.clock import now_iso
 from imgest.storage import Location
-from imgest.tasks.state.committed import now_iso
 from imgest.timing import Stopwatch
 
 CPU_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
@@ -55,7 +56,7 @@ class Encoding:
     warning: str | None = None  # what was asked for could not run: why, and what runs instead
     encode_seconds: float | None = None  # core-seconds per image of the one chosen (threads / its img/s)
     decode_seconds: float | None = None  # core-seconds per image of reading and decoding (tasks/ingest/encode.py)
-    decoder: str = "pillow"  # the JPEG decoder measured fastest on the run's images (tasks/ingest/decoders.py)
+    decoder: str = "pillow"  # the JPEG decoder measured fastest on the run's images (imgest/images/decoders.py)
     decoders: dict[str, float] = field(default_factory=dict)  # each one tried -> core-seconds per image
 
     def to_dict(self) -> dict:
@@ -210,7 +211,7 @@ def candidates(spec, device: str, runtime: str, precision: str) -> tuple[list[En
     usable: dict[str, Encoder] = {}
     refused = []
     for name in runtimes.runtime_candidates(runtime, device):
-        for prec in runtimes.precision_candidates(precision, device):
+        for prec in precisions.precision_candidates(precision, device):
             try:
                 encoder = encoders.load(spec, device, name, prec)
             except EncoderError as exc:  # parity, a precision the device lacks, a model it cannot convert

@@ -9,13 +9,14 @@ from datetime import datetime
 import pyarrow as pa
 
 from imgest.encoders import EncoderSpec
+from imgest.images import decoders
 from imgest.lock import Fence
 from imgest.names import VERSION
+from imgest.state.clock import now_iso
+from imgest.state.committed import CatalogueState, read_marker, write_snapshot
 from imgest.storage import Location
-from imgest.tasks.ingest import decoders
 from imgest.tasks.ingest.plan import Plan
-from imgest.tasks.ingest.shards import ShardResult
-from imgest.tasks.state.committed import CatalogueState, now_iso, read_marker, write_snapshot
+from imgest.tasks.ingest.writer import ShardResult
 
 
 @dataclass

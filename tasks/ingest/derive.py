@@ -8,10 +8,11 @@ read and decoded.
 from __future__ import annotations
 
 from imgest.encoders import Encoder
+from imgest.state.committed import shard_key
+from imgest.state.shards import embedding_matrix
 from imgest.storage import Location
 from imgest.tasks.ingest.plan import WorkItem
-from imgest.tasks.ingest.shards import ShardWriter, embedding_matrix
-from imgest.tasks.state.committed import shard_key
+from imgest.tasks.ingest.writer import ShardWriter
 
 
 def derive_from_base(items: tuple[WorkItem, ...], encoder: Encoder, store: Location,

@@ -15,16 +15,17 @@ from datetime import UTC, datetime
 import numpy as np
 
 from imgest.encoders import Encoder
+from imgest.images import decoders
+from imgest.images.decode import DecodeError, decode_image
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DECODE_WORKERS, DEFAULT_DTYPE, DEFAULT_MAX_PIXELS
 from imgest.storage import Location, StorageError, is_transient, one_line
-from imgest.tasks.ingest import decoders, handoff
-from imgest.tasks.ingest.decode import DecodeError, decode_image
+from imgest.tasks.ingest import handoff
 from imgest.tasks.ingest.decode_workers import DecodeWorkers, plan_decode, read_ahead
 from imgest.tasks.ingest.derive import derive_from_base
 from imgest.tasks.ingest.gpu_decode import BatchJpegDecoder, plain_jpeg
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-from imgest.tasks.ingest.shards import ShardResult, ShardWriter
+from imgest.tasks.ingest.writer import ShardResult, ShardWriter
 from imgest.timing import Stopwatch
 
 
@@ -51,7 +52,7 @@ def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixel
     """Read, hash, decode and preprocess one object. Whatever goes wrong with the object itself is a verdict
     recorded against it; only a catalogue that cannot be reached at all fails the shard (and so the run).
     With `gpu_jpeg`, a plain JPEG is left undecoded: its bytes go to the batch's GPU decode; `decoder` is the
-    CPU's JPEG decoder (tasks/ingest/decoders.py)."""
+    CPU's JPEG decoder (imgest/images/decoders.py)."""
     if item.verdict is not None:
         return Prepared(item, reason=item.verdict)
     try:
@@ -193,7 +194,7 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
                  costs: tuple[float, float] | None = None, decoder: str = decoders.PILLOW) -> ShardResult:
     """Encode one shard's objects and commit it. `jpeg_decoder`: "auto" decodes JPEGs on the GPU when the
     encoder runs on CUDA and torchvision is installed (BatchJpegDecoder.for_encoder); None: on the CPU, with
-    `decoder` (the run's choice, tasks/ingest/decoders.py)."""
+    `decoder` (the run's choice, imgest/images/decoders.py)."""
     total, encoding, waiting = Stopwatch(), Stopwatch(running=False), Stopwatch(running=False)
     if jpeg_decoder == "auto":
         jpeg_decoder = BatchJpegDecoder.for_encoder(encoder, max_pixels)

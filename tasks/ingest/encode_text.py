@@ -17,12 +17,12 @@ import pyarrow.compute as pc
 
 from imgest.encoders import Encoder, EncoderSpec
 from imgest.encoders.text import compose
+from imgest.images.listing import Listing, listing_table
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DTYPE
 from imgest.storage import Location, ObjectInfo
-from imgest.tasks.ingest.listing import Listing, listing_table
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-from imgest.tasks.ingest.shards import ShardResult, ShardWriter
+from imgest.tasks.ingest.writer import ShardResult, ShardWriter
 from imgest.timing import Stopwatch
 
 

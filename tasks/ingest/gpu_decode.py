@@ -15,7 +15,7 @@ import warnings
 
 from PIL import Image
 
-from imgest.tasks.ingest.decode import DecodeError, decode_image
+from imgest.images.decode import DecodeError, decode_image
 
 
 def plain_jpeg(data: bytes, max_pixels: int) -> bool:

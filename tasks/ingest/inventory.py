@@ -19,8 +19,9 @@ from urllib.parse import unquote_plus
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from imgest.errors import UserError
+from imgest.images.listing import IMAGE_EXTENSIONS, LISTING_SCHEMA, Listing, SpillFolder
 from imgest.storage import read_url
-from imgest.tasks.ingest.listing import IMAGE_EXTENSIONS, LISTING_SCHEMA, Listing, SpillFolder
 
 FORMATS = ("CSV", "Parquet", "ORC")
 # CSV header names (the manifest's fileSchema) -> the Parquet/ORC column names S3 uses
@@ -29,7 +30,7 @@ COLUMNS = {"Bucket": "bucket", "Key": "key", "VersionId": "version_id", "IsLates
            "ETag": "e_tag", "StorageClass": "storage_class"}
 
 
-class InventoryError(ValueError):
+class InventoryError(UserError, ValueError):
     """The manifest or a data file cannot be used; nothing was listed."""
 
 

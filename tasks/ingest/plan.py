@@ -14,11 +14,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from imgest.errors import UserError
+from imgest.images.listing import Listing, printable_key
 from imgest.names import DEFAULT_MAX_BYTES, DEFAULT_SHARD_SIZE
+from imgest.state.committed import DELETED, FAILED, LIVE, CatalogueState, ItemState, revivable
+from imgest.state.rows import STATE_MEMORY
 from imgest.storage import Location
-from imgest.tasks.ingest.listing import Listing, printable_key
-from imgest.tasks.state.committed import DELETED, FAILED, LIVE, CatalogueState, ItemState, revivable
-from imgest.tasks.state.rows import STATE_MEMORY
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ SAME_SIGNATURE_SQL = """CASE WHEN coalesce(l.etag, '') <> '' AND coalesce(s.etag
                                   AND abs(l.mtime - s.mtime) < 1e-6 END"""
 
 
-class MassDeleteError(ValueError):
+class MassDeleteError(UserError, ValueError):
     """A run would tombstone more of the live items than allowed; nothing was changed."""
 
 

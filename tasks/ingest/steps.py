@@ -12,16 +12,14 @@ from prefect.cache_policies import NO_CACHE
 
 from imgest import encoders
 from imgest.encoders import EncoderSpec
+from imgest.events import emit
+from imgest.images.listing import Listing, catalogue_parts, list_catalogue, merge_listings
 from imgest.lock import Fence
-from imgest.names import DEFAULT_DTYPE, DEFAULT_MAX_PIXELS
-from imgest.storage import Location
-from imgest.tasks.ingest.batch_size import Encoding, choose_encoding
-from imgest.tasks.ingest.commit import RunSummary, commit_run
-from imgest.tasks.ingest.encode import decode_cost, encode_shard
-from imgest.tasks.ingest.encode_text import encode_text_shard, text_listing, text_of
-from imgest.tasks.ingest.inventory import read_inventory
-from imgest.tasks.ingest.listing import Listing, catalogue_parts, list_catalogue, merge_listings
-from imgest.tasks.ingest.metadata import (
+from imgest.names import DEFAULT_MAX_PIXELS
+from imgest.policy import COMMIT_TIMEOUT_S, IO_RETRIES, LIST_TIMEOUT_S, SHARD_RETRIES
+from imgest.state.catalogue_images import record_root
+from imgest.state.committed import CatalogueState, load_state, prepare_state
+from imgest.state.metadata import (
     MetadataReport,
     NoMetadataError,
     latest_seq,
@@ -29,12 +27,15 @@ from imgest.tasks.ingest.metadata import (
     snapshot_key,
     store_metadata,
 )
+from imgest.storage import Location
+from imgest.tasks.ingest.batch_size import Encoding, choose_encoding
+from imgest.tasks.ingest.commit import RunSummary, commit_run
+from imgest.tasks.ingest.encode import decode_cost, encode_shard
+from imgest.tasks.ingest.encode_text import encode_text_shard, text_listing, text_of
+from imgest.tasks.ingest.inventory import read_inventory
+from imgest.tasks.ingest.job import ShardJob
 from imgest.tasks.ingest.plan import MassDeleteError, Plan, ShardPlan, WorkItem, attach_base, plan_ingest
-from imgest.tasks.ingest.policy import COMMIT_TIMEOUT_S, IO_RETRIES, LIST_TIMEOUT_S, SHARD_RETRIES
-from imgest.tasks.ingest.shards import ShardResult
-from imgest.tasks.state.catalogue_images import record_root
-from imgest.tasks.state.committed import CatalogueState, load_state, prepare_state
-from imgest.tasks.watch.events import emit
+from imgest.tasks.ingest.writer import ShardResult
 
 
 @task(name="choose-encoding", cache_policy=NO_CACHE)
@@ -184,20 +185,17 @@ def encode_slot(name: str | None) -> Iterator[None]:
 
 @task(name="encode-shard", cache_policy=NO_CACHE, **SHARD_RETRIES,
       task_run_name="encode-{plan.name}")
-def encode_shard_task(plan: ShardPlan, spec: EncoderSpec, device: str, catalogue_url: str, store_url: str,
-                      batch_size: int, decode_workers: int, max_pixels: int, encode_limit: str = "auto",
-                      fence: Fence | None = None, dtype: str = DEFAULT_DTYPE,
-                      metadata_seq: int | None = None, runtime: str = "torch",
-                      precision: str | None = None, costs: tuple[float, float] | None = None,
-                      decoder: str = "pillow") -> ShardResult:
+def encode_shard_task(plan: ShardPlan, job: ShardJob) -> ShardResult:
     # The spec crosses the task boundary; the weights are loaded (and compiled, behind the parity check that
     # the flow's choice passed on this hardware) here, once per worker process. A worker that cannot run the
     # run's runtime and precision fails its shard: a run never mixes two.
-    encoder = encoders.load(spec, device, runtime, precision)
-    with encode_slot(encode_slot_name(encode_limit, device)):
-        if "image" not in spec.modalities:  # a caption model: its objects are the metadata snapshot's texts
-            store = Location(store_url)
-            texts = text_of(store.read_table(snapshot_key(metadata_seq)), spec, {item.item_id for item in plan.items})
-            return encode_text_shard(plan, encoder, texts, store, batch_size, fence, dtype)
-        return encode_shard(plan, encoder, Location(catalogue_url, follow_links=True), Location(store_url), batch_size,
-                            decode_workers, max_pixels, fence, dtype, costs=costs, decoder=decoder)
+    encoder = encoders.load(job.spec, job.device, job.runtime, job.precision)
+    with encode_slot(encode_slot_name(job.encode_limit, job.device)):
+        if "image" not in job.spec.modalities:  # a caption model: its objects are the metadata snapshot's texts
+            store = Location(job.store_url)
+            texts = text_of(store.read_table(snapshot_key(job.metadata_seq)), job.spec,
+                            {item.item_id for item in plan.items})
+            return encode_text_shard(plan, encoder, texts, store, job.batch_size, job.fence, job.dtype)
+        return encode_shard(plan, encoder, Location(job.catalogue_url, follow_links=True), Location(job.store_url),
+                            job.batch_size, job.decode_workers, job.max_pixels, job.fence, job.dtype, costs=job.costs,
+                            decoder=job.decoder)

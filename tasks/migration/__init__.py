@@ -1,1 +1,1 @@
-"""Model migration: the window, aliases moved by compare-and-swap, retention of retired models."""
+"""Model migration: the window, coverage, and the alias moves the window allows."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
+from imgest.state.committed import LIVE, load_state
+from imgest.state.live import live_fingerprint
+from imgest.state.rows import sql_string
 from imgest.storage import Location
-from imgest.tasks.state.committed import LIVE, load_state
-from imgest.tasks.state.live import live_fingerprint
-from imgest.tasks.state.rows import sql_string
 
 _LAST: dict[tuple, dict] = {}  # the last coverage measured in this process, by what it was measured on
 

@@ -2,7 +2,7 @@
 
   migration/window.json          the open window (created exclusively: two cannot be open at once)
   migration/history/<id>.json    closed windows
-  migration/retire/<slug>.json   a model whose data may be deleted after a date (see tasks/migration/retention.py)
+  migration/retire/<slug>.json   a model whose data may be deleted after a date (see imgest/state/retention.py)
 """
 
 from __future__ import annotations
@@ -13,38 +13,25 @@ import secrets
 import socket
 from datetime import UTC, datetime, timedelta
 
-from imgest import records
+from imgest.encoders import EncoderSpec
+from imgest.errors import UserError
+from imgest.events import emit
 from imgest.lock import Fence, RecordChangedError, fenced_delete, fenced_write
+from imgest.retrieval.versions import index_prefix, list_versions, open_index, read_card
+from imgest.state.aliases import delete_alias, list_aliases, read_alias, set_alias
+from imgest.state.clock import now_iso
+from imgest.state.committed import embeddings_prefix, latest_snapshot_seq, state_prefix
+from imgest.state.models import find_model, read_model
+from imgest.state.retention import collect_retired, retired_slugs
+from imgest.state.shadow import check_agreement
+from imgest.state.shadow import summary as shadow_summary
+from imgest.state.window import WINDOW_KEY, read_window
 from imgest.storage import Location
-from imgest.tasks.index.store import index_prefix, list_versions, open_index, read_card
-from imgest.tasks.migration.aliases import delete_alias, list_aliases, read_alias, set_alias
 from imgest.tasks.migration.coverage import coverage
-from imgest.tasks.migration.retention import collect_retired, retired_slugs
-from imgest.tasks.migration.shadow import check_agreement
-from imgest.tasks.migration.shadow import summary as shadow_summary
-from imgest.tasks.state.committed import embeddings_prefix, latest_snapshot_seq, now_iso, state_prefix
-from imgest.tasks.state.models import find_model, read_model
-from imgest.tasks.watch.events import emit
-
-WINDOW_KEY = "migration/window.json"
 
 
-class MigrationError(RuntimeError):
+class MigrationError(UserError, RuntimeError):
     """A migration step is not allowed now; the message says why and what would make it allowed."""
-
-
-def read_window(store: Location) -> dict | None:
-    """The open window, its two sides checked (a model name and slug each) before anything uses them."""
-    if not store.exists(WINDOW_KEY):
-        return None
-    window, where = store.read_json(WINDOW_KEY), f"{store.url}: {WINDOW_KEY}"
-    for side in ("from", "to"):
-        records.field(window, side, dict, where)
-        records.field(window[side], "name", str, f"{where}: {side}")
-        records.slug(window[side].get("slug"), f"{where}: {side}.slug")
-    for name in ("id", "status"):
-        records.field(window, name, str, where)
-    return window
 
 
 def _check(store: Location, fence: Fence | None) -> None:
@@ -373,9 +360,10 @@ def nightly_models(store: Location, model: str | None = None) -> tuple[list[tupl
     return pairs, left_out
 
 
-def check_window_model(expected_slug: str | None, summary: dict) -> None:
-    if expected_slug is not None and summary["slug"] != expected_slug:
-        raise MigrationError(f"the weights behind {summary['model_id'].split('@')[0]} changed during the migration "
-                             f"window (now model={summary['slug']}, window has model={expected_slug}); restore them "
+def check_window_model(expected_slug: str | None, spec: EncoderSpec) -> None:
+    """A window's model resolves to the slug the window recorded (its weights unchanged): checked before a
+    night ingests anything."""
+    if expected_slug is not None and spec.slug != expected_slug:
+        raise MigrationError(f"the weights behind {spec.model_id.split('@')[0]} changed during the migration "
+                             f"window (now model={spec.slug}, window has model={expected_slug}); restore them "
                              "or roll back and finish the window")
-

@@ -1,1 +1,2 @@
-"""Search by image or text with the model that built the index, optionally filtered by catalogue metadata."""
+"""The HTTP search service (`imgest api`): requests over a searcher that follows its aliases, thumbnails, shadow
+traffic."""

@@ -32,12 +32,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from imgest.images.decode import DecodeError
 from imgest.redact import one_line, redact
-from imgest.tasks.ingest.decode import DecodeError
-from imgest.tasks.search.filters import FilterError
-from imgest.tasks.search.following import Answer, FollowingSearcher
-from imgest.tasks.search.items import MAX_ITEM_ID_CHARS
-from imgest.tasks.search.query import Query, SearchError, UnknownItem
+from imgest.retrieval.filters import FilterError
+from imgest.retrieval.following import Answer, FollowingSearcher
+from imgest.retrieval.items import MAX_ITEM_ID_CHARS
+from imgest.retrieval.query import Query, SearchError, UnknownItem
 from imgest.tasks.search.shadow import ShadowTraffic
 from imgest.tasks.search.thumbnails import Thumbnails
 from imgest.timing import Stopwatch

@@ -1,5 +1,5 @@
 """Shadow traffic: a share of the live queries `serving` answers is run again on the migration window's
-candidate (`shadow`), off the request path, and recorded in the store (tasks/migration/shadow.py).
+candidate (`shadow`), off the request path, and recorded in the store (imgest/state/shadow.py).
 
 The request thread only draws the share and puts the query on a bounded queue (full: the query is dropped and
 counted, never waited for). One worker thread runs the queued queries on its own following searcher of
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from imgest.redact import one_line
+from imgest.retrieval.following import Answer, FollowingSearcher
+from imgest.retrieval.query import Query
+from imgest.state.shadow import overlap, write_part
+from imgest.state.window import read_window
 from imgest.storage import open_location
-from imgest.tasks.migration.shadow import overlap, write_part
-from imgest.tasks.migration.window import read_window
-from imgest.tasks.search.following import Answer, FollowingSearcher
-from imgest.tasks.search.query import Query
 from imgest.timing import Stopwatch
 
 

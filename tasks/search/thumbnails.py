@@ -7,9 +7,9 @@ import io
 import threading
 from collections import OrderedDict
 
+from imgest.images.decode import decode_image
+from imgest.state.catalogue_images import CatalogueImages
 from imgest.storage import Location
-from imgest.tasks.ingest.decode import decode_image
-from imgest.tasks.state.catalogue_images import CatalogueImages
 
 MAX_SOURCE_BYTES = 50 << 20  # a catalogue image larger than this gets no thumbnail
 MAX_SOURCE_PIXELS = 100_000_000

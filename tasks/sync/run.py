@@ -21,13 +21,14 @@ from prefect.cache_policies import NO_CACHE
 from imgest.config import SyncConfig
 from imgest.lock import StoreLock, StoreLockedError
 from imgest.progress import report
+from imgest.state.clock import now_iso
+from imgest.state.committed import LIVE, load_state, shard_key
+from imgest.state.live import live_fingerprint, shard_groups
+from imgest.state.metadata import load_metadata
+from imgest.state.models import find_model
+from imgest.state.rows import sql_string
+from imgest.state.shards import embedding_matrix
 from imgest.storage import Location, RecordError, open_location
-from imgest.tasks.ingest.metadata import load_metadata
-from imgest.tasks.ingest.shards import embedding_matrix
-from imgest.tasks.state.committed import LIVE, load_state, now_iso, shard_key
-from imgest.tasks.state.live import live_fingerprint, shard_groups
-from imgest.tasks.state.models import find_model
-from imgest.tasks.state.rows import sql_string
 from imgest.tasks.sync import watermark
 from imgest.tasks.sync.targets import (
     Model,
@@ -62,7 +63,7 @@ def resolve_model(store: Location, alias: str | None, model: str | None) -> dict
     """The model card of --model, or of the model --alias points at."""
     if model:
         return find_model(store, model)
-    from imgest.tasks.migration.aliases import read_alias
+    from imgest.state.aliases import read_alias
 
     target = read_alias(store, alias or "serving")
     if target is None:
@@ -169,7 +170,7 @@ def sync(config: SyncConfig) -> dict:
 
 
 def serving_slug(store: Location) -> str | None:
-    from imgest.tasks.migration.aliases import read_alias
+    from imgest.state.aliases import read_alias
 
     serving = read_alias(store, "serving")
     return serving["slug"] if serving else None
@@ -283,7 +284,7 @@ def _batch(spec: TargetSpec, step: str | Callable[[], str], source: _Counted | N
 def drop_retired(store: Location, spec: TargetSpec, target: Target, fence) -> list[str]:
     """The collections of models a finished window retired, dropped with their records once the store deleted
     the models' data (after the window's retention, never while an alias needs them)."""
-    from imgest.tasks.migration.retention import retired_slugs, retirement
+    from imgest.state.retention import retired_slugs, retirement
 
     gone = []
     for slug in sorted(set(watermark.synced_models(store, spec.slug)) & retired_slugs(store)):

@@ -30,10 +30,11 @@ from typing import Protocol
 
 import pyarrow as pa
 
+from imgest.errors import UserError
 from imgest.redact import one_line, redact_url, register_secret, url_secrets
 
 
-class SyncError(ValueError):
+class SyncError(UserError, ValueError):
     """A target that cannot be synced as asked (bad URL, another model's collection); one line saying why."""
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from imgest.config import SyncConfig
+from imgest.state.aliases import read_alias
+from imgest.state.window import read_window
 from imgest.storage import Location
-from imgest.tasks.migration.aliases import read_alias
-from imgest.tasks.migration.window import read_window
 from imgest.tasks.sync import watermark
 from imgest.tasks.sync.run import sync_task
 from imgest.tasks.sync.targets import parse_target

@@ -14,8 +14,8 @@ import re
 from collections import Counter
 
 from imgest import records
+from imgest.state.committed import embeddings_prefix
 from imgest.storage import Location
-from imgest.tasks.state.committed import embeddings_prefix
 
 HISTORY = "history/nightly"
 ROW_VERSION = 1

@@ -7,13 +7,13 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from imgest.events import night_events
 from imgest.redact import redact_url
 from imgest.storage import Location
-from imgest.tasks.reports.trend import render_trend
 from imgest.tasks.watch.drift import night_drift
-from imgest.tasks.watch.events import night_events
 from imgest.tasks.watch.history import night_row, read_history, record_night
 from imgest.tasks.watch.outliers import unusual
+from imgest.tasks.watch.trend import render_trend
 
 TREND_NIGHTS = 30
 
