@@ -39,8 +39,7 @@ print(json.dumps({"error": said, "added_mb": (after - before) / 1024}))
 
 
 def _refused_in_subprocess(path) -> dict:
-    # the probe runs as a user's process does, without the suite's per-worker thread budget (tests/conftest.py):
-    # with it, the probe aborted at interpreter exit twice under load, after printing a correct answer
+    # the probe runs as a user's process does, without the suite's per-worker thread budget (tests/conftest.py)
     budget = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
     env = {k: v for k, v in os.environ.items() if k not in budget}
     env["OPENBLAS_CORETYPE"] = os.environ.get("OPENBLAS_CORETYPE", "Haswell")

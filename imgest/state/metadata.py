@@ -195,9 +195,12 @@ def _parquet_table(data: bytes, url: str) -> pa.Table:
     read as dictionaries and their decoded size checked before a cell becomes a Python string."""
     import pyarrow.compute as pc
 
+    # Arrow reads from its own buffer, never through a Python file object: Arrow's reader threads calling back
+    # into Python can outlive the read and abort the interpreter at exit (apache/arrow#34314, #50482)
+    source = pa.py_buffer(data)
     try:
-        file = pq.ParquetFile(io.BytesIO(data))
-        meta, schema = file.metadata, file.schema_arrow
+        with pq.ParquetFile(pa.BufferReader(source)) as file:
+            meta, schema = file.metadata, file.schema_arrow
     except Exception as exc:  # noqa: BLE001 - pyarrow's many error types: one message
         raise MetadataError(f"{redact(url)}: not a readable Parquet file ({exc})") from exc
     _check_columns(max(meta.num_columns, len(schema.names)), url, "has")
@@ -209,7 +212,7 @@ def _parquet_table(data: bytes, url: str) -> pa.Table:
                             f"{MAX_METADATA_BYTES} (MAX_METADATA_BYTES)")
     text = [f.name for f in schema if _is_text(f.type.value_type if pa.types.is_dictionary(f.type) else f.type)]
     try:
-        table = pq.read_table(io.BytesIO(data), read_dictionary=text)  # each distinct string once, however often
+        table = pq.read_table(pa.BufferReader(source), read_dictionary=text)  # each distinct string once
     except Exception as exc:  # noqa: BLE001
         raise MetadataError(f"{redact(url)}: not a readable Parquet file ({exc})") from exc
     decoded = table.nbytes
