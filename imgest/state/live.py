@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import tempfile
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -297,13 +297,14 @@ def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table,
                  encoded_by: Counter | None = None) -> tuple[pa.Table, np.ndarray]:
     """The rows of `wanted` (item_id, shard) found in their shards, with their vectors; only those shards read.
     With `encoded_by`, the rows found are counted under what encoded them (`shard_encoder`)."""
-    by_shard: dict[str, list[str]] = defaultdict(list)
-    for item_id, shard in zip(wanted["item_id"].to_pylist(), wanted["shard"].to_pylist()):
-        by_shard[shard].append(item_id)
+    wanted = wanted.select(["item_id", "shard"]).sort_by("shard")
+    ids, start = wanted["item_id"].combine_chunks(), 0
     tables, vectors = [], []
-    for shard, keep in sorted(by_shard.items()):
+    per_shard = pc.value_counts(wanted["shard"])  # in the sorted order: one entry per shard, never per row
+    for shard, count in zip(per_shard.field("values").to_pylist(), per_shard.field("counts").to_pylist()):
+        keep, start = ids.slice(start, count), start + count
         table = store.read_table(shard_key(slug, shard))
-        table = table.filter(pc.is_in(table["item_id"], value_set=pa.array(keep, pa.string())))
+        table = table.filter(pc.is_in(table["item_id"], value_set=keep))
         if encoded_by is not None:
             encoded_by[shard_encoder(table.schema.metadata)] += len(table)
         tables.append(table.select(["item_id"]))
