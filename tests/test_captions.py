@@ -15,7 +15,7 @@ from imgest.encoders import EncoderError
 from imgest.encoders.text import compose
 from imgest.images.listing import Listing, listing_table
 from imgest.storage import Location, ObjectInfo
-from imgest.tasks.ingest.encode_text import encode_text_shard, text_listing, text_of
+from imgest.tasks.ingest.encode_text import encode_text_shard, shard_texts, text_listing
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
 
 RUN = "r00000001-20261130T000000-abcdef"
@@ -61,7 +61,7 @@ def test_text_listing_keeps_listed_items_with_text_and_counts_the_rest(minilm, t
     listing, left_out = text_listing(images, table, minilm.spec)
     assert [o.key for o in listing.objects] == ["p/1.jpg", "p/3.jpg"]
     assert left_out == {"rows_without_text": 1, "rows_for_unlisted_items": 1, "images_without_text": 2}
-    assert text_of(table, minilm.spec)["p/1.jpg"] == "red sneaker. side view"
+    assert shard_texts(table, minilm.spec, ["p/1.jpg"]).texts == {"p/1.jpg": "red sneaker. side view"}
 
 
 def test_a_text_shard_encodes_changed_text_only(minilm, tmp_path):

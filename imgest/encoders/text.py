@@ -8,7 +8,9 @@ its preprocessing, so of its model id: change it and the vectors live in a new n
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -61,6 +63,25 @@ def compose(row: dict, fields: Sequence[str] = TEXT_FIELDS, joiner: str = JOINER
     """The text a caption model reads for one metadata row: its non-empty text fields, in order."""
     parts = [str(row[f]).strip() for f in fields if row.get(f) is not None and str(row[f]).strip()]
     return joiner.join(parts)
+
+
+@functools.cache
+def whitespace() -> str:
+    """Every character `str.strip()` removes (Unicode's white space as Python reads it)."""
+    return "".join(chr(c) for c in range(sys.maxunicode + 1) if chr(c).isspace())
+
+
+def compose_sql(fields: Sequence[str], joiner: str = JOINER) -> str:
+    """`compose` as a DuckDB expression over a relation of metadata rows that has these text columns: each cast
+    to text and trimmed of what `str.strip()` trims, the empty ones and nulls skipped, the rest joined; '' for a
+    row without text. It gives the same text as `compose` for every row, so a text's hash computed in a query
+    is the hash of the text a shard encodes."""
+    def literal(text: str) -> str:
+        return "'" + text.replace("'", "''") + "'"
+
+    parts = [f"""nullif(trim(CAST("{f.replace('"', '""')}" AS VARCHAR), {literal(whitespace())}), '')"""
+             for f in fields]
+    return f"concat_ws({literal(joiner)}, {', '.join(parts)})" if parts else "''"
 
 
 class TextEncoder:

@@ -260,6 +260,29 @@ class Location(ConditionalWrites):
             fh.seek(0)
             return pq.read_table(fh, columns=columns)
 
+    @contextlib.contextmanager
+    def parquet_file(self, key: str) -> Iterator[pq.ParquetFile]:
+        """A Parquet object opened to be read in parts (its footer, the row groups a caller picks, batches of some
+        columns), never whole: a local file by its path, an object store's object by ranged reads."""
+        handle, file = self._open_parquet(key)
+        try:
+            yield file
+        finally:
+            file.close()
+            if handle is not None:
+                handle.close()
+
+    @store_io("reading")
+    def _open_parquet(self, key: str) -> tuple[Any, pq.ParquetFile]:
+        if self.is_local:  # Arrow's own file: its reader threads never call back into Python
+            return None, pq.ParquetFile(self.path(key))
+        handle = self.fs.open(self.path(key), "rb")
+        try:
+            return handle, pq.ParquetFile(handle)
+        except BaseException:
+            handle.close()
+            raise
+
     @store_io("reading")
     def read_parquet_metadata(self, key: str) -> dict[str, str]:
         """The key-value metadata of a Parquet file, from its footer only."""

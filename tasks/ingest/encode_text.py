@@ -4,54 +4,152 @@ A text model's "catalogue" is the text of the stored metadata snapshot, one item
 non-empty text (its columns joined as the model's preprocessing says). An item's signature is the hash of
 that text, so planning, shards, state, tombstones and the mass-delete guard work as for images: a row is
 encoded again only when its text changes, and the item's URI stays the image's, so a hit can be shown.
+
+Both reads of the snapshot are columnar: the listing streams it through DuckDB (texts composed, hashed and
+joined with the image listing there, never a Python object per row), and a shard reads only the row groups
+whose item_id range holds one of its items (the snapshot is sorted by item_id).
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import socket
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from imgest.encoders import Encoder, EncoderSpec
-from imgest.encoders.text import compose
-from imgest.images.listing import Listing, listing_table
+from imgest.encoders.text import compose_sql
+from imgest.images.listing import LISTING_SCHEMA, Listing, SpillFolder
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DTYPE
-from imgest.storage import Location, ObjectInfo
+from imgest.state.rows import STATE_MEMORY
+from imgest.storage import Location
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
 from imgest.tasks.ingest.writer import ShardResult, ShardWriter
 from imgest.timing import Stopwatch
 
-
-def text_of(table: pa.Table, spec: EncoderSpec, items: set[str] | None = None) -> dict[str, str]:
-    """item_id -> the text the model reads, for rows that have any (of `items` only, when given)."""
-    fields = spec.preprocessing["text_fields"]
-    present = [f for f in fields if f in table.column_names]
-    table = table.select(["item_id", *present])
-    if items is not None:  # one shard's rows: compose those, not the whole catalogue's
-        table = table.filter(pc.is_in(table["item_id"], value_set=pa.array(sorted(items), pa.string())))
-    rows = table.to_pylist()
-    texts = {r["item_id"]: compose(r, present, spec.preprocessing["joiner"]) for r in rows}
-    return {item: text for item, text in texts.items() if text}
+Snapshot = pa.Table | pq.ParquetFile  # a metadata snapshot in memory (small ones, tests), or opened to read in parts
+SNAPSHOT_BATCH = 65_536  # snapshot rows DuckDB is handed at a time while the listing streams it
 
 
 def text_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def text_listing(images: Listing, table: pa.Table, spec: EncoderSpec) -> tuple[Listing, dict]:
-    """The listing a text model plans from: listed images that have text; and what was left out."""
-    texts = text_of(table, spec)
-    listed = set(images.keys)
-    objects = [ObjectInfo(key=item, size=len(text.encode("utf-8")), mtime=None, etag=text_hash(text))
-               for item, text in sorted(texts.items()) if item in listed]
-    left_out = {"rows_without_text": table.num_rows - len(texts),
-                "rows_for_unlisted_items": sum(1 for item in texts if item not in listed),
-                "images_without_text": len(listed) - len(objects)}
-    return Listing(catalogue=images.catalogue, table=listing_table(objects)), left_out
+def _columns(snapshot: Snapshot, spec: EncoderSpec) -> list[str]:
+    """item_id and the model's text fields the snapshot has, in the model's order."""
+    names = snapshot.column_names if isinstance(snapshot, pa.Table) else snapshot.schema_arrow.names
+    return ["item_id", *[f for f in spec.preprocessing["text_fields"] if f in names]]
+
+
+def _texts_sql(relation: str, spec: EncoderSpec, columns: list[str]) -> str:
+    return f"SELECT item_id, {compose_sql(columns[1:], spec.preprocessing['joiner'])} AS text FROM {relation}"
+
+
+def _quoted(path: str) -> str:
+    return path.replace("'", "''")
+
+
+def text_listing(images: Listing, snapshot: Snapshot, spec: EncoderSpec) -> tuple[Listing, dict]:
+    """The listing a text model plans from: listed images that have text, with the text's length in bytes and
+    its hash as their signature; and what was left out. One pass over the snapshot, streamed into DuckDB, which
+    composes, hashes and joins with the image listing; the result is spilled to Parquet like the image listing
+    when that is (a catalogue's), else held as a table."""
+    import duckdb
+
+    columns = _columns(snapshot, spec)
+    listing = Listing(catalogue=images.catalogue)
+    with tempfile.TemporaryDirectory(prefix="imgest-texts-") as folder:
+        config = {"memory_limit": STATE_MEMORY, "preserve_insertion_order": False,
+                  "temp_directory": os.path.join(folder, "spill")}
+        with duckdb.connect(config=config) as con:
+            if isinstance(snapshot, pa.Table):
+                con.register("snapshot", snapshot.select(columns))
+            else:
+                schema = pa.schema([snapshot.schema_arrow.field(c) for c in columns])
+                con.register("snapshot", pa.RecordBatchReader.from_batches(
+                    schema, snapshot.iter_batches(batch_size=SNAPSHOT_BATCH, columns=columns)))
+            if isinstance(images.source, list):
+                con.read_parquet(images.source).create_view("images")
+            else:
+                con.register("images", images.source)
+            texts = os.path.join(folder, "texts.parquet")  # item_id, size, etag (null: the row has no text)
+            con.execute(f"""COPY (SELECT item_id, strlen(text) AS size, CASE WHEN text <> '' THEN sha256(text) END
+                                  AS etag FROM ({_texts_sql('snapshot', spec, columns)}))
+                            TO '{_quoted(texts)}' (FORMAT parquet)""")
+            texts = f"read_parquet('{_quoted(texts)}')"
+            rows, with_text, listed, both = con.execute(f"""
+                SELECT count(t.item_id), count(t.etag), count(i.key),
+                       count(*) FILTER (t.etag IS NOT NULL AND i.key IS NOT NULL)
+                FROM {texts} t FULL JOIN images i ON i.key = t.item_id""").fetchall()[0]
+            kept = f"""SELECT t.item_id AS key, TRUE AS key_ok, t.size, CAST(NULL AS DOUBLE) AS mtime, t.etag,
+                              CAST(NULL AS VARCHAR) AS storage_class
+                       FROM {texts} t SEMI JOIN images i ON i.key = t.item_id
+                       WHERE t.etag IS NOT NULL ORDER BY t.item_id"""
+            if images.table is None:
+                listing.spill = [SpillFolder()]
+                listing.files = [os.path.join(listing.spill[0].path, "texts.parquet")]
+                con.execute(f"COPY ({kept}) TO '{_quoted(listing.files[0])}' (FORMAT parquet, COMPRESSION zstd)")
+            else:
+                listing.table = con.sql(kept).to_arrow_table().cast(LISTING_SCHEMA)
+    left_out = {"rows_without_text": rows - with_text, "rows_for_unlisted_items": with_text - both,
+                "images_without_text": listed - both}
+    return listing, left_out
+
+
+@dataclass
+class ShardTexts:
+    texts: dict[str, str]  # item_id -> the text the model reads, for the shard's items that have one
+    rows_read: int  # snapshot rows read to find them
+    groups_read: int  # of the snapshot's row groups
+
+
+def row_groups_holding(meta: pq.FileMetaData, items: list[str]) -> list[int]:
+    """The row groups whose item_id range (from their statistics) holds one of `items` (sorted); a group
+    without statistics is read."""
+    names = [meta.schema.column(i).path for i in range(meta.num_columns)]
+    column = names.index("item_id")
+    groups = []
+    for group in range(meta.num_row_groups):
+        stats = meta.row_group(group).column(column).statistics
+        if stats is None or not stats.has_min_max:
+            groups.append(group)
+            continue
+        at = bisect.bisect_left(items, stats.min)
+        if at < len(items) and items[at] <= stats.max:
+            groups.append(group)
+    return groups
+
+
+def shard_texts(snapshot: Snapshot, spec: EncoderSpec, items: Iterable[str]) -> ShardTexts:
+    """The texts of one shard's items, composed as the listing composed them: from the row groups that can hold
+    them only, a group at a time, so a shard never reads the snapshot's other rows."""
+    import duckdb
+
+    wanted = sorted(set(items))
+    columns = _columns(snapshot, spec)
+    if isinstance(snapshot, pa.Table):
+        groups, parts = [0], iter([snapshot.select(columns)])
+    else:
+        groups = row_groups_holding(snapshot.metadata, wanted)
+        parts = (snapshot.read_row_group(g, columns=columns) for g in groups)
+    texts, rows = {}, 0
+    with duckdb.connect(config={"enable_external_access": False}) as con:
+        con.register("wanted", pa.table({"item_id": pa.array(wanted, pa.string())}))
+        for part in parts:
+            rows += part.num_rows
+            con.register("part", part)
+            texts.update(con.execute(f"""
+                SELECT item_id, text FROM ({_texts_sql('part', spec, columns)})
+                WHERE text <> '' AND item_id IN (SELECT item_id FROM wanted)""").fetchall())
+            con.unregister("part")
+    return ShardTexts(texts, rows, len(groups))
 
 
 def encode_text_shard(plan: ShardPlan, encoder: Encoder, texts: dict[str, str], store: Location, batch_size: int,

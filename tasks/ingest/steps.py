@@ -31,7 +31,7 @@ from imgest.storage import Location
 from imgest.tasks.ingest.batch_size import Encoding, choose_encoding
 from imgest.tasks.ingest.commit import RunSummary, commit_run
 from imgest.tasks.ingest.encode import decode_cost, encode_shard
-from imgest.tasks.ingest.encode_text import encode_text_shard, text_listing, text_of
+from imgest.tasks.ingest.encode_text import encode_text_shard, shard_texts, text_listing
 from imgest.tasks.ingest.inventory import read_inventory
 from imgest.tasks.ingest.job import ShardJob
 from imgest.tasks.ingest.plan import MassDeleteError, Plan, ShardPlan, WorkItem, attach_base, plan_ingest
@@ -106,7 +106,8 @@ def text_listing_task(store_url: str, listing: Listing, spec: EncoderSpec) -> tu
     if not seq:
         raise NoMetadataError(f"{spec.name} embeds catalogue text, and this store holds no metadata yet: pass "
                               "--metadata FILE_OR_URL (Parquet, CSV or JSONL with item_id, title, caption, ...)")
-    texts, left_out = text_listing(listing, store.read_table(snapshot_key(seq)), spec)
+    with store.parquet_file(snapshot_key(seq)) as snapshot:  # streamed: never the whole snapshot in memory
+        texts, left_out = text_listing(listing, snapshot, spec)
     return texts, left_out | {"metadata_snapshot": seq}, seq
 
 
@@ -193,9 +194,12 @@ def encode_shard_task(plan: ShardPlan, job: ShardJob) -> ShardResult:
     with encode_slot(encode_slot_name(job.encode_limit, job.device)):
         if "image" not in job.spec.modalities:  # a caption model: its objects are the metadata snapshot's texts
             store = Location(job.store_url)
-            texts = text_of(store.read_table(snapshot_key(job.metadata_seq)), job.spec,
-                            {item.item_id for item in plan.items})
-            return encode_text_shard(plan, encoder, texts, store, job.batch_size, job.fence, job.dtype)
+            with store.parquet_file(snapshot_key(job.metadata_seq)) as snapshot:  # its items' row groups only
+                texts = shard_texts(snapshot, job.spec, (item.item_id for item in plan.items))
+                get_run_logger().debug("%s: texts of %d items from %d snapshot rows (%d of %d row groups)",
+                                       plan.name, len(plan.items), texts.rows_read, texts.groups_read,
+                                       snapshot.metadata.num_row_groups)
+            return encode_text_shard(plan, encoder, texts.texts, store, job.batch_size, job.fence, job.dtype)
         return encode_shard(plan, encoder, Location(job.catalogue_url, follow_links=True), Location(job.store_url),
                             job.batch_size, job.decode_workers, job.max_pixels, job.fence, job.dtype, costs=job.costs,
                             decoder=job.decoder)
