@@ -92,10 +92,10 @@ def text_listing(images: Listing, snapshot: Snapshot, spec: EncoderSpec) -> tupl
                               CAST(NULL AS VARCHAR) AS storage_class
                        FROM {texts} t SEMI JOIN images i ON i.key = t.item_id
                        WHERE t.etag IS NOT NULL ORDER BY t.item_id"""
-            if images.table is None:
+            if images.table is None:  # a catalogue's listing: the text listing goes to disk as it did
                 listing.spill = [SpillFolder()]
-                listing.files = [os.path.join(listing.spill[0].path, "texts.parquet")]
-                con.execute(f"COPY ({kept}) TO '{_quoted(listing.files[0])}' (FORMAT parquet, COMPRESSION zstd)")
+                batches = con.sql(kept).to_arrow_reader(SNAPSHOT_BATCH)
+                listing.files = [listing.spill[0].write("texts.parquet", (b.cast(LISTING_SCHEMA) for b in batches))]
             else:
                 listing.table = con.sql(kept).to_arrow_table().cast(LISTING_SCHEMA)
     left_out = {"rows_without_text": rows - with_text, "rows_for_unlisted_items": with_text - both,
