@@ -17,6 +17,15 @@ inventory: the nightly never reads them, which is what is being measured.
 
 Churn: 0.5% of the objects changed (new bytes, new ETag), 0.25% new, 0.25% deleted (1% of the catalogue).
 
+`--metadata`: the catalogue's metadata beside it, a CSV of one row per listed object (item_id its key, product_id,
+title ~40-80 characters, category, price, colour, description ~200-600 characters; generated and written a block
+at a time), passed to the night (`--metadata`), which stores the first snapshot. Then a second night over the
+same catalogue with a second file where 1% of the rows have a new title and price; it must store exactly one new
+snapshot, differing from the first in exactly those rows. The metadata task is the stage `metadata`, the caption
+retriever's text listing `caption texts`. `--captions` adds the caption retriever (minilm-l6: every row's text
+encoded once, an alias `captions`) between the two nights, so the second night must encode exactly the changed
+rows' text; without it only the image model runs and the second night checks the snapshot.
+
 `--plan-only`: the inventory and the state only (no bucket, no shards, no index, no encode): the flow's
 functions for loading the state, reading the inventory and planning, each timed, in one sampled process.
 
@@ -24,9 +33,11 @@ Needs the test extra (SeaweedFS's `weed`, psutil), as `.venv` from infra/setup.s
 
     .venv/bin/python bench/bench_nightly_scale.py --objects 1000000 --workdir /tmp/imgest-scale --json
     .venv/bin/python bench/bench_nightly_scale.py --objects 100000000 --plan-only --workdir /tmp/imgest-plan --json
+    .venv/bin/python bench/bench_nightly_scale.py --objects 20000 --metadata --captions --workdir /tmp/meta --json
 
 prints {"objects": N, "stages": {"<stage>": {"seconds": s, "peak_rss_mb": m, "read_mb": r}},
-"peak_rss_mb": m, ...} as its last line.
+"peak_rss_mb": m, ...} as its last line; with --metadata also "metadata" (rows, changed rows, MiB) and "second_night"
+(its stages and checks).
 """
 
 from __future__ import annotations
@@ -55,9 +66,12 @@ from bench.scale_catalogue import (  # noqa: E402
     RUN_BEFORE,
     SHARD_SIZE,
     Catalogue,
+    listed_ids,
+    metadata_changed,
     say,
     upload_tonight,
     write_inventory,
+    write_metadata,
     write_store,
 )
 from bench.tree_sampler import MIB, TreeSampler, drop_page_cache, per_stage  # noqa: E402
@@ -68,6 +82,8 @@ IMGEST = os.path.join(os.path.dirname(sys.executable), "imgest")  # the console 
 STAGES = [
     ("state load", ("load-state",)),
     ("inventory read and listing spill", ("read-inventory",)),
+    ("metadata", ("store-metadata",)),
+    ("caption texts", ("list-texts",)),
     ("plan", ("plan-shards",)),
     ("encode", ("choose-encoding", "encode-")),
     ("commit (state delta)", ("commit",)),
@@ -162,6 +178,36 @@ def run_sampled(command: list[str], env: dict, log: str) -> tuple[TreeSampler, f
     return sampler, start, end, code
 
 
+CAPTION_MODEL = "minilm-l6"
+
+
+def sampled_night(command: list[str], env: dict, prefect_env: dict, folder: str) -> dict:
+    """One `imgest nightly`, sampled: its stages (Prefect task runs by name, read back from the server) with
+    seconds, peak RSS and bytes read, and its log."""
+    os.makedirs(folder, exist_ok=True)
+    dropped = drop_page_cache()
+    log = os.path.join(folder, "nightly.log")
+    sampler, start, end, code = run_sampled(command, env, log)
+    if code:
+        with open(log) as fh:
+            raise SystemExit(f"imgest nightly exited {code}:\n{fh.read()[-4000:]}")
+    runs = task_runs(prefect_env, start)
+    with open(os.path.join(folder, "task_runs.json"), "w") as fh:
+        json.dump(runs, fh, indent=1)
+    intervals: dict[str, list] = {}
+    for run in runs:
+        if run["subflow"]:  # a subflow's own task run: its tasks are counted one by one
+            continue
+        intervals.setdefault(stage_of(run["name"]), []).append((run["start"], run["end"]))
+    order = [s for s, _ in STAGES if s in intervals] + sorted(set(intervals) - {s for s, _ in STAGES})
+    with open(log) as fh:
+        text = fh.read()
+    return {"stages": per_stage(sampler.samples, {s: intervals[s] for s in order}, start, end),
+            "wall_seconds": round(end - start, 1), "samples": len(sampler.samples), "page_cache_dropped": dropped,
+            "read_mb": round(sampler.samples[-1][2] / MIB, 1),
+            "peak_rss_mb": int(max(s[1] for s in sampler.samples) // MIB), "log": text}
+
+
 def nightly_run(args, cat: Catalogue, work: str) -> dict:
     from tests.s3servers import SeaweedServer, _client
 
@@ -206,38 +252,117 @@ def nightly_run(args, cat: Catalogue, work: str) -> dict:
                 ready = json.load(fh)
             if ready["objects"] != cat.n:
                 raise SystemExit(f"{work} holds a rehearsal of {ready['objects']:,} objects; use another --workdir")
+            metadata = metadata_files(cat, os.path.join(work, "before")) if args.metadata else None
             store = os.path.join(work, "night", "store")
             shutil.rmtree(os.path.join(work, "night"), ignore_errors=True)
+            shutil.rmtree(os.path.join(work, "night-2"), ignore_errors=True)
             os.makedirs(os.path.join(work, "night"))
             subprocess.run(["cp", "-al", base, store], check=True)  # the night writes new files; the base stays
-            dropped = drop_page_cache()
-            say(f"nightly over {cat.n:,} objects{' (page cache dropped)' if dropped else ''}")
+            say(f"nightly over {cat.n:,} objects{' with its metadata (first snapshot)' if metadata else ''}")
             command = [IMGEST, "nightly", "--store", store,
                        "--catalogue", f"s3://{BUCKET}/{PREFIX}", "--model", MODEL, "--memory", args.memory,
                        "--kind", args.kind, "--target-recall", str(args.target_recall), "--inventory", f"s3://{INVENTORY_BUCKET}/{ready['manifest']}"]
-            sampler, start, end, code = run_sampled(command, env, os.path.join(work, "night", "nightly.log"))
-            if code:
-                with open(os.path.join(work, "night", "nightly.log")) as fh:
-                    raise SystemExit(f"imgest nightly exited {code}:\n{fh.read()[-4000:]}")
-            runs = task_runs(prefect.env, start)
-            with open(os.path.join(work, "night", "task_runs.json"), "w") as fh:
-                json.dump(runs, fh, indent=1)
+            night = sampled_night(command + (["--metadata", metadata["files"][0]] if metadata else []), env,
+                                  prefect.env, os.path.join(work, "night"))
+            checks = check_store(cat, store)
+            checks["index_updated_in_place"] = "updated in place" in night.pop("log")
+            second = None
+            if metadata:
+                checks |= check_first_snapshot(store, metadata)
+                if args.captions:
+                    setup |= caption_model(store, command, env)
+                say(f"second night: the metadata with {metadata['changed']:,} rows changed (title and price)")
+                second = sampled_night(command + ["--metadata", metadata["files"][1]], env, prefect.env,
+                                       os.path.join(work, "night-2"))
+                second.pop("log")
+                second["checks"] = check_second_night(store, metadata, args.captions)
     finally:
         seaweed.stop()
-    intervals: dict[str, list] = {}
-    for run in runs:
-        if run["subflow"]:  # a subflow's own task run: its tasks are counted one by one
-            continue
-        intervals.setdefault(stage_of(run["name"]), []).append((run["start"], run["end"]))
-    order = [s for s, _ in STAGES if s in intervals] + sorted(set(intervals) - {s for s, _ in STAGES})
-    stages = per_stage(sampler.samples, {s: intervals[s] for s in order}, start, end)
-    checks = check_store(cat, store)
-    with open(os.path.join(work, "night", "nightly.log")) as fh:
-        log = fh.read()
-    checks["index_updated_in_place"] = "updated in place" in log
-    return {"stages": stages, "wall_seconds": round(end - start, 1), "samples": len(sampler.samples),
-            "page_cache_dropped": dropped, "read_mb": round(sampler.samples[-1][2] / MIB, 1),
-            "peak_rss_mb": int(max(s[1] for s in sampler.samples) // MIB), "setup": ready["setup"], "checks": checks}
+    out = {**night, "setup": ready["setup"] | setup, "checks": checks}
+    if metadata:
+        out["metadata"] = {k: v for k, v in metadata.items() if k != "files"}
+        out["second_night"] = second
+    return out
+
+
+def metadata_files(cat: Catalogue, folder: str) -> dict:
+    """The catalogue's metadata CSV (one row per listed object) and the second night's, 1% of its rows with a new
+    title and price; kept with the setup."""
+    files = [os.path.join(folder, f"metadata-{version}.csv") for version in (1, 2)]
+    for version, path in enumerate(files, 1):
+        if not os.path.exists(path):
+            t = time.perf_counter()
+            written = write_metadata(cat, path, version)
+            say(f"metadata {version}: {written['rows']:,} rows, {written['bytes'] / MIB:,.0f} MiB in "
+                f"{time.perf_counter() - t:.1f} s")
+    rows = len(listed_ids(cat))
+    return {"files": files, "rows": rows, "changed": int(metadata_changed(np.arange(rows)).sum()),
+            "mib": round(os.path.getsize(files[0]) / MIB, 1)}
+
+
+def snapshots(store_dir: str) -> list[str]:
+    folder = os.path.join(store_dir, "metadata", "snapshots")
+    return sorted(n for n in os.listdir(folder) if n.endswith(".parquet")) if os.path.isdir(folder) else []
+
+
+def check_first_snapshot(store_dir: str, metadata: dict) -> dict:
+    """The first night stored one snapshot of every row."""
+    import pyarrow.parquet as pq
+
+    names = snapshots(store_dir)
+    rows = pq.read_metadata(os.path.join(store_dir, "metadata", "snapshots", names[-1])).num_rows if names else 0
+    return {"metadata_snapshots": len(names), "metadata_rows": rows, "metadata_rows_expected": metadata["rows"]}
+
+
+def caption_model(store: str, nightly_command: list[str], env: dict) -> dict:
+    """The caption retriever added to the store after the first night: minilm-l6 ingests every row's text and gets
+    the `captions` alias, so the second night keeps it current beside the image model."""
+    catalogue = nightly_command[nightly_command.index("--catalogue") + 1]
+    inventory = nightly_command[nightly_command.index("--inventory") + 1]
+    timings = {}
+    for name, command in (("captions_ingest_seconds", ["ingest", "--catalogue", catalogue, "--inventory", inventory,
+                                                       "--store", store, "--model", CAPTION_MODEL]),
+                          ("captions_index_seconds", ["build-index", "--store", store, "--model", CAPTION_MODEL,
+                                                      "--alias", "captions"])):
+        t = time.perf_counter()
+        done = subprocess.run([IMGEST, *command], env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT)
+        if done.returncode:
+            raise SystemExit(f"imgest {command[0]} ({CAPTION_MODEL}) failed:\n{done.stdout[-3000:]}\n"
+                             f"{done.stderr[-3000:]}")
+        timings[name] = round(time.perf_counter() - t, 1)
+        say(f"captions: {command[0]} in {timings[name]} s")
+    return timings
+
+
+def check_second_night(store_dir: str, metadata: dict, captions: bool) -> dict:
+    """After the 1% night: exactly one new snapshot, differing from the first in exactly the changed rows; with the
+    caption model, exactly those rows' text encoded tonight (its state's rows of tonight's run)."""
+    import duckdb
+
+    names = snapshots(store_dir)
+    folder = os.path.join(store_dir, "metadata", "snapshots")
+    checks: dict = {"metadata_snapshots": len(names), "metadata_snapshots_expected": 2,
+                    "metadata_changed_expected": metadata["changed"]}
+    if len(names) >= 2:
+        old, new = (os.path.join(folder, n).replace("'", "''") for n in names[-2:])
+        checks["metadata_rows"], checks["metadata_changed"] = duckdb.sql(f"""
+            SELECT count(*), count(*) FILTER (o.row_hash IS DISTINCT FROM n.row_hash)
+            FROM read_parquet('{new}') n FULL JOIN read_parquet('{old}') o USING (item_id)""").fetchall()[0]
+    if captions:
+        from imgest import encoders
+        from imgest.state.committed import load_state
+        from imgest.storage import Location
+
+        state = load_state(Location(store_dir), encoders.resolve(CAPTION_MODEL).slug)
+        try:
+            runs = state.query("SELECT run_id, count(*) AS n FROM state WHERE status = 'live' GROUP BY run_id "
+                               "ORDER BY run_id").to_pylist()
+        finally:
+            state.close()
+        checks["captions_live"] = sum(r["n"] for r in runs)
+        checks["captions_encoded_tonight"] = runs[-1]["n"] if len(runs) > 1 else 0
+        checks["captions_encoded_expected"] = metadata["changed"]
+    return checks
 
 
 def check_store(cat: Catalogue, store_dir: str) -> dict:
@@ -339,10 +464,22 @@ def main() -> None:
                              "0.95 is out of reach there and a missed target makes the night train anew; this "
                              "rehearsal measures time and memory, not recall")
     parser.add_argument("--plan-only", action="store_true", help="inventory and state only: no bucket, encode, index")
+    parser.add_argument("--metadata", action="store_true",
+                        help="a metadata CSV of the catalogue (title, category, price, colour, description) passed to "
+                             "the night, which stores its first snapshot; then a second night with 1%% of the rows' "
+                             "title and price changed, checked to store exactly one new snapshot")
+    parser.add_argument("--captions", action="store_true",
+                        help="with --metadata: after the first night, the caption retriever (minilm-l6) ingests every "
+                             "row's text and gets an alias, so the second night must encode exactly the changed "
+                             "rows' text (a text model on every row: slow on a CPU past ~100k rows)")
     parser.add_argument("--json", action="store_true", help="the result as one JSON line, last")
     args = parser.parse_args()
     if args.objects < 1000:
         raise SystemExit("--objects: at least 1000 (1% churn of fewer is nothing)")
+    if args.captions and not args.metadata:
+        raise SystemExit("--captions: needs --metadata (the caption retriever reads the catalogue's metadata)")
+    if args.plan_only and args.metadata:
+        raise SystemExit("--metadata: runs the nightly; leave out --plan-only")
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-scale-")
     os.makedirs(work, exist_ok=True)
     cat = Catalogue(args.objects)
@@ -357,6 +494,11 @@ def main() -> None:
         print("\n| stage | seconds | peak RSS MB | read MB | tasks |\n|---|---:|---:|---:|---:|")
         for stage, row in result["stages"].items():
             print(f"| {stage} | {row['seconds']} | {row['peak_rss_mb']} | {row['read_mb']} | {row['tasks']} |")
+        if result.get("second_night"):
+            print("\nthe second night (1% of the metadata rows changed):\n\n"
+                  "| stage | seconds | peak RSS MB | read MB | tasks |\n|---|---:|---:|---:|---:|")
+            for stage, row in result["second_night"]["stages"].items():
+                print(f"| {stage} | {row['seconds']} | {row['peak_rss_mb']} | {row['read_mb']} | {row['tasks']} |")
     print(json.dumps(result))
 
 

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,3 +203,101 @@ def write_store(cat: Catalogue, store_dir: str, with_shards: bool) -> None:
     write_rows(pa.RecordBatchReader.from_batches(STATE_SCHEMA, state_batches(cat)), local, metadata)
     store.put_file(snapshot_key(spec.slug, 1), local)
     os.remove(local)
+
+
+# ---- the catalogue's metadata: a CSV beside it, generated a block at a time ----------------------------------
+
+METADATA_BLOCK = 250_000  # rows generated and written at a time (a description is ~400 characters)
+CATEGORIES = ("sneaker", "boot", "sandal", "coat", "jacket", "dress", "shirt", "trousers", "skirt", "bag", "scarf",
+              "hat", "watch", "belt", "sweater", "shorts", "socks", "gloves", "backpack", "wallet")
+COLOURS = ("black", "white", "red", "navy", "green", "grey", "beige", "brown", "pink", "yellow", "olive", "teal")
+METADATA_CHANGED = 100  # the second metadata file changes one row in this many (its title and price)
+
+
+def _mix(values: np.ndarray, salt: int) -> np.ndarray:
+    """splitmix64 of each value and a salt: a fixed, well-spread uint64 per (row, salt), without an RNG stream."""
+    with np.errstate(over="ignore"):
+        x = values.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(salt * 0xD1B54A32D192ED03 % 2**64)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def _vocabulary(size: int = 4096) -> pa.Array:
+    """Made-up words of 3 to 10 letters (mean 6.5): text of a catalogue's length without a corpus."""
+    rng = np.random.default_rng(7)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
+    lengths = rng.integers(3, 11, size)
+    codes = letters[rng.integers(0, 26, int(lengths.sum()))]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.StringArray.from_buffers(size, pa.py_buffer(offsets.tobytes()), pa.py_buffer(codes.tobytes()))
+
+
+VOCABULARY = _vocabulary()
+
+
+def _sentences(rows: np.ndarray, salt: int, low: int, high: int) -> pa.Array:
+    """Per row, low..high words of the vocabulary, fixed by (row, salt), joined by spaces."""
+    count = low + _mix(rows, salt) % np.uint64(high - low + 1)
+    words = []
+    for j in range(high):
+        picked = VOCABULARY.take(pa.array(_mix(rows, salt * 1000 + j + 1) % np.uint64(len(VOCABULARY))))
+        words.append(pc.if_else(pa.array(count > j), picked, pa.scalar(None, pa.string())))
+    return pc.binary_join_element_wise(*words, " ", null_handling="skip")
+
+
+def _padded(values: np.ndarray, width: int) -> pa.Array:
+    return pc.utf8_lpad(pc.cast(pa.array(values), pa.string()), width, "0")
+
+
+def metadata_changed(positions: np.ndarray) -> np.ndarray:
+    """Which rows (by position in the file) the second metadata file changes: about one in METADATA_CHANGED."""
+    return _mix(positions, 99) % np.uint64(METADATA_CHANGED) == 0
+
+
+def listed_ids(cat: Catalogue) -> np.ndarray:
+    """The objects listed after tonight's churn (the inventory's), in key order."""
+    gone = np.zeros(cat.n, bool)
+    gone[cat.deleted] = True
+    return np.concatenate([np.flatnonzero(~gone), cat.new])
+
+
+def metadata_blocks(cat: Catalogue, version: int):
+    """The catalogue's metadata, a block of METADATA_BLOCK rows at a time: one row per listed object (item_id
+    its key), product_id, a title of 6-10 words (about 40-80 characters), category, price, colour and a
+    description of 30-75 words (about 200-600 characters). Version 2 changes the title and price of the rows
+    `metadata_changed` picks; every other cell is the same."""
+    ids_all = listed_ids(cat)
+    for start in range(0, len(ids_all), METADATA_BLOCK):
+        ids = ids_all[start:start + METADATA_BLOCK]
+        changed = pa.array(metadata_changed(np.arange(start, start + len(ids))) if version == 2
+                           else np.zeros(len(ids), bool))
+        price = (199 + _mix(ids, 5) % np.uint64(50_000)).astype(np.float64) / 100
+        yield pa.table({
+            "item_id": pc.binary_join_element_wise("products/brand-", _padded(ids // 4000, 5), "/sku-",
+                                                   _padded(ids, 10), ".jpg", ""),
+            "product_id": pc.binary_join_element_wise("P", _padded(ids // 3, 9), ""),
+            "title": pc.if_else(changed, _sentences(ids, 2, 6, 10), _sentences(ids, 1, 6, 10)),
+            "category": pa.array(CATEGORIES).take(pa.array(_mix(ids, 3) % np.uint64(len(CATEGORIES)))),
+            "price": pc.if_else(changed, pa.array(np.round(price * 0.9, 2)), pa.array(price)),
+            "colour": pa.array(COLOURS).take(pa.array(_mix(ids, 4) % np.uint64(len(COLOURS)))),
+            "description": _sentences(ids, 6, 30, 75)})
+
+
+def write_metadata(cat: Catalogue, path: str, version: int = 1) -> dict:
+    """The metadata CSV of the listed catalogue, written a block at a time; its rows and bytes."""
+    from pyarrow import csv
+
+    rows, writer = 0, None
+    tmp = f"{path}.part"
+    try:
+        for block in metadata_blocks(cat, version):
+            if writer is None:
+                writer = csv.CSVWriter(tmp, block.schema)
+            writer.write_table(block)
+            rows += block.num_rows
+    finally:
+        if writer is not None:
+            writer.close()
+    os.replace(tmp, path)
+    return {"rows": rows, "bytes": os.path.getsize(path)}
