@@ -362,6 +362,9 @@ def check_second_night(store_dir: str, metadata: dict, captions: bool) -> dict:
         checks["captions_live"] = sum(r["n"] for r in runs)
         checks["captions_encoded_tonight"] = runs[-1]["n"] if len(runs) > 1 else 0
         checks["captions_encoded_expected"] = metadata["changed"]
+    checks["ok"] = (checks["metadata_snapshots"] == 2 and checks.get("metadata_changed") == metadata["changed"]
+                    and checks.get("metadata_rows") == metadata["rows"]
+                    and (not captions or checks["captions_encoded_tonight"] == metadata["changed"]))
     return checks
 
 
