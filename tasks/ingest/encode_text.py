@@ -75,10 +75,10 @@ def text_listing(images: Listing, snapshot: Snapshot, spec: EncoderSpec) -> tupl
                 schema = pa.schema([snapshot.schema_arrow.field(c) for c in columns])
                 con.register("snapshot", pa.RecordBatchReader.from_batches(
                     schema, snapshot.iter_batches(batch_size=SNAPSHOT_BATCH, columns=columns)))
-            if isinstance(images.source, list):
+            if isinstance(images.source, list) and images.source:
                 con.read_parquet(images.source).create_view("images")
-            else:
-                con.register("images", images.source)
+            else:  # a listing held in memory, or one that listed nothing
+                con.register("images", images.source or LISTING_SCHEMA.empty_table())
             texts = os.path.join(folder, "texts.parquet")  # item_id, size, etag (null: the row has no text)
             con.execute(f"""COPY (SELECT item_id, strlen(text) AS size, CASE WHEN text <> '' THEN sha256(text) END
                                   AS etag FROM ({_texts_sql('snapshot', spec, columns)}))
