@@ -81,7 +81,10 @@ def text_listing(images: Listing, snapshot: Snapshot, spec: EncoderSpec) -> tupl
                 con.register("snapshot", _stripped(snapshot, columns))
             else:
                 schema = pa.schema([snapshot.schema_arrow.field("item_id"), *((c, pa.string()) for c in columns[1:])])
-                batches = snapshot.iter_batches(batch_size=SNAPSHOT_BATCH, columns=columns)
+                # a row group at a time: one read over the whole file keeps every byte it pre-buffered until it ends
+                # (the whole compressed snapshot by the last group)
+                batches = (batch for group in range(snapshot.metadata.num_row_groups) for batch in
+                           snapshot.iter_batches(batch_size=SNAPSHOT_BATCH, columns=columns, row_groups=[group]))
                 con.register("snapshot", pa.RecordBatchReader.from_batches(
                     schema, (_stripped(batch, columns) for batch in batches)))
             if isinstance(images.source, list) and images.source:
