@@ -75,7 +75,8 @@ def whitespace() -> str:
 
 def stripped(column: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
     """`compose`'s rule for one text field, for a whole column: as text, stripped of what `str.strip()` strips.
-    (Arrow's utf8_trim, given Python's white space: twenty times DuckDB's trim on long text.)"""
+    (Arrow's utf8_trim, given Python's white space: ten times as fast as DuckDB's trim on long text.) A snapshot's
+    text columns are text (an all-null one may be typed null); a number would be written as Arrow writes it."""
     if not pa.types.is_string(column.type):
         column = pc.cast(column, pa.string())
     return pc.utf8_trim(column, characters=whitespace())
