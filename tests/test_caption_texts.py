@@ -180,3 +180,30 @@ def test_an_object_store_snapshot_is_streamed_and_read_by_row_group(spec, tmp_pa
     assert a.equals(b) and a.num_rows == 30_000 and a_left == b_left
     assert b_shard.texts == a_shard.texts and len(b_shard.texts) == len(items)
     assert (b_shard.groups_read, b_shard.rows_read) == (1, 4_096)
+
+
+@pytest.mark.parametrize("prefix", ["p/", "p/" + "x" * 300])
+def test_a_snapshot_written_by_duckdb_is_read_by_row_group_and_truncated_statistics_only_widen_it(spec, tmp_path,
+                                                                                                   prefix):
+    """A snapshot written by DuckDB (row groups of 122,880 rows): a shard's items in the last group read that group
+    alone; with item ids past 256 bytes DuckDB writes truncated statistics (every group's range then covers the
+    ids), so the shard reads more groups but finds the same texts."""
+    import duckdb
+
+    store = Location(str(tmp_path / "store"))
+    path = store.path(snapshot_key(1))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with duckdb.connect() as con:
+        con.execute(f"""COPY (SELECT '{prefix}' || lpad(i::VARCHAR, 7, '0') AS item_id, 'title ' || i AS title,
+                                     CASE WHEN i % 5 = 0 THEN NULL ELSE ' described ' || i END AS description
+                              FROM range(250000) t(i) ORDER BY item_id)
+                        TO '{path}' (FORMAT parquet, ROW_GROUP_SIZE 122880)""")
+    items = [f"{prefix}{n:07d}" for n in range(245_760, 250_000, 3)]
+    fields, joiner = spec.preprocessing["text_fields"], spec.preprocessing["joiner"]
+    with store.parquet_file(snapshot_key(1)) as snapshot:
+        assert snapshot.metadata.num_row_groups == 3
+        shard = shard_texts(snapshot, spec, items)
+    int_of = {item: int(item[-7:]) for item in items}
+    assert shard.texts == {item: compose({"title": f"title {n}", "description": None if n % 5 == 0 else
+                                          f" described {n}"}, fields, joiner) for item, n in int_of.items()}
+    assert shard.groups_read == (1 if len(prefix) < 256 else 3)

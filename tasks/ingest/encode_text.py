@@ -130,11 +130,15 @@ def row_groups_holding(meta: pq.FileMetaData, items: list[str]) -> list[int]:
     groups = []
     for group in range(meta.num_row_groups):
         stats = meta.row_group(group).column(column).statistics
-        if stats is None or not stats.has_min_max:
+        try:  # a writer may truncate long values' statistics (never narrowing the range) or leave them out
+            low, high = (stats.min, stats.max) if stats is not None and stats.has_min_max else (None, None)
+        except UnicodeDecodeError:  # cut inside a character
+            low = high = None
+        if low is None or high is None:
             groups.append(group)
             continue
-        at = bisect.bisect_left(items, stats.min)
-        if at < len(items) and items[at] <= stats.max:
+        at = bisect.bisect_left(items, low)
+        if at < len(items) and items[at] <= high:
             groups.append(group)
     return groups
 
