@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from imgest.state.metadata import MetadataError, load_metadata, read_metadata, store_metadata
-from imgest.storage import Location
+from imgest.images.listing import Listing, listing_table
+from imgest.storage import Location, ObjectInfo
 
 CSV = """item_id,product_id,title,caption,category,price
 p/1.jpg,00017,Red canvas sneaker,"A red sneaker, side view",shoes,39.5
@@ -55,21 +56,25 @@ def test_a_malformed_file_is_one_error_naming_the_line(tmp_path, name, content, 
         read_metadata(str(tmp_path / name))
 
 
+def _listing(*keys: str) -> Listing:
+    return Listing(catalogue="c", table=listing_table(ObjectInfo(k, 1, None, None) for k in sorted(keys)))
+
+
 def test_snapshots_only_when_a_row_changes_and_unknown_rows_are_counted(tmp_path):
     store = Location(str(tmp_path / "store"))
     (tmp_path / "m.csv").write_text(CSV)
     url = str(tmp_path / "m.csv")
-    listed = {"p/1.jpg", "p/2.jpg", "p/9.jpg"}
-    first = store_metadata(store, url, read_metadata(url), listed)
+    listed = _listing("p/1.jpg", "p/2.jpg", "p/9.jpg")
+    first = store_metadata(store, url, listed)
     assert (first.written, first.snapshot_seq, first.new, first.rows) == (True, 1, 3, 3)
     assert (first.unknown_items, first.unknown_examples, first.without_row, first.without_row_examples) == \
         (1, ["p/3.jpg"], 1, ["p/9.jpg"])
-    again = store_metadata(store, url, read_metadata(url), listed)
+    again = store_metadata(store, url, listed)
     assert (again.written, again.snapshot_seq, again.unchanged) == (False, 1, 3)
 
     (tmp_path / "m.csv").write_text(CSV.replace("top view", "\"top view, laces\"").replace(
         "p/3.jpg,00042,Blue wool coat,,coats,120\n", "") + "p/9.jpg,00099,Green scarf,,scarves,15\n")
-    third = store_metadata(store, url, read_metadata(url), listed)
+    third = store_metadata(store, url, listed)
     assert (third.written, third.snapshot_seq, third.new, third.changed, third.removed, third.unchanged) == \
         (True, 2, 1, 1, 1, 1)
     stored = load_metadata(store)
