@@ -305,10 +305,10 @@ def _jsonl_blocks(parts: Parts) -> Iterator[pa.Table]:
         ends = np.flatnonzero(raw == 10)
         ends = np.append(ends, len(raw)) if len(raw) and raw[-1] != 10 else ends
         starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
-        content = np.unique(np.searchsorted(ends, np.flatnonzero(~np.isin(raw, WHITESPACE))))  # lines with text
+        # per line, from byte masks (one byte a byte): has it text, how many `[` and `{` (a bound on its nesting)
+        content = np.flatnonzero(np.logical_or.reduceat(~np.isin(raw, WHITESPACE), starts)) if len(raw) else starts
+        openers = np.add.reduceat((raw == ord("[")) | (raw == ord("{")), starts, dtype=np.int32) if len(raw) else starts
         too_long = np.flatnonzero(ends - starts > MAX_LINE_CHARS)
-        opening = np.flatnonzero((raw == ord("[")) | (raw == ord("{")))
-        openers = np.bincount(np.searchsorted(ends, opening), minlength=len(ends))
         suspects = np.flatnonzero(openers > MAX_JSON_DEPTH)  # only those can nest deeper than the limit
         if len(too_long) or len(suspects):
             for i in sorted({*too_long.tolist(), *suspects.tolist()}):
