@@ -81,3 +81,55 @@ def test_snapshots_only_when_a_row_changes_and_unknown_rows_are_counted(tmp_path
     assert stored.column("item_id").to_pylist() == ["p/1.jpg", "p/2.jpg", "p/9.jpg"]
     meta = {k.decode(): v.decode() for k, v in stored.schema.metadata.items()}
     assert meta["imgest.rows"] == "3" and json.loads(meta["imgest.report"])["changed"] == 1
+
+
+def test_a_snapshot_of_an_earlier_hash_scheme_is_compared_by_content(tmp_path):
+    """A snapshot written before the row hash moved into DuckDB holds other hashes; the same rows read again
+    after an upgrade change nothing and write no snapshot."""
+    (tmp_path / "m.csv").write_text(CSV)
+    store = Location(str(tmp_path / "store"))
+    table = read_metadata(str(tmp_path / "m.csv"))
+    earlier = table.set_column(table.schema.get_field_index("row_hash"), "row_hash",
+                               pa.array([f"{n:064x}" for n in range(table.num_rows)]))
+    store.write_table("metadata/snapshots/00000001.parquet", earlier.replace_schema_metadata({"imgest.rows": "3"}))
+    report = store_metadata(store, str(tmp_path / "m.csv"), _listing("p/1.jpg", "p/2.jpg", "p/3.jpg"))
+    assert (report.written, report.snapshot_seq, report.unchanged, report.changed) == (False, 1, 3, 0)
+
+
+def test_a_jsonl_column_of_two_types_names_the_line_across_blocks(tmp_path, monkeypatch):
+    from imgest.state import metadata_file
+
+    monkeypatch.setattr(metadata_file, "BLOCK_BYTES", 1_024)  # Arrow types each block alone
+    lines = [json.dumps({"item_id": f"p/{n}", "price": n}) for n in range(200)]
+    lines[150] = json.dumps({"item_id": "p/150", "price": "n/a"})
+    (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(MetadataError, match=r"m.jsonl line 151: column 'price' holds a string here and a number "
+                                            r"before; one type a column"):
+        read_metadata(str(tmp_path / "m.jsonl"))
+
+
+@pytest.mark.parametrize("cells, kind", [(["7", "12", " 3"], pa.int64()), (["7", "12.0", "-1e2"], pa.float64()),
+                                         (["7", "12", "seven"], pa.string()), (["007", "12", ""], pa.int64())])
+def test_a_csv_column_is_typed_over_every_block(tmp_path, monkeypatch, cells, kind):
+    from imgest.state import metadata_file
+
+    monkeypatch.setattr(metadata_file, "BLOCK_BYTES", 256)  # the odd cell is blocks away from the first
+    rows = [f"p/{n:04d},{cells[0]}" for n in range(100)] + [f"q/1,{cells[1]}", f"q/2,{cells[2]}"]
+    (tmp_path / "m.csv").write_text("item_id,size\n" + "\n".join(rows) + "\n")
+    table = read_metadata(str(tmp_path / "m.csv"))
+    assert table.schema.field("size").type == kind and table.num_rows == 102
+
+
+@pytest.mark.slow("an S3 server")
+def test_metadata_from_an_s3_url_into_an_s3_store(s3_endpoint):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint})
+    fs.mkdir("meta-bucket")
+    fs.pipe("meta-bucket/exports/m.csv", CSV.encode())
+    store = Location("s3://meta-bucket/store")
+    first = store_metadata(store, "s3://meta-bucket/exports/m.csv", _listing("p/1.jpg", "p/2.jpg", "p/3.jpg"))
+    assert (first.written, first.new, first.unknown_items, first.without_row) == (True, 3, 0, 0)
+    again = store_metadata(store, "s3://meta-bucket/exports/m.csv", _listing("p/1.jpg", "p/2.jpg", "p/3.jpg"))
+    assert (again.written, again.unchanged) == (False, 3)
+    assert load_metadata(store).column("product_id").to_pylist() == ["00017", "00017", "00042"]
