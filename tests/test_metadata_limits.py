@@ -83,7 +83,7 @@ def test_a_parquet_file_with_too_many_columns_is_refused_from_its_footer(tmp_pat
 
 
 def test_a_csv_record_longer_than_a_block_is_refused_naming_its_line(tmp_path, monkeypatch):
-    """A record must fit in one block (BLOCK_BYTES, 16 MB); lowered here so the test writes kilobytes."""
+    """A record must fit in one block (BLOCK_BYTES, 2 MiB); lowered here so the test writes kilobytes."""
     monkeypatch.setattr(metadata_file, "BLOCK_BYTES", 4_096)
     rows = "".join(f"p/{n}.jpg,title {n}\n" for n in range(500))
     (tmp_path / "m.csv").write_text("item_id,title\n" + rows + "p/x.jpg," + "y" * 20_000 + "\nq/1.jpg,t\n")

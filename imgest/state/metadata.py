@@ -31,7 +31,7 @@ from imgest.state.metadata_file import (
     Parts,
     read_parts,
 )
-from imgest.state.rows import STATE_MEMORY, one_thread, sql_string
+from imgest.state.rows import one_thread, sql_string
 from imgest.storage import Location, redact
 from imgest.storage.cache import local_copy
 
@@ -41,6 +41,8 @@ __all__ = ["MAX_BLOCK_BYTES", "MAX_CELL_CHARS", "MAX_JSON_DEPTH", "MAX_LINE_CHAR
 
 SNAPSHOTS = "metadata/snapshots"
 HASH_SCHEME = "sha256-json-v2"  # row_hash: sha256 of the row's non-null cells as `"name":json`, by column name
+METADATA_MEMORY = "256MB"  # DuckDB's cap while it assembles, compares and sorts; past it, it spills to disk. It runs
+# inside the ingest flow (~0.7 GB of its own at 1M items), which must stay under 1 GB at 1M (BENCHMARKS.md)
 SORT_MEMORY = "256MB"  # the snapshot's sort by item_id, one thread (as a state's snapshot sorts)
 
 
@@ -104,7 +106,7 @@ class StagedMetadata:
         self.url = url
         self.folder = scratch_folder(self, "metadata")
         self.db = duckdb.connect(os.path.join(self.folder, "metadata.duckdb"), config={
-            "memory_limit": STATE_MEMORY, "temp_directory": os.path.join(self.folder, "spill"),
+            "memory_limit": METADATA_MEMORY, "temp_directory": os.path.join(self.folder, "spill"),
             "preserve_insertion_order": False})
         self.rows = 0
         self.columns: list[str] = []
@@ -173,9 +175,8 @@ def _assemble(staged: StagedMetadata, parts: Parts) -> None:
         else:
             select.append(_quoted(name))
     present = [c for c in columns if c in types]
-    con.execute(f"CREATE TABLE typed_rows AS SELECT {', '.join(select)} FROM raw")
-    con.execute(f"CREATE TABLE staged AS SELECT *, {row_hash_sql(present)} AS row_hash FROM typed_rows")
-    con.execute("DROP TABLE typed_rows")
+    con.execute(f"CREATE TABLE staged AS SELECT *, {row_hash_sql(present)} AS row_hash "
+                f"FROM (SELECT {', '.join(select)} FROM raw)")
     staged.columns, staged.rows = columns, parts.rows
 
 
