@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.sparse import coo_matrix
+from scipy.sparse.csgraph import connected_components
 
 SIGNALS = ("embedding", "hash")  # a pair's signal: its index here; a group's signals: a bit per signal
 
@@ -58,18 +60,15 @@ def group_items(hash_code: np.ndarray, a: np.ndarray, b: np.ndarray, score: np.n
                 signal: np.ndarray) -> Groups:
     """Groups of two or more items. `hash_code`: per item, equal where the bytes are equal; `a`, `b`, `score`,
     `signal`: the near pairs that join (item numbers, cosine, index into SIGNALS)."""
-    from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components
-
     n = len(hash_code)
     same_a, same_b = byte_edges(hash_code)
     rows, cols = np.concatenate([same_a, a]), np.concatenate([same_b, b])
     graph = coo_matrix((np.ones(len(rows), np.int8), (rows, cols)), shape=(n, n)).tocsr()
     count, label = connected_components(graph, directed=False)
     size = np.bincount(label, minlength=count)
-    first = np.full(count, n, np.int64)
-    np.minimum.at(first, label, np.arange(n))
-    low, high = np.full(count, np.iinfo(np.int64).max), np.full(count, -1, np.int64)
+    first = np.full(count, n, np.int32)
+    np.minimum.at(first, label, np.arange(n, dtype=np.int32))
+    low, high = np.full(count, np.iinfo(np.int32).max, np.int32), np.full(count, -1, np.int32)
     np.minimum.at(low, label, hash_code)
     np.maximum.at(high, label, hash_code)
     lowest = np.ones(count, np.float32)

@@ -114,12 +114,12 @@ def new_groups(store: Location, slug: str, report: str, folder: str) -> int:
             key = f"duplicates/model={slug}/{names[-1]}"
             try:
                 before = local_copy(store, key, os.path.join(folder, "before"), checksum=names[-1], suffix=".parquet")
-                return con.sql(f"SELECT count(*) FROM ({members.format(sql_string(report))}) ANTI JOIN "
+                return con.execute(f"SELECT count(*) FROM ({members.format(sql_string(report))}) ANTI JOIN "
                                f"({members.format(sql_string(before))}) USING (members)").fetchone()[0]
             except (duckdb.Error, StorageError, OSError) as exc:
                 logging.getLogger("imgest").warning("%s: %s is not a duplicates report imgest wrote (%s): every "
                                                     "group counts as new", store.url, key, exc)
-        return con.sql(f"SELECT count(DISTINCT \"group\") FROM read_parquet({sql_string(report)})").fetchone()[0]
+        return con.execute(f"SELECT count(DISTINCT \"group\") FROM read_parquet({sql_string(report)})").fetchone()[0]
 
 
 def first_groups(report: str, pairs: str, sizes: np.ndarray, folder: str) -> list[dict]:
