@@ -176,7 +176,7 @@ def confirmed(found: Candidates, pairs: np.ndarray, check: PictureCheck, folder:
     with scratch_sql(folder) as con:
         con.register("wanted", pa.table({"n": np.arange(len(pairs)), "a": found.a[pairs], "b": found.b[pairs]}))
         reader = con.sql(f"""SELECT w.n, i.uri AS ua, j.uri AS ub FROM wanted AS w JOIN {items} AS i ON i.code = w.a
-                             JOIN {items} AS j ON j.code = w.b ORDER BY w.a, w.b""").fetch_record_batch(4096)
+                             JOIN {items} AS j ON j.code = w.b ORDER BY w.a, w.b""").to_arrow_reader(4096)
         for batch in reader:
             for n, first, second in zip(batch["n"].to_numpy(), batch["ua"].to_pylist(), batch["ub"].to_pylist()):
                 ok[n] = check(first, second)
