@@ -196,7 +196,7 @@ def find(store_url: str, alias: str | None, model: str | None, choice: dict, fen
     path = scan_pairs(searcher.store, slug, searcher.spec.dim, live, opened, floor,
                       min(NEIGHBOURS, max(1, opened.index.ntotal)), lambda done: progress(done, len(live)))
     found = candidates(live, path)
-    which = np.where(found.score >= threshold, 0, -1).astype(np.int8)  # per pair: the signal that found it
+    which = np.where(found.score >= threshold, SIGNALS.index("embedding"), -1).astype(np.int8)  # per pair: its signal
     calibrated, images, run = choice["threshold_source"] == "calibration", None, _stamp()
     if signal or calibrated:  # both look at pictures, read only under the model's catalogue root
         try:
