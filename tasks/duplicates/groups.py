@@ -34,10 +34,6 @@ class Groups:
     def __len__(self) -> int:
         return len(self.size)
 
-    @property
-    def members(self) -> int:
-        return int(self.size.sum())
-
 
 def found_by(signals: int) -> str:
     """Which signals joined a group: bytes (exact), embedding, hash, or embedding+hash."""
