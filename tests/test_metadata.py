@@ -133,3 +133,22 @@ def test_metadata_from_an_s3_url_into_an_s3_store(s3_endpoint):
     again = store_metadata(store, "s3://meta-bucket/exports/m.csv", _listing("p/1.jpg", "p/2.jpg", "p/3.jpg"))
     assert (again.written, again.unchanged) == (False, 3)
     assert load_metadata(store).column("product_id").to_pylist() == ["00017", "00017", "00042"]
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_the_snapshot_is_in_item_id_order_whatever_the_file_order(tmp_path, shuffled, monkeypatch):
+    """A file sorted by item_id is kept in its order (no sort); any other order is sorted, and its ids are
+    checked for duplicates across blocks."""
+    from imgest.state import metadata_file
+
+    monkeypatch.setattr(metadata_file, "BLOCK_BYTES", 2_048)
+    ids = [f"p/{n:05d}.jpg" for n in range(3_000)]
+    if shuffled:
+        ids = ids[1_500:] + ids[:1_500]
+    (tmp_path / "m.csv").write_text("item_id,title\n" + "".join(f"{i},t {i}\n" for i in ids))
+    store = Location(str(tmp_path / "store"))
+    report = store_metadata(store, str(tmp_path / "m.csv"), None)
+    assert report.written and load_metadata(store).column("item_id").to_pylist() == sorted(ids)
+    (tmp_path / "d.csv").write_text("item_id,title\n" + "".join(f"{i},t\n" for i in ids) + f"{ids[5]},again\n")
+    with pytest.raises(MetadataError, match=rf"d.csv line 3002: item_id '{ids[5]}' again \(first at line 7\)"):
+        read_metadata(str(tmp_path / "d.csv"))

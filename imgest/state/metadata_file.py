@@ -59,6 +59,17 @@ class Parts:
     local: str  # the file on local disk (the file itself, or a download)
     paths: list[str] = field(default_factory=list)
     rows: int = 0
+    ordered: bool = True  # item_ids strictly increasing through the file (so unique, and no sort is needed)
+    last_id: str | None = None
+
+    def follow(self, block: pa.Table) -> None:
+        """Keep `ordered` up to date with one more block (compared as the snapshot sorts: text, byte order)."""
+        if not self.ordered or not block.num_rows:
+            return
+        ids = pc.cast(block.column("item_id"), pa.string())
+        rising = block.num_rows < 2 or pc.all(pc.less(ids.slice(0, block.num_rows - 1), ids.slice(1))).as_py()
+        self.ordered = bool(rising) and (self.last_id is None or ids[0].as_py() > self.last_id)
+        self.last_id = ids[-1].as_py()
 
     def where(self, rows: list[int], lines: list[int | None] | None = None) -> list[str]:
         """`line N` (or `row N` for Parquet) for each 0-based row ordinal."""
@@ -159,6 +170,7 @@ def _checked(parts: Parts, block: pa.Table, first: int, lines: np.ndarray | None
         row, name, chars = long
         raise parts.error(first + row, f"a field of {chars} characters in column {name!r}; the limit is "
                                        f"{MAX_CELL_CHARS} (MAX_CELL_CHARS)", line(row))
+    parts.follow(block)
     block = _numbered(block, first)
     return block.append_column("_line", pa.array(lines, pa.int64())) if lines is not None else block
 
