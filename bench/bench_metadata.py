@@ -3,9 +3,10 @@
     OPENBLAS_CORETYPE=Haswell .venv/bin/python bench/bench_metadata.py --items 1000000 --workdir /tmp/imgest-meta-1m
     OPENBLAS_CORETYPE=Haswell .venv/bin/python bench/bench_metadata.py --items 10000000 --workdir /tmp/imgest-meta-10m
 
-A metadata file of N products (item_id, product_id, title, category, price, colour, description: titles of
-30-80 characters, descriptions of 200-600) is generated once under --workdir as Parquet, then written as CSV
-and JSONL by DuckDB, with a second file in which 1% of the rows have a new title and price. For each format,
+A metadata file of N products, in item_id order or with --shuffled out of it (item_id, product_id, title,
+category, price, colour, description: titles of 30-80 characters, descriptions of 150-450) is generated once
+under --workdir as Parquet, then written as CSV and JSONL by DuckDB, with a second file in which 1% of the rows
+have a new title and price. For each format,
 a fresh process runs what the nightly's `store-metadata` task runs (`store_metadata`: read, check, hash, compare
 with the last snapshot and with the catalogue listing of the N keys, held as Parquet files on local disk, write
 the snapshot) into a fresh store on local disk: the first night, then the 1% night. Reported per night: wall
@@ -52,9 +53,9 @@ SENTENCES = [
 ]
 
 
-def generate(path: str, items: int, changed: int, seed: int = 7) -> None:
+def generate(path: str, items: int, changed: int, shuffled: bool, seed: int = 7) -> None:
     """N rows as a catalogue export holds them, written a block at a time; every 100th row among the first
-    `changed` * 100 has a new title and price."""
+    `changed` * 100 has a new title and price. `shuffled`: blocks and the rows inside them out of item_id order."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -65,7 +66,10 @@ def generate(path: str, items: int, changed: int, seed: int = 7) -> None:
 
     schema = None
     writer = None
-    for start in range(0, items, BLOCK):
+    starts = list(range(0, items, BLOCK))
+    if shuffled:
+        starts = [starts[i] for i in np.random.default_rng(seed).permutation(len(starts))]
+    for start in starts:
         n = np.arange(start, min(items, start + BLOCK))
         rng = np.random.default_rng(seed + start)
         ids = pc.binary_join_element_wise("products/", pc.utf8_lpad(pa.array(n).cast(pa.string()), 9, "0"),
@@ -90,6 +94,8 @@ def generate(path: str, items: int, changed: int, seed: int = 7) -> None:
         table = pa.table({"item_id": ids, "product_id": pc.utf8_lpad(pa.array(n // 3).cast(pa.string()), 8, "0"),
                           "title": title, "category": words(CATEGORIES, rng.integers(0, len(CATEGORIES), len(n))),
                           "price": price, "colour": colour, "description": description})
+        if shuffled:
+            table = table.take(pa.array(rng.permutation(table.num_rows)))
         if writer is None:
             schema = table.schema
             writer = pq.ParquetWriter(path, schema, compression="zstd")
@@ -168,19 +174,22 @@ def main() -> None:
     parser.add_argument("--items", type=int, required=True)
     parser.add_argument("--workdir", required=True, help="the generated files are kept here and reused")
     parser.add_argument("--formats", default="csv,jsonl,parquet")
+    parser.add_argument("--shuffled", action="store_true", help="rows out of item_id order (the snapshot is sorted)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    first, second = (os.path.join(args.workdir, f"{name}.parquet") for name in ("night1", "night2"))
+    tag = "-shuffled" if args.shuffled else ""
+    first, second = (os.path.join(args.workdir, f"{name}{tag}.parquet") for name in ("night1", "night2"))
     for path, changed in ((first, 0), (second, args.items // 100)):
         if not os.path.exists(path):
-            generate(path + ".tmp.parquet", args.items, changed)
+            generate(path + ".tmp.parquet", args.items, changed, args.shuffled)
             os.replace(path + ".tmp.parquet", path)
     listing = listing_files(args.workdir, args.items)
-    results = {"items": args.items, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "formats": {}}
+    results = {"items": args.items, "shuffled": args.shuffled,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "formats": {}}
     for fmt in args.formats.split(","):
         urls = [p if fmt == "parquet" else convert(p, fmt) for p in (first, second)]
-        store = os.path.join(args.workdir, f"store-{fmt}")
+        store = os.path.join(args.workdir, f"store-{fmt}{tag}")
         shutil.rmtree(store, ignore_errors=True)
         nights = [night(store, url, listing) for url in urls]
         snapshots = sorted(os.listdir(os.path.join(store, "metadata", "snapshots")))
