@@ -32,18 +32,25 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _outcome(report: dict, planted: dict[str, str]) -> dict:
-    group_of = {item: n for n, group in enumerate(report["groups"]) for item in group["items"]}
+def _outcome(report: dict, planted: dict[str, str], store: str) -> dict:
+    """Read from the run's Parquet report and its pairs (the JSON lists only the first groups)."""
+    import pyarrow.parquet as pq
+
+    members = pq.read_table(os.path.join(store, report["key"]), columns=["group", "item_id"]).to_pydict()
+    group_of = dict(zip(members["item_id"], members["group"]))
+    groups: dict[int, set[str]] = {}
+    for item, group in group_of.items():
+        groups.setdefault(group, set()).add(item)
+    joined = pq.read_table(os.path.join(store, report["pairs_key"]), columns=["a", "b", "signal"]).to_pydict()
+    pairs = list(zip(joined["a"], joined["b"]))
     found = sum(1 for copy, original in planted.items()
                 if copy in group_of and group_of.get(original) == group_of[copy])
-    pairs = [pair["items"] for group in report["groups"] for pair in group["pairs"]]
     right = sum(1 for a, b in pairs if planted.get(a, a) == planted.get(b, b))
     return {"threshold": report["threshold"], "source": report["threshold_source"],
             "planted_recall": round(found / len(planted), 3), "found": found, "planted": len(planted),
-            "wrong_groups": sum(1 for g in report["groups"] if len({planted.get(i, i) for i in g["items"]}) > 1),
+            "wrong_groups": sum(1 for items in groups.values() if len({planted.get(i, i) for i in items}) > 1),
             "pair_precision": round(right / len(pairs), 3) if pairs else None, "pairs": len(pairs),
-            "signals": sorted({pair["signal"] for group in report["groups"] for pair in group["pairs"]}),
-            "calibration": report["calibration"]}
+            "signals": sorted(set(joined["signal"])), "calibration": report["calibration"]}
 
 
 def main() -> None:
@@ -79,7 +86,7 @@ def main() -> None:
                     started = time.perf_counter()
                     report = duplicates(DuplicatesConfig(store=store, threshold=threshold))
                     row = {"catalogue": kind, "images": len(files), "model": model,
-                           "seconds": round(time.perf_counter() - started, 1), **_outcome(report, planted)}
+                           "seconds": round(time.perf_counter() - started, 1), **_outcome(report, planted, store)}
                     results.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "calibration"}), flush=True)
                     if row["calibration"] and threshold is None:

@@ -16,7 +16,6 @@ from imgest.cli import app
 from imgest.config import NightlyConfig
 from imgest.demo import PHOTOS, photo
 from imgest.tasks.duplicates.calibrate import choose_hash_signal, choose_threshold
-from imgest.tasks.duplicates.groups import find_duplicates, found_by
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -25,25 +24,6 @@ def _jpeg(image: Image.Image, quality: int = 90) -> bytes:
     buf = io.BytesIO()
     image.convert("RGB").save(buf, "JPEG", quality=quality)
     return buf.getvalue()
-
-
-def test_groups_join_through_members_and_exact_needs_equal_bytes():
-    # a and b share bytes; c-d scored 0.98 (over the threshold: a pair); e is no one's duplicate
-    hashes = {"a": "h1", "b": "h1", "c": "h2", "d": "h3"}
-    pairs = {("c", "d"): (0.98, "embedding")}
-    groups = find_duplicates(hashes, pairs)
-    assert groups == [{"kind": "exact", "items": ["a", "b"], "min_score": 1.0, "pairs": []},
-                      {"kind": "near", "items": ["c", "d"], "min_score": 0.98,
-                       "pairs": [{"items": ["c", "d"], "score": 0.98, "signal": "embedding"}]}]
-    # e scored 0.9 with a: under the threshold, but its perceptual hash matched: joined, and said so
-    with_hash = find_duplicates(hashes | {"e": "h4"}, pairs | {("a", "e"): (0.9, "hash")})
-    assert with_hash[0]["items"] == ["a", "b", "e"] and with_hash[0]["kind"] == "near"
-    assert with_hash[0]["pairs"] == [{"items": ["a", "e"], "score": 0.9, "signal": "hash"}]
-    assert found_by(with_hash[0]) == "hash" and found_by(with_hash[1]) == "embedding" and found_by(groups[0]) == "bytes"
-    # a pair its pictures refuse does not join, and is counted
-    refused: list = []
-    checked = find_duplicates(hashes, pairs, confirm=lambda a, b: False, refused=refused)
-    assert [g["kind"] for g in checked] == ["exact"] and refused == [("c", "d")]
 
 
 def test_the_threshold_finds_the_target_share_of_each_kind_and_rises_over_different_items():
@@ -90,6 +70,16 @@ def test_planted_duplicates_are_found_and_new_ones_reported(tmp_path):
     assert report["groups"][0]["min_score"] >= 0.97 and report["new_groups"] == 2 and report["items"] == 13
     table = pq.read_table(store / report["key"])
     assert table.num_rows == 5 and table.schema.metadata[b"imgest.model_id"].decode() == report["model_id"]
+    assert table.column_names == ["group", "kind", "found_by", "item_id", "uri", "min_score", "content_hash"]
+    assert table["item_id"].to_pylist() == [i for g in report["groups"] for i in g["items"]]
+    assert report["url"] == str(store / report["key"]) and report["groups_shown"] == 2
+    assert (report["exact_groups"], report["near_groups"], report["exact_items"], report["near_items"]) == (1, 1, 2, 3)
+    assert [g["size"] for g in report["groups"]] == [3, 2] and report["groups"][1]["found_by"] == "bytes"
+    pairs = pq.read_table(store / report["pairs_key"]).to_pylist()  # the near pairs that joined chelsea's group
+    assert {(p["a"], p["b"]) for p in pairs} == {(q["items"][0], q["items"][1]) for q in report["groups"][0]["pairs"]}
+    assert len(pairs) == report["pairs"] >= 2 and {p["group"] for p in pairs} == {0}
+    text = runner.invoke(app, ["duplicates", "--store", str(store)]).stdout
+    assert "1 exact groups (2 items), 1 near groups (3 items)" in text and "p/copy-of-astronaut.jpg" in text
 
     astronaut = photo("astronaut")
     (cat / "p/astronaut-crop.jpg").write_bytes(_jpeg(astronaut.crop((4, 4, astronaut.width - 4,

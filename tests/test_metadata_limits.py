@@ -1,5 +1,6 @@
-"""A --metadata file is untrusted: its bytes, columns, cells, cell length, JSONL line length and nesting are
-limited, each refusal one MetadataError naming the limit, found before the rows cost memory."""
+"""A --metadata file is untrusted: its columns, a block's decoded size, a cell's and a line's length and JSONL
+nesting are limited, each refusal one MetadataError naming the limit, found before the rows cost memory. The
+row count is not limited: rows stream through in blocks (tests/test_metadata_scale.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from imgest.state import metadata
+from imgest.state import metadata_file
 from imgest.state.metadata import (
+    MAX_BLOCK_BYTES,
     MAX_CELL_CHARS,
     MAX_JSON_DEPTH,
     MAX_LINE_CHARS,
-    MAX_METADATA_BYTES,
     MAX_METADATA_COLUMNS,
     MetadataError,
     read_metadata,
@@ -81,30 +82,13 @@ def test_a_parquet_file_with_too_many_columns_is_refused_from_its_footer(tmp_pat
         read_metadata(str(tmp_path / "wide.parquet"))
 
 
-def test_a_file_over_the_byte_limit_is_refused_unread(tmp_path, monkeypatch):
-    """The limit itself is 512 MB; lowered here so the test writes kilobytes. read_bytes(limit=...) reads
-    one byte past it, never the rest of the file."""
-    monkeypatch.setattr(metadata, "MAX_METADATA_BYTES", 1_000)
-    body = "item_id,title\n" + "".join(f"p/{n}.jpg,title {n}\n" for n in range(5_000))
-    for name in ("big.csv", "big.jsonl"):
-        (tmp_path / name).write_text(body)
-        with pytest.raises(MetadataError, match=rf"{name}: larger than the limit of 1000 bytes \(MAX_METADATA_BYTES\)"):
-            read_metadata(str(tmp_path / name))
-    assert MAX_METADATA_BYTES == 512 << 20
-
-
-def test_more_cells_than_the_limit_are_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(metadata, "MAX_METADATA_CELLS", 100)  # 20M by default; lowered to keep the file small
-    (tmp_path / "m.csv").write_text("item_id,title\n" + "".join(f"p/{n}.jpg,t\n" for n in range(60)))
-    with pytest.raises(MetadataError, match=r"m.csv line 52: more than 100 cells \(rows x columns; the limit is "
-                                            r"MAX_METADATA_CELLS\)"):
+def test_a_csv_record_longer_than_a_block_is_refused_naming_its_line(tmp_path, monkeypatch):
+    """A record must fit in one block (BLOCK_BYTES, 2 MiB); lowered here so the test writes kilobytes."""
+    monkeypatch.setattr(metadata_file, "BLOCK_BYTES", 4_096)
+    rows = "".join(f"p/{n}.jpg,title {n}\n" for n in range(500))
+    (tmp_path / "m.csv").write_text("item_id,title\n" + rows + "p/x.jpg," + "y" * 20_000 + "\nq/1.jpg,t\n")
+    with pytest.raises(MetadataError, match=r"m.csv line 502: a record longer than 4096 bytes \(BLOCK_BYTES\)"):
         read_metadata(str(tmp_path / "m.csv"))
-    (tmp_path / "m.jsonl").write_text("".join(json.dumps({"item_id": f"p/{n}", "t": 1}) + "\n" for n in range(60)))
-    with pytest.raises(MetadataError, match=r"m.jsonl line 51: more than 100 cells"):
-        read_metadata(str(tmp_path / "m.jsonl"))
-    pq.write_table(pa.table({"item_id": [f"p/{n}" for n in range(60)], "t": [1] * 60}), tmp_path / "m.parquet")
-    with pytest.raises(MetadataError, match=r"m.parquet has 60 rows x 2 columns: more than 100 cells"):
-        read_metadata(str(tmp_path / "m.parquet"))
 
 
 def test_a_cell_longer_than_the_limit_is_refused(tmp_path):
@@ -121,8 +105,9 @@ def test_a_cell_longer_than_the_limit_is_refused(tmp_path):
 @pytest.mark.slow("a subprocess")
 @pytest.mark.parametrize("arrow_schema", [True, False])  # without it, Parquet's own dictionary encoding
 def test_a_parquet_dictionary_bomb_is_refused_before_it_is_expanded(tmp_path, arrow_schema):
-    """One 100 KB title referenced by 20,000 rows: a 140 KB file that decodes to 2 GB of strings (and more
-    as Python objects). Read as a dictionary, its decoded size is counted without expanding it."""
+    """One 100 KB title referenced by 20,000 rows: a 140 KB file that decodes to 2 GB of strings. Read as a
+    dictionary, a block's decoded size is counted without expanding it: the first block of 8,192 rows (819 MB)
+    is refused."""
     title = "t" * 100_000
     titles = pa.DictionaryArray.from_arrays(pa.array([0] * 20_000, pa.int32()), pa.array([title]))
     path = tmp_path / "bomb.parquet"
@@ -130,8 +115,9 @@ def test_a_parquet_dictionary_bomb_is_refused_before_it_is_expanded(tmp_path, ar
                    store_schema=arrow_schema)
     assert path.stat().st_size < 1_000_000
     result = _refused_in_subprocess(path)
-    assert result["error"].startswith(f"{path}: 2000") and result["error"].endswith(
-        f"bytes decoded; the limit is {MAX_METADATA_BYTES} (MAX_METADATA_BYTES)"), result
+    # 8,192 x 100,000 bytes of titles, and the batch's own columns
+    assert result["error"].startswith(f"{path}: rows 1-8192: 8196") and result["error"].endswith(
+        f" bytes decoded; the limit is {MAX_BLOCK_BYTES} a block of rows (MAX_BLOCK_BYTES)"), result
     assert result["added_mb"] < 50, result
 
 

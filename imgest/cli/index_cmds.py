@@ -154,13 +154,13 @@ def search_cmd(
 @config_command(DuplicatesConfig)
 def duplicates_cmd(
     config: DuplicatesConfig,
-    as_json: bool = typer.Option(False, "--json", help="Print the groups as JSON"),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary and the first groups as JSON"),
 ) -> None:
     """Exact duplicates (same bytes, different keys) and near-duplicate groups; a Parquet report in the store."""
     try:
         from imgest.flows.duplicates import duplicates
         from imgest.progress import reporting
-        from imgest.tasks.duplicates.groups import describe_report, found_by
+        from imgest.tasks.duplicates.report import describe_group, describe_report
 
         with reporting():
             report = duplicates(config)
@@ -171,5 +171,7 @@ def duplicates_cmd(
         return
     typer.echo(describe_report(report))
     for n, group in enumerate(report["groups"]):
-        typer.echo(f"  {n:>4} {group['kind']:5} {found_by(group):14} {group['min_score']:.4f}  "
-                   f"{' '.join(group['items'])}")
+        typer.echo(describe_group(n, group))
+    more = report["exact_groups"] + report["near_groups"] - len(report["groups"])
+    if more > 0:
+        typer.echo(f"  ... {more:,} more groups in {report['url']}")

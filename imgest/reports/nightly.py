@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from imgest.tasks.duplicates.groups import describe_threshold
+from imgest.tasks.duplicates.report import describe_threshold
 
 
 def render_nightly(runs: list[dict], retired: list, left_out: list[str] = (), duplicates: dict | None = None,

@@ -1,49 +1,51 @@
 """Catalogue metadata: one row per item beside the images (item_id, product_id, title, caption, attributes).
 
-Read from Parquet, CSV or JSONL (a path or any fsspec URL), checked, and kept in the store as immutable
-snapshots `metadata/snapshots/<seq>.parquet`: a new one is written only when a row changed (each row
-carries the hash of its content), so the nightly costs nothing when the table did not move. Rows for
-items the catalogue does not have, and items without a row, are counted and reported, never fatal; a
-malformed file is one error naming its line. Nothing read is executed: CSV and JSON are parsed as data.
-
-The file is untrusted and its size is checked before it costs memory: at most MAX_METADATA_BYTES are
-read (a longer file is refused without reading the rest), then MAX_METADATA_COLUMNS columns (a CSV's
-header line, a Parquet footer, each JSONL line's keys), MAX_METADATA_CELLS rows x columns (what the
-Python rows cost: ~250 bytes a cell, measured), MAX_CELL_CHARS characters a cell, MAX_LINE_CHARS a JSONL
-line and MAX_JSON_DEPTH levels of nesting in a JSONL value; each limit is one error naming it.
+Read from Parquet, CSV or JSONL (a path or any fsspec URL) block by block (`metadata_file`), assembled by
+DuckDB on local disk (types, duplicates of item_id, each row's hash), and kept in the store as immutable
+snapshots `metadata/snapshots/<seq>.parquet`, sorted by item_id: a new one is written only when a row changed,
+so the nightly costs nothing when the table did not move. The comparison with the last snapshot and with the
+catalogue's listing are joins on disk; no step holds a Python object per row, so a 100M-row file is read in
+the memory of a block and DuckDB's cap. Rows for items the catalogue does not have, and items without a row,
+are counted and reported, never fatal; a malformed file is one error naming its line.
 """
 
 from __future__ import annotations
 
-import csv
-import hashlib
-import io
 import json
-import posixpath
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from imgest.errors import UserError
-from imgest.records import depth
+from imgest.scratch import scratch_folder
 from imgest.state.clock import now_iso
+from imgest.state.metadata_file import (
+    ID_COLUMNS,
+    MAX_BLOCK_BYTES,
+    MAX_CELL_CHARS,
+    MAX_JSON_DEPTH,
+    MAX_LINE_CHARS,
+    MAX_METADATA_COLUMNS,
+    TEXT_COLUMNS,
+    MetadataError,
+    Parts,
+    read_parts,
+)
+from imgest.state.rows import one_thread, sql_string
 from imgest.storage import Location, redact
+from imgest.storage.cache import local_copy
+
+__all__ = ["MAX_BLOCK_BYTES", "MAX_CELL_CHARS", "MAX_JSON_DEPTH", "MAX_LINE_CHARS", "MAX_METADATA_COLUMNS",
+           "MetadataError", "MetadataReport", "NoMetadataError", "StagedMetadata", "latest_seq", "load_metadata",
+           "read_metadata", "snapshot_key", "stage_metadata", "store_metadata"]
 
 SNAPSHOTS = "metadata/snapshots"
-TEXT_COLUMNS = ("title", "caption", "description")
-FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl",
-           ".json": "jsonl"}
-MAX_METADATA_BYTES = 512 << 20  # the file; for Parquet also its data uncompressed and its text decoded
-MAX_METADATA_COLUMNS = 1_000
-MAX_METADATA_CELLS = 20_000_000  # rows x columns: 2M items x 10 columns, ~5 GB as Python rows
-MAX_CELL_CHARS = 131_072  # a title or a description; also the csv module's own default field limit
-MAX_LINE_CHARS = 1 << 20  # one JSONL line: one item
-MAX_JSON_DEPTH = 32  # a JSONL value's nesting (lists and objects); Python's parser recurses
-
-
-class MetadataError(UserError, ValueError):
-    """The metadata file cannot be used as it is; the message names the file and, where it can, the line."""
+HASH_SCHEME = "sha256-json-v2"  # row_hash: sha256 of the row's non-null cells as `"name":json`, by column name
+METADATA_MEMORY = "256MB"  # DuckDB's cap while it assembles, compares and sorts; past it, it spills to disk. It runs
+# inside the ingest flow (~0.7 GB of its own at 1M items), which must stay under 1 GB at 1M (BENCHMARKS.md)
+SORT_MEMORY = "256MB"  # the snapshot's sort by item_id, one thread (as a state's snapshot sorts)
 
 
 class NoMetadataError(MetadataError):
@@ -69,205 +71,209 @@ class MetadataReport:
         return asdict(self)
 
 
-def _format(url: str) -> str:
-    ext = posixpath.splitext(url.split("?", 1)[0].lower())[1]
-    if ext not in FORMATS:
-        raise MetadataError(f"{redact(url)}: unknown metadata format {ext or '(no extension)'!r}; use .parquet, "
-                            ".csv or .jsonl")
-    return FORMATS[ext]
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
-def _typed(values: list) -> list:
-    """CSV cells are text: a column whose every non-empty cell is an integer (or a number) becomes one, so
-    `price < 50` compares numbers; anything else stays text. Empty cells are nulls."""
-    cells = [None if v is None or v == "" else v for v in values]
-    present = [v for v in cells if v is not None]
-    for cast in (int, float):
-        try:
-            return [None if v is None else cast(v) for v in cells] if present else cells
-        except (TypeError, ValueError):
-            continue
-    return cells
+def _kind(sql_type: str) -> str:
+    t = sql_type.upper()
+    if t in ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT",
+             "FLOAT", "DOUBLE") or t.startswith("DECIMAL"):
+        return "number"
+    if t == "VARCHAR":
+        return "string"
+    if t == "BOOLEAN":
+        return "boolean"
+    if t.endswith("[]"):
+        return "list"
+    if t.startswith("STRUCT"):
+        return "object"
+    return t.lower()
 
 
-def _rows_from_csv(data: bytes, url: str) -> list[dict]:
+def row_hash_sql(columns: list[str]) -> str:
+    """A row's hash: sha256 over its non-null cells, each `"name":<value as JSON>`, in column-name order. An
+    absent cell and a null are the same, so a column added with no values changes no row."""
+    cells = [f"'{json.dumps(name)[1:-1]}' || ':' || to_json({_quoted(name)})" for name in sorted(columns)]
+    return "sha256(concat_ws(chr(30), " + ", ".join(cells) + "))" if cells else "sha256('')"
+
+
+class StagedMetadata:
+    """A metadata file read, checked and assembled on local disk: the DuckDB table `staged` (typed columns and
+    `row_hash`, one row per item_id). The folder and its database go with the object."""
+
+    def __init__(self, url: str) -> None:
+        import duckdb
+
+        self.url = url
+        self.folder = scratch_folder(self, "metadata")
+        self.db = duckdb.connect(os.path.join(self.folder, "metadata.duckdb"), config={
+            "memory_limit": METADATA_MEMORY, "temp_directory": os.path.join(self.folder, "spill"),
+            "preserve_insertion_order": False})
+        self.rows = 0
+        self.columns: list[str] = []
+        self.ordered = False  # `staged` holds its rows in item_id order already: the snapshot needs no sort
+
+    def close(self) -> None:
+        self.db.close()
+
+    def table(self) -> pa.Table:
+        """Every row in memory, sorted by item_id (small files: tests, tools)."""
+        return self.db.sql(f"SELECT {self._select()} FROM staged ORDER BY item_id").to_arrow_table()
+
+    def _select(self) -> str:
+        return ", ".join(_quoted(c) for c in [*self.columns, "row_hash"])
+
+    def write_parquet(self, path: str, metadata: dict[str, str]) -> None:
+        """The rows in item_id order into a Parquet file (zstd): as they are when the file came sorted, else
+        through DuckDB's external sort (at 10M rows of product text, most of the stage's time)."""
+        kv = ", ".join(f"{sql_string(k)}: {sql_string(v)}" for k, v in metadata.items())
+        options = f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 122880, KV_METADATA {{{kv}}})"
+        if self.ordered:
+            with in_order(self.db):
+                self.db.execute(f"COPY (SELECT {self._select()} FROM staged) TO {sql_string(path)} {options}")
+            return
+        with one_thread(self.db, SORT_MEMORY) as cur:
+            cur.execute(f"COPY (SELECT {self._select()} FROM staged ORDER BY item_id) TO {sql_string(path)} "
+                        f"{options}")
+
+
+@contextmanager
+def in_order(con) -> Iterator:
+    """DuckDB keeping rows in the order it reads them, for the statements inside."""
+    con.execute("SET preserve_insertion_order = true")
     try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise MetadataError(f"{redact(url)}: not UTF-8 text ({exc})") from exc
-    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+        yield con
+    finally:
+        con.execute("SET preserve_insertion_order = false")
+
+
+def stage_metadata(url: str) -> StagedMetadata:
+    """Read and check the file: item_id present, non-empty and unique; CSV columns typed over the whole column
+    (all integers, else all numbers, else text; ids and text columns stay text); a row_hash of each row's
+    content. Raises MetadataError naming the line of the first problem."""
+    staged = StagedMetadata(url)
     try:
-        header = next(reader)
-    except StopIteration as exc:
-        raise MetadataError(f"{redact(url)}: empty file, expected a header line") from exc
-    except csv.Error as exc:
-        raise MetadataError(f"{redact(url)} line 1: {exc}") from exc
-    _check_columns(len(header), url, "line 1: the header has")
-    rows = []
+        parts = read_parts(url, staged.folder)
+        _assemble(staged, parts)
+    except BaseException:
+        staged.close()
+        raise
+    return staged
+
+
+def _assemble(staged: StagedMetadata, parts: Parts) -> None:
+    con = staged.db
+    files = "[" + ", ".join(sql_string(p) for p in parts.paths) + "]"
+    if not parts.paths:  # a header and no rows
+        con.execute("CREATE TABLE staged (item_id VARCHAR, product_id VARCHAR, title VARCHAR, caption VARCHAR, "
+                    "description VARCHAR, row_hash VARCHAR)")
+        staged.columns = ["item_id", "product_id", *TEXT_COLUMNS]
+        return
     try:
-        for cells in reader:
-            if not cells:
+        con.execute(f"CREATE VIEW raw AS SELECT * FROM read_parquet({files}, union_by_name = true)")
+    except Exception as exc:  # noqa: BLE001 - DuckDB could not unify the parts' columns
+        raise MetadataError(f"{redact(parts.url)}: a column holds values of different types ({exc})") from exc
+    described = con.execute("SELECT column_name, column_type FROM (DESCRIBE raw)").fetchall()
+    types = {name: kind for name, kind in described if name not in ("_row", "_line")}
+    if parts.fmt == "jsonl":
+        _check_one_kind(con, parts, files)
+    if not parts.ordered:  # strictly increasing ids are unique already
+        _check_unique(con, parts)
+    text = {*ID_COLUMNS, *TEXT_COLUMNS}
+    typed = _csv_types(con, [c for c in types if c not in text]) if parts.fmt == "csv" else {}
+    columns = ["item_id", "product_id", *TEXT_COLUMNS]
+    columns += sorted(set(types) - set(columns))
+    select = []
+    for name in columns:
+        if name not in types:
+            select.append(f"CAST(NULL AS VARCHAR) AS {_quoted(name)}")
+        elif name in text:
+            select.append(f"CAST({_quoted(name)} AS VARCHAR) AS {_quoted(name)}")
+        elif name in typed:
+            select.append(f"CAST({_quoted(name)} AS {typed[name]}) AS {_quoted(name)}")
+        else:
+            select.append(_quoted(name))
+    present = [c for c in columns if c in types]
+    with in_order(con) if parts.ordered else nullcontext():
+        con.execute(f"CREATE TABLE staged AS SELECT *, {row_hash_sql(present)} AS row_hash "
+                    f"FROM (SELECT {', '.join(select)} FROM raw)")
+    staged.columns, staged.rows, staged.ordered = columns, parts.rows, parts.ordered
+
+
+def _check_unique(con, parts: Parts) -> None:
+    """One row per item_id: the first item seen twice, by where its second row is."""
+    found = con.execute("""
+        WITH ids AS (SELECT CAST(item_id AS VARCHAR) AS item_id, _row FROM raw),
+             twice AS (SELECT item_id, min(_row) AS first FROM ids GROUP BY item_id HAVING count(*) > 1)
+        SELECT ids.item_id, twice.first, min(ids._row) AS second FROM ids JOIN twice USING (item_id)
+        WHERE ids._row > twice.first GROUP BY ids.item_id, twice.first ORDER BY second LIMIT 1""").fetchone()
+    if found:
+        item, first, second = found
+        lines = _lines(con, parts, [first, second])
+        there, here = parts.where([first, second], lines)
+        raise MetadataError(f"{redact(parts.url)} {here}: item_id {item!r} again (first at {there}); one row per "
+                            "item")
+
+
+def _lines(con, parts: Parts, rows: list[int]) -> list[int] | None:
+    if parts.fmt != "jsonl":
+        return None
+    found = dict(con.execute(f"SELECT _row, _line FROM raw WHERE _row IN ({', '.join(map(str, rows))})").fetchall())
+    return [found[r] for r in rows]
+
+
+def _check_one_kind(con, parts: Parts, files: str) -> None:
+    """A JSONL column holds one kind of value (numbers, strings, lists, ...) across the blocks Arrow typed one
+    by one; the first line where another kind appears is named."""
+    seen: dict[str, tuple[str, str]] = {}
+    for path in parts.paths:
+        for name, sql_type in con.execute(
+                f"SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM read_parquet({sql_string(path)}))"
+        ).fetchall():
+            if name in ("_row", "_line") or sql_type == '"NULL"' or sql_type.upper() == "NULL":
                 continue
-            if len(cells) != len(header):
-                raise MetadataError(f"{redact(url)} line {reader.line_num}: {len(cells)} fields, the header has "
-                                    f"{len(header)}")
-            if (len(rows) + 1) * len(header) > MAX_METADATA_CELLS:
-                _too_many_cells(url, f"line {reader.line_num}")
-            longest = max(map(len, cells))
-            if longest > MAX_CELL_CHARS:
-                raise MetadataError(f"{redact(url)} line {reader.line_num}: a field of {longest} characters; the "
-                                    f"limit is {MAX_CELL_CHARS} (MAX_CELL_CHARS)")
-            rows.append(dict(zip(header, cells)) | {"_line": reader.line_num})
-    except csv.Error as exc:
-        raise MetadataError(f"{redact(url)} line {reader.line_num}: {exc}") from exc
-    text = ("item_id", "product_id", *TEXT_COLUMNS)  # ids keep their leading zeros; titles stay text
-    columns = {name: [r[name] or None for r in rows] if name in text else _typed([r[name] for r in rows])
-               for name in header}
-    for n, row in enumerate(rows):
-        for name in header:
-            row[name] = columns[name][n]
-    return rows
+            kind = _kind(sql_type)
+            if name not in seen:
+                seen[name] = (kind, path)
+            elif seen[name][0] != kind:
+                line = con.execute(f"SELECT min(_line) FROM read_parquet({sql_string(path)}) "
+                                   f"WHERE {_quoted(name)} IS NOT NULL").fetchone()[0]
+                raise MetadataError(f"{redact(parts.url)} line {line}: column {name!r} holds a {kind} here and a "
+                                    f"{seen[name][0]} before; one type a column")
 
 
-def _rows_from_jsonl(data: bytes, url: str) -> list[dict]:
-    rows, names, cells = [], set(), 0
-    try:
-        text = data.decode("utf-8-sig", errors="strict")
-    except UnicodeDecodeError as exc:
-        raise MetadataError(f"{redact(url)}: not UTF-8 text ({exc})") from exc
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        if len(line) > MAX_LINE_CHARS:
-            raise MetadataError(f"{redact(url)} line {number}: {len(line)} characters; the limit is "
-                                f"{MAX_LINE_CHARS} (MAX_LINE_CHARS)")
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise MetadataError(f"{redact(url)} line {number}: not JSON ({exc.msg})") from exc
-        except RecursionError as exc:  # deeper than Python's parser goes: deeper than MAX_JSON_DEPTH too
-            raise MetadataError(f"{redact(url)} line {number}: nested deeper than {MAX_JSON_DEPTH} levels "
-                                "(MAX_JSON_DEPTH)") from exc
-        if not isinstance(obj, dict):
-            raise MetadataError(f"{redact(url)} line {number}: expected one JSON object per line")
-        if depth(obj, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-            raise MetadataError(f"{redact(url)} line {number}: nested deeper than {MAX_JSON_DEPTH} levels "
-                                "(MAX_JSON_DEPTH)")
-        names.update(obj)
-        _check_columns(len(names), url, f"line {number}: the lines so far have")
-        cells += len(obj)
-        if cells > MAX_METADATA_CELLS:
-            _too_many_cells(url, f"line {number}")
-        rows.append(obj | {"_line": number})
-    return rows
-
-
-def _check_columns(count: int, url: str, where: str) -> None:
-    if count > MAX_METADATA_COLUMNS:
-        raise MetadataError(f"{redact(url)} {where} {count} columns; the limit is {MAX_METADATA_COLUMNS} "
-                            "(MAX_METADATA_COLUMNS)")
-
-
-def _too_many_cells(url: str, where: str) -> None:
-    raise MetadataError(f"{redact(url)} {where}: more than {MAX_METADATA_CELLS} cells (rows x columns; the limit "
-                        "is MAX_METADATA_CELLS)")
-
-
-def _read_file(url: str) -> bytes:
-    """The file's bytes, reading at most one byte past MAX_METADATA_BYTES: a longer file is refused unread."""
-    try:
-        data = Location(url).read_bytes("", limit=MAX_METADATA_BYTES + 1)
-    except (FileNotFoundError, IsADirectoryError) as exc:
-        raise MetadataError(f"{redact(url)} does not exist (or is not a file)") from exc
-    if len(data) > MAX_METADATA_BYTES:
-        raise MetadataError(f"{redact(url)}: larger than the limit of {MAX_METADATA_BYTES} bytes "
-                            "(MAX_METADATA_BYTES)")
-    return data
-
-
-def _is_text(kind: pa.DataType) -> bool:
-    return (pa.types.is_string(kind) or pa.types.is_binary(kind) or pa.types.is_large_string(kind)
-            or pa.types.is_large_binary(kind))
-
-
-def _parquet_table(data: bytes, url: str) -> pa.Table:
-    """A Parquet file's table, its footer checked first (columns, cells, uncompressed size); text columns
-    read as dictionaries and their decoded size checked before a cell becomes a Python string."""
-    import pyarrow.compute as pc
-
-    # Arrow reads from its own buffer, never through a Python file object: Arrow's reader threads calling back
-    # into Python can outlive the read and abort the interpreter at exit (apache/arrow#34314, #50482)
-    source = pa.py_buffer(data)
-    try:
-        with pq.ParquetFile(pa.BufferReader(source)) as file:
-            meta, schema = file.metadata, file.schema_arrow
-    except Exception as exc:  # noqa: BLE001 - pyarrow's many error types: one message
-        raise MetadataError(f"{redact(url)}: not a readable Parquet file ({exc})") from exc
-    _check_columns(max(meta.num_columns, len(schema.names)), url, "has")
-    if meta.num_rows * len(schema.names) > MAX_METADATA_CELLS:
-        _too_many_cells(url, f"has {meta.num_rows} rows x {len(schema.names)} columns")
-    unpacked = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
-    if unpacked > MAX_METADATA_BYTES:
-        raise MetadataError(f"{redact(url)}: {unpacked} bytes of data uncompressed; the limit is "
-                            f"{MAX_METADATA_BYTES} (MAX_METADATA_BYTES)")
-    text = [f.name for f in schema if _is_text(f.type.value_type if pa.types.is_dictionary(f.type) else f.type)]
-    try:
-        table = pq.read_table(pa.BufferReader(source), read_dictionary=text)  # each distinct string once
-    except Exception as exc:  # noqa: BLE001
-        raise MetadataError(f"{redact(url)}: not a readable Parquet file ({exc})") from exc
-    decoded = table.nbytes
-    for name in text:
-        for chunk in table.column(name).chunks:
-            coded = pa.types.is_dictionary(chunk.type)
-            lengths = pc.binary_length(chunk.dictionary if coded else chunk)
-            longest = pc.max(lengths).as_py() or 0
-            if longest > MAX_CELL_CHARS:
-                raise MetadataError(f"{redact(url)}: column {name!r} has a value of {longest} bytes; the limit is "
-                                    f"{MAX_CELL_CHARS} (MAX_CELL_CHARS)")
-            if coded:  # what the repeated strings cost once each row has its own
-                decoded += pc.sum(pc.take(lengths, chunk.indices)).as_py() or 0
-    if decoded > MAX_METADATA_BYTES:
-        raise MetadataError(f"{redact(url)}: {decoded} bytes decoded; the limit is {MAX_METADATA_BYTES} "
-                            "(MAX_METADATA_BYTES)")
-    return table
+def _csv_types(con, names: list[str]) -> dict[str, str]:
+    """A CSV column whose every non-empty cell is an integer becomes BIGINT, else one whose every cell is a
+    number DOUBLE (so `price < 50` compares numbers); anything else stays text."""
+    if not names:
+        return {}
+    checks = []
+    for name in names:
+        q = _quoted(name)
+        checks += [f"count({q})",
+                   f"count(*) FILTER (WHERE regexp_full_match(trim({q}), '[+-]?[0-9]+') "
+                   f"AND TRY_CAST({q} AS BIGINT) IS NOT NULL)",
+                   f"count(TRY_CAST({q} AS DOUBLE))"]
+    counts = con.execute(f"SELECT {', '.join(checks)} FROM raw").fetchone()
+    types = {}
+    for n, name in enumerate(names):
+        cells, integers, numbers = counts[3 * n:3 * n + 3]
+        if cells and integers == cells:
+            types[name] = "BIGINT"
+        elif cells and numbers == cells:
+            types[name] = "DOUBLE"
+    return types
 
 
 def read_metadata(url: str) -> pa.Table:
-    """The metadata table, checked: item_id present, non-empty and unique; text columns as strings; a
-    row_hash of each row's content. Raises MetadataError naming the line of the first problem."""
-    fmt = _format(url)
-    data = _read_file(url)
-    if fmt == "parquet":
-        table = _parquet_table(data, url)
-        del data
-        rows = [r | {"_line": n} for n, r in enumerate(table.to_pylist(), 1)]
-        where = "row"
-    else:
-        rows = _rows_from_csv(data, url) if fmt == "csv" else _rows_from_jsonl(data, url)
-        where = "line"
-    seen: dict[str, int] = {}
-    for row in rows:
-        line = row.pop("_line")
-        item = row.get("item_id")
-        if item is None or str(item).strip() == "":
-            raise MetadataError(f"{redact(url)} {where} {line}: no item_id")
-        row["item_id"] = item = str(item)
-        if item in seen:
-            raise MetadataError(f"{redact(url)} {where} {line}: item_id {item!r} again (first at {where} "
-                                f"{seen[item]}); one row per item")
-        seen[item] = line
-        for name in ("product_id", *TEXT_COLUMNS):
-            if row.get(name) is not None:
-                row[name] = str(row[name])
-        content = {k: v for k, v in row.items() if v is not None}  # an absent cell and a null are the same
-        row["row_hash"] = hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()
-    names = ["item_id", "product_id", *TEXT_COLUMNS]
-    names += sorted({k for r in rows for k in r} - set(names) - {"row_hash"}) + ["row_hash"]
+    """The metadata table, checked and hashed, in memory, sorted by item_id: for small files (tests, tools);
+    ingest streams it (`store_metadata`)."""
+    staged = stage_metadata(url)
     try:
-        table = pa.Table.from_pylist([{n: r.get(n) for n in names} for r in rows])
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise MetadataError(f"{redact(url)}: a column mixes types ({exc})") from exc
-    return table.sort_by("item_id")
+        return staged.table()
+    finally:
+        staged.close()
 
 
 def snapshot_key(seq: int) -> str:
@@ -285,30 +291,87 @@ def load_metadata(store: Location) -> pa.Table | None:
     return store.read_table(snapshot_key(seq)) if seq else None
 
 
-def store_metadata(store: Location, url: str, table: pa.Table, listed: set[str] | None) -> MetadataReport:
-    """Compare with the last snapshot; write the next one only if a row is new, changed or gone. Call with
-    the store lock held (the ingest's)."""
-    report = MetadataReport(source=redact(url), rows=table.num_rows)
-    ids = table.column("item_id").to_pylist()
-    if listed is not None:
-        unknown = [i for i in ids if i not in listed]
-        missing = sorted(listed - set(ids))
-        report.unknown_items, report.unknown_examples = len(unknown), unknown[:10]
-        report.without_row, report.without_row_examples = len(missing), missing[:10]
+def _listed_view(con, listing) -> bool:
+    """The view `listed(key)` over a Listing (its table or its spill files); False without one."""
+    if listing is None:
+        return False
+    source = listing.source
+    if isinstance(source, pa.Table):
+        con.register("listing_table", source.select(["key"]))
+        con.execute("CREATE OR REPLACE TEMP VIEW listed AS SELECT key FROM listing_table")
+    elif source:
+        files = "[" + ", ".join(sql_string(p) for p in source) + "]"
+        con.execute(f"CREATE OR REPLACE TEMP VIEW listed AS SELECT key FROM read_parquet({files})")
+    else:
+        con.execute("CREATE OR REPLACE TEMP VIEW listed AS SELECT CAST(NULL AS VARCHAR) AS key WHERE false")
+    return True
+
+
+def _previous_view(con, store: Location, seq: int, folder: str) -> None:
+    """The view `previous(item_id, row_hash)` of the last snapshot; one written before the current hash scheme
+    is hashed again from its cells, so an upgrade alone changes no row."""
+    if not seq:
+        con.execute("CREATE OR REPLACE TEMP VIEW previous AS SELECT CAST(NULL AS VARCHAR) AS item_id, "
+                    "CAST(NULL AS VARCHAR) AS row_hash WHERE false")
+        return
+    key = snapshot_key(seq)
+    path = local_copy(store, key, os.path.join(folder, "previous"), checksum=str(seq), suffix=".parquet")
+    scheme = store.read_parquet_metadata(key).get("imgest.row_hash") if not store.is_local else None
+    if store.is_local:
+        import pyarrow.parquet as pq
+
+        scheme = ((pq.read_metadata(path).metadata or {}).get(b"imgest.row_hash") or b"").decode() or None
+    source = f"read_parquet({sql_string(path)})"
+    if scheme == HASH_SCHEME:
+        con.execute(f"CREATE OR REPLACE TEMP VIEW previous AS SELECT item_id, row_hash FROM {source}")
+        return
+    names = [n for (n,) in con.execute(f"SELECT column_name FROM (DESCRIBE SELECT * FROM {source})").fetchall()
+             if n != "row_hash"]
+    con.execute(f"CREATE OR REPLACE TEMP VIEW previous AS SELECT item_id, {row_hash_sql(names)} AS row_hash "
+                f"FROM {source}")
+
+
+def store_metadata(store: Location, url: str, listing=None, staged: StagedMetadata | None = None) -> MetadataReport:
+    """Read the file at `url` (or take it `staged`), compare it with the last snapshot, and write the next one
+    only if a row is new, changed or gone; count rows and listed images that do not meet (`listing`: the run's
+    Listing, or None). Call with the store lock held (the ingest's)."""
+    own = staged is None
+    staged = stage_metadata(url) if own else staged
+    try:
+        return _store(store, url, listing, staged)
+    finally:
+        if own:
+            staged.close()
+
+
+def _store(store: Location, url: str, listing, staged: StagedMetadata) -> MetadataReport:
+    con = staged.db
+    report = MetadataReport(source=redact(url), rows=staged.rows)
+    if _listed_view(con, listing):  # one join for both counts; the examples only where there are some
+        report.unknown_items, report.without_row = con.execute("""
+            SELECT count(*) FILTER (WHERE listed.key IS NULL), count(*) FILTER (WHERE s.item_id IS NULL)
+            FROM (SELECT item_id FROM staged) s FULL OUTER JOIN listed ON s.item_id = listed.key""").fetchone()
+        report.unknown_examples = [r for (r,) in con.execute(
+            "SELECT item_id FROM staged ANTI JOIN listed ON staged.item_id = listed.key ORDER BY item_id LIMIT 10"
+        ).fetchall()] if report.unknown_items else []
+        report.without_row_examples = [r for (r,) in con.execute(
+            "SELECT key FROM listed ANTI JOIN staged ON staged.item_id = listed.key ORDER BY key LIMIT 10"
+        ).fetchall()] if report.without_row else []
     seq = latest_seq(store)
-    previous = {}
-    if seq:
-        old = store.read_table(snapshot_key(seq), columns=["item_id", "row_hash"])
-        previous = dict(zip(old.column("item_id").to_pylist(), old.column("row_hash").to_pylist()))
-    hashes = dict(zip(ids, table.column("row_hash").to_pylist()))
-    report.new = sum(1 for i in hashes if i not in previous)
-    report.changed = sum(1 for i, h in hashes.items() if i in previous and previous[i] != h)
-    report.unchanged = len(hashes) - report.new - report.changed
-    report.removed = sum(1 for i in previous if i not in hashes)
+    _previous_view(con, store, seq, staged.folder)
+    report.new, report.changed, report.unchanged, report.removed = con.execute("""
+        SELECT count(*) FILTER (WHERE p.item_id IS NULL),
+               count(*) FILTER (WHERE s.item_id IS NOT NULL AND p.item_id IS NOT NULL AND p.row_hash <> s.row_hash),
+               count(*) FILTER (WHERE s.item_id IS NOT NULL AND p.item_id IS NOT NULL AND p.row_hash = s.row_hash),
+               count(*) FILTER (WHERE s.item_id IS NULL)
+        FROM (SELECT item_id, row_hash FROM staged) s FULL OUTER JOIN previous p ON s.item_id = p.item_id""").fetchone()
     report.snapshot_seq = seq
     if report.new or report.changed or report.removed or not seq:
         report.snapshot_seq, report.written = seq + 1, True
-        meta = {"imgest.source": report.source, "imgest.created": now_iso(), "imgest.rows": str(table.num_rows),
-                "imgest.report": json.dumps(report.to_dict(), sort_keys=True)}
-        store.write_table(snapshot_key(seq + 1), table.replace_schema_metadata(meta))
+        meta = {"imgest.source": report.source, "imgest.created": now_iso(), "imgest.rows": str(staged.rows),
+                "imgest.row_hash": HASH_SCHEME, "imgest.report": json.dumps(report.to_dict(), sort_keys=True)}
+        path = os.path.join(staged.folder, "snapshot.parquet")
+        staged.write_parquet(path, meta)
+        store.put_file(snapshot_key(seq + 1), path)
+        os.remove(path)
     return report

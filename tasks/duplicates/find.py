@@ -5,10 +5,12 @@ measured now if missing or stale, or the fixed default when none can be measured
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from datetime import UTC, datetime
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -31,9 +33,10 @@ from imgest.tasks.duplicates.calibrate import (
     stale,
     write_calibration,
 )
-from imgest.tasks.duplicates.groups import NEIGHBOURS, DuplicateReport, find_and_report
-from imgest.tasks.duplicates.hashes import HashCache, hamming, perceptual_hash, picture
-from imgest.tasks.duplicates.scan import Candidates, candidates, scan_pairs
+from imgest.tasks.duplicates.groups import SIGNALS, group_items
+from imgest.tasks.duplicates.hashes import HashCache, perceptual_hash, picture
+from imgest.tasks.duplicates.report import DuplicateReport, summary, write_report
+from imgest.tasks.duplicates.scan import NEIGHBOURS, Candidates, candidates, scan_pairs
 from imgest.tasks.duplicates.verify import same_picture
 
 
@@ -124,45 +127,66 @@ def choose(store_url: str, alias: str | None, model: str | None, threshold: floa
             "hash_signal": current.hash_signal, "reason": None}
 
 
-def hash_pairs(store: Location, live: LiveShards, found: Candidates, images, threshold: float, signal: dict,
-               run: str, fence: Fence | None = None) -> list[tuple[str, str, float]]:
-    """The candidate pairs scoring in [floor, threshold) whose perceptual hashes are within the calibrated
-    distance. Hashes are looked up in the store's cache for these pairs' images only; missing ones are computed
-    from the images and the cache written again (fenced), kept for the images live now."""
-    pairs = [(a, b, score) for a, b, score in found.pairs if signal["floor"] <= score < threshold]
-    if not pairs:
-        return []
+def hash_pairs(store: Location, live: LiveShards, found: Candidates, band: np.ndarray, images, signal: dict,
+               run: str, fence: Fence | None = None) -> np.ndarray:
+    """Which of the candidate pairs `band` (their indices: scoring in [floor, threshold)) have perceptual hashes
+    within the calibrated distance. Hashes are looked up in the store's cache for these pairs' images only;
+    missing ones are computed from the images and the cache written again (fenced), kept for the images live
+    now."""
+    if not len(band):
+        return np.zeros(0, bool)
+    codes = np.unique(np.concatenate([found.a[band], found.b[band]]))
+    rows = found.rows(codes, live.folder)  # one image per content hash is read
     cache = HashCache(store, max_rows=4 * len(live) + 1024)  # the live items' hashes and those of the recently gone
-    wanted = {found.hashes[item]: item for a, b, _ in pairs for item in (a, b)}  # one image per content hash
-    known = cache.lookup(pa.array(sorted(wanted), pa.string()))
+    known = cache.lookup(pc.unique(rows["content_hash"]))
     new, failed = {}, 0
-    for content_hash, item in wanted.items():
-        if content_hash in known:
+    for content_hash, uri in zip(rows["content_hash"].to_pylist(), rows["uri"].to_pylist()):
+        if content_hash in known or content_hash in new:
             continue
         try:
-            new[content_hash] = perceptual_hash(picture(images.read(found.uris[item])))
+            new[content_hash] = perceptual_hash(picture(images.read(uri)))
         except (DecodeError, ContainmentError, StorageError, OSError) as exc:  # that item has no hash signal
+            new[content_hash] = None
             failed += 1
-            logging.getLogger("imgest").debug("no perceptual hash for %s: %s", item, exc)
+            logging.getLogger("imgest").debug("no perceptual hash for %s: %s", uri, exc)
     if failed:
         logging.getLogger("imgest").warning("%d of %d images could not be hashed: only the embedding judges them",
-                                            failed, len(new) + failed)
-    if new:
+                                            failed, len(new))
+    hashed = {h: v for h, v in new.items() if v is not None}
+    if hashed:
         if fence is not None:
             fence.check(store)
-        cache.write(new, live.ordered, run)
-    known.update(new)
-    kept = []
-    for a, b, score in pairs:
-        first, second = known.get(found.hashes[a]), known.get(found.hashes[b])
-        if first is not None and second is not None and hamming(first, second) <= signal["hash_distance"]:
-            kept.append((a, b, score))
-    return kept
+        cache.write(hashed, live.ordered, run)
+    known.update(hashed)
+    phash, has = np.zeros(len(found), np.uint64), np.zeros(len(found), bool)
+    for code, content_hash in zip(rows["code"].to_numpy(), rows["content_hash"].to_pylist()):
+        if content_hash in known:
+            phash[code], has[code] = known[content_hash], True
+    a, b = found.a[band], found.b[band]
+    return has[a] & has[b] & (np.bitwise_count(phash[a] ^ phash[b]) <= signal["hash_distance"])
+
+
+def confirmed(found: Candidates, pairs: np.ndarray, check: PictureCheck, folder: str) -> np.ndarray:
+    """Whether each of the candidate pairs `pairs` (their indices) is confirmed by its two pictures: their uris
+    joined in DuckDB and read a batch at a time."""
+    from imgest.state.rows import scratch_sql, sql_string
+
+    ok = np.zeros(len(pairs), bool)
+    items = f"read_parquet({sql_string(found.items)})"
+    with scratch_sql(folder) as con:
+        con.register("wanted", pa.table({"n": np.arange(len(pairs)), "a": found.a[pairs], "b": found.b[pairs]}))
+        reader = con.sql(f"""SELECT w.n, i.uri AS ua, j.uri AS ub FROM wanted AS w JOIN {items} AS i ON i.code = w.a
+                             JOIN {items} AS j ON j.code = w.b ORDER BY w.a, w.b""").to_arrow_reader(4096)
+        for batch in reader:
+            for n, first, second in zip(batch["n"].to_numpy(), batch["ua"].to_pylist(), batch["ub"].to_pylist()):
+                ok[n] = check(first, second)
+    return ok
 
 
 def find(store_url: str, alias: str | None, model: str | None, choice: dict, fence: Fence | None = None) -> dict:
     """Search every live item against the served index at the chosen threshold (and hash rule), a shard at a
-    time; write the report (fenced); return it with the artifact's text."""
+    time; group the pairs that pass as columns; write the report (fenced); return its summary with the
+    artifact's text."""
     searcher = _searcher(store_url, alias, model)
     card, opened, slug = searcher.card, searcher.opened, searcher.card["slug"]
     live = live_set(searcher.store, slug)
@@ -172,7 +196,7 @@ def find(store_url: str, alias: str | None, model: str | None, choice: dict, fen
     path = scan_pairs(searcher.store, slug, searcher.spec.dim, live, opened, floor,
                       min(NEIGHBOURS, max(1, opened.index.ntotal)), lambda done: progress(done, len(live)))
     found = candidates(live, path)
-    pairs = {(a, b): (score, "embedding") for a, b, score in found.pairs if score >= threshold}
+    which = np.where(found.score >= threshold, SIGNALS.index("embedding"), -1).astype(np.int8)  # per pair: its signal
     calibrated, images, run = choice["threshold_source"] == "calibration", None, _stamp()
     if signal or calibrated:  # both look at pictures, read only under the model's catalogue root
         try:
@@ -182,31 +206,44 @@ def find(store_url: str, alias: str | None, model: str | None, choice: dict, fen
                                               ("near pairs not confirmed by their pictures", calibrated)) if needed]
             logging.getLogger("imgest").warning("%s: %s", "; ".join(lost), exc)
     if signal and images is not None:
-        for a, b, score in hash_pairs(searcher.store, live, found, images, threshold, signal, run, fence):
-            pairs.setdefault((a, b), (score, "hash"))
+        band = np.nonzero((found.score >= signal["floor"]) & (found.score < threshold))[0]
+        which[band[hash_pairs(searcher.store, live, found, band, images, signal, run, fence)]] = SIGNALS.index("hash")
+    joined = np.nonzero(which >= 0)[0]
     report = DuplicateReport(slug, card["model_id"], threshold, len(live),
                              threshold_source=choice["threshold_source"], calibration=choice["calibration"])
-    # a calibrated threshold sits at the edge of different items: each near pair is confirmed by its pictures
-    confirm = PictureCheck(images, found.uris) if calibrated and images is not None else None
-    return find_and_report(searcher.store, report, found.hashes, found.uris, pairs, run, fence, confirm)
+    if calibrated and images is not None:  # a calibrated threshold sits at the edge of different items: each near
+        ok = confirmed(found, joined, PictureCheck(images), live.folder)  # pair is confirmed by its pictures
+        report.refused_pairs, joined = int((~ok).sum()), joined[ok]
+    a, b, score, which = found.a[joined], found.b[joined], found.score[joined], which[joined]
+    groups = group_items(found.hash_code, a, b, score, which)
+    write_report(searcher.store, report, found, groups, a, b, score, which, run, live.folder, fence)
+    return summary(searcher.store, report)
 
 
 class PictureCheck:
     """Confirms a near pair by looking at both pictures (tasks/duplicates/verify.py). A picture that cannot be
-    read leaves the pair to the embedding's judgement."""
+    read leaves the pair to the embedding's judgement. The last KEPT pictures are kept (pairs come in order of
+    their first item, which most repeats)."""
 
-    def __init__(self, images, uris: dict[str, str]):
-        self.images, self.uris = images, uris
-        self.pictures: dict[str, object] = {}
+    KEPT = 256
 
-    def picture(self, item: str):
-        if item not in self.pictures:
-            try:
-                self.pictures[item] = picture(self.images.read(self.uris[item]))
-            except (DecodeError, ContainmentError, StorageError, OSError) as exc:
-                logging.getLogger("imgest").debug("no picture check for %s: %s", item, exc)
-                self.pictures[item] = None
-        return self.pictures[item]
+    def __init__(self, images):
+        self.images = images
+        self.pictures: OrderedDict[str, object] = OrderedDict()
+
+    def picture(self, uri: str):
+        if uri in self.pictures:
+            self.pictures.move_to_end(uri)
+            return self.pictures[uri]
+        try:
+            image = picture(self.images.read(uri))
+        except (DecodeError, ContainmentError, StorageError, OSError) as exc:
+            logging.getLogger("imgest").debug("no picture check for %s: %s", uri, exc)
+            image = None
+        self.pictures[uri] = image
+        if len(self.pictures) > self.KEPT:
+            self.pictures.popitem(last=False)
+        return image
 
     def __call__(self, a: str, b: str) -> bool:
         first, second = self.picture(a), self.picture(b)

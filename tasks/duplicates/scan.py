@@ -1,8 +1,9 @@
 """The items that may have a duplicate, found without holding the catalogue: every live vector searched against
 the served index a shard at a time, the pairs over a floor written to a scratch Parquet file as they are found,
 then joined in DuckDB with the live set (on disk) for both items' content hashes and uris. Exact copies are the
-live rows whose content hash another live row shares, grouped in DuckDB too. What reaches Python is the items
-that have a duplicate or a candidate pair, never one object per catalogue item."""
+live rows whose content hash another live row shares, found in DuckDB too, which numbers the items that have a
+duplicate or a candidate pair. What reaches Python is integer arrays (those items' numbers, their content hashes'
+numbers, the pairs by number); their strings stay on disk, never one object per item."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from imgest.state.live import LiveShards, read_shard_vectors
 from imgest.state.rows import sql_string
 from imgest.storage import Location
 
+NEIGHBOURS = 16  # candidates per item; a group larger than this still joins up through its members
 PAIRS_SCHEMA = pa.schema([("a", pa.string()), ("b", pa.string()), ("score", pa.float32())])
 
 
@@ -48,30 +50,52 @@ def scan_pairs(store: Location, slug: str, dim: int, live: LiveShards, opened, f
 
 @dataclass
 class Candidates:
-    """What grouping needs: the items with a duplicate or a candidate pair, and the pairs."""
+    """What grouping needs, as columns: the items that share their bytes with another live item or are in a pair,
+    numbered 0..n-1 in item_id order, and the pairs between them by number. The items' strings stay on disk
+    (`items`, a Parquet file: code, item_id, uri, content_hash in code order); Python holds integer arrays."""
 
-    hashes: dict[str, str]  # item -> content hash (every item in an exact group or a pair)
-    uris: dict[str, str]  # item -> uri (the same items)
-    pairs: list[tuple[str, str, float]]  # (a, b, cosine), a < b, both live, different bytes, best score of the two
+    items: str  # path of the items file
+    hash_code: np.ndarray  # int32 per item: equal where the content hashes are equal
+    a: np.ndarray  # int32 per pair, a < b (by item_id), both live, different bytes
+    b: np.ndarray
+    score: np.ndarray  # float32 per pair: the best cosine of the two directions
+
+    def __len__(self) -> int:
+        return len(self.hash_code)
+
+    def rows(self, codes: np.ndarray, folder: str) -> pa.Table:
+        """(code, item_id, uri, content_hash) of `codes` (a few: the hash band's, a report's first groups), in
+        code order."""
+        from imgest.state.rows import scratch_sql
+
+        with scratch_sql(folder) as con:
+            con.register("wanted", pa.table({"code": pa.array(np.asarray(codes, np.int32))}))
+            return con.sql(f"SELECT * FROM read_parquet({sql_string(self.items)}) SEMI JOIN wanted USING (code) "
+                           "ORDER BY code").to_arrow_table()
 
 
 def candidates(live: LiveShards, pairs_path: str) -> Candidates:
-    """Exact copies and the scanned pairs joined with the live set (a neighbour gone since the index was built
-    drops out; a pair of equal bytes is left to the exact groups)."""
+    """Exact copies and the scanned pairs joined with the live set in DuckDB (a neighbour gone since the index was
+    built drops out; a pair of equal bytes is left to the exact groups), the items numbered there."""
+    items = os.path.join(live.folder, "items.parquet")
     with live.connect() as con:
-        exact = con.sql("""SELECT item_id, uri, content_hash FROM live WHERE content_hash IN (
-                               SELECT content_hash FROM live GROUP BY content_hash HAVING count(*) > 1)
-                           """).to_arrow_table()
-        pairs = con.sql(f"""
-            SELECT p.a, p.b, p.score, la.content_hash AS ha, lb.content_hash AS hb, la.uri AS ua, lb.uri AS ub
-            FROM (SELECT least(a, b) AS a, greatest(a, b) AS b, max(score) AS score
-                  FROM read_parquet({sql_string(pairs_path)}) GROUP BY 1, 2) AS p
+        con.execute(f"""CREATE TEMP TABLE pairs AS
+            SELECT p.a, p.b, p.score FROM (SELECT least(a, b) AS a, greatest(a, b) AS b, max(score) AS score
+                                           FROM read_parquet({sql_string(pairs_path)}) GROUP BY 1, 2) AS p
             JOIN live AS la ON la.item_id = p.a JOIN live AS lb ON lb.item_id = p.b
-            WHERE la.content_hash <> lb.content_hash ORDER BY p.a, p.b""").to_arrow_table()
-    hashes = dict(zip(exact["item_id"].to_pylist(), exact["content_hash"].to_pylist()))
-    uris = dict(zip(exact["item_id"].to_pylist(), exact["uri"].to_pylist()))
-    a, b = pairs["a"].to_pylist(), pairs["b"].to_pylist()
-    for side, items in (("a", a), ("b", b)):
-        hashes.update(zip(items, pairs[f"h{side}"].to_pylist()))
-        uris.update(zip(items, pairs[f"u{side}"].to_pylist()))
-    return Candidates(hashes, uris, list(zip(a, b, pairs["score"].to_pylist())))
+            WHERE la.content_hash <> lb.content_hash""")
+        con.execute(f"""COPY (
+            WITH shared AS (SELECT content_hash FROM live GROUP BY content_hash HAVING count(*) > 1),
+                 wanted AS (SELECT item_id FROM live SEMI JOIN shared USING (content_hash)
+                            UNION SELECT a FROM pairs UNION SELECT b FROM pairs)
+            SELECT (row_number() OVER (ORDER BY item_id) - 1)::INTEGER AS code, item_id, uri, content_hash,
+                   (dense_rank() OVER (ORDER BY content_hash) - 1)::INTEGER AS hash_code
+            FROM live SEMI JOIN wanted USING (item_id) ORDER BY item_id
+            ) TO {sql_string(items)} (FORMAT parquet, COMPRESSION zstd)""")
+        coded = con.sql(f"""SELECT i.code AS a, j.code AS b, p.score FROM pairs AS p
+                            JOIN read_parquet({sql_string(items)}) AS i ON i.item_id = p.a
+                            JOIN read_parquet({sql_string(items)}) AS j ON j.item_id = p.b
+                            ORDER BY 1, 2""").to_arrow_table()
+    hash_code = pq.read_table(items, columns=["hash_code"])["hash_code"].to_numpy()
+    return Candidates(items, hash_code, coded["a"].to_numpy(), coded["b"].to_numpy(),
+                      coded["score"].to_numpy().astype(np.float32))

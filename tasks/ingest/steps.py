@@ -23,7 +23,6 @@ from imgest.state.metadata import (
     MetadataReport,
     NoMetadataError,
     latest_seq,
-    read_metadata,
     snapshot_key,
     store_metadata,
 )
@@ -94,8 +93,7 @@ def list_catalogue_fanned(catalogue_url: str) -> Listing:
 def store_metadata_task(store_url: str, metadata_url: str, listing: Listing) -> MetadataReport:
     """Read and check the metadata file, store a snapshot if a row changed; rows and images that do not
     meet are counted against this run's listing."""
-    table = read_metadata(metadata_url)
-    return store_metadata(Location(store_url), metadata_url, table, set(listing.keys))
+    return store_metadata(Location(store_url), metadata_url, listing)
 
 
 @task(name="list-texts", cache_policy=NO_CACHE, **IO_RETRIES)
