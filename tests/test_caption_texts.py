@@ -14,7 +14,7 @@ import pytest
 from imgest import encoders
 from imgest.encoders.text import compose, whitespace
 from imgest.images.listing import LISTING_SCHEMA, Listing, SpillFolder, listing_batches, listing_table
-from imgest.state.metadata import read_metadata, snapshot_key, store_metadata
+from imgest.state.metadata import snapshot_key, store_metadata
 from imgest.storage import Location, ObjectInfo
 from imgest.tasks.ingest.encode_text import shard_texts, text_hash, text_listing
 
@@ -49,7 +49,7 @@ def test_text_listing_and_shard_texts_compose_as_compose_does(spec, tmp_path):
     path = tmp_path / "meta.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in TRICKY))
     store = Location(str(tmp_path / "store"))
-    assert store_metadata(store, str(path), read_metadata(str(path)), None).written
+    assert store_metadata(store, str(path)).written
     expected = {r["item_id"]: compose(r, fields, joiner) for r in TRICKY}
     expected = {item: text for item, text in expected.items() if text}
     assert set(expected) == {"a", "d", "e", "f", "g", "h", "ü/ß.jpg"}  # the case: b and c have no text
