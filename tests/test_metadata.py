@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from imgest.state.metadata import MetadataError, load_metadata, read_metadata, store_metadata
 from imgest.images.listing import Listing, listing_table
+from imgest.state.metadata import MetadataError, load_metadata, read_metadata, store_metadata
 from imgest.storage import Location, ObjectInfo
 
 CSV = """item_id,product_id,title,caption,category,price
