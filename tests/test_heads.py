@@ -12,7 +12,8 @@ import torch
 
 from imgest.config import EvalConfig, HeadConfig, IngestConfig, MigrateConfig, NightlyConfig, TrainHeadConfig
 from imgest.flow_params import gather_flat
-from imgest.tasks.heads.train import HeadError, infonce, proxynca, read_labels, train_head, triplet_semihard
+from imgest.tasks.heads.labels import read_labels
+from imgest.tasks.heads.train import HeadError, infonce, proxynca, train_head, triplet_semihard
 from imgest.tasks.heads.views import AUGMENTATIONS
 
 # -- losses, no Prefect needed --------------------------------------------------------------------------
@@ -118,7 +119,7 @@ def test_hard_negatives_share_a_batch_and_the_keep_term_is_zero_only_at_the_base
     centroids /= np.linalg.norm(centroids, axis=1, keepdims=True)
     sims = centroids @ centroids.T
     np.fill_diagonal(sims, -np.inf)
-    assert near[0] == np.argsort(-sims[0])[:2].tolist(), "the two labels nearest in base space"
+    assert near[0].tolist() == np.argsort(-sims[0])[:2].tolist(), "the two labels nearest in base space"
     cfg = HeadConfig(labels_per_batch=3, items_per_label=2, hard_negatives=2)
     first = set(label_ids[pk_batches(rows, label_ids, cfg, np.random.default_rng(0), near)[0]].tolist())
     assert any(first == {lab, *near[lab]} for lab in first), "the first batch: a label and its two neighbours"
