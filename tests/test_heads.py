@@ -165,8 +165,10 @@ def labelled(tmp_path_factory, prefect_harness):
             rows.append(f"{key},label-{label}")
     write_files(str(cat), files)
     (root / "labels.csv").write_text("\n".join(rows) + "\n")
-    # fp32: derived shards (the head over these vectors) are compared with the head over a fresh fp32 decode
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), batch_size="8", shard_size=10, precision="fp32"))
+    # torch fp32: derived shards (the head over these vectors) are compared with the head over a fresh fp32 decode,
+    # and the views of label-free heads are encoded on what the shards record: torch fp32, nothing compiled
+    ingest(IngestConfig(catalogue=str(cat), store=str(store), batch_size="8", shard_size=10, runtime="torch",
+                        precision="fp32"))
     return root
 
 

@@ -187,7 +187,11 @@ def heldout_views(result, live, used: list[int], views: int, seed: int,
                   names: tuple[str, ...]) -> tuple[list[dict], dict[str, bytes]]:
     """The held-out instances as an eval query set: their augmented views, regenerated from the same seeds
     as PNG files to keep beside the head, each with its original catalogue item as the one relevant."""
-    held = {i for i in result.val_item_ids if "#view" not in i}
+    held = sorted({i for i in result.val_item_ids if "#view" not in i})
+    if len(held) > HELDOUT_QUERIES:
+        held = [held[i] for i in np.sort(np.random.default_rng([seed, 2]).choice(len(held), HELDOUT_QUERIES,
+                                                                                 replace=False))]
+    held = set(held)
     queries, images = [], {}
     for row in used:
         item_id = live.item_ids[row]
