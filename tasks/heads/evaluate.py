@@ -20,9 +20,10 @@ from prefect.cache_policies import NO_CACHE
 
 from imgest.images import decoders
 from imgest.retrieval.metrics import paired_bootstrap
-from imgest.tasks.heads.train import SIMILARITY_BLOCK, HeadError, as_strings
+from imgest.tasks.heads.train import HeadError, as_strings
 
 KS = (1, 5, 10)
+SIMILARITY_BLOCK = 1 << 25  # similarities (float32) of one block of queries against the gallery: 128 MB at most
 
 
 @dataclass

@@ -9,9 +9,10 @@ Losses, as in the literature:
 - ProxyNCA (Movshovitz-Attias et al., 2017): one learned proxy per label, NCA over proxies with the
   anchor's own proxy left out of the denominator.
 Batches are P labels x K items (K >= 2) so every anchor has a positive. Validation is recall@1 of
-held-out items against every labelled item (the query itself excluded); training stops when it has not
-improved for `patience` epochs and the best epoch's weights are kept. Seeded: the same inputs and seed
-give the same head, bit for bit, on CPU.
+held-out items (VALIDATION_QUERIES of them at most) against every labelled item (the query itself excluded);
+training stops when it has not improved for `patience` epochs and the best epoch's weights are kept. Seeded: the
+same inputs and seed give the same head, bit for bit, on CPU. Labels, the split and the batches' pools are arrays
+(Arrow, NumPy), never an object per item: a label file may cover the whole catalogue.
 """
 
 from __future__ import annotations
@@ -100,7 +101,6 @@ class TrainResult:
 
 VALIDATION_QUERIES = 10_000  # held-out items queried each epoch, at most (a seeded sample of them): each is an
 # exact search over every labelled item, so a catalogue-wide label file would otherwise cost items x items per epoch
-SIMILARITY_BLOCK = 1 << 25  # similarities (float32) of one block of queries against the gallery: 128 MB at most
 
 
 def as_strings(values) -> pa.Array:
@@ -153,14 +153,17 @@ def split(label_ids: np.ndarray, cfg: HeadConfig) -> tuple[np.ndarray, np.ndarra
 
 
 def recall_at_1(queries: np.ndarray, query_rows: np.ndarray, gallery: np.ndarray, labels: np.ndarray) -> float:
-    """Nearest gallery item (the query's own row excluded) has the query's label."""
-    hits, step = 0, int(np.clip(SIMILARITY_BLOCK // max(len(gallery), 1), 1, 1024))
-    for begin in range(0, len(queries), step):
-        sims = queries[begin:begin + step] @ gallery.T
-        rows = query_rows[begin:begin + step]
-        sims[np.arange(len(rows)), rows] = -np.inf
-        hits += int((labels[sims.argmax(1)] == labels[rows]).sum())
-    return hits / max(len(queries), 1)
+    """Nearest gallery item (the query's own row excluded) has the query's label: an exact search by faiss (blocks of
+    queries against blocks of the gallery, never a queries x gallery matrix), its two nearest, the first that is not
+    the query itself."""
+    import faiss
+
+    if not len(queries):
+        return 0.0
+    _, near = faiss.knn(np.ascontiguousarray(queries, np.float32), np.ascontiguousarray(gallery, np.float32),
+                        min(2, len(gallery)), metric=faiss.METRIC_INNER_PRODUCT)
+    first = near[:, 0] if near.shape[1] == 1 else np.where(near[:, 0] == query_rows, near[:, 1], near[:, 0])
+    return float(np.sum((first >= 0) & (labels[first] == labels[query_rows])) / len(queries))
 
 
 def neighbour_labels(vectors: np.ndarray, label_ids: np.ndarray, rows: np.ndarray, h: int) -> np.ndarray:
