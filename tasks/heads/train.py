@@ -99,6 +99,7 @@ class TrainResult:
         return out
 
 
+PROJECT_BLOCK = 16_384  # rows through the head at a time when measuring: hidden x 64 KB of activations
 VALIDATION_QUERIES = 10_000  # held-out items queried each epoch, at most (a seeded sample of them): each is an
 # exact search over every labelled item, so a catalogue-wide label file would otherwise cost items x items per epoch
 
@@ -257,6 +258,7 @@ def train_head(vectors: np.ndarray, item_ids, labels, cfg: HeadConfig, log=lambd
     import torch
 
     from imgest.encoders.head import build_module
+    from imgest.encoders.head import project as project_blocks
     from imgest.timing import Stopwatch
 
     total = Stopwatch()
@@ -281,11 +283,12 @@ def train_head(vectors: np.ndarray, item_ids, labels, cfg: HeadConfig, log=lambd
     neighbours = neighbour_labels(vectors, label_ids, train_rows, cfg.hard_negatives)
 
     def project(v: np.ndarray) -> np.ndarray:
+        """Through the head a block of rows at a time: its hidden layer over every labelled item at once would be
+        items x hidden floats (4 GB for a million items)."""
         head.eval()
-        with torch.inference_mode():
-            out = torch.nn.functional.normalize(head(torch.from_numpy(np.ascontiguousarray(v, np.float32))), dim=1)
+        out = project_blocks(head, v, batch=PROJECT_BLOCK)
         head.train()
-        return out.numpy()
+        return out
 
     def measure(epoch: int, losses: list[float]) -> tuple:
         emb = project(vectors)
