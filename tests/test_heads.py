@@ -301,6 +301,13 @@ def test_head_goes_through_the_migration_window(labelled):
     finished = migrate(MigrateConfig(store=store, action="finish", retain_days=0))["finished"]
     assert finished["window"]["retired"]["slug"] == base_slug and base_slug not in finished["deleted"]
     assert Location(store).exists(f"state/model={base_slug}/model.json")
+    # a 16-d head serves this store now: train-head's default base is that head's base, never the head
+    from typer.testing import CliRunner
+
+    from imgest.cli import app
+
+    wide = CliRunner().invoke(app, ["train-head", "--store", store, "--dim", "16"])
+    assert wide.exit_code == 2 and "a residual head keeps the base dimension" in wide.output
 
 
 def test_nightly_on_a_head_keeps_its_base_current_and_decodes_new_images_once(labelled, tmp_path, monkeypatch):
@@ -381,9 +388,6 @@ def test_eval_queries_select_the_epoch_and_report_base_against_head(labelled):
         assert interval["difference"] == pytest.approx(e["head"][metric] - e["base"][metric], abs=1e-4)
     bad = CliRunner().invoke(app, ["train-head", "--store", str(labelled / "store"), "--augment", "crop,sepia"])
     assert bad.exit_code == 2 and "unknown augmentation 'sepia'" in bad.output
-    # an earlier test leaves a 16-d head serving this store: the default base is that head's base, never the head
-    wide = CliRunner().invoke(app, ["train-head", "--store", str(labelled / "store"), "--dim", "16"])
-    assert wide.exit_code == 2 and "a residual head keeps the base dimension" in wide.output
 
 
 def test_encoded_views_are_cached_by_what_makes_them(labelled, tmp_path, monkeypatch):
