@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from prefect import get_run_logger
+import sys
+
 from prefect.artifacts import create_markdown_artifact
 
 from imgest.config import TrainHeadConfig
@@ -12,12 +13,12 @@ from imgest.names import parse_augmentations
 from imgest.plots import markdown_image
 from imgest.reports.heads import render_head, render_whitening
 from imgest.reports.run_names import run_name
-from imgest.state.live import load_live_sample, load_live_vectors
+from imgest.state.live import load_live_sample
 from imgest.state.models import default_model, find_model
 from imgest.storage import open_location
 from imgest.storage.probe import check_writable
-from imgest.tasks.heads.evaluate import query_scorer
-from imgest.tasks.heads.files import augment_task, heldout_set, labelled_set, save_head, train_task
+from imgest.tasks.heads.evaluate import scorer_task
+from imgest.tasks.heads.files import augment_task, heldout_set, labelled_task, save_head, train_task
 from imgest.tasks.heads.train import HeadError
 from imgest.tasks.heads.whiten import whiten_task
 
@@ -45,15 +46,17 @@ def train_head_flow(config: TrainHeadConfig) -> dict:
                                  description=f"whitening of {base['model_id']}")
         return saved
     training.out_dim(int(base["dim"]))  # a residual head of another dimension: refused before any work
-    live = load_live_vectors(store_loc, base["slug"], int(base["dim"]))
-    live.catalogue = config.catalogue  # images are read only under it (or the root recorded at ingest)
-    if config.labels:
-        data = labelled_set(live, config.labels, base["model_id"])
-    else:
+    live = None
+    if config.labels:  # the label file joined with the live set: only the labelled items' vectors are read
+        data = labelled_task(store_loc, base, config.labels)
+    else:  # the items whose views are made, and only those, are read (every live item when max_items is 0)
+        live = load_live_sample(store_loc, base["slug"], int(base["dim"]), config.max_items or sys.maxsize,
+                                training.seed)
+        live.catalogue = config.catalogue  # images are read only under it (or the root recorded at ingest)
         data = augment_task(live, base["name"], config.views, training.seed, config.max_items,
-                            parse_augmentations(config.augment))
-    scorer = query_scorer(config.eval_queries, live, base["name"], config.device, get_run_logger().info,
-                          decoders.recorded(store_loc, base["slug"])) if config.eval_queries else None
+                            parse_augmentations(config.augment), config.device)
+    scorer = scorer_task(store_loc, base, config.eval_queries, data, config.negatives, training.seed, config.device,
+                         decoders.recorded(store_loc, base["slug"])) if config.eval_queries else None
     result = train_task(data, training, scorer)
     evaluation = None
     if scorer is not None:

@@ -12,7 +12,8 @@ import torch
 
 from imgest.config import EvalConfig, HeadConfig, IngestConfig, MigrateConfig, NightlyConfig, TrainHeadConfig
 from imgest.flow_params import gather_flat
-from imgest.tasks.heads.train import HeadError, infonce, proxynca, read_labels, train_head, triplet_semihard
+from imgest.tasks.heads.labels import read_label_table, read_labels
+from imgest.tasks.heads.train import HeadError, infonce, proxynca, train_head, triplet_semihard
 from imgest.tasks.heads.views import AUGMENTATIONS
 
 # -- losses, no Prefect needed --------------------------------------------------------------------------
@@ -118,7 +119,7 @@ def test_hard_negatives_share_a_batch_and_the_keep_term_is_zero_only_at_the_base
     centroids /= np.linalg.norm(centroids, axis=1, keepdims=True)
     sims = centroids @ centroids.T
     np.fill_diagonal(sims, -np.inf)
-    assert near[0] == np.argsort(-sims[0])[:2].tolist(), "the two labels nearest in base space"
+    assert near[0].tolist() == np.argsort(-sims[0])[:2].tolist(), "the two labels nearest in base space"
     cfg = HeadConfig(labels_per_batch=3, items_per_label=2, hard_negatives=2)
     first = set(label_ids[pk_batches(rows, label_ids, cfg, np.random.default_rng(0), near)[0]].tolist())
     assert any(first == {lab, *near[lab]} for lab in first), "the first batch: a label and its two neighbours"
@@ -133,6 +134,21 @@ def test_bad_labels_and_parameters_are_refused_clearly():
     with pytest.raises(HeadError, match="header `item_id,label`"):
         read_labels(b"id,class\na,b\n", "labels.csv")
     assert read_labels(b'{"item_id": "a.jpg", "label": "x"}\n', "l.jsonl") == {"a.jpg": "x"}
+    # read as columns: each item once, its last row winning, in item_id order (a number read as an id's text)
+    table = read_label_table(b"\xef\xbb\xbfitem_id,label,note\nb.jpg,y,1\na.jpg,x,2\nb.jpg,z,3\n", "l.csv")
+    assert table.to_pydict() == {"item_id": ["a.jpg", "b.jpg"], "label": ["x", "z"]}
+    assert read_label_table(b'{"item_id": 7, "label": "x"}\n\n{"item_id": "a", "label": "y"}\n',
+                            "l.jsonl").to_pydict() == {"item_id": ["7", "a"], "label": ["x", "y"]}
+    # every malformed file is refused as the row reader refuses it: by its line or row
+    for data, name, message in (
+            (b'{"item_id": "a", "label": "x"}\nnot json\n', "l.jsonl", "l.jsonl line 2: not JSON"),
+            (b'{"item_id": "a", "label": "x"}\n\n{"item_id": "b"}\n', "l.jsonl", "l.jsonl row 2: item_id and label"),
+            (b"item_id,label\na,x\nb\n", "l.csv", "l.csv row 2: item_id and label are both required"),
+            (b"item_id,label\na,x\n,y\n", "l.csv", "l.csv row 2: item_id and label are both required"),
+            (b"id,class\na,b\n", "l.csv", r"l.csv: a labels CSV needs the header `item_id,label`; got \['id'"),
+            (b"", "l.csv", "got None")):
+        with pytest.raises(HeadError, match=message):
+            read_label_table(data, name)
     with pytest.raises(ValueError, match="loss must be one of triplet, infonce, proxynca"):
         HeadConfig(loss="arcface")
     x, ids, _ = _toy(labels=2, per_label=2)
@@ -164,8 +180,10 @@ def labelled(tmp_path_factory, prefect_harness):
             rows.append(f"{key},label-{label}")
     write_files(str(cat), files)
     (root / "labels.csv").write_text("\n".join(rows) + "\n")
-    # fp32: derived shards (the head over these vectors) are compared with the head over a fresh fp32 decode
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), batch_size="8", shard_size=10, precision="fp32"))
+    # torch fp32: derived shards (the head over these vectors) are compared with the head over a fresh fp32 decode,
+    # and the views of label-free heads are encoded on what the shards record: torch fp32, nothing compiled
+    ingest(IngestConfig(catalogue=str(cat), store=str(store), batch_size="8", shard_size=10, runtime="torch",
+                        precision="fp32"))
     return root
 
 
@@ -283,6 +301,13 @@ def test_head_goes_through_the_migration_window(labelled):
     finished = migrate(MigrateConfig(store=store, action="finish", retain_days=0))["finished"]
     assert finished["window"]["retired"]["slug"] == base_slug and base_slug not in finished["deleted"]
     assert Location(store).exists(f"state/model={base_slug}/model.json")
+    # a 16-d head serves this store now: train-head's default base is that head's base, never the head
+    from typer.testing import CliRunner
+
+    from imgest.cli import app
+
+    wide = CliRunner().invoke(app, ["train-head", "--store", store, "--dim", "16"])
+    assert wide.exit_code == 2 and "a residual head keeps the base dimension" in wide.output
 
 
 def test_nightly_on_a_head_keeps_its_base_current_and_decodes_new_images_once(labelled, tmp_path, monkeypatch):
@@ -363,9 +388,6 @@ def test_eval_queries_select_the_epoch_and_report_base_against_head(labelled):
         assert interval["difference"] == pytest.approx(e["head"][metric] - e["base"][metric], abs=1e-4)
     bad = CliRunner().invoke(app, ["train-head", "--store", str(labelled / "store"), "--augment", "crop,sepia"])
     assert bad.exit_code == 2 and "unknown augmentation 'sepia'" in bad.output
-    # an earlier test leaves a 16-d head serving this store: the default base is that head's base, never the head
-    wide = CliRunner().invoke(app, ["train-head", "--store", str(labelled / "store"), "--dim", "16"])
-    assert wide.exit_code == 2 and "a residual head keeps the base dimension" in wide.output
 
 
 def test_encoded_views_are_cached_by_what_makes_them(labelled, tmp_path, monkeypatch):
@@ -415,3 +437,52 @@ def test_encoded_views_are_cached_by_what_makes_them(labelled, tmp_path, monkeyp
     changed = replace(live, content_hashes=hashes)
     augmented_instances(changed, base["name"], 2, 0, max_items=8, cache_dir=cache)
     assert len(os.listdir(cache)) == 3
+
+
+@pytest.mark.slow("a parity check of torch bf16 on the parity sample: 40 s on two cores")
+def test_views_are_encoded_on_the_runtime_and_precision_the_shards_record(tiny_models, tmp_path):
+    """An item's views are made as its stored vector was: the runtime and precision most of the rows read were
+    encoded with (their shards' record), behind the parity check; the plain encoder, said in one line, where that
+    cannot run here. The images made into views are reported as they go."""
+    from imgest import encoders
+    from imgest.encoders.precision import native_precisions
+    from imgest.state.live import LiveVectors
+    from imgest.storage import Location
+    from imgest.tasks.heads.views import AUGMENTATIONS, _encode_views, augmented_instances, recorded_encoding
+    from tests.helpers import gradient, png_bytes, write_files
+
+    # the pair most rows name, among those a run could load ("unrecorded" and numpy's raw pixels are not)
+    assert recorded_encoding({"torch bf16": 10, "torch fp32": 3, "unrecorded": 50, "numpy fp32": 99}) == \
+        ("torch", "bf16")
+    assert recorded_encoding({"unrecorded": 5}) is None and recorded_encoding(None) is None
+    if "bf16" not in native_precisions("cpu"):
+        pytest.skip("this CPU does not compute in bf16 natively: no reduced precision to record")
+    name = f"hf:{tiny_models['dinov2']}"
+    spec = encoders.resolve(name)
+    cat = tmp_path / "catalogue"
+    keys = [f"p/{i}.png" for i in range(4)]
+    write_files(str(cat), {key: png_bytes(gradient(i, (48, 48))) for i, key in enumerate(keys)})
+    (tmp_path / "store").mkdir()
+    root = Location(str(cat)).uri().rstrip("/")
+
+    def live(encoded_by: dict) -> LiveVectors:
+        return LiveVectors(keys, [f"{root}/{k}" for k in keys], [f"h{i}" for i in range(4)],
+                           np.eye(4, spec.dim, dtype=np.float32), 1, None, str(tmp_path / "store"), "tiny",
+                           catalogue=str(cat), encoded_by=encoded_by)
+
+    lines, seen = [], []
+    made = augmented_instances(live({"torch bf16": 4}), name, 2, 0, device="cpu", cache_dir=None, log=lines.append,
+                               progress=lambda done, total: seen.append((done, total)))
+    assert lines[-1].endswith("on torch bf16") and seen[0] == (0, 4) and seen[-1] == (4, 4)
+    rows = list(range(4))
+    bf16 = _encode_views(live({}), rows, encoders.load(spec, "cpu", "torch", "bf16"), 2, 0, tuple(AUGMENTATIONS),
+                         print)[1]
+    fp32 = _encode_views(live({}), rows, encoders.load(spec, "cpu"), 2, 0, tuple(AUGMENTATIONS), print)[1]
+    np.testing.assert_array_equal(made[0][4:], bf16)
+    assert not np.array_equal(bf16, fp32) and np.min(np.sum(bf16 * fp32, axis=1)) > 0.98, "bf16, not fp32"
+    if "fp16" not in native_precisions("cpu"):  # a precision this CPU lacks: the plain encoder, said once
+        lines.clear()
+        plain = augmented_instances(live({"torch fp16": 4}), name, 2, 0, device="cpu", cache_dir=None,
+                                    log=lines.append)
+        assert "encoded with torch fp16, which cannot run here" in lines[0] and lines[-1].endswith("on torch fp32")
+        np.testing.assert_array_equal(plain[0][4:], fp32)

@@ -92,6 +92,10 @@ class TrainHeadConfig(FlowConfig):
     eval_queries: Annotated[OptionalUrl, Field(
         description="A labelled query set in `imgest eval`'s format (e.g. real query photos): epochs are selected "
                     "on it and the report gives base vs head on it with a paired bootstrap interval")] = None
+    negatives: Annotated[int, AfterValidator(at_least(0)), Field(
+        description="With eval_queries: live items besides the training set's and those the queries name that the "
+                    "queries are searched among (a seeded sample of shards, rows within them; all of them when "
+                    "fewer)")] = 100_000
     catalogue: Annotated[OptionalUrl, Field(
         description="The catalogue the base model was ingested from (checked against the one recorded at "
                     "ingest); images are read only under it. Default: the recorded one, when it is on the store's "

@@ -172,6 +172,7 @@ class LiveVectors:
     slug: str = ""
     catalogue: str | None = None  # the operator's catalogue for reading images, when the run has one
     total: int | None = None  # live items of the model (more than these rows when they are a sample)
+    encoded_by: dict[str, int] | None = None  # the rows read, per what encoded them ("openvino fp32": shard_encoder)
     _images: object = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -265,8 +266,8 @@ def live_set(store: Location, slug: str) -> LiveShards:
 def load_live_sample(store: Location, slug: str, dim: int, limit: int, seed: int) -> LiveVectors:
     """At most `limit` live vectors, a seeded sample of the rows in item_id order (`sample_rows`: the rows
     `load_live_vectors` would give at those positions), with their ids, uris and hashes; `total` says how many
-    are live. Only the shards holding a sampled row are read, and only the sample is kept: memory follows
-    `limit`, not the catalogue."""
+    are live, `encoded_by` what encoded the rows read. Only the shards holding a sampled row are read, and only
+    the sample is kept: memory follows `limit`, not the catalogue."""
     return live_sample(store, slug, dim, live_set(store, slug), limit, seed)
 
 
@@ -274,15 +275,17 @@ def live_sample(store: Location, slug: str, dim: int, live: LiveShards, limit: i
     """`load_live_sample` from a live set already numbered."""
     wanted = sample_rows(len(live), limit, seed)
     parts: list[tuple[np.ndarray, pa.Table]] = []
+    encoded_by: Counter = Counter()
     for shard, keep, rows in live:
         picked = np.isin(rows, wanted)
         if not picked.any():
             continue
         table, found = _live_rows(store, slug, shard, keep.filter(pa.array(picked)))
+        encoded_by[shard_encoder(table.schema.metadata)] += len(table)
         parts.append((rows[picked][found], table.select(["item_id", "uri", "content_hash", "embedding"])))
     if not parts:
         return LiveVectors([], [], [], np.empty((0, dim), np.float32), live.snapshot, None, store.url, slug,
-                           total=len(live))
+                           total=len(live), encoded_by={})
     rows = np.concatenate([r for r, _ in parts])
     table = pa.concat_tables([t for _, t in parts]).take(pa.array(np.argsort(rows, kind="stable")))
     if len(table) < len(wanted):
@@ -290,7 +293,7 @@ def live_sample(store: Location, slug: str, dim: int, live: LiveShards, limit: i
                                             slug, len(wanted) - len(table))
     return LiveVectors(table["item_id"].to_pylist(), table["uri"].to_pylist(), table["content_hash"].to_pylist(),
                        np.ascontiguousarray(embedding_matrix(table, dim)), live.snapshot, None, store.url, slug,
-                       total=len(live))
+                       total=len(live), encoded_by=dict(encoded_by))
 
 
 def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table,
@@ -312,3 +315,63 @@ def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table,
     if not tables:
         return pa.table({"item_id": pa.array([], pa.string())}), np.empty((0, dim), np.float32)
     return pa.concat_tables(tables), np.concatenate(vectors).astype(np.float32, copy=False)
+
+
+# -- a few of the live items, found by SQL in the state and read by shard: the whole live set is never loaded --
+ROW_COLUMNS = "s.item_id, s.uri, s.content_hash, s.shard"
+
+
+def live_rows_of(state: CatalogueState, wanted: pa.Table) -> pa.Table:
+    """The live rows (item_id, uri, content_hash, shard) of the items in `wanted` (an `item_id` column, each id
+    once, and any other columns, kept), in item_id order: a join in the state's database, no object per row."""
+    with state.sql() as cur:
+        cur.register("wanted", wanted)
+        others = [c for c in wanted.column_names if c != "item_id"]
+        extra = "".join(f", w.{c}" for c in others)
+        return cur.sql(f"SELECT {ROW_COLUMNS}{extra} FROM state s JOIN wanted w ON w.item_id = s.item_id "
+                       f"WHERE s.status = '{LIVE}' ORDER BY s.item_id").to_arrow_table()
+
+
+def shard_sample(state: CatalogueState, count: int, seed: int, exclude: pa.Array | None = None) -> pa.Table:
+    """About `count` live rows (item_id, uri, content_hash, shard) outside `exclude`, drawn by shard: the shards in
+    a seeded order until they hold twice `count` such rows, then `count` rows among theirs, in item_id order.
+    What is read is a row per shard and the drawn shards' rows, never the live set; all of it when it is smaller
+    than `count`."""
+    if count <= 0:
+        return pa.table({c: pa.array([], pa.string()) for c in ("item_id", "uri", "content_hash", "shard")})
+    rng = np.random.default_rng(seed)
+    excluded = pa.table({"item_id": pa.array(exclude if exclude is not None else [], pa.string())})
+    with state.sql() as cur:
+        cur.register("excluded", excluded)
+        per_shard = cur.sql(f"SELECT s.shard, count(*) AS n FROM state s ANTI JOIN excluded e ON e.item_id = s.item_id "
+                            f"WHERE s.status = '{LIVE}' GROUP BY s.shard ORDER BY s.shard").to_arrow_table()
+        order = rng.permutation(len(per_shard))
+        held = np.cumsum(per_shard["n"].to_numpy()[order])
+        drawn = order[:int(np.searchsorted(held, 2 * count)) + 1]
+        cur.register("drawn", pa.table({"shard": per_shard["shard"].take(pa.array(np.sort(drawn)))}))
+        rows = cur.sql(f"SELECT {ROW_COLUMNS} FROM state s SEMI JOIN drawn d ON d.shard = s.shard "
+                       f"ANTI JOIN excluded e ON e.item_id = s.item_id WHERE s.status = '{LIVE}' "
+                       "ORDER BY s.item_id").to_arrow_table()
+    if len(rows) > count:
+        rows = rows.take(pa.array(np.sort(rng.choice(len(rows), size=count, replace=False))))
+    return rows
+
+
+def read_rows_vectors(store: Location, slug: str, dim: int, rows: pa.Table,
+                      encoded_by: Counter | None = None) -> tuple[pa.Table, np.ndarray]:
+    """The vectors of `rows` (item_id, shard, any other columns: `live_rows_of`'s or `shard_sample`'s), read shard by
+    shard into their places (on the heap, or memory-mapped past SPILL_BYTES): the rows found in their shards, in
+    their order, and their vectors. With `encoded_by`, the rows found are counted under what encoded them."""
+    vectors = vector_array(len(rows), dim)
+    found = np.zeros(len(rows), bool)
+    for shard, keep, positions in live_by_shard(rows.select(["item_id", "shard"])):
+        table, at = _live_rows(store, slug, shard, keep)
+        if encoded_by is not None:
+            encoded_by[shard_encoder(table.schema.metadata)] += len(table)
+        vectors[positions[at]] = embedding_matrix(table, dim)
+        found[positions[at]] = True
+    if found.all():
+        return rows, vectors
+    logging.getLogger("imgest").warning("model=%s: %d live item(s) have no row in their shard; going on without them",
+                                        slug, int((~found).sum()))
+    return rows.filter(pa.array(found)), np.ascontiguousarray(vectors[found])

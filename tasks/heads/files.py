@@ -1,14 +1,18 @@
-"""A head's training set (labelled live items, or augmented views of each item), the training tasks, and
-what the head is saved with: its record (head.json), its held-out query set and loss curves."""
+"""A head's training set (the labelled live items, read by joining the label file with the live set; or augmented
+views of a sample of items), the training tasks, and what the head is saved with: its record (head.json), its
+held-out query set and loss curves."""
 
 from __future__ import annotations
 
 import hashlib
 import io
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -17,54 +21,77 @@ from imgest.encoders.head import ARCHITECTURES, HELDOUT_VIEWS, serialise_weights
 from imgest.images.decode import DecodeError, decode_image
 from imgest.names import VERSION
 from imgest.state.clock import now_iso
-from imgest.state.live import LiveVectors
+from imgest.state.committed import LIVE, load_state
+from imgest.state.live import LiveVectors, live_rows_of, read_rows_vectors
 from imgest.storage import Location, StorageError, read_url
-from imgest.tasks.heads.train import HeadError, loss_curves_png, read_labels, train_head
-from imgest.tasks.heads.views import DESCRIPTION, augment, augmented_instances, view_rng
+from imgest.tasks.heads.labels import read_label_table
+from imgest.tasks.heads.train import HeadError, as_strings, loss_curves_png, train_head
+from imgest.tasks.heads.views import DESCRIPTION, ViewProgress, augment, augmented_instances, view_rng
 
 
 @dataclass
 class TrainingSet:
-    """What a head trains on: vectors with their item ids and labels, where they came from, and counts."""
+    """What a head trains on: vectors with their item ids and labels (Arrow arrays, or lists for the few rows of
+    augmented views), where they came from, and counts."""
 
     vectors: np.ndarray
-    item_ids: list[str]
-    labels: list[str]
+    item_ids: pa.Array | list[str]
+    labels: pa.Array | list[str]
     source: dict  # head.json's `labels`: the labels file and its sha256, or the augmentation
     counts: dict
-    uris: list[str] = field(default_factory=list)  # labelled: each item's image (held-out queries)
+    uris: pa.Array | None = None  # labelled: each item's image (held-out queries)
     rows: list[int] = field(default_factory=list)  # augmented: the live rows whose views were made
+    encoded_by: dict[str, int] = field(default_factory=dict)  # the rows read, per what encoded them
+
+    def originals(self) -> tuple[pa.Array, np.ndarray]:
+        """The catalogue items among the rows (not their augmented views) and their stored vectors."""
+        n = len(self.rows) if self.source["file"] is None else len(self.vectors)
+        return as_strings(self.item_ids)[:n], self.vectors[:n]
 
 
-def labelled_set(live: LiveVectors, labels_url: str, model_id: str) -> TrainingSet:
-    """The live items that have a label in `labels_url` (CSV `item_id,label` or JSONL)."""
+@task(name="read-labelled", cache_policy=NO_CACHE)
+def labelled_task(store: Location, base: dict, labels_url: str) -> TrainingSet:
+    return labelled_set(store, base, labels_url)
+
+
+def labelled_set(store: Location, base: dict, labels_url: str) -> TrainingSet:
+    """The live items that have a label in `labels_url` (CSV `item_id,label` or JSONL): the file read as columns,
+    joined with the live set in the state's database, the labelled items' vectors read from the shards that hold
+    them. Of the unlabelled items only their count is read."""
     data = read_url(labels_url)
-    by_item = read_labels(data, labels_url)
-    keep = [n for n, item_id in enumerate(live.item_ids) if item_id in by_item]
-    if not keep:
-        raise HeadError(f"none of the {len(by_item)} labelled items is a live item of {model_id}; item_id is the "
-                        "key relative to the catalogue root, as `imgest export` writes it")
-    item_ids = [live.item_ids[n] for n in keep]
+    labels = read_label_table(data, labels_url)
+    state = load_state(store, base["slug"])
+    try:
+        rows = live_rows_of(state, labels)
+        live = state.count(LIVE)
+    finally:
+        state.close()
+    encoded_by: Counter = Counter()
+    rows, vectors = read_rows_vectors(store, base["slug"], int(base["dim"]), rows, encoded_by)
+    if not len(rows):
+        raise HeadError(f"none of the {len(labels)} labelled items is a live item of {base['model_id']}; item_id is "
+                        "the key relative to the catalogue root, as `imgest export` writes it")
     return TrainingSet(
-        vectors=live.vectors[keep], item_ids=item_ids, labels=[by_item[i] for i in item_ids],
+        vectors=vectors, item_ids=rows["item_id"].combine_chunks(), labels=rows["label"].combine_chunks(),
         source={"file": labels_url, "sha256": hashlib.sha256(data).hexdigest()},
-        counts={"labelled_live_items": len(keep), "unlabelled_live_items": len(live) - len(keep),
-                "labels_not_in_store": len(set(by_item) - set(item_ids))},
-        uris=[live.uris[n] for n in keep])
+        counts={"labelled_live_items": len(rows), "unlabelled_live_items": live - len(rows),
+                "labels_not_in_store": len(labels) - len(rows)},
+        uris=rows["uri"].combine_chunks(), encoded_by=dict(encoded_by))
 
 
 @task(name="augment-and-encode", cache_policy=NO_CACHE)
 def augment_task(live: LiveVectors, base_name: str, views: int, seed: int, max_items: int,
-                 names: tuple[str, ...]) -> TrainingSet:
+                 names: tuple[str, ...], device: str = "auto") -> TrainingSet:
     """No labels: each catalogue item is its own label, with `views` augmented views as its positives."""
-    vectors, item_ids, labels, rows = augmented_instances(live, base_name, views, seed, max_items,
-                                                          names=names, log=get_run_logger().info)
+    vectors, item_ids, labels, rows = augmented_instances(live, base_name, views, seed, max_items, device,
+                                                          names=names, log=get_run_logger().info,
+                                                          progress=ViewProgress(f"{base_name} views"))
     return TrainingSet(
         vectors=vectors, item_ids=item_ids, labels=labels,
         source={"file": None, "augmented_views": views, "items": len(rows), "seed": seed,
                 "augmentations": list(names), "transforms": DESCRIPTION},
-        counts={"labelled_live_items": 0, "unlabelled_live_items": len(live), "labels_not_in_store": 0},
-        rows=rows)
+        counts={"labelled_live_items": 0, "unlabelled_live_items": live.total or len(live), "labels_not_in_store": 0},
+        rows=rows, encoded_by=dict(live.encoded_by or {}))
 
 
 @task(name="train-head", cache_policy=NO_CACHE)
@@ -101,22 +128,34 @@ def validation_record(result, source: dict, evaluation: dict | None) -> dict:
             "best_epoch": result.best_epoch, "history": result.history, "eval": evaluation}
 
 
-def heldout_set(result, training: TrainingSet, live: LiveVectors, views: int,
+HELDOUT_QUERIES = 1000  # held-out items written as the head's query set, at most (a seeded sample of those measured)
+
+
+def heldout_set(result, training: TrainingSet, live: LiveVectors | None, views: int,
                 seed: int) -> tuple[list[dict], dict[str, bytes]]:
     """The held-out items as an `imgest eval` query set (and, for augmented training, their view images)."""
     if training.source["file"]:
-        return heldout_queries(result, training.item_ids, training.uris, training.labels), {}
+        return heldout_queries(result, training.item_ids, training.uris, training.labels, seed), {}
     return heldout_views(result, live, training.rows, views, seed, tuple(training.source["augmentations"]))
 
 
-def heldout_queries(result, item_ids: list[str], uris: list[str], labels: list[str]) -> list[dict]:
-    """The validation items as an `imgest eval` query set: every other item with the label is relevant."""
+def heldout_queries(result, item_ids, uris, labels, seed: int = 0) -> list[dict]:
+    """Validation items as an `imgest eval` query set (HELDOUT_QUERIES of them at most): every other item with the
+    label is relevant. Only the rows of the queries' labels become objects, never every labelled item."""
+    wanted = result.val_item_ids
+    if len(wanted) > HELDOUT_QUERIES:
+        picked = np.random.default_rng([seed, 2]).choice(len(wanted), HELDOUT_QUERIES, replace=False)
+        wanted = [wanted[i] for i in np.sort(picked)]
+    table = pa.table({"item_id": as_strings(item_ids), "uri": as_strings(uris), "label": as_strings(labels)})
+    asked = table.filter(pc.is_in(table["item_id"], value_set=pa.array(wanted, pa.string())))
+    near = table.filter(pc.is_in(table["label"], value_set=pc.unique(asked["label"]))).to_pydict()
     by_label: dict[str, list[str]] = {}
-    for item_id, label in zip(item_ids, labels):
+    for item_id, label in zip(near["item_id"], near["label"]):
         by_label.setdefault(label, []).append(item_id)
-    uri_of, label_of = dict(zip(item_ids, uris)), dict(zip(item_ids, labels))
+    uri_of = dict(zip(near["item_id"], near["uri"]))
+    label_of = dict(zip(near["item_id"], near["label"]))
     return [{"query_id": q, "image": uri_of[q], "class": label_of[q], "exclude": [q],
-             "relevant": [i for i in by_label[label_of[q]] if i != q]} for q in result.val_item_ids]
+             "relevant": [i for i in by_label[label_of[q]] if i != q]} for q in wanted]
 
 
 def head_record(result, base: dict, source: dict, weights_sha256: str, evaluation: dict | None = None) -> dict:
@@ -148,7 +187,11 @@ def heldout_views(result, live, used: list[int], views: int, seed: int,
                   names: tuple[str, ...]) -> tuple[list[dict], dict[str, bytes]]:
     """The held-out instances as an eval query set: their augmented views, regenerated from the same seeds
     as PNG files to keep beside the head, each with its original catalogue item as the one relevant."""
-    held = {i for i in result.val_item_ids if "#view" not in i}
+    held = sorted({i for i in result.val_item_ids if "#view" not in i})
+    if len(held) > HELDOUT_QUERIES:
+        held = [held[i] for i in np.sort(np.random.default_rng([seed, 2]).choice(len(held), HELDOUT_QUERIES,
+                                                                                 replace=False))]
+    held = set(held)
     queries, images = [], {}
     for row in used:
         item_id = live.item_ids[row]

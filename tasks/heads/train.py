@@ -9,51 +9,22 @@ Losses, as in the literature:
 - ProxyNCA (Movshovitz-Attias et al., 2017): one learned proxy per label, NCA over proxies with the
   anchor's own proxy left out of the denominator.
 Batches are P labels x K items (K >= 2) so every anchor has a positive. Validation is recall@1 of
-held-out items against every labelled item (the query itself excluded); training stops when it has not
-improved for `patience` epochs and the best epoch's weights are kept. Seeded: the same inputs and seed
-give the same head, bit for bit, on CPU.
+held-out items (VALIDATION_QUERIES of them at most) against every labelled item (the query itself excluded);
+training stops when it has not improved for `patience` epochs and the best epoch's weights are kept. Seeded: the
+same inputs and seed give the same head, bit for bit, on CPU. Labels, the split and the batches' pools are arrays
+(Arrow, NumPy), never an object per item: a label file may cover the whole catalogue.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from imgest.config import HeadConfig
-from imgest.errors import UserError
-
-
-class HeadError(UserError, ValueError):
-    """Labels, split or parameters cannot train a head; says what is wrong and what is allowed."""
-
-
-# -- labels ------------------------------------------------------------------------------------------
-def read_labels(data: bytes, name: str) -> dict[str, str]:
-    """CSV with header `item_id,label`, or JSONL with those keys per line."""
-    text = data.decode("utf-8-sig")
-    rows: list[dict] = []
-    if name.endswith((".jsonl", ".json")):
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise HeadError(f"{name} line {n}: not JSON ({exc.msg})") from None
-    else:
-        reader = csv.DictReader(io.StringIO(text))
-        if not reader.fieldnames or not {"item_id", "label"} <= set(reader.fieldnames):
-            raise HeadError(f"{name}: a labels CSV needs the header `item_id,label`; got {reader.fieldnames}")
-        rows = list(reader)
-    labels = {}
-    for n, row in enumerate(rows, 1):
-        if not row.get("item_id") or row.get("label") in (None, ""):
-            raise HeadError(f"{name} row {n}: item_id and label are both required")
-        labels[str(row["item_id"])] = str(row["label"])
-    return labels
+from imgest.tasks.heads.labels import HeadError
 
 
 # -- the head and the losses ---------------------------------------------------------------------------
@@ -128,53 +99,83 @@ class TrainResult:
         return out
 
 
-def split(item_ids: list[str], labels: list[str], cfg: HeadConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Indices of training and validation items; only labels with >= 2 items can train or validate."""
+PROJECT_BLOCK = 16_384  # rows through the head at a time when measuring: hidden x 64 KB of activations
+VALIDATION_QUERIES = 10_000  # held-out items queried each epoch, at most (a seeded sample of them): each is an
+# exact search over every labelled item, so a catalogue-wide label file would otherwise cost items x items per epoch
+
+
+def as_strings(values) -> pa.Array:
+    """Item ids or labels as one Arrow string array (a list, an Arrow array or chunked array): no object per row."""
+    if isinstance(values, pa.ChunkedArray):
+        return values.combine_chunks().cast(pa.string())
+    if isinstance(values, pa.Array):
+        return values.cast(pa.string())
+    return pa.array(values, pa.string())
+
+
+def label_numbers(labels: pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """The distinct labels in sorted order, and each row's number among them."""
+    distinct = pc.unique(labels)
+    names = distinct.take(pc.sort_indices(distinct))
+    return names, pc.index_in(labels, value_set=names).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _grouped(label_ids: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows grouped by label (in row order within one) and where each label's rows start."""
+    return np.argsort(label_ids, kind="stable"), np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+
+def split(label_ids: np.ndarray, cfg: HeadConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of training and validation items; only labels with >= 2 items can train or validate. `label_ids`: each
+    row's label number (`label_numbers`)."""
     rng = np.random.default_rng(cfg.seed)
-    by_label: dict[str, list[int]] = {}
-    for i, label in enumerate(labels):
-        by_label.setdefault(label, []).append(i)
-    usable = {lab: idx for lab, idx in sorted(by_label.items()) if len(idx) >= 2}
+    counts = np.bincount(label_ids)
+    usable = np.flatnonzero(counts >= 2)
     if len(usable) < 2:
         raise HeadError(f"{len(usable)} label(s) have 2 or more embedded items: a metric loss needs at least 2")
-    train, val = [], []
+    kept = counts[label_ids] >= 2
+    val = np.zeros(len(label_ids), bool)
     if cfg.split == "labels":
-        names = list(usable)
+        names = usable.copy()
         rng.shuffle(names)
-        n_val = max(1, round(len(names) * cfg.val_fraction))
-        for n, name in enumerate(names):
-            (val if n < n_val else train).extend(usable[name])
-    else:
-        for idx in usable.values():
-            idx = list(idx)
-            rng.shuffle(idx)
-            n_val = int(round(len(idx) * cfg.val_fraction)) if len(idx) >= 4 else 0
-            val.extend(idx[:n_val])
-            train.extend(idx[n_val:])
-    if not val:
+        held = np.zeros(len(counts), bool)
+        held[names[:max(1, round(len(names) * cfg.val_fraction))]] = True
+        val = kept & held[label_ids]
+    else:  # a label's items in a random order, the first round(n x share) held out (of labels of 4 or more)
+        grouped, starts = _grouped(label_ids, counts)
+        for label in usable.tolist():
+            rows = grouped[starts[label]:starts[label] + counts[label]]
+            n_val = int(round(len(rows) * cfg.val_fraction)) if len(rows) >= 4 else 0
+            val[rows[rng.permutation(len(rows))[:n_val]]] = True
+    if not val.any():
         raise HeadError("no validation items: split=items holds out items only of labels with 4 or more; "
                         "for instance labels (2-3 images each) hold out whole labels (--split labels)")
-    return np.array(sorted(train)), np.array(sorted(val))
+    return np.flatnonzero(kept & ~val), np.flatnonzero(val)
 
 
 def recall_at_1(queries: np.ndarray, query_rows: np.ndarray, gallery: np.ndarray, labels: np.ndarray) -> float:
-    """Nearest gallery item (the query's own row excluded) has the query's label."""
-    hits = 0
-    for begin in range(0, len(queries), 1024):
-        sims = queries[begin:begin + 1024] @ gallery.T
-        rows = query_rows[begin:begin + 1024]
-        sims[np.arange(len(rows)), rows] = -np.inf
-        hits += int((labels[sims.argmax(1)] == labels[rows]).sum())
-    return hits / max(len(queries), 1)
-
-
-def neighbour_labels(vectors: np.ndarray, label_ids: np.ndarray, rows: np.ndarray, h: int) -> dict[int, list[int]]:
-    """Each label's `h` nearest labels by the cosine of their mean base vectors: the hard negatives a batch
-    draws in with it (an approximate HNSW search past 20,000 labels)."""
+    """Nearest gallery item (the query's own row excluded) has the query's label: an exact search by faiss (blocks of
+    queries against blocks of the gallery, never a queries x gallery matrix), its two nearest, the first that is not
+    the query itself."""
     import faiss
 
-    if h == 0:
-        return {}
+    if not len(queries):
+        return 0.0
+    _, near = faiss.knn(np.ascontiguousarray(queries, np.float32), np.ascontiguousarray(gallery, np.float32),
+                        min(2, len(gallery)), metric=faiss.METRIC_INNER_PRODUCT)
+    first = near[:, 0] if near.shape[1] == 1 else np.where(near[:, 0] == query_rows, near[:, 1], near[:, 0])
+    return float(np.sum((first >= 0) & (labels[first] == labels[query_rows])) / len(queries))
+
+
+def neighbour_labels(vectors: np.ndarray, label_ids: np.ndarray, rows: np.ndarray, h: int) -> np.ndarray:
+    """Each label's `h` nearest labels by the cosine of their mean base vectors, as a (labels, h) array padded with
+    -1: the hard negatives a batch draws in with it (an approximate HNSW search past 20,000 labels)."""
+    import faiss
+
+    labels = int(label_ids.max()) + 1 if len(label_ids) else 0
+    out = np.full((labels, h), -1, np.int64)
+    if h == 0 or not len(rows):
+        return out
     labs, inverse = np.unique(label_ids[rows], return_inverse=True)
     centroids = np.zeros((len(labs), vectors.shape[1]), np.float32)
     np.add.at(centroids, inverse, vectors[rows])
@@ -183,42 +184,57 @@ def neighbour_labels(vectors: np.ndarray, label_ids: np.ndarray, rows: np.ndarra
         faiss.index_factory(centroids.shape[1], "HNSW32,Flat", faiss.METRIC_INNER_PRODUCT)
     index.add(centroids)
     _, near = index.search(centroids, min(h + 1, len(labs)))
-    return {int(labs[i]): [int(labs[j]) for j in near[i] if j >= 0 and j != i][:h] for i in range(len(labs))}
+    other = (near >= 0) & (near != np.arange(len(labs))[:, None])  # the label itself left out
+    first = np.argsort(~other, axis=1, kind="stable")[:, :h]  # the others, nearest first
+    found = np.where(np.take_along_axis(other, first, 1), labs[np.take_along_axis(near, first, 1)], -1)
+    out[labs, :found.shape[1]] = found
+    return out
 
 
 def pk_batches(train_rows: np.ndarray, label_ids: np.ndarray, cfg: HeadConfig, rng,
-               neighbours: dict[int, list[int]] | None = None) -> list[np.ndarray]:
+               neighbours: np.ndarray | None = None) -> list[np.ndarray]:
     """One epoch of P-labels x K-items batches covering every training item about once. Labels are drawn in a
-    random order; each brings up to `hard_negatives` of its base-space neighbours into the same batch."""
-    by_label: dict[int, list[int]] = {}
-    for row in train_rows:
-        by_label.setdefault(int(label_ids[row]), []).append(int(row))
-    pools = {lab: rng.permutation(rows).tolist() for lab, rows in by_label.items() if len(rows) >= 2}
-    neighbours = neighbours or {}
+    random order; each brings up to `hard_negatives` of its base-space neighbours (`neighbour_labels`) into the
+    same batch. The pools are one array of the training rows grouped by label, a random order within each, and a
+    cursor per label: no object per item (a loop per label and per batch, none per item)."""
+    labs = label_ids[train_rows]
+    counts = np.bincount(labs, minlength=int(label_ids.max()) + 1 if len(label_ids) else 0)
+    grouped, cursor = _grouped(labs, counts)
+    pool = train_rows[grouped]
+    _, first = np.unique(labs, return_index=True)
+    for label in labs[np.sort(first)].tolist():  # in the order labels first appear, each label's items shuffled
+        if counts[label] >= 2:
+            at = slice(cursor[label], cursor[label] + counts[label])
+            pool[at] = rng.permutation(pool[at])
+    left = counts.copy()
+    alive = left >= 2
+    n_alive, hard = int(alive.sum()), min(cfg.hard_negatives, neighbours.shape[1]) if neighbours is not None else 0
     batches: list[np.ndarray] = []
-    order: list[int] = []
-    while len(pools) >= 2:
-        want, chosen = min(cfg.labels_per_batch, len(pools)), []
+    order, pointer = np.empty(0, np.int64), 0
+    while n_alive >= 2:
+        want, chosen = min(cfg.labels_per_batch, n_alive), []
         while len(chosen) < want:
-            if not order:
-                order = rng.permutation(sorted(pools)).tolist()
-            seed = order.pop()
-            if seed not in pools or seed in chosen:
+            if pointer == 0:
+                order = rng.permutation(np.flatnonzero(alive))
+                pointer = len(order)
+            pointer -= 1
+            seed = int(order[pointer])
+            if not alive[seed] or seed in chosen:
                 continue
             chosen.append(seed)
-            for near in neighbours.get(seed, [])[:cfg.hard_negatives]:
-                if len(chosen) < want and near in pools and near not in chosen:
+            for near in neighbours[seed, :hard].tolist() if hard else ():
+                if len(chosen) < want and near >= 0 and alive[near] and near not in chosen:
                     chosen.append(near)
-        batch = []
+        parts = []
         for lab in chosen:
-            pool = pools[lab]
-            take, pools[lab] = pool[:cfg.items_per_label], pool[cfg.items_per_label:]
-            if len(take) < 2:  # pad a short tail with items already seen this epoch
-                take = take + rng.choice(by_label[lab], size=2 - len(take), replace=False).tolist()
-            batch.extend(take)
-            if len(pools[lab]) < 2:
-                del pools[lab]
-        batches.append(np.array(batch))
+            take = min(cfg.items_per_label, int(left[lab]))
+            parts.append(pool[cursor[lab]:cursor[lab] + take])
+            cursor[lab] += take
+            left[lab] -= take
+            if left[lab] < 2:
+                alive[lab] = False
+                n_alive -= 1
+        batches.append(np.concatenate(parts))
     return batches
 
 
@@ -233,23 +249,26 @@ def keep_neighbourhood(e, base, temperature: float):
     return torch.nn.functional.kl_div(log_q, p, reduction="batchmean")
 
 
-def train_head(vectors: np.ndarray, item_ids: list[str], labels: list[str], cfg: HeadConfig,
-               log=lambda line: None, scorer=None) -> TrainResult:
-    """Train on `vectors`; keep the best epoch by the held-out split's recall@1, or by `scorer` (a given
-    query set: `scorer.score(project) -> {"recall@1", "recall@10", ...}`) when there is one. A residual head
-    is scored before training too (epoch 0, the base itself), so it is kept only if an epoch beats the base."""
+def train_head(vectors: np.ndarray, item_ids, labels, cfg: HeadConfig, log=lambda line: None,
+               scorer=None) -> TrainResult:
+    """Train on `vectors` (`item_ids` and `labels`: a list or an Arrow array each, a row per vector); keep the best
+    epoch by the held-out split's recall@1 (at most VALIDATION_QUERIES of its items queried), or by `scorer` (a given
+    query set: `scorer.score(project) -> {"recall@1", "recall@10", ...}`) when there is one. A residual head is
+    scored before training too (epoch 0, the base itself), so it is kept only if an epoch beats the base."""
     import torch
 
     from imgest.encoders.head import build_module
+    from imgest.encoders.head import project as project_blocks
     from imgest.timing import Stopwatch
 
     total = Stopwatch()
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    names = sorted(set(labels))
-    index = {name: i for i, name in enumerate(names)}
-    label_ids = np.array([index[x] for x in labels])
-    train_rows, val_rows = split(item_ids, labels, cfg)
+    item_ids = as_strings(item_ids)
+    names, label_ids = label_numbers(as_strings(labels))
+    train_rows, held_rows = split(label_ids, cfg)
+    val_rows = held_rows if len(held_rows) <= VALIDATION_QUERIES else \
+        np.sort(np.random.default_rng([cfg.seed, 1]).choice(held_rows, VALIDATION_QUERIES, replace=False))
     x = torch.from_numpy(np.ascontiguousarray(vectors, np.float32))
     base = torch.nn.functional.normalize(x, dim=1)
     y = torch.from_numpy(label_ids)
@@ -264,11 +283,12 @@ def train_head(vectors: np.ndarray, item_ids: list[str], labels: list[str], cfg:
     neighbours = neighbour_labels(vectors, label_ids, train_rows, cfg.hard_negatives)
 
     def project(v: np.ndarray) -> np.ndarray:
+        """Through the head a block of rows at a time: its hidden layer over every labelled item at once would be
+        items x hidden floats (4 GB for a million items)."""
         head.eval()
-        with torch.inference_mode():
-            out = torch.nn.functional.normalize(head(torch.from_numpy(np.ascontiguousarray(v, np.float32))), dim=1)
+        out = project_blocks(head, v, batch=PROJECT_BLOCK)
         head.train()
-        return out.numpy()
+        return out
 
     def measure(epoch: int, losses: list[float]) -> tuple:
         emb = project(vectors)
@@ -284,8 +304,8 @@ def train_head(vectors: np.ndarray, item_ids: list[str], labels: list[str], cfg:
 
     base_recall = recall_at_1(vectors[val_rows], val_rows, vectors, label_ids)
     result = TrainResult(state_dict={}, config=cfg, dim_in=vectors.shape[1], base_val_recall_at_1=base_recall,
-                         train_items=len(train_rows), val_items=len(val_rows), labels=len(names),
-                         val_item_ids=[item_ids[i] for i in val_rows])
+                         train_items=len(train_rows), val_items=len(held_rows), labels=len(names),
+                         val_item_ids=item_ids.take(pa.array(val_rows, pa.int64())).to_pylist())
     best, since_best = None, 0
     if cfg.head_type == "residual":  # epoch 0: the identity, i.e. the base model
         best = measure(0, [])

@@ -4,10 +4,12 @@ augmentations that cover what differs between two photographs (or two drawings) 
 Each augmentation is applied with probability 1/2 (the crop always), in the order of AUGMENTATIONS, to the
 image shrunk to at most WORK_SIDE pixels (the encoder resizes to its input anyway). Seeded per (item, view).
 
-Encoding the views is most of a label-free training run (decode, augment and the base model, per view), so the
-encoded views are kept in a local cache (VIEW_CACHE, plain .npz read without pickle), keyed by everything that
-makes them: the base model id (weights hash included), views, seed, augmentations, this module's source, and
-each item's row, id and content hash. A second head trained on the same catalogue (another loss, keep weight,
+Views are encoded on the runtime and precision the catalogue's shards record (an item and its views made alike, as
+search encodes its queries), behind the same parity check as ingest. Encoding the views is most of a label-free
+training run (decode, augment and the base model, per view), so the encoded views are kept in a local cache
+(VIEW_CACHE, plain .npz read without pickle), keyed by everything that makes them: the base model id (weights hash
+included), the runtime and precision, views, seed, augmentations, this module's source, and each item's row, id and
+content hash. A second head trained on the same catalogue (another loss, keep weight,
 learning rate) reuses them; a changed item, model or augmentation makes a new key.
 """
 
@@ -23,6 +25,7 @@ import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
 from imgest.names import AUGMENTATIONS
+from imgest.progress import report
 from imgest.tasks.heads.train import HeadError
 
 WORK_SIDE = 448
@@ -111,9 +114,10 @@ def view_rng(seed: int, index: int, view: int):
     return np.random.default_rng([seed, index, view])
 
 
-def views_key(live, rows: list[int], model_id: str, views: int, seed: int, names: tuple[str, ...]) -> str:
+def views_key(live, rows: list[int], model_id: str, views: int, seed: int, names: tuple[str, ...],
+              encoding: tuple[str, str] | None = None) -> str:
     h = hashlib.sha256(json.dumps({"model": model_id, "views": views, "seed": seed, "augmentations": list(names),
-                                   "work_side": WORK_SIDE}).encode())
+                                   "work_side": WORK_SIDE, "encoding": list(encoding or ())}).encode())
     with open(__file__, "rb") as fh:
         h.update(fh.read())
     for row in rows:
@@ -155,12 +159,64 @@ def _write_cached(path: str, used: list[int], views: np.ndarray) -> None:
             os.remove(partial)
 
 
+class ViewProgress:
+    """Catalogue images made into views so far, for a person: the command's terminal bar, and the run's progress
+    artifact (moved a percent at a time: one call to the Prefect API per batch would be thousands)."""
+
+    def __init__(self, what: str):
+        self.what, self.artifact, self.shown = what, None, -1
+
+    def __call__(self, done: int, total: int) -> None:
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+        report(self.what, done, total, "images")
+        percent = int(100 * done / max(total, 1))
+        if self.artifact is None:
+            self.artifact = create_progress_artifact(0.0, key="views-progress",
+                                                     description=f"views of {total:,} images")
+        if percent > self.shown:
+            self.shown = percent
+            update_progress_artifact(self.artifact, float(percent),
+                                     description=f"{done:,}/{total:,} images made into views")
+
+
+def catalogue_encoder(spec, device: str, made: tuple[str, str] | None, log=lambda line: None):
+    """The base model on the runtime and precision that encoded the catalogue's rows (`made`: what most of the rows
+    read were encoded with, as their shards record it), behind ingest's parity check, so that a view is encoded as
+    its original was; the plain encoder, with one warning, where that cannot run here (another device, a runtime
+    not installed, a parity refusal) or where the shards do not say."""
+    import logging
+
+    from imgest import encoders
+
+    if made is not None:
+        try:
+            return encoders.load(spec, device, *made)
+        except encoders.EncoderError as exc:
+            line = (f"views of {spec.name}: the catalogue was encoded with {' '.join(made)}, which cannot run here "
+                    f"({exc}): encoding them with the plain encoder")
+            logging.getLogger("imgest").warning(line)
+            log(line)
+    return encoders.load(spec, device)
+
+
+def recorded_encoding(encoded_by: dict[str, int] | None) -> tuple[str, str] | None:
+    """The (runtime, precision) that encoded most of the rows counted in `encoded_by` ("runtime precision" -> rows,
+    as `shard_encoder` names them), when it is one a run could load; None when the shards do not say."""
+    from imgest.retrieval.query import catalogue_encoding
+
+    return catalogue_encoding({"encoded_by": dict(encoded_by or {})})
+
+
 def augmented_instances(live, base_name: str, views: int, seed: int, max_items: int = 0, device: str = "auto",
                         names: tuple[str, ...] = tuple(AUGMENTATIONS), log=lambda line: None,
-                        cache_dir: str | None = VIEW_CACHE) -> tuple[np.ndarray, list[str], list[str], list[int]]:
+                        cache_dir: str | None = VIEW_CACHE,
+                        progress=lambda done, total: None) -> tuple[np.ndarray, list[str], list[str], list[int]]:
     """Each live item becomes a label of its own: its stored embedding plus `views` augmented views, each
-    image read and decoded once and encoded once by the base model (or read from `cache_dir`, see above).
-    Returns vectors, ids (`<item>#view<v>` for views), labels (the item id) and the live rows used."""
+    image read and decoded once and encoded once by the base model (or read from `cache_dir`, see above) on the
+    runtime and precision that encoded the catalogue (`live.encoded_by`: `catalogue_encoder`). `progress(done,
+    total)` is told of the images made into views. Returns vectors, ids (`<item>#view<v>` for views), labels (the
+    item id) and the live rows used."""
     from imgest import encoders
 
     if views < 1:
@@ -169,15 +225,22 @@ def augmented_instances(live, base_name: str, views: int, seed: int, max_items: 
     if max_items and max_items < len(rows):
         rows = sorted(np.random.default_rng(seed).choice(len(rows), size=max_items, replace=False).tolist())
     spec = encoders.resolve(base_name)
+    made = recorded_encoding(getattr(live, "encoded_by", None))
     path = cached = None
     if cache_dir:
-        path = os.path.join(cache_dir, f"{views_key(live, rows, spec.model_id, views, seed, names)}.npz")
+        path = os.path.join(cache_dir, f"{views_key(live, rows, spec.model_id, views, seed, names, made)}.npz")
         cached = _read_cached(path, len(rows), views, int(live.vectors.shape[1]))
     if cached is not None:
         used, encoded = cached
+        ran = " ".join(made) if made else "the plain encoder"
         log(f"{len(used)} items x {views} augmented views read from the cache {path}")
+        progress(len(rows), len(rows))
     else:
-        used, encoded = _encode_views(live, rows, encoders.load(spec, device), views, seed, names, log)
+        encoder = catalogue_encoder(spec, device, made, log)
+        ran = f"{encoder.runtime} {encoder.precision}"
+        used, encoded = _encode_views(live, rows, encoder, views, seed, names, log, progress)
+        if path and made not in (None, (encoder.runtime, encoder.precision)):
+            path = None  # made on a fallback: the cache keeps only views made as the catalogue was
         if path:
             try:
                 _write_cached(path, used, encoded)
@@ -189,16 +252,17 @@ def augmented_instances(live, base_name: str, views: int, seed: int, max_items: 
     ids = [f"{item}#view{v}" for item in originals for v in range(views)]
     labels = [item for item in originals for _ in range(views)]
     vectors = np.vstack([live.vectors[used], encoded]).astype(np.float32)
-    log(f"{len(used)} items x {views} augmented views ({', '.join(names)}) by {base_name}")
+    log(f"{len(used)} items x {views} augmented views ({', '.join(names)}) by {base_name} on {ran}")
     return vectors, originals + ids, originals + labels, used
 
 
 def _encode_views(live, rows: list[int], encoder, views: int, seed: int, names: tuple[str, ...],
-                  log) -> tuple[list[int], np.ndarray]:
+                  log, progress=lambda done, total: None) -> tuple[list[int], np.ndarray]:
     from imgest.images.decode import DecodeError, decode_image
     from imgest.storage import StorageError
 
     batch, chunks, used = [], [], []
+    progress(0, len(rows))
     for n, row in enumerate(rows):
         try:
             # decoded at reduced scale (libjpeg's DCT scaling) and shrunk once; each view starts from it
@@ -212,7 +276,9 @@ def _encode_views(live, rows: list[int], encoder, views: int, seed: int, names: 
         if len(batch) >= 64 or n == len(rows) - 1:
             chunks.append(encoder.encode_images(np.stack(batch)))
             batch = []
+            progress(n + 1, len(rows))
     if batch:
         chunks.append(encoder.encode_images(np.stack(batch)))
+    progress(len(rows), len(rows))
     dim = int(live.vectors.shape[1])
     return used, (np.vstack(chunks).astype(np.float32) if chunks else np.empty((0, dim), np.float32))

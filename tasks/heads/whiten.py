@@ -31,7 +31,7 @@ from imgest.names import AUGMENTATIONS, DEFAULT_VIEWS, VERSION
 from imgest.state.clock import now_iso
 from imgest.state.live import sample_rows
 from imgest.tasks.heads.train import HeadError
-from imgest.tasks.heads.views import augmented_instances
+from imgest.tasks.heads.views import ViewProgress, augmented_instances
 
 
 class WhiteningError(HeadError):
@@ -163,11 +163,12 @@ PROXY_CATALOGUE = 10_000  # live vectors the held-out views are searched among, 
 
 @task(name="whiten", cache_policy=NO_CACHE)
 def whiten_task(store, base: dict, live, cfg, views: int, names: tuple[str, ...], device: str = "auto") -> dict:
-    return whiten_head(store, base, live, cfg, views, names, device, get_run_logger().info)
+    return whiten_head(store, base, live, cfg, views, names, device, get_run_logger().info,
+                       ViewProgress(f"{base['name']} pair views"))
 
 
 def whiten_head(store, base: dict, live, cfg, views: int = DEFAULT_VIEWS, names: tuple[str, ...] = tuple(AUGMENTATIONS),
-                device: str = "auto", log=lambda line: None) -> dict:
+                device: str = "auto", log=lambda line: None, progress=lambda done, total: None) -> dict:
     """Fit a whitening of `base`'s live vectors (`cfg`: a HeadConfig with head_type whiten; `cfg.pair_images` > 0:
     from pairs of catalogue images and their `views` augmented views) and save it as a model of its own,
     `head:<folder>`, whose record says what it is."""
@@ -179,7 +180,8 @@ def whiten_head(store, base: dict, live, cfg, views: int = DEFAULT_VIEWS, names:
     _check_shape(catalogue, cfg.dim_out, 1.0)  # refused before any image is read
     proxy = None
     if cfg.pair_images:
-        fitted, proxy = _fit_on_pairs(live, base, catalogue, rows, cfg, shrinkage, views, names, device, log)
+        fitted, proxy = _fit_on_pairs(live, base, catalogue, rows, cfg, shrinkage, views, names, device, log,
+                                      progress)
     else:
         fitted = fit_whitening(catalogue, cfg.dim_out, shrinkage)
     weights = whitening_weights(fitted)
@@ -192,11 +194,12 @@ def whiten_head(store, base: dict, live, cfg, views: int = DEFAULT_VIEWS, names:
     return {**write_head(store, weights, record, [], {}, None), "config": record}
 
 
-def _fit_on_pairs(live, base, catalogue, rows, cfg, shrinkage, views, names, device, log) -> tuple[Whitening, dict]:
+def _fit_on_pairs(live, base, catalogue, rows, cfg, shrinkage, views, names, device, log,
+                  progress) -> tuple[Whitening, dict]:
     """Pairs from `cfg.pair_images` sampled catalogue images; a share of them held out to measure the proxy: how often
     an augmented view finds its own item first, before and after (a proxy of a real shift, never a gain)."""
     vectors, _, _, used = augmented_instances(live, base["name"], views, cfg.seed, cfg.pair_images, device,
-                                              names=names, log=log)
+                                              names=names, log=log, progress=progress)
     originals = np.repeat(vectors[:len(used)], views, axis=0)  # the views are item-major
     shots, items = vectors[len(used):], np.repeat(np.asarray(used), views)
     held = np.random.default_rng(cfg.seed).random(len(used)) < PROXY_SHARE
