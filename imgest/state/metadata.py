@@ -45,6 +45,7 @@ SNAPSHOTS = "metadata/snapshots"
 HASH_SCHEME = "sha256-json-v2"  # row_hash: sha256 of the row's non-null cells as `"name":json`, by column name
 METADATA_MEMORY = "256MB"  # DuckDB's cap while it assembles, compares and sorts; past it, it spills to disk. It runs
 # inside the ingest flow (~0.7 GB of its own at 1M items), which must stay under 1 GB at 1M (BENCHMARKS.md)
+SNAPSHOT_ROW_GROUP = 32_768
 SORT_MEMORY = "256MB"  # the snapshot's sort by item_id, one thread (as a state's snapshot sorts)
 
 
@@ -128,10 +129,12 @@ class StagedMetadata:
         """The rows in item_id order into a Parquet file (zstd): as they are when the file came sorted, else
         through DuckDB's external sort (at 10M rows of product text, most of the stage's time)."""
         kv = ", ".join(f"{sql_string(k)}: {sql_string(v)}" for k, v in metadata.items())
-        options = f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 122880, KV_METADATA {{{kv}}})"
+        # row groups of 32,768 rows (~20 MB of product text): what a caption shard reads at least, and what DuckDB's
+        # writer holds while it fills one (groups of 122,880 rows of 540-byte rows ran out of the 256 MB cap)
+        options = f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {SNAPSHOT_ROW_GROUP}, KV_METADATA {{{kv}}})"
         if self.ordered:
-            with in_order(self.db):
-                self.db.execute(f"COPY (SELECT {self._select()} FROM staged) TO {sql_string(path)} {options}")
+            with in_order(self.db), one_thread(self.db) as cur:
+                cur.execute(f"COPY (SELECT {self._select()} FROM staged) TO {sql_string(path)} {options}")
             return
         with one_thread(self.db, SORT_MEMORY) as cur:
             cur.execute(f"COPY (SELECT {self._select()} FROM staged ORDER BY item_id) TO {sql_string(path)} "
