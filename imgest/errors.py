@@ -7,5 +7,10 @@ class UserError(Exception):
     never a traceback."""
 
 
+class FinalError(Exception):
+    """A mixin for a failure that another try of the same task would repeat (a malformed input file): a task's
+    retries are not spent on it (`imgest.policy.retry_unless_final`)."""
+
+
 # What the command line prints as one line: imgest's own errors, and a path the user gave that is not there.
 USER_ERRORS = (UserError, FileNotFoundError)

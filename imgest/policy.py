@@ -9,10 +9,15 @@ from prefect.tasks import exponential_backoff
 
 def retry_unless_final(task, task_run, state) -> bool:
     """Prefect retry condition: a fault another try cannot fix is not retried (this run lost the writer
-    lock; the store's state says stop). Everything else, timeouts and dropped connections first, is."""
+    lock; the store's state says stop; the input is malformed; the work does not fit its memory cap).
+    Everything else, timeouts and dropped connections first, is."""
+    import duckdb
+
+    from imgest.errors import FinalError
     from imgest.lock import LockLostError
 
-    return not isinstance(getattr(state, "data", None), LockLostError)
+    return not isinstance(getattr(state, "data", None), LockLostError | FinalError | MemoryError
+                          | duckdb.OutOfMemoryException)
 
 
 def backoff_base() -> float:

@@ -152,3 +152,25 @@ def test_the_snapshot_is_in_item_id_order_whatever_the_file_order(tmp_path, shuf
     (tmp_path / "d.csv").write_text("item_id,title\n" + "".join(f"{i},t\n" for i in ids) + f"{ids[5]},again\n")
     with pytest.raises(MetadataError, match=rf"d.csv line 3002: item_id '{ids[5]}' again \(first at line 7\)"):
         read_metadata(str(tmp_path / "d.csv"))
+
+
+@pytest.mark.slow("a Prefect server")
+def test_a_malformed_file_fails_its_task_once_not_after_retries(prefect_harness, tmp_path, monkeypatch):
+    """The store-metadata task retries store faults, but the same file fails the same way: one try, one error
+    (a 100M-row file read four times is an hour lost before the run says what is wrong)."""
+    from prefect import flow
+
+    from imgest.tasks.ingest import steps
+
+    tries = []
+    real = steps.store_metadata
+    monkeypatch.setattr(steps, "store_metadata", lambda *a: tries.append(1) or real(*a))
+    (tmp_path / "bad.csv").write_text("item_id,title\np/1.jpg,a\np/2.jpg,b,extra\n")
+
+    @flow
+    def store_it():
+        return steps.store_metadata_task(str(tmp_path / "store"), str(tmp_path / "bad.csv"), _listing("p/1.jpg"))
+
+    with pytest.raises(MetadataError, match=r"bad.csv line 3: 3 fields, the header has 2"):
+        store_it()
+    assert len(tries) == 1

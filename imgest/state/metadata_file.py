@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from imgest.errors import UserError
+from imgest.errors import FinalError, UserError
 from imgest.records import depth
 from imgest.storage import Location, redact
 from imgest.storage.cache import local_copy
@@ -47,8 +47,9 @@ PARQUET_BATCH_ROWS = 8_192
 csv.field_size_limit(max(csv.field_size_limit(), BLOCK_BYTES))  # the locating pass must read what Arrow read
 
 
-class MetadataError(UserError, ValueError):
-    """The metadata file cannot be used as it is; the message names the file and, where it can, the line."""
+class MetadataError(UserError, FinalError, ValueError):
+    """The metadata file cannot be used as it is; the message names the file and, where it can, the line. Not
+    retried: the same file fails the same way (a 100M-row file takes minutes a read)."""
 
 
 @dataclass
