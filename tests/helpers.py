@@ -344,3 +344,15 @@ def commit_markers(root, pattern: str) -> list:
     from imgest.storage import TEMP_PREFIX
 
     return [p for p in root.glob(pattern) if not p.name.startswith(TEMP_PREFIX)]
+
+
+def traced(call):
+    """(what `call()` returns, the peak of Python and NumPy allocations while it ran, tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        result = call()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()

@@ -4,7 +4,6 @@ the markers' rows into the state's database. Measured with tracemalloc (Python o
 and Arrow's own buffers are neither) at 200,000 objects, against a cap one WorkItem or ItemState per object
 could not meet (each is several hundred bytes: 200,000 of them are over 50 MB)."""
 
-import tracemalloc
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,6 +13,7 @@ from imgest.state.committed import LIVE, CatalogueState, load_state, snapshot_ke
 from imgest.state.rows import STATE_SCHEMA
 from imgest.storage import Location
 from imgest.tasks.ingest.plan import PlannedShards, attach_base, plan_ingest
+from tests.helpers import traced
 
 N, SHARD = 200_000, 2_000
 CAP = 16 << 20  # a shard's WorkItems, a batch of rows, a marker's dicts: nothing in proportion to N
@@ -37,15 +37,6 @@ def base_state(tmp_path) -> CatalogueState:
         "shard": [f"part-base-{i // SHARD:05d}" for i in range(N)], "run_id": ["r"] * N,
         "reason": pa.nulls(N, pa.string()), "updated_at": ["t"] * N}, schema=STATE_SCHEMA), snapshot)
     return load_state(Location(str(tmp_path / "base")), "base-model")
-
-
-def traced(call):
-    tracemalloc.start()
-    try:
-        result = call()
-        return result, tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 def test_a_cold_start_plans_every_object_into_a_file_of_shards_and_matches_the_base_in_sql(tmp_path):

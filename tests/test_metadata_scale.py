@@ -6,7 +6,6 @@ string per row could not meet (the item ids alone, as strings, are over 14 MB); 
 took ~250 bytes a cell, ~350 MB here."""
 
 import json
-import tracemalloc
 
 import numpy as np
 import pyarrow as pa
@@ -18,6 +17,7 @@ from imgest.images.listing import LISTING_SCHEMA, Listing, SpillFolder
 from imgest.state import metadata_file
 from imgest.state.metadata import load_metadata, snapshot_key, store_metadata
 from imgest.storage import Location
+from tests.helpers import traced
 
 N = 200_000
 CAP = 8 << 20  # a block's few arrays and the report: nothing in proportion to N
@@ -46,15 +46,6 @@ def spilled_listing(keys: pa.Array) -> Listing:
                       "mtime": pa.nulls(len(keys), pa.float64()), "etag": pa.nulls(len(keys), pa.string()),
                       "storage_class": pa.nulls(len(keys), pa.string())}, schema=LISTING_SCHEMA)
     return Listing("s3://shop", files=[folder.write("part.parquet", table.to_batches(50_000))], spill=[folder])
-
-
-def traced(call):
-    tracemalloc.start()
-    try:
-        result = call()
-        return result, tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 @pytest.mark.slow("200,000 rows, in three formats, two nights each")

@@ -5,7 +5,6 @@ eval queries' negatives are drawn by shard. The mechanism at 200,000 items: what
 train-head did (`load_live_vectors`: every id, uri and hash as a Python string) exceeds several times over."""
 
 import json
-import tracemalloc
 
 import numpy as np
 import pyarrow as pa
@@ -20,8 +19,10 @@ from imgest.state.shards import shard_schema
 from imgest.storage import Location
 from imgest.tasks.heads.evaluate import query_gallery
 from imgest.tasks.heads.files import labelled_set
+from tests.helpers import traced
 
 SPEC = encoders.resolve("raw-pixels-2")  # d = 12
+
 N, SHARD, LABELLED, NEGATIVES = 200_000, 2_000, 4_000, 3_000
 CAP = 8 << 20  # the labelled rows' vectors (200 KB), one shard's vectors at a time, a shard list: nothing per item
 RUN = "r00000001-20261205T000000-aaaaaa"
@@ -62,15 +63,6 @@ def write_store(folder) -> tuple[Location, np.ndarray, np.ndarray, np.ndarray]:
         "run_id": pa.array([RUN] * N), "reason": pa.nulls(N, pa.string()), "updated_at": pa.array(["t"] * N)},
         schema=STATE_SCHEMA), snapshot)
     return Location(str(folder)), ids, vectors, np.argsort(placed) // SHARD
-
-
-def traced(call):
-    tracemalloc.start()
-    try:
-        result = call()
-        return result, tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 def test_a_supervised_head_reads_its_labelled_items_and_negatives_by_shard_not_the_live_set(tmp_path):
