@@ -76,6 +76,12 @@ def test_a_cold_start_commit_folds_its_markers_rows_into_the_state_database(tmp_
                                  "mtime": 2.0, "content_hash": "h-again"}]})
         return write_snapshot(store, state, "r00000001-x-y", {})
 
+    warm = CatalogueState("new-model")  # the modules a first commit imports are not what is measured
+    warm.apply_commit({"shard": "part-r00000001-x-y-00000", "run_id": "r00000001-x-y",
+                       "created": "2026-12-03T00:00:00+00:00", "encoded": [
+                           {"item_id": KEYS[0], "uri": "s3://shop/w", "etag": "e", "size": 1, "mtime": 1.0,
+                            "content_hash": "h"}]})
+    write_snapshot(Location(str(tmp_path / "warm")), warm, "r00000001-x-y", {})
     seq, peak = traced(commit)
     assert not state.overlay, "no object per item"
     assert peak < CAP, f"folding the markers traced {peak / 1e6:.1f} MB"
