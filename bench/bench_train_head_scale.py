@@ -6,8 +6,9 @@ The store is the scale rehearsals' (bench/scale_catalogue.py: N items of `raw-pi
 prototype as its class (1,024 classes, the clusters the vectors make). Then, each as one command on the bench's own
 Prefect server, with one sampler on its process tree (RSS summed every 0.1 s, bench/tree_sampler.py):
 
-  train-head   imgest train-head --labels <every item> --epochs E --json: the label file read as columns, joined
-               with the live set in DuckDB, every labelled vector read by shard, the head trained and saved
+  train-head   imgest train-head --labels <every item> --epochs E [--max-items M] --json: the label file streamed
+               to Parquet, joined with the live set in DuckDB (M of the labelled items drawn there, with
+               --max-items), their vectors read by shard, the head trained and saved
   live set     (--compare) the way train-head read the store before: load_live_vectors, every live vector, id, uri
                and hash, in a process of its own
 
@@ -83,6 +84,8 @@ def main() -> None:
     parser.add_argument("--objects", type=int, required=True, help="catalogue size N (every item labelled)")
     parser.add_argument("--workdir", help="kept between runs: the store and label file are reused")
     parser.add_argument("--epochs", type=int, default=2, help="train-head --epochs")
+    parser.add_argument("--max-items", type=int, default=0,
+                        help="train-head --max-items: train on a seeded sample of this many labelled items (0: all)")
     parser.add_argument("--compare", action="store_true",
                         help="also measure load_live_vectors, the way train-head read the store before")
     parser.add_argument("--json", action="store_true", help="the result as one JSON line, last")
@@ -98,14 +101,16 @@ def main() -> None:
         env = prefect.env | {"OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "Haswell")}
         stages["train-head"] = sampled("train-head", [
             IMGEST, "train-head", "--store", store, "--labels", labels, "--base-model", MODEL, "--loss", "infonce",
-            "--epochs", str(args.epochs), "--patience", str(args.epochs), "--json"], env, work)
+            "--epochs", str(args.epochs), "--patience", str(args.epochs), "--max-items", str(args.max_items),
+            "--json"], env, work)
         trained = last_json(os.path.join(work, "train-head.log"))
         if args.compare:
             stages["live set"] = sampled("live set", [sys.executable, "-c", LOAD_LIVE, store, MODEL], env, work)
     counts = trained["config"]["counts"]
     result = {"objects": args.objects, "model": MODEL, "epochs": args.epochs,
               "date": datetime.now(UTC).isoformat(timespec="seconds"), "cores": os.cpu_count(),
-              "labelled_live_items": trained["labelled_live_items"], "labels": counts["labels"],
+              "labelled_live_items": trained["labelled_live_items"], "max_items": args.max_items,
+              "labelled_items_read": trained["labelled_items_read"], "labels": counts["labels"],
               "train_items": counts["train_items"], "val_items": counts["val_items"],
               "best_epoch": trained["config"]["validation"]["best_epoch"],
               "recall@1": trained["config"]["validation"]["recall@1"],

@@ -47,8 +47,9 @@ def train_head_flow(config: TrainHeadConfig) -> dict:
         return saved
     training.out_dim(int(base["dim"]))  # a residual head of another dimension: refused before any work
     live = None
-    if config.labels:  # the label file joined with the live set: only the labelled items' vectors are read
-        data = labelled_task(store_loc, base, config.labels)
+    if config.labels:  # the label file joined with the live set: only the labelled items' vectors are read (at most
+        # max_items of them, a seeded sample)
+        data = labelled_task(store_loc, base, config.labels, config.max_items, training.seed)
     else:  # the items whose views are made, and only those, are read (every live item when max_items is 0)
         live = load_live_sample(store_loc, base["slug"], int(base["dim"]), config.max_items or sys.maxsize,
                                 training.seed)
@@ -63,6 +64,7 @@ def train_head_flow(config: TrainHeadConfig) -> dict:
         from imgest.encoders.head import load_state, project
 
         evaluation = scorer.report(lambda v: project(load_state(result), v), seed=training.seed)
+    data.drop_vectors()  # trained and scored: the held-out queries need only ids and labels from here on
     queries, views = heldout_set(result, data, live, config.views, training.seed)
     saved = save_head(store_loc, result, base, data.source, queries, views, evaluation)
     curves = saved.pop("loss_curves_png")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -12,7 +13,8 @@ import torch
 
 from imgest.config import EvalConfig, HeadConfig, IngestConfig, MigrateConfig, NightlyConfig, TrainHeadConfig
 from imgest.flow_params import gather_flat
-from imgest.tasks.heads.labels import read_label_table, read_labels
+from imgest.tasks.heads import labels as label_files
+from imgest.tasks.heads.labels import read_label_table, read_labels, stage_labels
 from imgest.tasks.heads.train import HeadError, infonce, proxynca, train_head, triplet_semihard
 from imgest.tasks.heads.views import AUGMENTATIONS
 
@@ -130,7 +132,7 @@ def test_hard_negatives_share_a_batch_and_the_keep_term_is_zero_only_at_the_base
     assert float(keep_neighbourhood(moved, base, 0.05)) > 0.01
 
 
-def test_bad_labels_and_parameters_are_refused_clearly():
+def test_bad_labels_and_parameters_are_refused_clearly(tmp_path):
     with pytest.raises(HeadError, match="header `item_id,label`"):
         read_labels(b"id,class\na,b\n", "labels.csv")
     assert read_labels(b'{"item_id": "a.jpg", "label": "x"}\n', "l.jsonl") == {"a.jpg": "x"}
@@ -149,11 +151,50 @@ def test_bad_labels_and_parameters_are_refused_clearly():
             (b"", "l.csv", "got None")):
         with pytest.raises(HeadError, match=message):
             read_label_table(data, name)
+        (tmp_path / name).write_bytes(data)  # and as train-head reads a file: streamed, with the same error
+        with pytest.raises(HeadError, match=message):
+            stage_labels(str(tmp_path / name), str(tmp_path / "scratch"))
+    with pytest.raises(HeadError, match="missing.csv does not exist"):
+        stage_labels(str(tmp_path / "missing.csv"), str(tmp_path / "scratch"))
     with pytest.raises(ValueError, match="loss must be one of triplet, infonce, proxynca"):
         HeadConfig(loss="arcface")
     x, ids, _ = _toy(labels=2, per_label=2)
     with pytest.raises(HeadError, match="at least 2"):
         train_head(x, ids, ["a", "b", "c", "d"], HeadConfig(epochs=1))
+
+
+def _staged(path, folder) -> dict:
+    import duckdb
+
+    staged = stage_labels(str(path), str(folder))
+    rows = duckdb.sql(f"SELECT * FROM {staged.relation()} ORDER BY item_id").fetchall()
+    return {"ordered": staged.ordered, "rows": staged.rows, "labels": dict(rows)}
+
+
+@pytest.mark.parametrize("suffix", ["csv", "jsonl"])
+def test_a_label_file_is_streamed_a_block_at_a_time_its_last_row_winning_and_bad_rows_named(
+        tmp_path, monkeypatch, suffix):
+    monkeypatch.setattr(label_files, "LABEL_BLOCK_BYTES", 256)  # a few rows a block: 3,000 rows are many blocks
+
+    def write(name, rows):
+        path = tmp_path / f"{name}.{suffix}"
+        if suffix == "csv":
+            path.write_text("item_id,label\n" + "".join(f"{i},{lab}\n" for i, lab in rows))
+        else:
+            path.write_text("".join(json.dumps({"item_id": i, "label": lab}) + "\n" for i, lab in rows))
+        return path
+
+    rows = [(f"sku-{n:05d}", f"c{n % 7}") for n in range(3_000)]
+    got = _staged(write("sorted", rows), tmp_path / "a")
+    assert got == {"ordered": True, "rows": 3_000, "labels": dict(rows)}, "a sorted file: no pass to find duplicates"
+    shuffled = [rows[n] for n in np.random.default_rng(0).permutation(3_000)]
+    again = shuffled + [("sku-00002", "late"), (shuffled[0][0], "later")]  # corrected in the file's last block
+    got = _staged(write("shuffled", again), tmp_path / "b")
+    assert not got["ordered"] and got["rows"] == 3_002
+    assert got["labels"] == dict(rows) | {"sku-00002": "late", shuffled[0][0]: "later"}, "each item's last row wins"
+    blank = rows[:2_500] + [("sku-99999", "")] + rows[2_500:]
+    with pytest.raises(HeadError, match=rf"blank.{suffix} row 2501: item_id and label are both required"):
+        stage_labels(str(write("blank", blank)), str(tmp_path / "c"))
 
 
 # -- the head as a model, through Prefect -------------------------------------------------------------

@@ -82,8 +82,21 @@ def test_a_supervised_head_reads_its_labelled_items_and_negatives_by_shard_not_t
     assert data.labels.to_pylist() == [f"p{r % 500}" for r in labelled]
     np.testing.assert_array_equal(data.vectors, vectors[labelled])
     assert data.counts == {"labelled_live_items": LABELLED, "unlabelled_live_items": N - LABELLED,
-                           "labels_not_in_store": 1}
+                           "labels_not_in_store": 1, "labelled_items_read": LABELLED}
     assert data.encoded_by == {"torch fp32": LABELLED}, "what encoded them, as their shards record it"
+
+    # --max-items: a seeded sample of the labelled live items, drawn in the join; the counts still of them all
+    sample, peak = traced(lambda: labelled_set(store, base, str(tmp_path / "labels.csv"), max_items=1_000, seed=3))
+    assert peak < CAP, f"sampling the labelled set traced {peak / 1e6:.1f} MB"
+    picked = sample.item_ids.to_pylist()
+    assert len(picked) == 1_000 and picked == sorted(picked) and set(picked) <= {ids[r] for r in labelled}
+    row_of = {item: r for r, item in enumerate(ids)}
+    np.testing.assert_array_equal(sample.vectors, vectors[[row_of[i] for i in picked]])
+    assert sample.counts == {**data.counts, "labelled_items_read": 1_000}
+    assert labelled_set(store, base, str(tmp_path / "labels.csv"), max_items=1_000, seed=3).item_ids == \
+        sample.item_ids, "the same seed draws the same items"
+    assert labelled_set(store, base, str(tmp_path / "labels.csv"), max_items=1_000, seed=4).item_ids != \
+        sample.item_ids
 
     ids_of, _ = data.originals()
     gallery, peak = traced(lambda: query_gallery(store, base, str(tmp_path / "queries.jsonl"), ids_of, data.vectors,
@@ -92,7 +105,6 @@ def test_a_supervised_head_reads_its_labelled_items_and_negatives_by_shard_not_t
     searched = gallery.item_ids.to_pylist()
     assert len(searched) == len(set(searched)) == LABELLED + 5 + NEGATIVES and gallery.negatives == NEGATIVES
     assert searched[LABELLED:LABELLED + 5] == sorted(ids[r] for r in named), "the items the queries name"
-    row_of = {item: r for r, item in enumerate(ids)}
     drawn = np.array([row_of[i] for i in searched[LABELLED + 5:]])
     assert not np.isin(drawn, labelled).any() and not np.isin(drawn, named).any()
     np.testing.assert_array_equal(gallery.vectors[LABELLED + 5:], vectors[drawn])

@@ -85,7 +85,8 @@ class TrainHeadConfig(FlowConfig):
     views: Annotated[int, AfterValidator(at_least(1)), Field(
         description="Without labels: augmented views per catalogue image (encoded once)")] = DEFAULT_VIEWS
     max_items: Annotated[int, AfterValidator(at_least(0)), Field(
-        description="Without labels: at most this many catalogue items (0: all)")] = 0
+        description="At most this many items train: a seeded sample of the labelled live items, or without "
+                    "labels of the catalogue items (0: all)")] = 0
     augment: Annotated[str, AfterValidator(augmentations), Field(
         description="Without labels: the augmentations making the views: all, or a comma list of "
                     f"{', '.join(AUGMENTATIONS)}, or of the groups geometry, photometry, rendering")] = "all"

@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -289,17 +291,25 @@ def serialise_weights(state_dict) -> bytes:
     return save_tensors({k: v.contiguous() for k, v in state_dict.items()})
 
 
-def write_head(store, weights: bytes, config: dict, queries: list[dict], views: dict[str, bytes],
+def write_head(store, weights: bytes, config: dict, queries: Iterable[dict], views: dict[str, bytes],
                loss_curves: bytes | None) -> dict:
     """Write `heads/head-<sha256[:12]>/` in `store` (a Location): weights, held-out views (keys under
-    HELDOUT_VIEWS), the query set pointing at them, loss curves, then head.json. Returns the head's name."""
+    HELDOUT_VIEWS), the query set pointing at them (`queries` written a line at a time to a local file, then
+    uploaded whole: its relevant lists may name every labelled item), loss curves, then head.json. Returns the
+    head's name."""
     head_id = "head-" + hashlib.sha256(weights).hexdigest()[:12]
     folder = f"heads/{head_id}"
     store.write_bytes(f"{folder}/{WEIGHTS}", weights)
     for key, data in views.items():
         store.write_bytes(f"{folder}/{key}", data)
-    queries = [q | {"image": store.uri(f"{folder}/{q['image']}")} if q["image"] in views else q for q in queries]
-    store.write_bytes(f"{folder}/{HELDOUT_QUERIES}", "".join(json.dumps(q) + "\n" for q in queries).encode())
+    with tempfile.TemporaryDirectory(prefix="imgest-head-") as scratch:
+        local = os.path.join(scratch, HELDOUT_QUERIES)
+        with open(local, "w", encoding="utf-8") as fh:
+            for q in queries:
+                if q["image"] in views:
+                    q = q | {"image": store.uri(f"{folder}/{q['image']}")}
+                fh.write(json.dumps(q) + "\n")
+        store.put_file(f"{folder}/{HELDOUT_QUERIES}", local)
     if loss_curves is not None:  # a whitening is fitted, not trained: no curves
         store.write_bytes(f"{folder}/{LOSS_CURVES}", loss_curves)
     store.write_json(f"{folder}/{CONFIG}", config)

@@ -321,15 +321,46 @@ def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table,
 ROW_COLUMNS = "s.item_id, s.uri, s.content_hash, s.shard"
 
 
-def live_rows_of(state: CatalogueState, wanted: pa.Table) -> pa.Table:
-    """The live rows (item_id, uri, content_hash, shard) of the items in `wanted` (an `item_id` column, each id
-    once, and any other columns, kept), in item_id order: a join in the state's database, no object per row."""
-    with state.sql() as cur:
-        cur.register("wanted", wanted)
-        others = [c for c in wanted.column_names if c != "item_id"]
+def live_rows_of(state: CatalogueState, wanted: pa.Table | str, columns: str = ROW_COLUMNS, at_most: int = 0,
+                 seed: int = 0) -> pa.Table:
+    """The live rows (`columns` of the state: item_id, uri, content_hash, shard by default) of the items in `wanted`
+    (an Arrow table, or SQL for a relation such as a Parquet file: an `item_id` column, each id once, and any other
+    columns, kept), in item_id order: a join in the state's database on one thread under SORT_MEMORY, no object per
+    row. With `at_most`, at most that many of them: a seeded sample, drawn as the join streams (rows whose hash
+    with the seed falls under a threshold), then trimmed to `at_most` (`live_count_of` says how many there are)."""
+    from imgest.state.rows import SORT_MEMORY, one_thread
+
+    with state.sql() as cur, one_thread(cur, SORT_MEMORY):
+        source = _wanted(cur, wanted)
+        others = [c for c in cur.sql(f"SELECT * FROM {source} LIMIT 0").columns if c != "item_id"]
         extra = "".join(f", w.{c}" for c in others)
-        return cur.sql(f"SELECT {ROW_COLUMNS}{extra} FROM state s JOIN wanted w ON w.item_id = s.item_id "
-                       f"WHERE s.status = '{LIVE}' ORDER BY s.item_id").to_arrow_table()
+        joined = f"FROM state s JOIN {source} w ON w.item_id = s.item_id WHERE s.status = '{LIVE}'"
+        total = cur.execute(f"SELECT count(*) {joined}").fetchall()[0][0] if at_most else 0
+        drawn = ""
+        if at_most and total > at_most:  # a little over at_most pass; the trim below takes exactly at_most
+            share = min(1.0, 1.02 * at_most / total + 64 / total)
+            drawn = f" AND hash(s.item_id, {int(seed)}) < {int(share * (2**64 - 1))}::UBIGINT"
+        rows = cur.sql(f"SELECT {columns}{extra} {joined}{drawn} ORDER BY s.item_id").to_arrow_table()
+    if at_most and len(rows) > at_most:
+        rows = rows.take(pa.array(np.sort(np.random.default_rng(seed).choice(len(rows), at_most, replace=False))))
+    return rows
+
+
+def live_count_of(state: CatalogueState, wanted: pa.Table | str) -> tuple[int, int]:
+    """(the items in `wanted`, how many of them are live): counts in the state's database."""
+    from imgest.state.rows import SORT_MEMORY, one_thread
+
+    with state.sql() as cur, one_thread(cur, SORT_MEMORY):
+        source = _wanted(cur, wanted)
+        return cur.execute(f"SELECT count(*), count(s.item_id) FROM {source} w LEFT JOIN state s "
+                       f"ON s.item_id = w.item_id AND s.status = '{LIVE}'").fetchone()
+
+
+def _wanted(cur, wanted: pa.Table | str) -> str:
+    if isinstance(wanted, str):
+        return wanted
+    cur.register("wanted", wanted)
+    return "wanted"
 
 
 def shard_sample(state: CatalogueState, count: int, seed: int, exclude: pa.Array | None = None) -> pa.Table:

@@ -53,7 +53,7 @@ class StateBase:
         self.folder = scratch_folder(self, "state")
         self._db = duckdb.connect(os.path.join(self.folder, "state.duckdb"), config={
             "memory_limit": STATE_MEMORY, "temp_directory": os.path.join(self.folder, "spill"),
-            "preserve_insertion_order": False})
+            "preserve_insertion_order": False, "allocator_flush_threshold": "16MB"})
         weakref.finalize(self, self._db.close)  # with the folder, when the state goes
         self.rows = 0
         self.folded = self.folded_rows = 0  # folds, and rows folded (see `fold`)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import tempfile
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,9 +24,9 @@ from imgest.images.decode import DecodeError, decode_image
 from imgest.names import VERSION
 from imgest.state.clock import now_iso
 from imgest.state.committed import LIVE, load_state
-from imgest.state.live import LiveVectors, live_rows_of, read_rows_vectors
-from imgest.storage import Location, StorageError, read_url
-from imgest.tasks.heads.labels import read_label_table
+from imgest.state.live import LiveVectors, live_count_of, live_rows_of, read_rows_vectors
+from imgest.storage import Location, StorageError
+from imgest.tasks.heads.labels import stage_labels
 from imgest.tasks.heads.train import HeadError, as_strings, loss_curves_png, train_head
 from imgest.tasks.heads.views import DESCRIPTION, ViewProgress, augment, augmented_instances, view_rng
 
@@ -39,9 +41,13 @@ class TrainingSet:
     labels: pa.Array | list[str]
     source: dict  # head.json's `labels`: the labels file and its sha256, or the augmentation
     counts: dict
-    uris: pa.Array | None = None  # labelled: each item's image (held-out queries)
+    uris_of: Callable[[pa.Array], dict[str, str]] | None = None  # labelled: the images of some items (held-out queries)
     rows: list[int] = field(default_factory=list)  # augmented: the live rows whose views were made
     encoded_by: dict[str, int] = field(default_factory=dict)  # the rows read, per what encoded them
+
+    def drop_vectors(self) -> None:
+        """Let the vectors go (the labelled set's are the largest thing a training holds)."""
+        self.vectors = np.empty((0, self.vectors.shape[1]), np.float32)
 
     def originals(self) -> tuple[pa.Array, np.ndarray]:
         """The catalogue items among the rows (not their augmented views) and their stored vectors."""
@@ -50,33 +56,47 @@ class TrainingSet:
 
 
 @task(name="read-labelled", cache_policy=NO_CACHE)
-def labelled_task(store: Location, base: dict, labels_url: str) -> TrainingSet:
-    return labelled_set(store, base, labels_url)
+def labelled_task(store: Location, base: dict, labels_url: str, max_items: int = 0, seed: int = 0) -> TrainingSet:
+    return labelled_set(store, base, labels_url, max_items, seed)
 
 
-def labelled_set(store: Location, base: dict, labels_url: str) -> TrainingSet:
-    """The live items that have a label in `labels_url` (CSV `item_id,label` or JSONL): the file read as columns,
-    joined with the live set in the state's database, the labelled items' vectors read from the shards that hold
-    them. Of the unlabelled items only their count is read."""
-    data = read_url(labels_url)
-    labels = read_label_table(data, labels_url)
-    state = load_state(store, base["slug"])
-    try:
-        rows = live_rows_of(state, labels)
-        live = state.count(LIVE)
-    finally:
-        state.close()
+def labelled_set(store: Location, base: dict, labels_url: str, max_items: int = 0, seed: int = 0) -> TrainingSet:
+    """The live items that have a label in `labels_url` (CSV `item_id,label` or JSONL): the file streamed to Parquet
+    on local disk (`stage_labels`), joined with the live set in the state's database, the labelled items' vectors
+    read from the shards that hold them. With `max_items`, at most that many labelled items (a seeded sample, drawn
+    in the join). Only what training needs is held per item (its id, label and vector); the images of the few held
+    out as queries are looked up after training, and of the unlabelled items only their count is read."""
+    with tempfile.TemporaryDirectory(prefix="imgest-labels-") as scratch:
+        staged = stage_labels(labels_url, scratch)
+        state = load_state(store, base["slug"])
+        try:
+            labelled, labelled_live = live_count_of(state, staged.relation())
+            rows = live_rows_of(state, staged.relation(), "s.item_id, s.shard", max_items, seed)
+            live = state.count(LIVE)
+        finally:
+            state.close()
     encoded_by: Counter = Counter()
     rows, vectors = read_rows_vectors(store, base["slug"], int(base["dim"]), rows, encoded_by)
+    pa.default_memory_pool().release_unused()  # the shards' buffers back before training takes its share
     if not len(rows):
-        raise HeadError(f"none of the {len(labels)} labelled items is a live item of {base['model_id']}; item_id is "
+        raise HeadError(f"none of the {labelled} labelled items is a live item of {base['model_id']}; item_id is "
                         "the key relative to the catalogue root, as `imgest export` writes it")
     return TrainingSet(
         vectors=vectors, item_ids=rows["item_id"].combine_chunks(), labels=rows["label"].combine_chunks(),
-        source={"file": labels_url, "sha256": hashlib.sha256(data).hexdigest()},
-        counts={"labelled_live_items": len(rows), "unlabelled_live_items": live - len(rows),
-                "labels_not_in_store": len(labels) - len(rows)},
-        uris=rows["uri"].combine_chunks(), encoded_by=dict(encoded_by))
+        source={"file": labels_url, "sha256": staged.sha256},
+        counts={"labelled_live_items": labelled_live, "unlabelled_live_items": live - labelled_live,
+                "labels_not_in_store": labelled - labelled_live, "labelled_items_read": len(rows)},
+        uris_of=lambda ids: live_uris(store, base["slug"], ids), encoded_by=dict(encoded_by))
+
+
+def live_uris(store: Location, slug: str, item_ids: pa.Array) -> dict[str, str]:
+    """The images of a few live items (the held-out queries), found by a join in the state."""
+    state = load_state(store, slug)
+    try:
+        found = live_rows_of(state, pa.table({"item_id": as_strings(item_ids)}), "s.item_id, s.uri")
+    finally:
+        state.close()
+    return dict(zip(found["item_id"].to_pylist(), found["uri"].to_pylist()))
 
 
 @task(name="augment-and-encode", cache_policy=NO_CACHE)
@@ -132,30 +152,37 @@ HELDOUT_QUERIES = 1000  # held-out items written as the head's query set, at mos
 
 
 def heldout_set(result, training: TrainingSet, live: LiveVectors | None, views: int,
-                seed: int) -> tuple[list[dict], dict[str, bytes]]:
+                seed: int) -> tuple[Iterable[dict], dict[str, bytes]]:
     """The held-out items as an `imgest eval` query set (and, for augmented training, their view images)."""
     if training.source["file"]:
-        return heldout_queries(result, training.item_ids, training.uris, training.labels, seed), {}
+        return heldout_queries(result, training.item_ids, training.labels, training.uris_of, seed), {}
     return heldout_views(result, live, training.rows, views, seed, tuple(training.source["augmentations"]))
 
 
-def heldout_queries(result, item_ids, uris, labels, seed: int = 0) -> list[dict]:
-    """Validation items as an `imgest eval` query set (HELDOUT_QUERIES of them at most): every other item with the
-    label is relevant. Only the rows of the queries' labels become objects, never every labelled item."""
+def heldout_queries(result, item_ids, labels, uris_of: Callable[[pa.Array], dict[str, str]],
+                    seed: int = 0) -> Iterator[dict]:
+    """Validation items as an `imgest eval` query set (HELDOUT_QUERIES of them at most), a label's queries at a
+    time: every other item with the label is relevant. The items of the queries' labels are grouped as Arrow lists
+    and become objects one label at a time; only the queries' images are looked up (`uris_of`)."""
     wanted = result.val_item_ids
     if len(wanted) > HELDOUT_QUERIES:
         picked = np.random.default_rng([seed, 2]).choice(len(wanted), HELDOUT_QUERIES, replace=False)
         wanted = [wanted[i] for i in np.sort(picked)]
-    table = pa.table({"item_id": as_strings(item_ids), "uri": as_strings(uris), "label": as_strings(labels)})
+    table = pa.table({"item_id": as_strings(item_ids), "label": as_strings(labels)})
     asked = table.filter(pc.is_in(table["item_id"], value_set=pa.array(wanted, pa.string())))
-    near = table.filter(pc.is_in(table["label"], value_set=pc.unique(asked["label"]))).to_pydict()
-    by_label: dict[str, list[str]] = {}
-    for item_id, label in zip(near["item_id"], near["label"]):
-        by_label.setdefault(label, []).append(item_id)
-    uri_of = dict(zip(near["item_id"], near["uri"]))
-    label_of = dict(zip(near["item_id"], near["label"]))
-    return [{"query_id": q, "image": uri_of[q], "class": label_of[q], "exclude": [q],
-             "relevant": [i for i in by_label[label_of[q]] if i != q]} for q in wanted]
+    asked_by_label: dict[str, list[str]] = {}
+    for item_id, label in zip(asked["item_id"].to_pylist(), asked["label"].to_pylist()):
+        asked_by_label.setdefault(label, []).append(item_id)
+    grouped = table.filter(pc.is_in(table["label"], value_set=pc.unique(asked["label"]))) \
+        .group_by("label", use_threads=False).aggregate([("item_id", "list")])
+    del table, asked
+    uri_of = uris_of(pa.array(wanted, pa.string()))
+    for label, members in zip(grouped["label"].to_pylist(), grouped["item_id_list"]):
+        items = members.values.to_pylist()
+        for q in asked_by_label[label]:
+            if q in uri_of:
+                yield {"query_id": q, "image": uri_of[q], "class": label, "exclude": [q],
+                       "relevant": [i for i in items if i != q]}
 
 
 def head_record(result, base: dict, source: dict, weights_sha256: str, evaluation: dict | None = None) -> dict:
@@ -173,7 +200,7 @@ def head_record(result, base: dict, source: dict, weights_sha256: str, evaluatio
     }
 
 
-def save_head(store: Location, result, base: dict, source: dict, queries: list[dict],
+def save_head(store: Location, result, base: dict, source: dict, queries: Iterable[dict],
               views: dict[str, bytes] | None = None, evaluation: dict | None = None) -> dict:
     """The trained head as a model of its own (`head:<folder>`), with its record, query set and loss curves."""
     weights = serialise_weights(result.state_dict)

@@ -4,16 +4,26 @@ one refused in one line naming its line or row."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
+import os
+import posixpath
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from imgest.errors import UserError
+from imgest.storage import Location, redact
+from imgest.storage.cache import local_copy
 
 LABELS_SCHEMA = pa.schema([("item_id", pa.string()), ("label", pa.string())])
+STAGED_SCHEMA = pa.schema([("item_id", pa.string()), ("label", pa.string()), ("row", pa.int64())])
+LABEL_BLOCK_BYTES = 4 << 20  # a label file is parsed this much at a time (a CSV record, a JSONL line must fit)
 
 
 class HeadError(UserError, ValueError):
@@ -22,6 +32,89 @@ class HeadError(UserError, ValueError):
 
 def is_jsonl(name: str) -> bool:
     return name.endswith((".jsonl", ".json"))
+
+
+@dataclass
+class StagedLabels:
+    """A label file's rows as Parquet on local disk (item_id, label, row: the file's order), for DuckDB to join."""
+
+    path: str
+    rows: int
+    sha256: str
+    ordered: bool  # item_ids strictly increasing through the file: each once, no pass to find an item's last row
+
+    def relation(self) -> str:
+        """SQL for the labelled items, each once with the label of its last row."""
+        from imgest.state.rows import sql_string
+
+        source = f"read_parquet({sql_string(self.path)})"
+        if self.ordered:
+            return f"(SELECT item_id, label FROM {source})"
+        return f"(SELECT item_id, arg_max(label, \"row\") AS label FROM {source} GROUP BY item_id)"
+
+
+def stage_labels(url: str, folder: str) -> StagedLabels:
+    """Read the label file at `url` (CSV with the header `item_id,label`, or JSONL with those keys; any fsspec URL,
+    a remote one copied to `folder` first) LABEL_BLOCK_BYTES at a time with Arrow's streaming readers, check each
+    block, and write the rows to Parquet in `folder`: nothing in proportion to the file is held. A file those readers
+    refuse is read again row by row, which names the line (or reads what they were too strict for)."""
+    os.makedirs(folder, exist_ok=True)
+    loc = Location(url)
+    try:
+        if not loc.fs.isfile(loc.path("")):
+            raise FileNotFoundError(url)
+        local = local_copy(loc, "", os.path.join(folder, "download"), checksum="",
+                           suffix=posixpath.splitext(url.split("?", 1)[0].lower())[1][:9])
+    except (FileNotFoundError, IsADirectoryError) as exc:
+        raise HeadError(f"{redact(url)} does not exist (or is not a file)") from exc
+    with open(local, "rb") as fh:
+        sha256 = hashlib.file_digest(fh, "sha256").hexdigest()
+    path = os.path.join(folder, "labels.parquet")
+    staged = StagedLabels(path, 0, sha256, True)
+    last: str | None = None
+    try:
+        with pq.ParquetWriter(path, STAGED_SCHEMA, compression="zstd") as writer:
+            for block in _label_blocks(local, url):
+                _check_block(block, staged.rows, url)
+                ids = block["item_id"]
+                if staged.ordered and len(ids):
+                    rising = len(ids) < 2 or pc.all(pc.less(ids.slice(0, len(ids) - 1), ids.slice(1))).as_py()
+                    staged.ordered = bool(rising) and (last is None or ids[0].as_py() > last)
+                    last = ids[-1].as_py()
+                writer.write_table(block.append_column(
+                    "row", pa.array(np.arange(staged.rows, staged.rows + len(block)), pa.int64())))
+                staged.rows += len(block)
+    except (pa.ArrowException, KeyError):
+        with open(local, "rb") as fh:
+            table = _from_rows(read_labels(fh.read(), url))
+        pq.write_table(table.append_column("row", pa.array(np.arange(len(table)), pa.int64())), path)
+        staged.rows, staged.ordered = len(table), True
+    finally:
+        pa.default_memory_pool().release_unused()  # the blocks' memory back before DuckDB takes its share
+    return staged
+
+
+def _label_blocks(local: str, name: str) -> Iterator[pa.Table]:
+    import pyarrow.csv
+    import pyarrow.json
+
+    if is_jsonl(name):
+        reader = pyarrow.json.open_json(local, read_options=pyarrow.json.ReadOptions(
+            use_threads=False, block_size=LABEL_BLOCK_BYTES), parse_options=pyarrow.json.ParseOptions(
+            explicit_schema=LABELS_SCHEMA, unexpected_field_behavior="ignore"))
+    else:
+        reader = pyarrow.csv.open_csv(local, read_options=pyarrow.csv.ReadOptions(
+            use_threads=False, block_size=LABEL_BLOCK_BYTES), convert_options=pyarrow.csv.ConvertOptions(
+            column_types=LABELS_SCHEMA, include_columns=LABELS_SCHEMA.names, strings_can_be_null=False))
+    for batch in reader:
+        yield pa.Table.from_batches([batch]).select(LABELS_SCHEMA.names).cast(LABELS_SCHEMA)
+
+
+def _check_block(table: pa.Table, first: int, name: str) -> None:
+    bad = pc.or_kleene(_blank(table["item_id"]), _blank(table["label"]))
+    if pc.any(bad).as_py():
+        row = first + int(np.flatnonzero(bad.to_numpy(zero_copy_only=False))[0]) + 1
+        raise HeadError(f"{name} row {row}: item_id and label are both required")
 
 
 def read_label_table(data: bytes, name: str) -> pa.Table:

@@ -99,7 +99,9 @@ class TrainResult:
         return out
 
 
-PROJECT_BLOCK = 16_384  # rows through the head at a time when measuring: hidden x 64 KB of activations
+PROJECT_BLOCK = 4_096  # rows through the head at a time when measuring: hidden x 16 KB of activations
+CENTROID_BLOCK = 65_536  # training rows summed into their labels' centroids at a time
+GALLERY_BLOCK = 131_072  # gallery rows through the head and searched at a time when measuring recall@1
 VALIDATION_QUERIES = 10_000  # held-out items queried each epoch, at most (a seeded sample of them): each is an
 # exact search over every labelled item, so a catalogue-wide label file would otherwise cost items x items per epoch
 
@@ -153,17 +155,26 @@ def split(label_ids: np.ndarray, cfg: HeadConfig) -> tuple[np.ndarray, np.ndarra
     return np.flatnonzero(kept & ~val), np.flatnonzero(val)
 
 
-def recall_at_1(queries: np.ndarray, query_rows: np.ndarray, gallery: np.ndarray, labels: np.ndarray) -> float:
-    """Nearest gallery item (the query's own row excluded) has the query's label: an exact search by faiss (blocks of
-    queries against blocks of the gallery, never a queries x gallery matrix), its two nearest, the first that is not
-    the query itself."""
+def recall_at_1(vectors: np.ndarray, query_rows: np.ndarray, labels: np.ndarray, transform=None) -> float:
+    """Of the rows `query_rows` of `vectors`, the share whose nearest other row (the query's own row excluded) has
+    the query's label: an exact inner-product search by faiss over the gallery a block at a time (`transform`, the
+    head, applied to each block as it is searched), each block's two nearest merged in a faiss ResultHeap; never
+    the gallery transformed whole, nor a queries x gallery matrix."""
     import faiss
 
-    if not len(queries):
+    if not len(query_rows):
         return 0.0
-    _, near = faiss.knn(np.ascontiguousarray(queries, np.float32), np.ascontiguousarray(gallery, np.float32),
-                        min(2, len(gallery)), metric=faiss.METRIC_INNER_PRODUCT)
-    first = near[:, 0] if near.shape[1] == 1 else np.where(near[:, 0] == query_rows, near[:, 1], near[:, 0])
+    transform = transform or (lambda v: v)
+    queries = np.ascontiguousarray(transform(vectors[query_rows]), np.float32)
+    k = min(2, len(vectors))
+    heap = faiss.ResultHeap(len(queries), k, keep_max=True)
+    for begin in range(0, len(vectors), GALLERY_BLOCK):
+        block = np.ascontiguousarray(transform(vectors[begin:begin + GALLERY_BLOCK]), np.float32)
+        scores, near = faiss.knn(queries, block, min(k, len(block)), metric=faiss.METRIC_INNER_PRODUCT)
+        heap.add_result(scores, np.where(near >= 0, near + begin, -1))
+    heap.finalize()
+    near = heap.I
+    first = near[:, 0] if k == 1 else np.where(near[:, 0] == query_rows, near[:, 1], near[:, 0])
     return float(np.sum((first >= 0) & (labels[first] == labels[query_rows])) / len(queries))
 
 
@@ -178,7 +189,9 @@ def neighbour_labels(vectors: np.ndarray, label_ids: np.ndarray, rows: np.ndarra
         return out
     labs, inverse = np.unique(label_ids[rows], return_inverse=True)
     centroids = np.zeros((len(labs), vectors.shape[1]), np.float32)
-    np.add.at(centroids, inverse, vectors[rows])
+    for begin in range(0, len(rows), CENTROID_BLOCK):  # a block of rows at a time, never a copy of them all
+        at = slice(begin, begin + CENTROID_BLOCK)
+        np.add.at(centroids, inverse[at], vectors[rows[at]])
     centroids /= np.maximum(np.linalg.norm(centroids, axis=1, keepdims=True), 1e-12)
     index = faiss.IndexFlatIP(centroids.shape[1]) if len(labs) <= 20_000 else \
         faiss.index_factory(centroids.shape[1], "HNSW32,Flat", faiss.METRIC_INNER_PRODUCT)
@@ -270,7 +283,6 @@ def train_head(vectors: np.ndarray, item_ids, labels, cfg: HeadConfig, log=lambd
     val_rows = held_rows if len(held_rows) <= VALIDATION_QUERIES else \
         np.sort(np.random.default_rng([cfg.seed, 1]).choice(held_rows, VALIDATION_QUERIES, replace=False))
     x = torch.from_numpy(np.ascontiguousarray(vectors, np.float32))
-    base = torch.nn.functional.normalize(x, dim=1)
     y = torch.from_numpy(label_ids)
     dim_out = cfg.out_dim(vectors.shape[1])
     head = build_module(cfg.head_type, vectors.shape[1], cfg.hidden, dim_out)
@@ -291,9 +303,8 @@ def train_head(vectors: np.ndarray, item_ids, labels, cfg: HeadConfig, log=lambd
         return out
 
     def measure(epoch: int, losses: list[float]) -> tuple:
-        emb = project(vectors)
         entry = {"epoch": epoch, "train_loss": round(float(np.mean(losses)), 5) if losses else None,
-                 "val_recall@1": round(recall_at_1(emb[val_rows], val_rows, emb, label_ids), 5)}
+                 "val_recall@1": round(recall_at_1(vectors, val_rows, label_ids, project), 5)}
         if scorer is not None:
             got = scorer.score(project)
             entry.update({f"eval_{k}": round(got[k], 5) for k in ("recall@1", "recall@10")})
@@ -302,7 +313,7 @@ def train_head(vectors: np.ndarray, item_ids, labels, cfg: HeadConfig, log=lambd
                                                                       if "recall" in k))
         return (entry["eval_recall@1"], entry["eval_recall@10"]) if scorer is not None else (entry["val_recall@1"],)
 
-    base_recall = recall_at_1(vectors[val_rows], val_rows, vectors, label_ids)
+    base_recall = recall_at_1(vectors, val_rows, label_ids)
     result = TrainResult(state_dict={}, config=cfg, dim_in=vectors.shape[1], base_val_recall_at_1=base_recall,
                          train_items=len(train_rows), val_items=len(held_rows), labels=len(names),
                          val_item_ids=item_ids.take(pa.array(val_rows, pa.int64())).to_pylist())
@@ -321,7 +332,8 @@ def train_head(vectors: np.ndarray, item_ids, labels, cfg: HeadConfig, log=lambd
             else:
                 loss = proxynca(e, y[batch], proxies, cfg.proxy_scale)
             if cfg.keep:
-                loss = loss + cfg.keep * keep_neighbourhood(e, base[batch], cfg.keep_temperature)
+                base = torch.nn.functional.normalize(x[batch], dim=1)  # the batch's, never all of x again
+                loss = loss + cfg.keep * keep_neighbourhood(e, base, cfg.keep_temperature)
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
