@@ -33,7 +33,7 @@ from imgest.state.metadata_file import (
     Parts,
     read_parts,
 )
-from imgest.state.rows import one_thread, sql_string
+from imgest.state.rows import ALLOCATOR_FLUSH, one_thread, sql_string
 from imgest.storage import Location, redact
 from imgest.storage.cache import local_copy
 
@@ -110,7 +110,7 @@ class StagedMetadata:
         self.folder = scratch_folder(self, "metadata")
         self.db = duckdb.connect(os.path.join(self.folder, "metadata.duckdb"), config={
             "memory_limit": METADATA_MEMORY, "temp_directory": os.path.join(self.folder, "spill"),
-            "preserve_insertion_order": False})
+            "preserve_insertion_order": False, "allocator_flush_threshold": ALLOCATOR_FLUSH})
         self.rows = 0
         self.columns: list[str] = []
         self.ordered = False  # `staged` holds its rows in item_id order already: the snapshot needs no sort

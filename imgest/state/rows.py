@@ -32,6 +32,8 @@ STATE_MEMORY = "512MB"  # DuckDB's working memory for one state; past it, joins 
 # at 10M (10M folded rows planned against the listing) ran out of it: not yet a safe default.
 SORT_MEMORY = "256MB"  # a snapshot's sort of every row (one thread): 10M folded rows sorted in 588 MB peak RSS,
 # where the state's 512 MB cap took a 1M cold start's commit to 1.27 GB
+ALLOCATOR_FLUSH = "16MB"  # DuckDB hands its allocator's freed memory back after a task that peaked past this (its
+# default, 128 MB, left a state's join's memory with the process for the stages after it: 50 MB at 1M labels)
 SQL_TYPES = {pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.float64(): "DOUBLE"}
 COLUMNS = ", ".join(f'CAST("{f.name}" AS {SQL_TYPES[f.type]}) AS "{f.name}"' for f in STATE_SCHEMA)
 
@@ -53,7 +55,7 @@ class StateBase:
         self.folder = scratch_folder(self, "state")
         self._db = duckdb.connect(os.path.join(self.folder, "state.duckdb"), config={
             "memory_limit": STATE_MEMORY, "temp_directory": os.path.join(self.folder, "spill"),
-            "preserve_insertion_order": False, "allocator_flush_threshold": "16MB"})
+            "preserve_insertion_order": False, "allocator_flush_threshold": ALLOCATOR_FLUSH})
         weakref.finalize(self, self._db.close)  # with the folder, when the state goes
         self.rows = 0
         self.folded = self.folded_rows = 0  # folds, and rows folded (see `fold`)
@@ -140,7 +142,8 @@ def scratch_sql(folder: str):
     import duckdb
 
     return duckdb.connect(config={"memory_limit": STATE_MEMORY, "preserve_insertion_order": False,
-                                  "temp_directory": os.path.join(folder, "spill")})
+                                  "temp_directory": os.path.join(folder, "spill"),
+                                  "allocator_flush_threshold": ALLOCATOR_FLUSH})
 
 
 @contextmanager

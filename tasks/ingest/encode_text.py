@@ -29,7 +29,7 @@ from imgest.encoders.text import joined_sql, stripped
 from imgest.images.listing import LISTING_SCHEMA, Listing, SpillFolder
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DTYPE
-from imgest.state.rows import STATE_MEMORY
+from imgest.state.rows import ALLOCATOR_FLUSH, STATE_MEMORY
 from imgest.storage import Location
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
 from imgest.tasks.ingest.writer import ShardResult, ShardWriter
@@ -75,7 +75,7 @@ def text_listing(images: Listing, snapshot: Snapshot, spec: EncoderSpec) -> tupl
     listing = Listing(catalogue=images.catalogue)
     with tempfile.TemporaryDirectory(prefix="imgest-texts-") as folder:
         config = {"memory_limit": STATE_MEMORY, "preserve_insertion_order": False,
-                  "temp_directory": os.path.join(folder, "spill")}
+                  "temp_directory": os.path.join(folder, "spill"), "allocator_flush_threshold": ALLOCATOR_FLUSH}
         with duckdb.connect(config=config) as con:
             if isinstance(snapshot, pa.Table):
                 con.register("snapshot", _stripped(snapshot, columns))

@@ -18,7 +18,7 @@ from imgest.errors import UserError
 from imgest.images.listing import Listing, printable_key
 from imgest.names import DEFAULT_MAX_BYTES, DEFAULT_SHARD_SIZE
 from imgest.state.committed import DELETED, FAILED, LIVE, CatalogueState, ItemState, revivable
-from imgest.state.rows import STATE_MEMORY
+from imgest.state.rows import ALLOCATOR_FLUSH, STATE_MEMORY
 from imgest.storage import Location
 
 
@@ -209,7 +209,8 @@ def _plan_connection(state: CatalogueState | pa.Table | str, files: bool) -> Ite
 
     # past PLAN_MEMORY DuckDB spills to a temporary folder instead of growing
     config = {"enable_external_access": files, "memory_limit": PLAN_MEMORY,
-              "preserve_insertion_order": False, "temp_directory": os.path.join(tempfile.gettempdir(), "imgest-plan")}
+              "preserve_insertion_order": False, "temp_directory": os.path.join(tempfile.gettempdir(), "imgest-plan"),
+              "allocator_flush_threshold": ALLOCATOR_FLUSH}
     with duckdb.connect(config=config) as con:
         _relation(con, "state", state)
         yield con
