@@ -101,7 +101,8 @@ class TrainResult:
 
 PROJECT_BLOCK = 4_096  # rows through the head at a time when measuring: hidden x 16 KB of activations
 CENTROID_BLOCK = 65_536  # training rows summed into their labels' centroids at a time
-GALLERY_BLOCK = 131_072  # gallery rows through the head and searched at a time when measuring recall@1
+GALLERY_BLOCK = 32_768  # gallery rows through the head and searched at a time when measuring recall@1 (131,072
+# took 60 MB more at the peak of a 1M-item training)
 VALIDATION_QUERIES = 10_000  # held-out items queried each epoch, at most (a seeded sample of them): each is an
 # exact search over every labelled item, so a catalogue-wide label file would otherwise cost items x items per epoch
 
