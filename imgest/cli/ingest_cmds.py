@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from imgest.cli.app import app, check_model, fail
+from imgest.cli.app import app, check_decoder, check_model, fail
 from imgest.cli.options import config_command
 from imgest.config import IngestConfig, NightlyConfig, ReencodeConfig
 from imgest.errors import USER_ERRORS
@@ -26,7 +26,6 @@ def ingest(
 ) -> None:
     """Encode what is new or changed in the catalogue; tombstone what was deleted."""
     try:
-        from imgest import encoders
         from imgest.images.listing import check_apart
         from imgest.state.models import default_model
         from imgest.storage import open_location
@@ -35,7 +34,7 @@ def ingest(
         store = open_location(config.store)
         config = config.model_copy(update={"model": default_model(store, config.model, field="name")})
         check_model(config.model, config.store)
-        encoders.resolve_device(config.device)
+        check_decoder(config)
         check_apart(open_location(config.catalogue, must_exist=True, what="catalogue"), store)
 
         from imgest.flows.ingest import ingest as ingest_flow
@@ -156,6 +155,7 @@ def reencode(config: ReencodeConfig) -> None:
         from imgest.storage import open_location
 
         check_model(config.model, config.store)
+        check_decoder(config)
         open_location(config.catalogue, must_exist=True, what="catalogue")
         from imgest.flows.reencode import reencode as reencode_flow
         from imgest.reports.ingest import render_reencode
