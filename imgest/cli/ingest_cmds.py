@@ -59,8 +59,8 @@ def status(
                                                           "artifact shows them: unusual figures marked with !"),
     nights: int = typer.Option(30, "--nights", min=1, help="With --history: how many nights per model"),
 ) -> None:
-    """Per model: live items, shards, rejected items with reasons, tombstones, last run; the serving index and the
-    runtimes and precisions that encoded its vectors."""
+    """Per model: live items, shards, rejected items with reasons, tombstones, its JPEG decoder, last run; the
+    serving index and the runtimes, precisions and JPEG decoders that made its vectors."""
     from imgest.state.status import store_status
 
     if history:
@@ -82,7 +82,8 @@ def status(
         vectors = f"{serving['n']:,} vectors, " if serving.get("n") is not None else ""
         typer.echo(f"serving: {serving['error']}" if "error" in serving else
                    f"serving: model={serving['slug']} v{serving['version']:04d}, {vectors}encoded by: "
-                   f"{render_encoded_by(serving['encoded_by'])}")
+                   f"{render_encoded_by(serving['encoded_by'])}; JPEGs decoded by: "
+                   f"{render_encoded_by(serving.get('decoded_by'))}")
     if not report["models"]:
         typer.echo("no models ingested yet")
     for m in report["models"]:
@@ -90,6 +91,8 @@ def status(
         typer.echo(f"\nmodel {m['name']} ({m['slug']}), dim {m['dim']}\n  model id: {m['model_id']}")
         typer.echo(f"  live {m['live']} in {m['shards']} shard(s), rejected {len(m['rejected'])}, "
                    f"tombstones {m['tombstones']}, snapshot {m['snapshot']}, pending shards {m['pending_shards']}")
+        if m.get("decoder"):
+            typer.echo(f"  JPEG decoder: {m['decoder']}")
         if last:
             typer.echo(f"  last run {last.get('run_id')} finished {last.get('finished')}: encoded "
                        f"{last.get('encoded')}, {last.get('images_per_second')} img/s")
