@@ -82,8 +82,9 @@ def status(
         vectors = f"{serving['n']:,} vectors, " if serving.get("n") is not None else ""
         typer.echo(f"serving: {serving['error']}" if "error" in serving else
                    f"serving: model={serving['slug']} v{serving['version']:04d}, {vectors}encoded by: "
-                   f"{render_encoded_by(serving['encoded_by'])}; JPEGs decoded by: "
-                   f"{render_encoded_by(serving.get('decoded_by'))}")
+                   f"{render_encoded_by(serving['encoded_by'])}")
+        if "error" not in serving:
+            typer.echo(f"  JPEGs decoded by: {render_encoded_by(serving.get('decoded_by'))}")
     if not report["models"]:
         typer.echo("no models ingested yet")
     for m in report["models"]:
