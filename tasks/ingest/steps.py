@@ -59,7 +59,8 @@ def choose_encoding_task(store_url: str, spec: EncoderSpec, device: str, runtime
     choice = choose_decoder(Location(store_url), spec.slug, run_id, decoder, force_decoder, first, device, measure,
                             lambda recorded, asked: parity.decoder_parity(encoder, recorded, asked), fence)
     cost = timed.get("cost")
-    if sample and (cost is None or cost.decoder != choice.decoder):  # its cost alone (nvJPEG: the CPU's fallback)
+    if (sample and "cost" not in timed) or (cost is not None and cost.decoder != choice.decoder):
+        # the chosen decoder's cost alone (nvJPEG: the CPU's, Pillow for what the GPU does not decode)
         cost = decode_cost(catalogue, sample, encoder, max_pixels,
                            names=(decoders.PILLOW if choice.decoder == decoders.NVJPEG else choice.decoder,))
     encoding.decoder, encoding.decoder_source, encoding.decoder_gate = choice.decoder, choice.source, choice.gate
