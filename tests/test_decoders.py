@@ -122,7 +122,7 @@ def _store(tmp_path):
 
 
 def _choose(store, asked=None, force=None, first=True, measure=None, gate=None, run_id="r00000001-x"):
-    from tasks.ingest.decoder import choose_decoder
+    from imgest.tasks.ingest.decoder import choose_decoder
 
     def no_gate(recorded, asked):
         raise AssertionError("the gate ran")
@@ -253,7 +253,7 @@ def test_an_explicit_decoder_outside_the_gate_is_refused_and_one_inside_switches
                                                                                           gate_files, monkeypatch):
     from imgest import encoders
     from imgest.encoders import parity
-    from tasks.ingest.decoder import DecoderGateError
+    from imgest.tasks.ingest.decoder import DecoderGateError
 
     encoder = encoders.load(encoders.resolve(f"hf:{tiny_models['clip']}"), "cpu")
     monkeypatch.setitem(decoders.REGISTRY, Negative.name, Negative())
@@ -286,8 +286,8 @@ def test_each_shard_names_its_decoder_and_the_same_bytes_give_the_same_vector(tm
     from imgest.demo import product_photos
     from imgest.state.shards import UNRECORDED, embedding_matrix, shard_decoder
     from imgest.storage import Location
-    from tasks.ingest.encode import encode_shard
-    from tasks.ingest.plan import ShardPlan, WorkItem
+    from imgest.tasks.ingest.encode import encode_shard
+    from imgest.tasks.ingest.plan import ShardPlan, WorkItem
     from tests.helpers import write_files
 
     encoder = encoders.load(encoders.resolve(f"hf:{tiny_models['clip']}"), "cpu")
