@@ -257,15 +257,18 @@ def parse_record(value: object) -> Record:
 
 def read_record(store, slug: str) -> Record | None:
     """The model's decoder record in `store`, None where there is none; a DecoderError naming the file when it does
-    not read as one."""
-    from imgest.storage import RecordError, StorageError
+    not read as one. A store that cannot be reached raises its own error (StorageError): the run stops on the
+    store's failure, not on the record's."""
+    from imgest.storage import RecordError
 
     key = record_key(slug)
     try:
         if not store.exists(key):
             return None
         return parse_record(store.read_json(key))
-    except (RecordError, ValueError, OSError, StorageError) as exc:
+    except FileNotFoundError:
+        return None
+    except (RecordError, ValueError) as exc:
         raise DecoderError(f"{key} does not read as a decoder record ({str(exc).splitlines()[0][:200]})") from None
 
 
@@ -322,9 +325,11 @@ def check(store, slug: str, asked: str | None, force: str | None, device: str) -
 def recorded(store, slug: str) -> str:
     """The decoder `slug`'s images were decoded with, for its queries, when it can run here; else Pillow, with a
     warning. The record is read from the store: it can only name a registered decoder, never anything to load."""
+    from imgest.storage import StorageError
+
     try:
         record = read_record(store, slug)
-    except DecoderError as exc:
+    except (DecoderError, StorageError, OSError) as exc:
         logging.getLogger("imgest").warning("%s: queries decode with Pillow", exc)
         return PILLOW
     if record is None:
