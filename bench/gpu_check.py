@@ -92,7 +92,7 @@ def main() -> None:
             store = Location(os.path.join(root, "store-nvjpeg"))
             start = time.perf_counter()
             result = encode_shard(ShardPlan("r00000001-gpu-check", 999, items), gpu, cat, store,
-                                  tuning.batch_size, decode_workers=threads, jpeg_decoder=nvjpeg)
+                                  tuning.batch_size, decode_workers=threads, jpeg_decoder=nvjpeg, decoder="nvjpeg")
             rate = result.encoded / (time.perf_counter() - start)
             slug = gpu.spec.slug
             a = store.read_table(f"embeddings/model={slug}/{result.shard}.parquet")

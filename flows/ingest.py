@@ -10,6 +10,7 @@ from prefect.utilities.annotations import quote
 from imgest import encoders
 from imgest.config import IngestConfig
 from imgest.flow_params import configured_flow
+from imgest.images import decoders
 from imgest.images.listing import check_apart
 from imgest.lock import StoreLock, run_owner
 from imgest.memory import give_back
@@ -49,6 +50,8 @@ def ingest(config: IngestConfig) -> dict:
     device = encoders.resolve_device(config.device)
     encoders.runtimes.refuse_unusable(config.runtime, config.precision, device)  # before any listing or encoding
     encoders.refuse_unrecordable(spec, store_loc)  # a name the nightly would refuse to read back: refused now
+    if "image" in spec.modalities:  # the model's recorded JPEG decoder must run here, or the run say how to go on
+        decoders.check(store_loc, spec.slug, config.decoder, config.force_decoder, device)
     catalogue_loc = open_location(config.catalogue, must_exist=True, what="catalogue", follow_links=True)
     check_apart(catalogue_loc, store_loc)
     catalogue_url = catalogue_loc.url
@@ -75,7 +78,8 @@ def ingest(config: IngestConfig) -> dict:
         elif plan.any_to_decode():
             chosen = choose_encoding_task(store_loc.url, spec, device, config.runtime, config.precision,
                                           config.fixed_batch_size, catalogue_url, quote(plan.decode_sample()),
-                                          config.max_pixels)
+                                          config.max_pixels, run_id, config.decoder, config.force_decoder,
+                                          first=state.seq == 0 and not state.pending, fence=lock.fence)
             batch, source = chosen.batch_size, chosen.source
         elif plan.shards:
             batch, source = (1, "every item derived from stored base embeddings")

@@ -9,6 +9,7 @@ from imgest.config import IndexConfig, MigrateConfig, ReencodeConfig
 from imgest.flow_params import configured_flow
 from imgest.flows.build_index import build_index
 from imgest.flows.reencode import reencode
+from imgest.images import decoders
 from imgest.lock import LOCK_WAIT_S, StoreLock, run_owner
 from imgest.memory import give_back
 from imgest.reports.migration import render_finished, render_window
@@ -60,6 +61,9 @@ def migrate_start(config: MigrateConfig) -> dict:
         raise migration.MigrationError("nothing is serving yet: run `imgest nightly` first, then migrate")
     target = encoders.resolve(config.to)
     encoders.refuse_unrecordable(target, store_loc)  # before the window opens: not after a full re-encode
+    if "image" in target.modalities:  # its decoder asked for (or recorded by an earlier start) can run here
+        decoders.check(store_loc, target.slug, config.decoder, config.force_decoder,
+                       encoders.resolve_device(config.device))
     catalogue = config.catalogue or (last_run(store_loc, serving["slug"]) or {}).get("catalogue")
     if not catalogue:
         raise migration.MigrationError("no catalogue known for the serving model; pass --catalogue")
@@ -71,7 +75,8 @@ def migrate_start(config: MigrateConfig) -> dict:
     summary = reencode(ReencodeConfig(catalogue=window["catalogue"], inventory=config.inventory, store=store_loc.url,
                                       model=config.to,
                                       batch_size=config.batch_size, device=config.device,
-                                      runtime=config.runtime, precision=config.precision, shard_size=config.shard_size))
+                                      runtime=config.runtime, precision=config.precision, shard_size=config.shard_size,
+                                      decoder=config.decoder, force_decoder=config.force_decoder))
     give_back()  # a cold start's freed memory, before the build
     with StoreLock(store_loc, owner=owner, wait=LOCK_WAIT_S) as lock:
         migration.record(store_loc, window, "reencode-finished", lock.fence, encoded=summary["encoded"],

@@ -10,6 +10,7 @@ from imgest.flow_params import configured_flow
 from imgest.flows.build_index import build_index
 from imgest.flows.duplicates import duplicates
 from imgest.flows.ingest import ingest
+from imgest.images import decoders
 from imgest.lock import StoreLock, run_owner
 from imgest.reports.nightly import render_nightly
 from imgest.reports.run_names import run_name
@@ -29,8 +30,12 @@ def nightly(config: NightlyConfig) -> dict:
         parse_target(target)
     runs, bases, ingested = [], [], set()
     models, left_out = nightly_models(store_loc, config.model)
+    device = encoders.resolve_device(config.device)
     for name, expected_slug in models:  # a window's model whose weights changed refuses the night before any commit
-        check_window_model(expected_slug, encoders.resolve(name))
+        spec = encoders.resolve(name)
+        check_window_model(expected_slug, spec)
+        if "image" in spec.modalities:  # and so does a model whose recorded JPEG decoder cannot run here
+            decoders.check(store_loc, spec.slug, config.decoder, config.force_decoder, device)
     for name, _ in models:
         base = encoders.resolve(name).base
         if base is not None and base.slug not in ingested:

@@ -13,6 +13,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo
 
 from imgest.names import (
     ALIAS_NAME,
+    DECODERS,
     DTYPES,
     KINDS,
     PRECISIONS,
@@ -221,6 +222,14 @@ Runtime = Annotated[str, AfterValidator(one_of(RUNTIMES)),
 Precision = Annotated[str, AfterValidator(one_of(PRECISIONS)),
                       Field(description="The encoder's arithmetic: auto (bf16 where the device runs it natively and "
                                         "it passes the parity check, else fp32), fp32, bf16 or fp16")]
+Decoder = Annotated[Annotated[str, AfterValidator(one_of(DECODERS))] | None, Field(
+    description="The JPEG decoder (default: the model's own in this store, timed on its first run there and "
+                "recorded). pillow, simplejpeg, turbojpeg or nvjpeg (GPU) switches the model to it from this run "
+                "on, recorded, when its embeddings pass the reduced-precision gate against the recorded decoder's "
+                "on the parity sample")]
+ForceDecoder = Annotated[str | None, Field(
+    description="With decoder: switch without the gate (or where it cannot be measured: the recorded decoder not "
+                "installed here); the reason is recorded")]
 Kind = Annotated[str, AfterValidator(_kind),
                  Field(description=f"Index kind: {', '.join(KINDS)} or a faiss factory string")]
 Memory = Annotated[str, AfterValidator(_size(parse_memory)),
@@ -231,6 +240,15 @@ Disk = Annotated[str, AfterValidator(_size(parse_disk)),
 TargetRecall = Annotated[float, AfterValidator(fraction(low_open=True)),
                          Field(description="recall@k against exact search the served search parameters must meet")]
 RecallK = Annotated[int, AfterValidator(at_least(1)), Field(description="k of the recall target")]
+
+
+def decoder_choice(config):
+    """force_decoder goes with decoder, and says why."""
+    if config.force_decoder is not None and not config.force_decoder.strip():
+        raise ValueError("force_decoder needs a reason (it is recorded with the model's decoder)")
+    if config.force_decoder and not config.decoder:
+        raise ValueError("force_decoder needs decoder: the decoder to switch to")
+    return config
 
 
 def workers_need_dask(config):

@@ -42,6 +42,7 @@ KINDS = ("auto", "flat", "hnsw", "ivfsq8", "ivfpq")  # index kinds by name (or a
 DTYPES = ("float32", "float16")  # of the vectors a shard stores
 RUNTIMES = ("auto", "torch", "openvino")  # what runs the encoder (imgest/encoders/runtimes.py)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # of the encoder's arithmetic; shards store DTYPES either way
+DECODERS = ("pillow", "simplejpeg", "turbojpeg", "nvjpeg")  # JPEG decoders (imgest/images/decoders.py REGISTRY)
 ACTIONS = ("start", "status", "promote", "rollback", "finish")  # of `imgest migrate` and the migrate flow
 ALIAS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 RUNNERS = "local, dask, or a Dask scheduler address (tcp://host:8786, tls://...)"

@@ -1,4 +1,6 @@
-"""JPEG decoders: each one's scale, pixels and orientation, the run's choice by measurement, and the fallbacks."""
+"""JPEG decoders: each one's scale, pixels and orientation, the choice by measurement, the fallbacks; and a model's
+decoder recorded in its store and kept: by later runs and resumes, by its shards, against hostile records, behind
+the gate (tasks/ingest/decoder.py)."""
 
 import sys
 import time
@@ -10,7 +12,7 @@ from imgest.images import decoders
 from imgest.images.decode import DecodeError, decode_image
 from tests.helpers import gradient, hostile_files, jpeg_bytes
 
-OTHERS = [name for name in decoders.REGISTRY if name != decoders.PILLOW]
+OTHERS = [name for name, decoder in decoders.REGISTRY.items() if decoder is not None and not decoder.gpu]  # the CPU's
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +82,8 @@ def test_a_missing_decoder_is_left_out_never_an_error(monkeypatch):
 
 
 def test_an_unknown_decoder_is_refused_naming_the_known():
-    with pytest.raises(ValueError, match="unknown JPEG decoder 'libjpeg'; known: pillow, simplejpeg, turbojpeg"):
+    with pytest.raises(ValueError, match="unknown JPEG decoder 'libjpeg'; known: pillow, simplejpeg, turbojpeg, "
+                                         "nvjpeg"):
         decoders.get("libjpeg")
 
 
@@ -93,36 +96,218 @@ def test_the_cheapest_decoder_is_chosen_by_cpu_time():
 
     chosen, measured = decoders.fastest([b"a", b"b"], work)
     assert chosen != decoders.PILLOW and measured[decoders.PILLOW] >= 0.005
-    assert set(measured) == set(decoders.installed())
+    assert set(measured) == set(decoders.timed())  # the CPU decoders installed: nvJPEG is never timed
     assert decoders.fastest([], work) == (decoders.PILLOW, {})
 
 
-def test_the_models_decoder_is_kept_for_its_queries_and_a_record_names_only_an_installed_one(tmp_path):
+def test_the_registry_is_the_configs_vocabulary_and_nvjpeg_is_never_timed():
+    from imgest.names import DECODERS
+
+    assert tuple(decoders.REGISTRY) == DECODERS
+    assert decoders.NVJPEG not in decoders.timed()
+    # no GPU here: nvJPEG says why it cannot run (torchvision missing, or no CUDA device), and off CUDA it never can
+    assert decoders.get(decoders.NVJPEG).missing() is not None
+    assert "decodes on the GPU" in decoders.unusable(decoders.NVJPEG, "cpu")
+    assert decoders.unusable("simplejpeg", "cpu") is None and decoders.unusable(decoders.PILLOW, "cuda:0") is None
+
+
+# -- a model's decoder, recorded in its store ---------------------------------------------------------------------
+SLUG = "m-1234abcd"
+
+
+def _store(tmp_path):
     from imgest.storage import Location
 
-    store = Location(str(tmp_path / "store"))
-    assert decoders.recorded(store, "m-1234abcd") == decoders.PILLOW  # nothing recorded yet
-    decoders.record(store, "m-1234abcd", "simplejpeg", "r1")
-    assert decoders.recorded(store, "m-1234abcd") == "simplejpeg"
-    for hostile in ({"decoder": "os.system"}, {"decoder": ["simplejpeg"]}, {"other": 1}):
-        store.write_json(decoders.record_key("m-1234abcd"), hostile)
-        assert decoders.recorded(store, "m-1234abcd") == decoders.PILLOW, hostile
-    (tmp_path / "store" / decoders.record_key("m-1234abcd")).write_text("not json")
-    assert decoders.recorded(store, "m-1234abcd") == decoders.PILLOW
+    return Location(str(tmp_path / "store"))
 
 
-def test_a_store_that_refuses_the_decoder_record_costs_a_warning_not_the_run(tmp_path, monkeypatch, caplog):
+def _choose(store, asked=None, force=None, first=True, measure=None, gate=None, run_id="r00000001-x"):
+    from imgest.tasks.ingest.decoder import choose_decoder
+
+    def no_gate(recorded, asked):
+        raise AssertionError("the gate ran")
+
+    def fastest_turbo(names):  # "measured": turbojpeg cheapest; each timed one's core-seconds
+        return "turbojpeg", {name: (0.001 if name == "turbojpeg" else 0.002) for name in names}
+
+    return choose_decoder(store, SLUG, run_id, asked, force, first, "cpu", measure or fastest_turbo, gate or no_gate)
+
+
+def test_a_first_run_records_the_fastest_and_later_runs_keep_it_when_another_measures_faster(tmp_path):
+    store = _store(tmp_path)
+    first = _choose(store)  # the model's first run in the store: timed, recorded before any shard
+    record = decoders.read_record(store, SLUG)
+    assert first.decoder == record.decoder == "turbojpeg" and record.how == decoders.MEASURED
+    assert set(record.measured) == set(decoders.timed()) and record.run_id == "r00000001-x"
+
+    def pillow_cheapest(data, name):  # every other decoder made to cost ~2 ms of CPU an image: Pillow measures fastest
+        if name != decoders.PILLOW:
+            end = time.thread_time() + 0.002
+            while time.thread_time() < end:
+                pass
+
+    assert decoders.fastest([b"a", b"b"], pillow_cheapest)[0] == decoders.PILLOW
+    for later in (True, False):  # a resume (no snapshot yet: "first" again) and a later run
+        kept = _choose(store, first=later, measure=lambda names: decoders.fastest([b"a", b"b"], pillow_cheapest, names))
+        assert kept.decoder == "turbojpeg" and kept.source.startswith("recorded: turbojpeg (measured")
+    assert decoders.recorded(store, SLUG) == "turbojpeg"  # and its queries decode alike
+
+
+def test_two_first_runs_at_once_agree_the_loser_takes_the_winners_record(tmp_path):
+    store = _store(tmp_path)
+    winner = decoders.Record("simplejpeg", decoders.MEASURED, "r00000001-a")
+    assert decoders.create_record(store, SLUG, winner) is winner
+    loser = decoders.create_record(store, SLUG, decoders.Record("turbojpeg", decoders.MEASURED, "r00000001-b"))
+    assert (loser.decoder, loser.run_id) == ("simplejpeg", "r00000001-a")
+    # a first run that finds the record written meanwhile decodes with it
+    assert _choose(store).decoder == "simplejpeg"
+
+
+def test_a_model_with_vectors_from_before_records_keeps_pillow_and_an_old_record_is_the_record(tmp_path):
+    store = _store(tmp_path)
+    assert _choose(store, first=False).decoder == decoders.PILLOW  # its vectors were Pillow's: not timed
+    assert decoders.read_record(store, SLUG).how == decoders.ASSUMED
+    old = _store(tmp_path / "old")
+    old.write_json(decoders.record_key(SLUG), {"decoder": "simplejpeg", "run_id": "r00000003-x"})  # written after a run
+    assert decoders.read_record(old, SLUG).how == decoders.EARLIER
+    assert _choose(old).decoder == decoders.recorded(old, SLUG) == "simplejpeg"
+
+
+@pytest.mark.parametrize("hostile", [{"decoder": "os.system"}, {"decoder": ["simplejpeg"]}, {"other": 1}, [1, 2],
+                                     {"decoder": "simplejpeg", "how": "exec"},
+                                     {"decoder": "simplejpeg", "gate": {"k": "x" * 500}},
+                                     {"decoder": "simplejpeg", "measured": {"__import__('os')": 1.0}}, "not json"])
+def test_a_garbled_or_planted_record_is_never_trusted(tmp_path, hostile, caplog):
+    import json
     import logging
 
-    from imgest.storage import Location, StorageError
-
-    store = Location(str(tmp_path / "store"))
-
-    def refuse(key, value):
-        raise StorageError("AccessDenied: PutObject")
-
-    monkeypatch.setattr(store, "write_json", refuse)
+    store = _store(tmp_path)
+    path = tmp_path / "store" / decoders.record_key(SLUG)
+    path.parent.mkdir(parents=True)
+    path.write_text(hostile if isinstance(hostile, str) else json.dumps(hostile))
+    with pytest.raises(decoders.DecoderError, match=r"decoder\.json does not read as a decoder record"):
+        decoders.read_record(store, SLUG)
     with caplog.at_level(logging.WARNING, logger="imgest"):
-        assert decoders.record(store, "m-1234abcd", "simplejpeg", "r1") is False
+        assert decoders.recorded(store, SLUG) == decoders.PILLOW  # a query warns and decodes with Pillow
     assert "queries decode with Pillow" in caplog.text
-    assert decoders.recorded(store, "m-1234abcd") == decoders.PILLOW
+    # a run refuses before any work, saying how to go on; a forced explicit choice replaces the record
+    with pytest.raises(decoders.DecoderError, match="--decoder NAME --force-decoder REASON"):
+        _choose(store)
+    with pytest.raises(decoders.DecoderError):
+        _choose(store, asked="simplejpeg")  # explicit, but nothing to gate against: forced only
+    chosen = _choose(store, asked="simplejpeg", force="the record was damaged")
+    assert chosen.decoder == "simplejpeg" and decoders.read_record(store, SLUG).how == decoders.FORCED
+
+
+def test_a_recorded_decoder_missing_here_is_refused_in_one_line_before_any_work(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from imgest.cli import app
+    from tests.helpers import small_catalogue, write_files
+
+    store = _store(tmp_path)
+    write_files(str(tmp_path / "catalogue"), small_catalogue(3))
+    slug = __import__("imgest.encoders", fromlist=["resolve"]).resolve("efficientnet-lite0").slug
+    decoders.create_record(store, slug, decoders.Record("simplejpeg", decoders.MEASURED, "r00000001-x"))
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)  # as if the package were not installed on this machine
+    decoders.installed.cache_clear()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    result = CliRunner().invoke(app, ["ingest", "--catalogue", str(tmp_path / "catalogue"), "--store",
+                                      str(tmp_path / "store"), "--model", "efficientnet-lite0"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("imgest: error: the vectors of model=")
+    assert "made with JPEGs decoded by simplejpeg, which cannot run here (the simplejpeg package is not installed" \
+        in lines[0] and "install it" in lines[0] and "--decoder NAME" in lines[0]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing listed, locked, written
+    # an explicit choice cannot be gated without the recorded decoder: forced only, and then it goes on
+    with pytest.raises(decoders.DecoderError, match="cannot run here to measure the gate"):
+        decoders.check(store, slug, decoders.PILLOW, None, "cpu")
+    assert decoders.check(store, slug, decoders.PILLOW, "moved to hosts without simplejpeg", "cpu").decoder == \
+        "simplejpeg"
+    with pytest.raises(decoders.DecoderError, match="--decoder nvjpeg cannot decode here"):
+        decoders.check(store, slug, decoders.NVJPEG, "x", "cpu")
+
+
+@pytest.fixture(scope="module")
+def gate_files():
+    """Files for the gate, fewer than the parity sample's 256: real photos at 300-500 px, JPEG and PNG cut-outs."""
+    from imgest.demo import product_photos
+
+    return tuple(product_photos(24, seed=5, sides=(300, 500)).values())
+
+
+class Negative:
+    """A decoder outside any gate: simplejpeg's pixels, inverted (a registry entry of the test's, not a mock)."""
+
+    name, gpu = "negative", False
+
+    def missing(self):
+        return None
+
+    def scaled(self, data, size, min_side):
+        return 255 - decoders.get("simplejpeg").scaled(data, size, min_side)
+
+
+def test_an_explicit_decoder_outside_the_gate_is_refused_and_one_inside_switches_the_model(tmp_path, tiny_models,
+                                                                                          gate_files, monkeypatch):
+    from imgest import encoders
+    from imgest.encoders import parity
+    from imgest.tasks.ingest.decoder import DecoderGateError
+
+    encoder = encoders.load(encoders.resolve(f"hf:{tiny_models['clip']}"), "cpu")
+    monkeypatch.setitem(decoders.REGISTRY, Negative.name, Negative())
+    decoders.installed.cache_clear()
+    store = _store(tmp_path)
+    decoders.create_record(store, SLUG, decoders.Record("simplejpeg", decoders.MEASURED, "r00000001-x"))
+
+    def gate(recorded, asked):
+        return parity.decoder_parity(encoder, recorded, asked, gate_files)
+
+    with pytest.raises(DecoderGateError, match=r"--decoder negative: JPEGs decoded by negative against simplejpeg on "
+                                               r"24 images of the parity sample: mean cosine .* below the 0.998"):
+        _choose(store, asked="negative", gate=gate)
+    assert decoders.read_record(store, SLUG).decoder == "simplejpeg"  # refused: nothing changed
+    # the same libjpeg-turbo at the same scale: inside the gate, the model switches, its figures recorded
+    inside = _choose(store, asked="turbojpeg", gate=gate, run_id="r00000002-x")
+    record = decoders.read_record(store, SLUG)
+    assert inside.decoder == record.decoder == "turbojpeg" and inside.source.startswith("explicit, passed the gate")
+    assert (record.how, record.previous, record.run_id) == (decoders.EXPLICIT, "simplejpeg", "r00000002-x")
+    assert record.gate["mean_cosine"] >= 0.998 and record.gate["overlap@10"] >= 0.9 and record.gate["images"] == 24
+    # forced past the gate: switched, the reason kept with the decoder before
+    forced = _choose(store, asked="negative", force="a test of the force", run_id="r00000003-x")
+    record = decoders.read_record(store, SLUG)
+    assert forced.decoder == record.decoder == "negative" and record.gate == {"forced": "a test of the force"}
+    assert record.previous == "turbojpeg" and "forced past the gate against turbojpeg" in forced.source
+
+
+def test_each_shard_names_its_decoder_and_the_same_bytes_give_the_same_vector(tmp_path, tiny_models, monkeypatch):
+    from imgest import encoders
+    from imgest.demo import product_photos
+    from imgest.state.shards import UNRECORDED, embedding_matrix, shard_decoder
+    from imgest.storage import Location
+    from imgest.tasks.ingest.encode import encode_shard
+    from imgest.tasks.ingest.plan import ShardPlan, WorkItem
+    from tests.helpers import write_files
+
+    encoder = encoders.load(encoders.resolve(f"hf:{tiny_models['clip']}"), "cpu")
+    photos = list(product_photos(4, seed=2, sides=(300, 400)).values())
+    files = {**{f"a/{i}.jpg": d for i, d in enumerate(photos)}, **{f"b/{i}.jpg": d for i, d in enumerate(photos)}}
+    write_files(str(tmp_path / "cat"), files)
+    cat = Location(str(tmp_path / "cat"))
+
+    def encoded(run: str, keys: list[str], decoder: str):
+        items = tuple(WorkItem(k, cat.uri(k), len(files[k]), None, None, None) for k in keys)
+        store = Location(str(tmp_path / decoder))
+        result = encode_shard(ShardPlan(run, 0, items), encoder, cat, store, 2, decode_workers=1, decoder=decoder)
+        table = store.read_table(f"embeddings/model={encoder.spec.slug}/part-{run}-00000.parquet")
+        assert result.decoder == shard_decoder(table.schema.metadata) == decoder
+        return embedding_matrix(table, encoder.spec.dim)
+
+    first = encoded("r00000001-x", sorted(k for k in files if k.startswith("a/")), "simplejpeg")
+    later = encoded("r00000002-x", sorted(k for k in files if k.startswith("b/")), "simplejpeg")
+    assert np.abs(first - later).max() < 1e-6  # a later run with the recorded decoder: the same vectors
+    assert shard_decoder({b"imgest.decoder": b"os.system"}) == shard_decoder(None) == UNRECORDED
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)  # a worker without the run's decoder fails its shard
+    with pytest.raises(decoders.DecoderError, match="decodes JPEGs with simplejpeg, which cannot run in this worker"):
+        encoded("r00000003-x", ["a/0.jpg"], "simplejpeg")

@@ -102,7 +102,7 @@ def test_planted_duplicates_are_found_and_new_ones_reported(tmp_path):
     from imgest.storage import Location
     from imgest.tasks.duplicates.find import _searcher, embedder
 
-    decoders.record(Location(str(store)), report["slug"], "simplejpeg", "test")
+    decoders.replace_record(Location(str(store)), report["slug"], decoders.Record("simplejpeg", decoders.EXPLICIT, "t"))
     searcher = _searcher(str(store), "serving", None)
     encoder, data = searcher.encoder(), files["p/chelsea-q75.jpg"]
     pixels = {name: encoder.preprocess(decode_image(data, min_side=encoder.decode_side, decoder=name))

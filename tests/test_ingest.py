@@ -17,7 +17,9 @@ from typer.testing import CliRunner
 from imgest.cli import app
 from imgest.config import IngestConfig
 from imgest.flows.ingest import ingest
+from imgest.images import decoders
 from imgest.state.export import export_live
+from imgest.state.shards import shard_decoder
 from imgest.state.status import store_status
 from tests.helpers import (
     HANG_AFTER_FIRST_SHARD,
@@ -168,6 +170,7 @@ def test_empty_catalogue_ingests_nothing(tmp_path):
 KILLABLE = HANG_AFTER_FIRST_SHARD + """
 import sys
 from imgest.flows.ingest import ingest
+from imgest.images import decoders
 ingest(config=dict(catalogue=sys.argv[1], store=sys.argv[2], batch_size="1", shard_size=4))
 """
 
@@ -197,8 +200,17 @@ def test_kill_mid_run_then_rerun_is_exactly_once_and_second_writer_refused(tmp_p
     committed = sum(json.loads(p.read_text())["rows"] for p in commit_markers(commits, "model=*/commits/*.json"))
     assert 0 < committed < n
 
+    # the killed run timed the JPEG decoders and recorded its choice before its first shard; the resume keeps it,
+    # times no other, and every shard, the killed run's and its own, names it
+    record = json.loads(next(commits.glob("model=*/decoder.json")).read_text())
+    assert record["how"] == "measured" and set(record["measured"]) == set(decoders.timed())
+
     rerun = _run(cat, store, batch_size="4", shard_size=10)
     assert rerun["resumed_shards"] >= 1
+    assert rerun["encoding"]["decoder"] == record["decoder"] and list(rerun["encoding"]["decoders"]) == \
+        [record["decoder"]] and rerun["encoding"]["decoder_source"].startswith("recorded")
+    assert {shard_decoder(pq.read_schema(p).metadata) for p in (store / "embeddings").glob("*/*.parquet")} == \
+        {record["decoder"]}
     assert rerun["encoded"] == n - committed, "nothing committed before the kill is encoded again"
     table = _export_ids(store, tmp_path / "live.parquet")
     assert table.num_rows == n
@@ -249,3 +261,68 @@ def test_a_catalogue_that_drops_mid_run_fails_the_run_naming_the_shard_and_the_o
     assert "reading ok/0.png failed: EndpointConnectionError" in message, message
     assert SECRET not in message
     assert not list((tmp_path / "store").glob("state/model=*/snapshots/*")), "nothing committed"
+
+
+def test_a_later_run_keeps_the_models_recorded_decoder_and_the_same_bytes_give_the_same_vector(tmp_path):
+    """The model's record names a decoder other than the one that measures fastest here, as if its first run had
+    timed it so: every later run decodes with it, and a copy of a photo gets its vector."""
+    from imgest import encoders
+    from imgest.demo import product_photos
+    from imgest.images.decode import decode_image
+    from imgest.state.shards import embedding_matrix
+    from imgest.storage import Location
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    photos = product_photos(6, seed=4, sides=(500, 700))
+    write_files(str(cat), photos)
+    datas = list(photos.values())
+    fastest, _ = decoders.fastest(datas, lambda data, name: decode_image(data, min_side=256, decoder=name))
+    kept = next(name for name in decoders.timed() if name != fastest)
+    slug = encoders.resolve("efficientnet-lite0").slug
+    decoders.create_record(Location(str(store)), slug, decoders.Record(kept, decoders.MEASURED, "r00000000-test"))
+    fixed = {"runtime": "torch", "precision": "fp32", "max_pixels": 10**7}
+    first = _run(cat, store, **fixed)
+    write_files(str(cat), {f"copy/{key}": data for key, data in photos.items()})  # the same bytes, new names
+    later = _run(cat, store, **fixed)
+    for run in (first, later):
+        assert run["encoding"]["decoder"] == kept and list(run["encoding"]["decoders"]) == [kept]  # only its cost
+        assert run["encoding"]["decoder_source"].startswith(f"recorded: {kept} (measured, run r00000000-test")
+    assert later["new"] == len(photos) and later["encoded"] == len(photos)
+    table = _export_ids(store, tmp_path / "live.parquet")
+    vectors = dict(zip(table.column("item_id").to_pylist(), embedding_matrix(table, 1280)))
+    cosines = [float(vectors[key] @ vectors[f"copy/{key}"]) for key in photos]
+    assert min(cosines) >= 0.99999, cosines
+    assert {shard_decoder(pq.read_schema(p).metadata) for p in (store / "embeddings").glob("*/*.parquet")} == {kept}
+
+
+def test_an_explicit_decoder_is_recorded_in_the_run_and_its_shards_and_status_shows_the_mix(tmp_path):
+    from imgest.config import IndexConfig
+    from imgest.flows.build_index import build_index
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    write_files(str(cat), small_catalogue(6))
+    first = _run(cat, store)
+    recorded = first["encoding"]["decoder"]
+    assert first["encoding"]["decoder_source"].startswith("the fastest measured on the model's first run")
+    other = next(name for name in decoders.timed() if name != recorded)
+    write_files(str(cat), small_catalogue(4, seed=1, prefix="more"))
+    second = _run(cat, store, decoder=other, force_decoder="a test of the switch")
+    assert second["encoding"]["decoder"] == other and second["encoding"]["decoder_gate"] == \
+        {"forced": "a test of the switch"}
+    assert second["encoding"]["decoder_source"] == f"explicit, forced past the gate against {recorded} (a test of " \
+                                                   "the switch), recorded"
+    assert json.loads((store / "runs" / f"{second['run_id']}.json").read_text())["encoding"]["decoder"] == other
+    by_run = {}
+    for path in (store / "embeddings").glob("*/*.parquet"):
+        meta = pq.read_schema(path).metadata
+        by_run.setdefault(meta[b"imgest.run_id"].decode(), set()).add(shard_decoder(meta))
+    assert by_run == {first["run_id"]: {recorded}, second["run_id"]: {other}}
+    build_index(IndexConfig(store=str(store), kind="flat"))
+    report = store_status(str(store))
+    assert report["serving"]["decoded_by"] == {recorded: 6, other: 4}
+    assert report["models"][0]["decoder"] == f"{other} (forced, run {second['run_id']}, after {recorded})"
+    shown = CliRunner().invoke(app, ["status", "--store", str(store)]).output
+    assert f"JPEGs decoded by: {recorded} 60.0%, {other} 40.0%" in shown and f"JPEG decoder: {other} (forced" in shown
+    # the next run, without --decoder, keeps the switched one
+    write_files(str(cat), small_catalogue(2, seed=2, prefix="last"))
+    assert _run(cat, store)["encoding"]["decoder"] == other

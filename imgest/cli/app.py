@@ -59,3 +59,16 @@ def check_model(name: str, store: str) -> None:
     from imgest.storage import open_location
 
     encoders.refuse_unrecordable(encoders.resolve(name), open_location(store))
+
+
+def check_decoder(config) -> None:
+    """Before Prefect starts: the JPEG decoder the model's vectors in this store were made with runs here, or the
+    command says how to go on (an ingest or re-encode config: store, model, device, decoder, force_decoder)."""
+    from imgest import encoders
+    from imgest.images import decoders
+    from imgest.storage import open_location
+
+    spec = encoders.resolve(config.model)
+    if "image" in spec.modalities:
+        decoders.check(open_location(config.store), spec.slug, config.decoder, config.force_decoder,
+                       encoders.resolve_device(config.device))

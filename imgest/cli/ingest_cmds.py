@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from imgest.cli.app import app, check_model, fail
+from imgest.cli.app import app, check_decoder, check_model, fail
 from imgest.cli.options import config_command
 from imgest.config import IngestConfig, NightlyConfig, ReencodeConfig
 from imgest.errors import USER_ERRORS
@@ -26,7 +26,6 @@ def ingest(
 ) -> None:
     """Encode what is new or changed in the catalogue; tombstone what was deleted."""
     try:
-        from imgest import encoders
         from imgest.images.listing import check_apart
         from imgest.state.models import default_model
         from imgest.storage import open_location
@@ -35,7 +34,7 @@ def ingest(
         store = open_location(config.store)
         config = config.model_copy(update={"model": default_model(store, config.model, field="name")})
         check_model(config.model, config.store)
-        encoders.resolve_device(config.device)
+        check_decoder(config)
         check_apart(open_location(config.catalogue, must_exist=True, what="catalogue"), store)
 
         from imgest.flows.ingest import ingest as ingest_flow
@@ -60,8 +59,8 @@ def status(
                                                           "artifact shows them: unusual figures marked with !"),
     nights: int = typer.Option(30, "--nights", min=1, help="With --history: how many nights per model"),
 ) -> None:
-    """Per model: live items, shards, rejected items with reasons, tombstones, last run; the serving index and the
-    runtimes and precisions that encoded its vectors."""
+    """Per model: live items, shards, rejected items with reasons, tombstones, its JPEG decoder, last run; the
+    serving index and the runtimes, precisions and JPEG decoders that made its vectors."""
     from imgest.state.status import store_status
 
     if history:
@@ -84,6 +83,8 @@ def status(
         typer.echo(f"serving: {serving['error']}" if "error" in serving else
                    f"serving: model={serving['slug']} v{serving['version']:04d}, {vectors}encoded by: "
                    f"{render_encoded_by(serving['encoded_by'])}")
+        if "error" not in serving:
+            typer.echo(f"  JPEGs decoded by: {render_encoded_by(serving.get('decoded_by'))}")
     if not report["models"]:
         typer.echo("no models ingested yet")
     for m in report["models"]:
@@ -91,6 +92,8 @@ def status(
         typer.echo(f"\nmodel {m['name']} ({m['slug']}), dim {m['dim']}\n  model id: {m['model_id']}")
         typer.echo(f"  live {m['live']} in {m['shards']} shard(s), rejected {len(m['rejected'])}, "
                    f"tombstones {m['tombstones']}, snapshot {m['snapshot']}, pending shards {m['pending_shards']}")
+        if m.get("decoder"):
+            typer.echo(f"  JPEG decoder: {m['decoder']}")
         if last:
             typer.echo(f"  last run {last.get('run_id')} finished {last.get('finished')}: encoded "
                        f"{last.get('encoded')}, {last.get('images_per_second')} img/s")
@@ -156,6 +159,7 @@ def reencode(config: ReencodeConfig) -> None:
         from imgest.storage import open_location
 
         check_model(config.model, config.store)
+        check_decoder(config)
         open_location(config.catalogue, must_exist=True, what="catalogue")
         from imgest.flows.reencode import reencode as reencode_flow
         from imgest.reports.ingest import render_reencode

@@ -20,10 +20,12 @@ from imgest.fields import (
     BatchSize,
     Catalogue,
     Cli,
+    Decoder,
     DecodeWorkers,
     Device,
     Disk,
     Dtype,
+    ForceDecoder,
     Kind,
     MaxPixels,
     Memory,
@@ -42,6 +44,7 @@ from imgest.fields import (
     at_least,
     comma_ints,
     cut_offs,
+    decoder_choice,
     encode_limit_name,
     fraction,
     no_credentials,
@@ -132,10 +135,12 @@ class EncodeConfig(FlowConfig):
     runner: Runner = DEFAULT_RUNNER
     workers: Workers = DEFAULT_WORKERS
     dtype: Dtype = DEFAULT_DTYPE
+    decoder: Decoder = None
+    force_decoder: ForceDecoder = None
 
     @model_validator(mode="after")
     def _workers_need_dask(self) -> Self:
-        return workers_need_dask(self)
+        return decoder_choice(workers_need_dask(self))
 
     @property
     def fixed_batch_size(self) -> int | None:
@@ -280,9 +285,13 @@ class MigrateConfig(FlowConfig):
     target_recall: TargetRecall = DEFAULT_TARGET_RECALL
     shard_size: ShardSize = DEFAULT_SHARD_SIZE
     disk: Disk = DEFAULT_DISK
+    decoder: Annotated[Decoder, Field(description="start: the new model's JPEG decoder (default: timed on its first "
+                                                  "run and recorded)")] = None
+    force_decoder: ForceDecoder = None
 
     @model_validator(mode="after")
     def _start_needs_a_model(self) -> Self:
+        decoder_choice(self)
         if self.action == "start" and not (self.to or "").strip():
             raise ValueError("to must not be empty")
         if self.force is not None and not self.force.strip():

@@ -13,6 +13,11 @@ pictures at 800-2000 px, JPEG, every tenth a PNG cut-out on white), through the 
 and, for a model with a text tower, a fixed list of product queries. The first check of a (model, runtime,
 precision) on a host is kept beside its compiled model (imgest/encoders/compiled.py) and reused, and so are torch
 fp32's embeddings of the sample: the reference of every later check of the model on that host.
+
+A JPEG decoder is an approximation of the same kind (imgest/images/decoders.py): a model switches from the decoder
+its store recorded to another only where the other passes the reduced precision's gate against it
+(`decoder_parity`): the sample's files as stored (not thumbnailed: a decoder's scale depends on the size), each
+decoded by both at the model's decode side and encoded by the run's encoder.
 """
 
 from __future__ import annotations
@@ -216,6 +221,65 @@ def measure(reference, candidate) -> dict[str, float]:
     every = np.concatenate(cosines)
     return {"min_cosine": float(every.min()), "mean_cosine": float(every.mean()),
             "p1_cosine": float(np.percentile(every, 1)), "overlap": overlaps[0]}
+
+
+@dataclass
+class DecoderParity:
+    """Embeddings of the parity sample decoded by `candidate` against those decoded by `reference`, one encoder."""
+
+    model_id: str
+    reference: str
+    candidate: str
+    min_cosine: float
+    mean_cosine: float
+    p1_cosine: float
+    overlap: float
+    gate: dict
+    passed: bool
+    images: int
+
+    def figures(self) -> dict[str, float]:
+        return {"min_cosine": self.min_cosine, "mean_cosine": self.mean_cosine, "p1_cosine": self.p1_cosine,
+                f"overlap@{OVERLAP_K}": self.overlap}
+
+    def reason(self) -> str:
+        short = [f"{name.replace('_', ' ')} {self.figures()[name]:.6g} below the {need} it needs"
+                 for name, need in self.gate.items() if self.figures()[name] < need]
+        return (f"JPEGs decoded by {self.candidate} against {self.reference} on {self.images} images of the parity "
+                "sample: " + "; ".join(short or ["passed"]))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@functools.lru_cache(maxsize=1)
+def _files() -> tuple[bytes, ...]:
+    """The sample's files as a catalogue stores them (JPEGs of 800-2000 px, PNG cut-outs), not yet decoded."""
+    from imgest.demo import product_photos
+
+    return tuple(product_photos(SAMPLE_IMAGES, seed=SAMPLE_SEED).values())
+
+
+def decoder_parity(encoder, reference: str, candidate: str, files: tuple[bytes, ...] | None = None) -> DecoderParity:
+    """`candidate`'s parity with `reference` through `encoder` (its decode side and preprocessing), on the parity
+    sample's files (or `files`), judged by the reduced precision's gate: a decoder moves embeddings as bf16 does."""
+    from imgest.images.decode import decode_image
+
+    files = files or _files()
+    side = getattr(encoder, "decode_side", None)
+
+    def embed(decoder: str) -> np.ndarray:
+        return np.concatenate([encoder.encode_images(np.stack([
+            encoder.preprocess(decode_image(data, min_side=side, decoder=decoder)) for data in files[i:i + CHUNK]]))
+            for i in range(0, len(files), CHUNK)])
+
+    ours, theirs = embed(reference), embed(candidate)
+    every = _cosines(ours, theirs)
+    figures = {"min_cosine": float(every.min()), "mean_cosine": float(every.mean()),
+               "p1_cosine": float(np.percentile(every, 1)), "overlap": neighbour_overlap(ours, theirs)}
+    figures = {k: round(v, 7) for k, v in figures.items()}
+    return DecoderParity(encoder.spec.model_id, reference, candidate, gate=gate("bf16"),
+                         passed=passes(figures, "bf16"), images=len(files), **figures)
 
 
 def _record_name(precision: str, device_key: str) -> str:

@@ -1,29 +1,46 @@
-"""JPEG decoders that scale in the DCT domain (Pillow's draft, simplejpeg, PyTurboJPEG), and the fastest one measured.
+"""JPEG decoders (Pillow's draft, simplejpeg, PyTurboJPEG scale in the DCT domain; nvJPEG decodes on a GPU), the
+fastest one measured, and the one a model's vectors were made with, recorded in its store.
 
 Decoding a product photo is mostly entropy decoding and the inverse DCT; libjpeg-turbo can do the latter at any
 scale M/8, so a 1200 px photo needed at 256 px decodes at 3/8 of its side. Pillow's `draft` offers only 1/2, 1/4
-and 1/8 (so the same photo decodes at 1/2); simplejpeg and PyTurboJPEG reach libjpeg-turbo's eighths. Which one
-a run uses is measured on its own images (`fastest`), since the order depends on the CPU and the wheels; the
-optional ones are only tried when installed (PyTurboJPEG also needs the system's libturbojpeg), and a missing
-one is never an error. Each decodes only what it was made for (a plain colour or greyscale JPEG); anything else,
-or any error, goes to Pillow, which then decides whether the object is an image at all. The last choice for a
-model is kept beside its state (`state/model=<slug>/decoder.json`) so that its queries decode the same way.
+and 1/8 (so the same photo decodes at 1/2); simplejpeg and PyTurboJPEG reach libjpeg-turbo's eighths. The
+optional ones only run when installed (PyTurboJPEG also needs the system's libturbojpeg), and a missing one is
+never an error until a store says a model was decoded by it. Each decodes only what it was made for (a plain
+colour or greyscale JPEG); anything else, or any error, goes to Pillow, which then decides whether the object is
+an image at all.
+
+The decoders' pixels differ (scale, filters, rounding), and so do the embeddings made from them: the decoder is
+part of what made a vector. A model's decoder is therefore chosen once per store, when the model first encodes
+there (the CPU decoders timed on its own images, `fastest`), recorded beside its state before its first shard
+(`state/model=<slug>/decoder.json`, `create_record`), and kept by every later run, resume and query. A record is
+read from a store: it can only name a registered decoder, never anything to load.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from imgest.errors import UserError
+
 PILLOW = "pillow"
+NVJPEG = "nvjpeg"
+
+
+class DecoderError(UserError, ValueError):
+    """A run cannot decode as its model's vectors were decoded, or a decoder asked for cannot be used; the message
+    says which decoder made the vectors and how to go on."""
 
 
 class Decoder(Protocol):
     name: str
+    gpu: bool  # decodes on a GPU, batched by the encoder's thread (tasks/ingest/gpu_decode.py): never timed
 
     def missing(self) -> str | None:
         """Why this decoder cannot run here (a package or a library not installed), or None."""
@@ -46,6 +63,7 @@ class SimpleJpeg:
     both asked sides."""
 
     name = "simplejpeg"
+    gpu = False
 
     def missing(self) -> str | None:
         try:
@@ -68,6 +86,7 @@ class TurboJpeg:
     """PyTurboJPEG over the system's libturbojpeg (Debian: libturbojpeg0), scaled by one of its factors."""
 
     name = "turbojpeg"
+    gpu = False
 
     def missing(self) -> str | None:
         try:
@@ -92,7 +111,36 @@ def _turbo():
     return TurboJPEG()
 
 
-REGISTRY: dict[str, Decoder | None] = {PILLOW: None, SimpleJpeg.name: SimpleJpeg(), TurboJpeg.name: TurboJpeg()}
+class NvJpeg:
+    """nvJPEG through torchvision (`imgest[gpu]`) on a CUDA device, at full size (nvJPEG has no DCT scaling). An
+    ingest on CUDA decodes a batch of plain JPEGs in one call and resizes them on the GPU (BatchJpegDecoder); a
+    query decodes one here. Its pixels are not a CPU decoder's, so it is never timed against them: a model uses it
+    only where its store records it or a run chooses it (--decoder nvjpeg)."""
+
+    name = NVJPEG
+    gpu = True
+
+    def missing(self) -> str | None:
+        try:
+            import torch
+            from torchvision.io import decode_jpeg  # noqa: F401
+        except ImportError as exc:
+            return f"torchvision is not installed ({exc}; pip install 'imgest[gpu]')"
+        except (OSError, RuntimeError) as exc:  # torchvision's image library did not load
+            return f"torchvision's image decoder did not load ({str(exc).splitlines()[0][:160]})"
+        return None if torch.cuda.is_available() else "no CUDA device here"
+
+    def scaled(self, data: bytes, size: tuple[int, int], min_side: int | None) -> np.ndarray:
+        import torch
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        image = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
+                            device="cuda")  # EXIF orientation: decode_image applies it, as for the others
+        return image.permute(1, 2, 0).cpu().numpy()
+
+
+REGISTRY: dict[str, Decoder | None] = {PILLOW: None, SimpleJpeg.name: SimpleJpeg(), TurboJpeg.name: TurboJpeg(),
+                                       NvJpeg.name: NvJpeg()}  # imgest.names.DECODERS
 
 
 def get(name: str) -> Decoder | None:
@@ -108,12 +156,28 @@ def installed() -> tuple[str, ...]:
     return tuple(name for name, decoder in REGISTRY.items() if decoder is None or decoder.missing() is None)
 
 
+def timed() -> tuple[str, ...]:
+    """The decoders a model's first run times against each other: those installed here that decode on the CPU."""
+    return tuple(name for name in installed() if REGISTRY[name] is None or not REGISTRY[name].gpu)
+
+
+def unusable(name: str, device: str) -> str | None:
+    """Why `name` cannot decode a run's JPEGs here on `device` (not installed, or a GPU decoder off CUDA), or None."""
+    decoder = get(name)
+    if decoder is None:
+        return None
+    if decoder.gpu and not str(device).startswith("cuda"):
+        return f"it decodes on the GPU and this run's encoder is on {device}"
+    return decoder.missing()
+
+
 def fastest(datas: Sequence[bytes], work: Callable[[bytes, str], object],
             names: Sequence[str] | None = None, rounds: int = 2) -> tuple[str, dict[str, float]]:
     """The decoder that makes `work(data, decoder)` (decode and preprocess) cheapest in CPU time over `datas`, and
     each one's core-seconds per image (the better of `rounds`, taken in turn, so a moment of other work on the
-    machine does not decide it). Pillow wins ties and is the answer without a sample."""
-    names = [n for n in (names or installed()) if n in installed()] or [PILLOW]
+    machine does not decide it); `names` defaults to the CPU decoders installed (`timed`). Pillow wins ties and is
+    the answer without a sample."""
+    names = [n for n in (names or timed()) if n in installed()] or [PILLOW]
     if not datas:
         return PILLOW, {}
     costs = {name: float("inf") for name in names}
@@ -133,32 +197,145 @@ def record_key(slug: str) -> str:
     return f"{state_prefix(slug)}/decoder.json"
 
 
-def record(store, slug: str, decoder: str, run_id: str) -> bool:
-    """Keep the decoder a run encoded `slug`'s images with, for its queries (`recorded`). Written after the run's
-    commit and only advice to its queries: a store that refuses it costs a warning (queries then decode with
-    Pillow, as before any record), never the committed run."""
-    import logging
+MEASURED = "measured"  # timed on the model's first run in the store (`fastest`)
+EXPLICIT = "explicit"  # a run chose it (--decoder): the first in the store, or past the gate against the one before
+FORCED = "forced"  # a run chose it past the gate, or where the gate could not be measured; the reason is kept
+ASSUMED = "assumed"  # vectors made before decoders were recorded: Pillow's, the only decoder there was
+EARLIER = "recorded after a run"  # a record written the old way, after a run's commit: its choice all the same
+HOW = (MEASURED, EXPLICIT, FORCED, ASSUMED, EARLIER)
 
-    from imgest.storage import StorageError
 
+@dataclass(frozen=True)
+class Record:
+    """A model's JPEG decoder in a store: the one its vectors are made with, how it was chosen and by which run;
+    on a switch, the decoder before and the gate's figures against it (or the reason it was forced)."""
+
+    decoder: str
+    how: str
+    run_id: str = ""
+    created: str = ""
+    measured: dict[str, float] = field(default_factory=dict)  # a first run: core-seconds per image of each timed
+    previous: str | None = None
+    gate: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One phrase: "simplejpeg (measured, run r00000001-...)"."""
+        by = f", run {self.run_id}" if self.run_id else ""
+        after = f", after {self.previous}" if self.previous else ""
+        return f"{self.decoder} ({self.how}{by}{after})"
+
+
+def parse_record(value: object) -> Record:
+    """A record read from a store, trusted for its registered decoder name and plain figures only; ValueError
+    naming what is wrong otherwise (a garbled or planted record is never half-used)."""
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    name = value.get("decoder")
+    if not isinstance(name, str) or name not in REGISTRY:
+        raise ValueError(f"decoder {str(name)[:40]!r} is not a registered one ({', '.join(REGISTRY)})")
+    how = value.get("how", EARLIER)
+    run_id, created, previous = (value.get(k) for k in ("run_id", "created", "previous"))
+    measured = value.get("measured") or {}
+    gate = value.get("gate")
+
+    def plain(text: object) -> bool:
+        return isinstance(text, str) and len(text) <= 200 and text.isprintable()
+
+    if how not in HOW or not all(v is None or plain(v) for v in (run_id, created)) \
+            or not (previous is None or previous in REGISTRY) \
+            or not (isinstance(measured, dict) and all(k in REGISTRY and type(v) in (int, float)
+                                                       for k, v in measured.items())) \
+            or not (gate is None or isinstance(gate, dict) and len(gate) <= 16 and all(
+                plain(k) and (type(v) in (int, float, bool) or plain(v)) for k, v in gate.items())):
+        raise ValueError("a field is not what a decoder record holds (how, run_id, created, measured, previous, "
+                         "gate)")
+    return Record(name, how, run_id or "", created or "", dict(measured), previous, gate)
+
+
+def read_record(store, slug: str) -> Record | None:
+    """The model's decoder record in `store`, None where there is none; a DecoderError naming the file when it does
+    not read as one. A store that cannot be reached raises its own error (StorageError): the run stops on the
+    store's failure, not on the record's."""
+    from imgest.storage import RecordError
+
+    key = record_key(slug)
     try:
-        store.write_json(record_key(slug), {"decoder": decoder, "run_id": run_id})
-    except (StorageError, OSError) as exc:
-        logging.getLogger("imgest").warning("%s not written (%s): queries decode with Pillow", record_key(slug), exc)
-        return False
-    return True
+        if not store.exists(key):
+            return None
+        return parse_record(store.read_json(key))
+    except FileNotFoundError:
+        return None
+    except (RecordError, ValueError) as exc:
+        raise DecoderError(f"{key} does not read as a decoder record ({str(exc).splitlines()[0][:200]})") from None
+
+
+def create_record(store, slug: str, record: Record) -> Record:
+    """Record `record` as the model's decoder unless a record exists: the store's exclusive create, so two first
+    runs at once agree (the one that loses reads and returns the winner's)."""
+    import json
+
+    if store.create_exclusive(record_key(slug), json.dumps(record.to_dict(), indent=2).encode()):
+        return record
+    kept = read_record(store, slug)
+    if kept is None:  # removed between the two calls: nothing to agree with
+        raise DecoderError(f"{record_key(slug)} was created and removed at once; run again")
+    return kept
+
+
+def replace_record(store, slug: str, record: Record, fence=None) -> None:
+    """Switch the model's decoder (an explicit choice that passed the gate, or was forced): only by the run that
+    holds the store's lock."""
+    if fence is not None:
+        fence.check(store)
+    store.write_json(record_key(slug), record.to_dict())
+
+
+def check(store, slug: str, asked: str | None, force: str | None, device: str) -> Record | None:
+    """What can be known before any work: the model's record, when this run can decode as it says or was told
+    explicitly how to go on; else a DecoderError in one line, saying which decoder made the vectors and what to
+    do. An explicit decoder other than the recorded one is checked here for what it needs (installed, the gate
+    measurable: the recorded decoder here too, unless forced); the gate itself runs with the encoder."""
+    try:
+        record = read_record(store, slug)
+    except DecoderError as exc:
+        if asked is not None and force:
+            return None  # replaced by the forced choice: nothing of it is used
+        raise DecoderError(f"{exc}: it says which JPEG decoder made the vectors of model={slug}; pass --decoder "
+                           "NAME --force-decoder REASON to record one again") from None
+    if asked is not None:
+        if why := unusable(asked, device):
+            raise DecoderError(f"--decoder {asked} cannot decode here: {why}")
+        if record is not None and asked != record.decoder and not force \
+                and (why := unusable(record.decoder, device)):
+            raise DecoderError(f"--decoder {asked}: the vectors of model={slug} were made with JPEGs decoded by "
+                               f"{record.decoder}, which cannot run here to measure the gate ({why}): install it, "
+                               "or switch without the gate with --force-decoder REASON")
+        return record
+    if record is not None and (why := unusable(record.decoder, device)):
+        raise DecoderError(f"the vectors of model={slug} in this store were made with JPEGs decoded by "
+                           f"{record.decoder}, which cannot run here ({why}): install it (or run where it is), or "
+                           "switch the model to another decoder with --decoder NAME (gated against it) or "
+                           "--decoder NAME --force-decoder REASON")
+    return record
 
 
 def recorded(store, slug: str) -> str:
-    """The decoder `slug`'s images were last decoded with, when it is one installed here; else Pillow. The record
-    is read from the store: it can only name a registered decoder, never anything to load."""
-    import logging
-
-    from imgest.storage import RecordError, StorageError
+    """The decoder `slug`'s images were decoded with, for its queries, when it can run here; else Pillow, with a
+    warning. The record is read from the store: it can only name a registered decoder, never anything to load."""
+    from imgest.storage import StorageError
 
     try:
-        name = store.read_json(record_key(slug)).get("decoder") if store.exists(record_key(slug)) else None
-    except (RecordError, StorageError, OSError, ValueError, AttributeError) as exc:
-        logging.getLogger("imgest").warning("%s: not read (%s): queries decode with Pillow", record_key(slug), exc)
+        record = read_record(store, slug)
+    except (DecoderError, StorageError, OSError) as exc:
+        logging.getLogger("imgest").warning("%s: queries decode with Pillow", exc)
         return PILLOW
-    return name if isinstance(name, str) and name in installed() else PILLOW
+    if record is None:
+        return PILLOW  # vectors from before decoders were recorded: Pillow's
+    if record.decoder not in installed():
+        logging.getLogger("imgest").warning("model=%s: its images were decoded by %s, not installed here: queries "
+                                            "decode with Pillow", slug, record.decoder)
+        return PILLOW
+    return record.decoder

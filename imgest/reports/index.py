@@ -14,6 +14,7 @@ def render_card(card: dict) -> str:
         "",
         f"- model: `{card['model_id']}`; {card['n']} vectors of d={card['d']} from snapshot {card['snapshot']}",
         f"- encoded by: {render_encoded_by(card.get('encoded_by'))}",
+        f"- JPEGs decoded by: {render_encoded_by(card.get('decoded_by'))}",
         f"- index: `{card['factory']}` ({card['choice']['reason']}); memory budget {card['choice']['memory_budget']}",
         f"- served: {served_parameters(card)}; recall@{rec['k']} "
         f"{served_recall} on {rec['queries']} held-out queries, {verdict} the target {rec['target']}",
@@ -44,8 +45,8 @@ def render_card(card: dict) -> str:
 
 def render_encoded_by(encoded_by) -> str:
     """A version's rows by what encoded them, the most first: "openvino fp32 90.0%, torch bf16 10.0%" (a few rows
-    show as "<0.1%", never "0.0%", nor the rest as "100.0%"). The card is read from a store: printable names with
-    counts only."""
+    show as "<0.1%", never "0.0%", nor the rest as "100.0%"); or by the JPEG decoder that made them (the card's
+    `decoded_by`). The card is read from a store: printable names with counts only."""
     counts = {k: v for k, v in (encoded_by or {}).items() if isinstance(k, str) and k.isprintable() and len(k) <= 120
               and isinstance(v, int) and not isinstance(v, bool) and v > 0} if isinstance(encoded_by, dict) else {}
     if not counts:

@@ -63,9 +63,13 @@ def _encoding_line(summary: RunSummary) -> str:
     if encoding.get("decode_seconds") and encoding.get("encode_seconds") and summary.work_bound:
         line += (f"; decode {encoding['decode_seconds'] * 1e3:.1f} and encode {encoding['encode_seconds'] * 1e3:.1f} "
                  f"core-ms a picture: work bound {summary.work_bound} img/s")
-    if encoding.get("decoders"):
-        line += f"; JPEGs decoded by {encoding.get('decoder', 'pillow')} (core-ms a picture: " + \
-            ", ".join(f"{k} {v * 1e3:.2f}" for k, v in encoding["decoders"].items()) + ")"
+    if encoding.get("decoders") or encoding.get("decoder_source"):
+        line += f"; JPEGs decoded by {encoding.get('decoder', 'pillow')}"
+        if encoding.get("decoder_source"):
+            line += f", {encoding['decoder_source'].replace('|', '/')}"
+        if encoding.get("decoders"):
+            line += " (core-ms a picture: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in encoding["decoders"].items()) \
+                + ")"
     if encoding.get("warning"):
         line += f"; **{encoding['warning'].replace('|', '/')}**"
     return line

@@ -27,7 +27,7 @@ from imgest.state.committed import (
     shard_key,
     shard_run_id,
 )
-from imgest.state.shards import embedding_matrix, shard_encoder
+from imgest.state.shards import embedding_matrix, shard_decoder, shard_encoder
 from imgest.storage import Location
 
 
@@ -135,13 +135,17 @@ def shard_groups(path: str) -> Iterator[pa.Table]:
 
 
 def read_shard_vectors(store: Location, slug: str, dim: int, shard: str, keep: pa.Array,
-                       encoded_by: Counter | None = None) -> tuple[np.ndarray, np.ndarray]:
+                       encoded_by: Counter | None = None,
+                       decoded_by: Counter | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The vectors of a shard's live rows and where each is among `keep` (the shard's live ids); an id of `keep`
-    without a row in the shard is not among the positions. With `encoded_by`, the rows read are counted under
-    what encoded them, as the shard's own metadata says (`shard_encoder`)."""
+    without a row in the shard is not among the positions. With `encoded_by` (`decoded_by`), the rows read are
+    counted under what encoded them (the JPEG decoder that made them), as the shard's own metadata says
+    (`shard_encoder`, `shard_decoder`)."""
     table, found = _live_rows(store, slug, shard, keep)
     if encoded_by is not None:
         encoded_by[shard_encoder(table.schema.metadata)] += len(table)
+    if decoded_by is not None:
+        decoded_by[shard_decoder(table.schema.metadata)] += len(table)
     return embedding_matrix(table, dim), found
 
 
@@ -296,10 +300,11 @@ def live_sample(store: Location, slug: str, dim: int, live: LiveShards, limit: i
                        total=len(live), encoded_by=dict(encoded_by))
 
 
-def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table,
-                 encoded_by: Counter | None = None) -> tuple[pa.Table, np.ndarray]:
+def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table, encoded_by: Counter | None = None,
+                 decoded_by: Counter | None = None) -> tuple[pa.Table, np.ndarray]:
     """The rows of `wanted` (item_id, shard) found in their shards, with their vectors; only those shards read.
-    With `encoded_by`, the rows found are counted under what encoded them (`shard_encoder`)."""
+    With `encoded_by` (`decoded_by`), the rows found are counted under what encoded them (`shard_encoder`) and
+    the JPEG decoder that made them (`shard_decoder`)."""
     wanted = wanted.select(["item_id", "shard"]).sort_by("shard")
     ids, start = wanted["item_id"].combine_chunks(), 0
     tables, vectors = [], []
@@ -310,6 +315,8 @@ def read_vectors(store: Location, slug: str, dim: int, wanted: pa.Table,
         table = table.filter(pc.is_in(table["item_id"], value_set=keep))
         if encoded_by is not None:
             encoded_by[shard_encoder(table.schema.metadata)] += len(table)
+        if decoded_by is not None:
+            decoded_by[shard_decoder(table.schema.metadata)] += len(table)
         tables.append(table.select(["item_id"]))
         vectors.append(embedding_matrix(table, dim))
     if not tables:

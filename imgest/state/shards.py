@@ -35,6 +35,17 @@ def shard_encoder(metadata: dict | None) -> str:
     return " ".join(names)
 
 
+def shard_decoder(metadata: dict | None) -> str:
+    """The JPEG decoder that made every row of a shard (`imgest.decoder`, written by ShardWriter), a registered
+    name only (the metadata is read from a store); "unrecorded" without it (a shard from before, or a text model's)."""
+    from imgest.names import DECODERS
+
+    meta = metadata or {}
+    name = meta.get("imgest.decoder", meta.get(b"imgest.decoder"))
+    name = name.decode(errors="replace") if isinstance(name, bytes) else name
+    return name if name in DECODERS else UNRECORDED
+
+
 def shard_schema(spec: EncoderSpec, dtype: str = "float32") -> pa.Schema:
     fields = [
         ("item_id", pa.string()),

@@ -3,6 +3,7 @@ index version `serving` points at and what encoded its vectors."""
 
 from __future__ import annotations
 
+from imgest.images import decoders
 from imgest.lock import current_holder
 from imgest.records import RecordError
 from imgest.retrieval.versions import IndexIntegrityError, IndexNotFoundError, read_card
@@ -19,6 +20,16 @@ def last_run(store: Location, slug: str) -> dict | None:
         if summary.get("slug") == slug:
             return {k: v for k, v in summary.items() if k not in ("rejected_items", "removed_orphans", "parameters")}
     return None
+
+
+def model_decoder(store: Location, slug: str) -> str | None:
+    """The model's JPEG decoder as its record says ("simplejpeg (measured, run r...)"), None without a record; a
+    record that does not read says so (it is read from the store: a registered name or nothing)."""
+    try:
+        record = decoders.read_record(store, slug)
+    except decoders.DecoderError as exc:
+        return f"unreadable: {exc}"
+    return record.describe() if record is not None else None
 
 
 def model_status(store: Location, card: dict) -> dict:
@@ -41,12 +52,14 @@ def model_status(store: Location, card: dict) -> dict:
         "snapshot": latest_snapshot_seq(store, slug),
         "pending_shards": len(state.pending),  # committed by a run that did not finish; folded next run
         "last_run": last_run(store, slug),
+        "decoder": model_decoder(store, slug),  # what decodes its JPEGs; the serving index's `decoded_by`: the mix
     }
 
 
 def serving_index(store: Location) -> dict | None:
-    """The version the `serving` alias points at, with its vector count and `encoded_by` (its card's rows per
-    runtime and precision); None without the alias, {"error": ...} when it or its card does not read."""
+    """The version the `serving` alias points at, with its vector count, `encoded_by` (its card's rows per runtime
+    and precision) and `decoded_by` (per JPEG decoder); None without the alias, {"error": ...} when it or its card
+    does not read."""
     try:
         alias = read_alias(store, "serving")
         if alias is None:
@@ -56,7 +69,7 @@ def serving_index(store: Location) -> dict | None:
         return {"error": str(exc)}
     n = card.get("n")
     return {"slug": alias["slug"], "version": alias["version"], "n": n if type(n) is int else None,
-            "encoded_by": card.get("encoded_by")}
+            "encoded_by": card.get("encoded_by"), "decoded_by": card.get("decoded_by")}
 
 
 def store_status(store_url: str) -> dict:

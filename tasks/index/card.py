@@ -39,9 +39,10 @@ def footprint(index, choice: IndexChoice) -> dict:
 
 def make_card(model: dict, n: int, d: int, snapshot: int, choice: IndexChoice, memory: str, times: BuildTimes,
               tuned: Tuned, lineage: dict, index=None, disk: str | None = None,
-              encoded_by: dict[str, int] | None = None) -> dict:
+              encoded_by: dict[str, int] | None = None, decoded_by: dict[str, int] | None = None) -> dict:
     """`encoded_by`: the indexed rows per "runtime precision" of the shards they were read from ("unrecorded" for
-    shards written before that was recorded), so that a store mixing precisions says so."""
+    shards written before that was recorded), so that a store mixing precisions says so; `decoded_by`: per JPEG
+    decoder that made them, so that a model whose decoder was switched says so."""
     return {
         "imgest_version": VERSION,
         "faiss_version": faiss.__version__,
@@ -74,5 +75,6 @@ def make_card(model: dict, n: int, d: int, snapshot: int, choice: IndexChoice, m
         "snapshot": snapshot,
         "lineage": lineage,
         "encoded_by": None if encoded_by is None else dict(sorted(encoded_by.items())),
+        "decoded_by": None if decoded_by is None else dict(sorted(decoded_by.items())),
     }
 

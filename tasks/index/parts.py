@@ -53,16 +53,16 @@ def plan_parts(store_url: str, slug: str, dim: int, live: LiveShards, parts: int
 
 def add_store_part(trained: bytes, spec: PartSpec, probes: np.ndarray, depth: int) -> dict:
     """Read the part's shards, add its vectors with their faiss ids to a copy of the trained index, and find
-    each probe's `depth` + 1 best among them (exact), counting its rows by what encoded them. Runs on a worker;
-    reads the store itself."""
+    each probe's `depth` + 1 best among them (exact), counting its rows by what encoded and decoded them. Runs on a
+    worker; reads the store itself."""
     import faiss
 
     store = Location(spec.store_url)
     index = faiss.deserialize_index(np.frombuffer(trained, np.uint8))
     wanted = pa.table({"item_id": spec.item_ids,
                        "shard": pa.array(np.repeat(np.array(spec.shards, dtype=object), spec.counts), pa.string())})
-    encoded_by: Counter = Counter()
-    found, vectors = read_vectors(store, spec.slug, spec.dim, wanted, encoded_by)
+    encoded_by, decoded_by = Counter(), Counter()
+    found, vectors = read_vectors(store, spec.slug, spec.dim, wanted, encoded_by, decoded_by)
     if len(found) != spec.rows:
         raise RuntimeError(f"part of {len(spec.shards)} shard(s): {spec.rows - len(found)} live item(s) have no "
                            "row in their shard")
@@ -70,7 +70,7 @@ def add_store_part(trained: bytes, spec: PartSpec, probes: np.ndarray, depth: in
     index.add_with_ids(vectors, ids)
     scores, local = faiss.knn(probes, vectors, min(depth + 1, len(vectors)), metric=faiss.METRIC_INNER_PRODUCT)
     return {"index": faiss.serialize_index(index).tobytes(), "scores": scores, "ids": ids[local],
-            "encoded_by": dict(encoded_by)}
+            "encoded_by": dict(encoded_by), "decoded_by": dict(decoded_by)}
 
 
 def merge_id_parts(trained: bytes, parts: list[bytes]):

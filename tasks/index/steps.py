@@ -63,7 +63,7 @@ from imgest.tasks.index.update import (
     built_lineage,
     check_drift,
     check_served,
-    encoded_by_shards,
+    made_by_shards,
     plan_delta,
     updatable,
     updated_lineage,
@@ -162,7 +162,7 @@ def update_version(store_url: str, model: dict, previous: dict | None, kind: str
     check_served(line, tuned)
     times = BuildTimes(0.0, adding.seconds, total.seconds)
     card = make_card(model, delta.ids.rows, d, seq, choice, memory, times, tuned, line, index, disk,
-                     encoded_by_shards(store, slug, delta.by_shard))
+                     *made_by_shards(store, slug, delta.by_shard))
     card["build"] = {"parts": 1, "runner": "local", "method": "updated in place: faiss remove_ids, ids renumbered "
                                                               "to item_id order, add_with_ids of the new vectors"}
     get_run_logger().info("index model=%s: %s", slug, line["why"])
@@ -245,7 +245,8 @@ def build_from_store(store_url: str, model: dict, live: LiveShards, choice: Inde
     truth = merge_truth(probes, probes_at, results, len(live), depth)
     times = BuildTimes(train_seconds, adding.seconds, total.seconds)
     encoded_by = sum((Counter(r["encoded_by"]) for r in results), Counter())
-    return index, times, len(specs), truth, drift, dict(encoded_by)
+    decoded_by = sum((Counter(r.get("decoded_by") or {}) for r in results), Counter())
+    return index, times, len(specs), truth, drift, dict(encoded_by), dict(decoded_by)
 
 
 @dataclass
@@ -262,6 +263,7 @@ class Built:
     method: str
     reference: Reference | None = None  # what the new images of later nights are measured against (drift)
     encoded_by: dict[str, int] | None = None  # indexed rows per "runtime precision", counted as the shards were read
+    decoded_by: dict[str, int] | None = None  # and per JPEG decoder that made them
 
 
 def build_streamed(store_url: str, model: dict, live: LiveShards, choice: IndexChoice, parts: int, runner: str,
@@ -284,18 +286,18 @@ def build_streamed(store_url: str, model: dict, live: LiveShards, choice: IndexC
                   ("in one process" if used == 1 else "in parts in parallel, merged in id order (faiss merge_from)"))
     times = BuildTimes(streamed.train_seconds, streamed.add_seconds, streamed.train_seconds + streamed.add_seconds)
     return Built(streamed.index, streamed.ids, streamed.truth, live.snapshot, times, used, method,
-                 streamed.reference, streamed.encoded_by)
+                 streamed.reference, streamed.encoded_by, streamed.decoded_by)
 
 
 def build_from_store_parts(store_url: str, model: dict, live: LiveShards, choice: IndexChoice, parts: int,
                            runner: str, workers: int, queries: int, depth: int, progress: AddProgress) -> Built:
     """An IVF build whose vectors never gather on this node: each part reads its own shards on the runner."""
-    index, times, used, truth, drift, encoded_by = build_from_store(store_url, model, live, choice, parts, runner,
-                                                                    workers, queries, depth, progress)
+    index, times, used, truth, drift, encoded_by, decoded_by = build_from_store(
+        store_url, model, live, choice, parts, runner, workers, queries, depth, progress)
     method = ("trained once on whole shards read here; each part read its own shards from the store and added "
               "them with their faiss ids on the runner; merged (faiss merge_from)")
     return Built(index, IdMapFile().number(live.ordered), truth, live.snapshot, times, used, method, drift,
-                 encoded_by)
+                 encoded_by, decoded_by)
 
 
 def splits_by_store(choice: IndexChoice, parts: int) -> bool:
@@ -321,7 +323,7 @@ def card_task(model: dict, built: Built, choice: IndexChoice, memory: str, tuned
               why: str, runner: str, disk: str) -> dict:
     card = make_card(model, len(built.ids), int(model["dim"]), built.snapshot, choice, memory, built.times, tuned,
                      built_lineage(len(built.ids), tuned.param, retrain_share, why), built.index, disk,
-                     built.encoded_by)
+                     built.encoded_by, built.decoded_by)
     card["build"] = {"parts": built.parts, "runner": runner if runner in ("local", "dask") else "dask (remote)",
                      "method": built.method}
     return card

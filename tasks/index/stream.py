@@ -127,14 +127,17 @@ class Streamed:
     train_seconds: float
     add_seconds: float
     encoded_by: dict[str, int]  # indexed rows per "runtime precision", counted a shard at a time as it was read
+    decoded_by: dict[str, int]  # and per JPEG decoder that made them
 
 
-def _blocks(store: Location, slug: str, dim: int, live: LiveShards, missing: list[np.ndarray], encoded_by: Counter):
+def _blocks(store: Location, slug: str, dim: int, live: LiveShards, missing: list[np.ndarray], encoded_by: Counter,
+            decoded_by: Counter):
     """(vectors, faiss ids) of consecutive shards, about ADD_BLOCK rows at a time; the rows a shard lacks go to
-    `missing` (a live item without its row is indexed without it, and said), the rows read to `encoded_by`."""
+    `missing` (a live item without its row is indexed without it, and said), the rows read to `encoded_by` and
+    `decoded_by`."""
     held, held_ids, size = [], [], 0
     for shard, keep, rows in live:
-        vectors, found = read_shard_vectors(store, slug, dim, shard, keep, encoded_by)
+        vectors, found = read_shard_vectors(store, slug, dim, shard, keep, encoded_by, decoded_by)
         if len(found) < len(rows):
             missing.append(np.setdiff1d(rows, rows[found]))
         held.append(vectors)
@@ -159,6 +162,7 @@ def stream_build(store: Location, slug: str, dim: int, live: LiveShards, choice:
     drift = reference(sample.vectors)
     missing: list[np.ndarray] = []
     encoded_by: Counter = Counter()
+    decoded_by: Counter = Counter()
     training, adding = Stopwatch(running=False), Stopwatch(running=False)
     if adds_by_shard(choice):
         with training:
@@ -166,7 +170,7 @@ def stream_build(store: Location, slug: str, dim: int, live: LiveShards, choice:
         sample.vectors = sample.vectors[:0]  # trained: not held beside the index as it fills (0.3 GB at 10M)
         with adding:
             done, sized = 0, SizedAdd(index)
-            for vectors, ids in _blocks(store, slug, dim, live, missing, encoded_by):
+            for vectors, ids in _blocks(store, slug, dim, live, missing, encoded_by, decoded_by):
                 sized.add(vectors, ids)
                 scan.add(vectors, ids)
                 done += len(ids)
@@ -180,7 +184,7 @@ def stream_build(store: Location, slug: str, dim: int, live: LiveShards, choice:
         sample.vectors = sample.vectors[:0]  # these kinds train from the memory map's rows
         with adding:
             vectors = vector_array(len(live), dim)
-            for block, ids in _blocks(store, slug, dim, live, missing, encoded_by):
+            for block, ids in _blocks(store, slug, dim, live, missing, encoded_by, decoded_by):
                 vectors[ids] = block
                 scan.add(block, ids)
             gone = np.sort(np.concatenate(missing)) if missing else np.empty(0, np.int64)
@@ -191,20 +195,21 @@ def stream_build(store: Location, slug: str, dim: int, live: LiveShards, choice:
                 index = train(vectors, choice, rows=rows)
             with adding:
                 index = add_on_disk(index, vectors, on_added)
-            return _finish(slug, live, index, gone, scan, drift, training.seconds, adding.seconds, encoded_by)
+            return _finish(slug, live, index, gone, scan, drift, training.seconds, adding.seconds, encoded_by,
+                           decoded_by)
         if add_parts is not None:
             index, times, _ = add_parts(vectors, choice, rows)
             return _finish(slug, live, index, gone, scan, drift, times.train_seconds,
-                           adding.seconds + times.add_seconds, encoded_by)
+                           adding.seconds + times.add_seconds, encoded_by, decoded_by)
         with training:
             index = train(vectors, choice, rows=rows)
         with adding:
             add_in_blocks(index, vectors, on_added=on_added)
-    return _finish(slug, live, index, gone, scan, drift, training.seconds, adding.seconds, encoded_by)
+    return _finish(slug, live, index, gone, scan, drift, training.seconds, adding.seconds, encoded_by, decoded_by)
 
 
 def _finish(slug: str, live: LiveShards, index, gone: np.ndarray, scan: TruthScan, drift: Reference | None,
-            train_seconds: float, add_seconds: float, encoded_by: Counter) -> Streamed:
+            train_seconds: float, add_seconds: float, encoded_by: Counter, decoded_by: Counter) -> Streamed:
     """The id map without the rows that were missing, the probes' lists numbered as the index is."""
     n = len(live) - len(gone)
     if len(gone):
@@ -214,7 +219,8 @@ def _finish(slug: str, live: LiveShards, index, gone: np.ndarray, scan: TruthSca
     ids = IdMapFile().number(live.ordered, gone)
     if index.ntotal != n or ids.rows != n:
         raise RuntimeError(f"streamed build holds {index.ntotal} vectors and {ids.rows} ids for {n} live items")
-    return Streamed(index, ids, scan.truth(n), drift, train_seconds, add_seconds, dict(encoded_by))
+    return Streamed(index, ids, scan.truth(n), drift, train_seconds, add_seconds, dict(encoded_by),
+                    dict(decoded_by))
 
 
 def _close_gaps(vectors: np.ndarray, gone: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ from imgest.retrieval.versions import IdMapFile, IndexIntegrityError
 from imgest.state.committed import LIVE, CatalogueState, shard_key
 from imgest.state.live import read_vectors
 from imgest.state.rows import SORT_MEMORY, one_thread, sql_string
-from imgest.state.shards import UNRECORDED, shard_encoder
+from imgest.state.shards import UNRECORDED, shard_decoder, shard_encoder
 from imgest.storage import Location
 from imgest.tasks.index.rerank import emptied, on_disk, renumbered_blocks, write_mapped
 
@@ -112,18 +112,23 @@ def plan_delta(store: Location, slug: str, dim: int, previous_ids: str, state: C
 FOOTER_READS = 16  # shard footers read at once (on an object store, a small ranged GET each)
 
 
-def encoded_by_shards(store: Location, slug: str, by_shard: pa.Table) -> dict[str, int]:
-    """Rows per "runtime precision" of an updated version: the new id map's rows per shard, each shard's label from
-    its footer (Parquet metadata only, no vectors). Counted afresh from the live shards rather than carried from the
-    previous card: the rows an update removes may sit in shards the ingest has deleted since."""
-    def label(shard: str | None) -> str:
-        return UNRECORDED if shard is None else shard_encoder(store.read_parquet_metadata(shard_key(slug, shard)))
+def made_by_shards(store: Location, slug: str, by_shard: pa.Table) -> tuple[dict[str, int], dict[str, int]]:
+    """Rows per "runtime precision" of an updated version, and per JPEG decoder: the new id map's rows per shard,
+    each shard's labels from its footer (Parquet metadata only, no vectors). Counted afresh from the live shards
+    rather than carried from the previous card: the rows an update removes may sit in shards the ingest has
+    deleted since."""
+    def labels(shard: str | None) -> tuple[str, str]:
+        if shard is None:
+            return UNRECORDED, UNRECORDED
+        meta = store.read_parquet_metadata(shard_key(slug, shard))
+        return shard_encoder(meta), shard_decoder(meta)
 
-    tally: Counter = Counter()
+    encoded, decoded = Counter(), Counter()
     with ThreadPoolExecutor(FOOTER_READS) as pool:
-        for name, rows in zip(pool.map(label, by_shard["shard"].to_pylist()), by_shard["rows"].to_pylist()):
-            tally[name] += rows
-    return dict(tally)
+        for (by, dec), rows in zip(pool.map(labels, by_shard["shard"].to_pylist()), by_shard["rows"].to_pylist()):
+            encoded[by] += rows
+            decoded[dec] += rows
+    return dict(encoded), dict(decoded)
 
 
 def rename_ids(index, remap: np.ndarray) -> None:

@@ -56,8 +56,10 @@ class Encoding:
     warning: str | None = None  # what was asked for could not run: why, and what runs instead
     encode_seconds: float | None = None  # core-seconds per image of the one chosen (threads / its img/s)
     decode_seconds: float | None = None  # core-seconds per image of reading and decoding (tasks/ingest/encode.py)
-    decoder: str = "pillow"  # the JPEG decoder measured fastest on the run's images (imgest/images/decoders.py)
-    decoders: dict[str, float] = field(default_factory=dict)  # each one tried -> core-seconds per image
+    decoder: str = "pillow"  # the model's JPEG decoder in the store (tasks/ingest/decoder.py)
+    decoders: dict[str, float] = field(default_factory=dict)  # each one timed -> core-seconds per image
+    decoder_source: str = ""  # why that one: recorded, measured on the model's first run, explicit past the gate
+    decoder_gate: dict | None = None  # an explicit switch: the gate's figures against the one before, or the reason
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,7 +9,6 @@ from datetime import datetime
 import pyarrow as pa
 
 from imgest.encoders import EncoderSpec
-from imgest.images import decoders
 from imgest.lock import Fence
 from imgest.names import VERSION
 from imgest.state.clock import now_iso
@@ -156,8 +155,6 @@ def commit_run(store: Location, state: CatalogueState, plan: Plan, results: list
     if results:
         store.write_table(timeline_key(plan.run_id), shard_timeline(results))
     store.write_json(summary_key(plan.run_id), summary.to_dict())
-    if summary.encoding and summary.encoded > summary.derived:  # what decoded its images decodes its queries
-        decoders.record(store, state.slug, summary.encoding.get("decoder", decoders.PILLOW), plan.run_id)
     return summary
 
 

@@ -112,11 +112,11 @@ class DecodeCost:
 
 
 def decode_cost(catalogue: Location, items: tuple[WorkItem, ...], encoder: Encoder, max_pixels: int,
-                sample: int = 16) -> DecodeCost | None:
+                sample: int = 16, names: tuple[str, ...] | None = None) -> DecodeCost | None:
     """What a decode worker's work (read, hash, decode, preprocess) costs per image, in core-seconds, with the
-    fastest JPEG decoder installed here, measured on up to `sample` of `items` in this thread (CPU time: waits on
-    the store do not count). None without a sample that decodes, or when the catalogue cannot be read now: the
-    shards meet that fault themselves and name it."""
+    fastest of the JPEG decoders `names` (default: the CPU ones installed here), measured on up to `sample` of
+    `items` in this thread (CPU time: waits on the store do not count). None without a sample that decodes, or
+    when the catalogue cannot be read now: the shards meet that fault themselves and name it."""
     side = getattr(encoder, "decode_side", None)
     start, datas = time.thread_time(), []
     try:
@@ -142,7 +142,7 @@ def decode_cost(catalogue: Location, items: tuple[WorkItem, ...], encoder: Encod
     datas = [data for data in datas if decodes(data)]
     if not datas:
         return None
-    chosen, measured = decoders.fastest(datas, work)
+    chosen, measured = decoders.fastest(datas, work, names)
     return DecodeCost(round(reading / len(datas) + measured[chosen], 6), chosen, measured)
 
 
@@ -192,13 +192,19 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
                  fence: Fence | None = None, dtype: str = DEFAULT_DTYPE,
                  jpeg_decoder: BatchJpegDecoder | None | str = "auto",
                  costs: tuple[float, float] | None = None, decoder: str = decoders.PILLOW) -> ShardResult:
-    """Encode one shard's objects and commit it. `jpeg_decoder`: "auto" decodes JPEGs on the GPU when the
-    encoder runs on CUDA and torchvision is installed (BatchJpegDecoder.for_encoder); None: on the CPU, with
-    `decoder` (the run's choice, imgest/images/decoders.py)."""
+    """Encode one shard's objects and commit it, its JPEGs decoded by `decoder` (the run's, its model's recorded
+    one: imgest/images/decoders.py). `jpeg_decoder`: "auto" decodes them in batches on the GPU when `decoder` is
+    nvJPEG (BatchJpegDecoder.for_encoder); None: one by one, on the CPU. A worker that cannot run the run's decoder
+    fails its shard: a shard never holds vectors of another decoder than the one it names."""
     total, encoding, waiting = Stopwatch(), Stopwatch(running=False), Stopwatch(running=False)
     if jpeg_decoder == "auto":
-        jpeg_decoder = BatchJpegDecoder.for_encoder(encoder, max_pixels)
-    writer = ShardWriter(store, encoder.spec, plan, fence, dtype, encoder.runtime, encoder.precision)
+        jpeg_decoder = BatchJpegDecoder.for_encoder(encoder, max_pixels) if decoder == decoders.NVJPEG else None
+    device = str(getattr(encoder, "device", "cpu"))
+    if plan.items and (why := decoders.unusable(decoder, device) or (
+            decoder == decoders.NVJPEG and jpeg_decoder is None and f"{encoder.spec.name} has no GPU preprocessing")):
+        raise decoders.DecoderError(f"shard {plan.name}: this run decodes JPEGs with {decoder}, which cannot run in "
+                                    f"this worker: {why}")
+    writer = ShardWriter(store, encoder.spec, plan, fence, dtype, encoder.runtime, encoder.precision, decoder)
     writer.result.worker, writer.result.started = f"{socket.gethostname()}:{os.getpid()}", _now()
     batch: list[Prepared] = []
 

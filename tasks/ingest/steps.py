@@ -11,8 +11,9 @@ from prefect import get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
 
 from imgest import encoders
-from imgest.encoders import EncoderSpec
+from imgest.encoders import EncoderSpec, parity
 from imgest.events import emit
+from imgest.images import decoders
 from imgest.images.listing import Listing, catalogue_parts, list_catalogue, merge_listings
 from imgest.lock import Fence
 from imgest.names import DEFAULT_MAX_PIXELS
@@ -29,6 +30,7 @@ from imgest.state.metadata import (
 from imgest.storage import Location
 from imgest.tasks.ingest.batch_size import Encoding, choose_encoding
 from imgest.tasks.ingest.commit import RunSummary, commit_run
+from imgest.tasks.ingest.decoder import choose_decoder
 from imgest.tasks.ingest.encode import decode_cost, encode_shard
 from imgest.tasks.ingest.encode_text import encode_text_shard, shard_texts, text_listing
 from imgest.tasks.ingest.inventory import read_inventory
@@ -40,22 +42,37 @@ from imgest.tasks.ingest.writer import ShardResult
 @task(name="choose-encoding", cache_policy=NO_CACHE)
 def choose_encoding_task(store_url: str, spec: EncoderSpec, device: str, runtime: str, precision: str,
                          fixed_batch_size: int | None, catalogue_url: str, sample: tuple[WorkItem, ...] = (),
-                         max_pixels: int = DEFAULT_MAX_PIXELS) -> Encoding:
-    """Runtime, precision and batch size for the run, and the JPEG decoder and the decode's cost measured on a
-    sample of the images to read (the split of the cores follows both costs); what was asked for and could not
-    run is one warning."""
+                         max_pixels: int = DEFAULT_MAX_PIXELS, run_id: str = "", decoder: str | None = None,
+                         force_decoder: str | None = None, first: bool = True, fence: Fence | None = None) -> Encoding:
+    """Runtime, precision and batch size for the run; its JPEG decoder (the model's recorded one, or timed on a
+    sample of the images to read and recorded on its first run in the store, or `decoder` past the gate: all
+    before any shard, tasks/ingest/decoder.py) and the decode's cost with it (the split of the cores follows both
+    costs); what was asked for and could not run is one warning."""
     encoding = choose_encoding(store_url, spec, device, runtime, precision, fixed_batch_size)
-    if sample:
-        encoder = encoders.load(spec, device, encoding.runtime, encoding.precision)
-        cost = decode_cost(Location(catalogue_url, follow_links=True), sample, encoder, max_pixels)
-        if cost is not None:
-            encoding.decode_seconds, encoding.decoder, encoding.decoders = cost.seconds, cost.decoder, cost.measured
+    encoder = encoders.load(spec, device, encoding.runtime, encoding.precision)
+    catalogue, timed = Location(catalogue_url, follow_links=True), {}
+
+    def measure(names: tuple[str, ...]) -> tuple[str, dict[str, float]]:
+        cost = timed["cost"] = decode_cost(catalogue, sample, encoder, max_pixels, names=names)
+        return (cost.decoder, cost.measured) if cost is not None else (decoders.PILLOW, {})
+
+    choice = choose_decoder(Location(store_url), spec.slug, run_id, decoder, force_decoder, first, device, measure,
+                            lambda recorded, asked: parity.decoder_parity(encoder, recorded, asked), fence)
+    cost = timed.get("cost")
+    if (sample and "cost" not in timed) or (cost is not None and cost.decoder != choice.decoder):
+        # the chosen decoder's cost alone (nvJPEG: the CPU's, Pillow for what the GPU does not decode)
+        cost = decode_cost(catalogue, sample, encoder, max_pixels,
+                           names=(decoders.PILLOW if choice.decoder == decoders.NVJPEG else choice.decoder,))
+    encoding.decoder, encoding.decoder_source, encoding.decoder_gate = choice.decoder, choice.source, choice.gate
+    if cost is not None:
+        encoding.decode_seconds, encoding.decoders = cost.seconds, cost.measured
     logger = get_run_logger()
     if encoding.warning:
         logger.warning(encoding.warning)
-    logger.info("encoding with %s %s at batch %d (%s); measured img/s: %s; not used: %s; JPEGs decoded by %s "
+    logger.info("encoding with %s %s at batch %d (%s); measured img/s: %s; not used: %s; JPEGs decoded by %s, %s "
                 "(core-ms per image: %s)", encoding.runtime, encoding.precision, encoding.batch_size, encoding.source,
                 encoding.measured or "nothing to compare", "; ".join(encoding.refused) or "none", encoding.decoder,
+                encoding.decoder_source,
                 ", ".join(f"{k} {v * 1e3:.2f}" for k, v in encoding.decoders.items()) or "not measured")
     return encoding
 

@@ -35,6 +35,7 @@ class ShardResult:
     wait_seconds: float = 0.0  # encoder idle, waiting on decode
     runtime: str = ""  # what ran the encoder (imgest/encoders/runtimes.py) and at which precision
     precision: str = ""
+    decoder: str = ""  # the JPEG decoder that made its vectors (imgest/images/decoders.py); "" for text
     decode: str = ""  # where decoding ran: "1 decode process, torch 1 thread(s)" (decode_workers.py plan_decode)
     worker: str = ""  # host:pid of the process that encoded it
     started: str = ""  # UTC ISO times of the encode, for a timeline of the workers
@@ -50,11 +51,11 @@ class ShardWriter:
     """Collects one shard's outcome; ``flush`` makes it durable and then visible."""
 
     def __init__(self, store: Location, spec: EncoderSpec, plan: ShardPlan, fence: Fence | None = None,
-                 dtype: str = "float32", runtime: str = "torch", precision: str = "fp32"):
+                 dtype: str = "float32", runtime: str = "torch", precision: str = "fp32", decoder: str | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
         self.store, self.spec, self.plan, self.fence, self.dtype = store, spec, plan, fence, dtype
-        self.result = ShardResult(shard=plan.name, runtime=runtime, precision=precision)
+        self.result = ShardResult(shard=plan.name, runtime=runtime, precision=precision, decoder=decoder or "")
         self._rows: list[dict] = []
         self._vectors: list[np.ndarray] = []
         self._rejected: list[dict] = []
@@ -103,6 +104,8 @@ class ShardWriter:
         meta.update({b"imgest.run_id": self.plan.run_id.encode(), b"imgest.shard": self.plan.name.encode(),
                      b"imgest.rows": str(n).encode(), b"imgest.runtime": self.result.runtime.encode(),
                      b"imgest.precision": self.result.precision.encode()})
+        if self.result.decoder:  # what decoded its images: a model's vectors are made by one (shard_decoder)
+            meta[b"imgest.decoder"] = self.result.decoder.encode()
         return table.replace_schema_metadata(meta)
 
     def flush(self) -> ShardResult:
@@ -119,6 +122,7 @@ class ShardWriter:
             "dtype": self.dtype,
             "runtime": self.result.runtime,
             "precision": self.result.precision,
+            "decoder": self.result.decoder or None,
             "file": shard_key(self.spec.slug, self.plan.name) if self._rows else None,
             "rows": len(self._rows),
             "bytes": self.result.bytes,
