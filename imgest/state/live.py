@@ -59,17 +59,16 @@ class LiveShards:
 
     def __init__(self, state: CatalogueState) -> None:
         from imgest.scratch import scratch_folder
-        from imgest.state.rows import one_thread, sql_string
+        from imgest.state.rows import SORT_MEMORY, one_thread, sql_string
 
         folder = self.folder = scratch_folder(self, "live")
         self.ordered = os.path.join(folder, "ordered.parquet")
         self.by_shard = os.path.join(folder, "by_shard.parquet")
         self.snapshot = state.seq
         numbered = os.path.join(folder, "numbered.parquet")
-        with state.sql() as cur:
-            with one_thread(cur):  # wide rows: one sort's buffers under the state's memory cap
-                cur.execute(f"""COPY (SELECT item_id, uri, content_hash, shard FROM state WHERE status = '{LIVE}'
-                                      ORDER BY item_id) TO {sql_string(self.ordered)} (FORMAT parquet)""")
+        with state.sql() as cur, one_thread(cur, SORT_MEMORY):  # wide rows: one sort's buffers, as a snapshot's
+            cur.execute(f"""COPY (SELECT item_id, uri, content_hash, shard FROM state WHERE status = '{LIVE}'
+                                  ORDER BY item_id) TO {sql_string(self.ordered)} (FORMAT parquet)""")
             self.rows = 0
             with pq.ParquetWriter(numbered, BY_SHARD_SCHEMA) as writer:  # the row numbers, in order
                 for batch in pq.ParquetFile(self.ordered).iter_batches(LIVE_BATCH, columns=["shard", "item_id"]):

@@ -70,6 +70,10 @@ def read_sample(store: Location, slug: str, dim: int, live: LiveShards, size: in
     each shard's written into place in one array (row order), so the sample is held once, not gathered and
     sorted in copies."""
     chosen = live.shard_rows(training_shards(live.counts, size, seed)).sort_by("row")
+    if size and len(chosen) > size:  # the whole shards' surplus dropped before any vector is read: the sample is
+        # never held twice (trimming it after reading copied 1.6M vectors beside themselves at 10M: +0.3 GB)
+        chosen = chosen.take(pa.array(np.sort(np.random.default_rng(seed).choice(len(chosen), size=size,
+                                                                                 replace=False))))
     rows = chosen["row"].to_numpy()
     vectors = np.empty((len(chosen), dim), np.float32)
     present = np.zeros(len(chosen), bool)
@@ -84,9 +88,6 @@ def read_sample(store: Location, slug: str, dim: int, live: LiveShards, size: in
         present[at[found]] = True
     if not present.all():  # a live item without its row in its shard: left out of the sample
         rows, vectors = rows[present], vectors[present]
-    if size and len(rows) > size:
-        keep = np.sort(np.random.default_rng(seed).choice(len(rows), size=size, replace=False))
-        rows, vectors = rows[keep], vectors[keep]
     return Sample(rows, vectors)
 
 
