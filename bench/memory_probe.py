@@ -15,7 +15,6 @@ high-water mark (`VmHWM`), not in time.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
@@ -27,17 +26,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = "IMGEST_MEMORY_PROBE_OUT"
 
 
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
 def sample() -> dict:
     """One sample of this process, in MiB."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo2
-    info = libc.mallinfo2()
+    from tests.helpers import mallinfo
+
+    info = mallinfo()
     out: dict = {"t": round(time.time(), 2), "malloc_used": (info.uordblks + info.hblkhd) >> 20,
                  "malloc_free": info.fordblks >> 20, "malloc_mmapped": info.hblkhd >> 20}
     with open("/proc/self/status") as fh:
@@ -61,6 +54,7 @@ def sampler(path: str, every: float = 0.5) -> None:
 
 def child(args: list[str]) -> None:
     """The command, in this process, under the sampler."""
+    sys.path.insert(0, ROOT)
     threading.Thread(target=sampler, args=(os.environ[CHILD],), daemon=True).start()
     sys.argv = ["imgest", *args]
     from imgest.cli import app

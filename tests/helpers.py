@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import json
 import os
@@ -356,3 +357,23 @@ def traced(call):
         return result, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def mallinfo() -> MallInfo2:
+    """glibc's mallinfo2 of this process: what malloc has handed out (`uordblks` from its heaps, `hblkhd` in mapped
+    blocks) and holds free (`fordblks`)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    return libc.mallinfo2()
+
+
+def heap_in_use() -> int:
+    """Bytes malloc has handed out and not had back (glibc's mallinfo2: the heap's and the mapped blocks')."""
+    info = mallinfo()
+    return info.uordblks + info.hblkhd

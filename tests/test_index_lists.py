@@ -1,7 +1,6 @@
 """IVF codes added once every list's length is known (tasks/index/lists.py): the same index as adding block by
 block, in about its entries' bytes where block-by-block growth leaves the lists holding far more."""
 
-import ctypes
 
 import faiss
 import numpy as np
@@ -9,22 +8,9 @@ import pytest
 
 from imgest.tasks.index.build import new_index
 from imgest.tasks.index.lists import SizedAdd
+from tests.helpers import heap_in_use
 
 D, N, BLOCK = 16, 60_000, 4096
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
-def heap_in_use() -> int:
-    """Bytes malloc has handed out and not had back (glibc's mallinfo2: the heap's and the mapped blocks')."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _Mallinfo2
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd
 
 
 def trained(factory: str, seed: int = 0):

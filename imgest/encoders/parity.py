@@ -64,8 +64,21 @@ def gate(precision: str) -> dict[str, float]:
             f"overlap@{OVERLAP_K}": REDUCED_OVERLAP}
 
 
+class GateFigures:
+    """What a parity check measured (`min_cosine`, `mean_cosine`, `p1_cosine`, `overlap`) against its `gate`."""
+
+    def figures(self) -> dict[str, float]:
+        return {"min_cosine": self.min_cosine, "mean_cosine": self.mean_cosine, "p1_cosine": self.p1_cosine,
+                f"overlap@{OVERLAP_K}": self.overlap}
+
+    def shortfalls(self) -> list[str]:
+        """Each figure below what the gate needs, in words."""
+        return [f"{name.replace('_', ' ')} {self.figures()[name]:.6g} below the {need} it needs"
+                for name, need in self.gate.items() if self.figures()[name] < need]
+
+
 @dataclass
-class Parity:
+class Parity(GateFigures):
     model_id: str
     runtime: str
     precision: str
@@ -82,13 +95,8 @@ class Parity:
     host: str
     created: str
 
-    def figures(self) -> dict[str, float]:
-        return {"min_cosine": self.min_cosine, "mean_cosine": self.mean_cosine, "p1_cosine": self.p1_cosine,
-                f"overlap@{OVERLAP_K}": self.overlap}
-
     def reason(self) -> str:
-        short = [f"{name.replace('_', ' ')} {self.figures()[name]:.6g} below the {need} it needs"
-                 for name, need in self.gate.items() if self.figures()[name] < need]
+        short = self.shortfalls()
         kept = f" ({self.kept_fp32} in fp32)" if self.kept_fp32 else ""
         return (f"{self.runtime} {self.precision}{kept} against {self.reference} on the parity sample: "
                 + "; ".join(short or ["passed"]))
@@ -224,7 +232,7 @@ def measure(reference, candidate) -> dict[str, float]:
 
 
 @dataclass
-class DecoderParity:
+class DecoderParity(GateFigures):
     """Embeddings of the parity sample decoded by `candidate` against those decoded by `reference`, one encoder."""
 
     model_id: str
@@ -238,13 +246,8 @@ class DecoderParity:
     passed: bool
     images: int
 
-    def figures(self) -> dict[str, float]:
-        return {"min_cosine": self.min_cosine, "mean_cosine": self.mean_cosine, "p1_cosine": self.p1_cosine,
-                f"overlap@{OVERLAP_K}": self.overlap}
-
     def reason(self) -> str:
-        short = [f"{name.replace('_', ' ')} {self.figures()[name]:.6g} below the {need} it needs"
-                 for name, need in self.gate.items() if self.figures()[name] < need]
+        short = self.shortfalls()
         return (f"JPEGs decoded by {self.candidate} against {self.reference} on {self.images} images of the parity "
                 "sample: " + "; ".join(short or ["passed"]))
 
