@@ -19,7 +19,7 @@ from imgest.images.listing import Listing, printable_key
 from imgest.names import DEFAULT_MAX_BYTES, DEFAULT_SHARD_SIZE
 from imgest.state.committed import DELETED, FAILED, LIVE, CatalogueState, ItemState, revivable
 from imgest.state.rows import ALLOCATOR_FLUSH, STATE_MEMORY
-from imgest.storage import Location
+from imgest.storage import Location, parquet_reader
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class PlannedShards(Sequence):
         if not -len(self) <= at < len(self):
             raise IndexError(at)
         at %= len(self)
-        rows = pq.ParquetFile(self.path).read_row_group(at).to_pylist()
+        rows = parquet_reader(self.path).read_row_group(at).to_pylist()
         return ShardPlan(self.run_id, at, tuple(WorkItem(**row) for row in rows))
 
     def __iter__(self) -> Iterator[ShardPlan]:
@@ -340,7 +340,7 @@ def attach_base(plan: Plan, base: CatalogueState) -> Plan:
     group, time the catalogue. (One join of the whole plan sorted back into plan order ran out of a 512 MB cap
     at 10M; a column of every item's match is ~110 bytes an item.)"""
     shards = plan.shards if isinstance(plan.shards, PlannedShards) else _to_file(plan.run_id, plan.shards)
-    source, attached = pq.ParquetFile(shards.path), PlannedShards(plan.run_id)
+    source, attached = parquet_reader(shards.path), PlannedShards(plan.run_id)
     with base.sql() as cur:
         for first, last in _groups(shards.counts, MATCH_ROWS):
             table = source.read_row_groups(range(first, last))
