@@ -28,7 +28,7 @@ from imgest.retrieval.params import refine_of
 from imgest.retrieval.versions import IdMapFile, IndexIntegrityError
 from imgest.state.committed import LIVE, CatalogueState, shard_key
 from imgest.state.live import read_vectors
-from imgest.state.rows import SORT_MEMORY, one_thread, sql_string
+from imgest.state.rows import one_thread, sql_string
 from imgest.state.shards import UNRECORDED, shard_decoder, shard_encoder
 from imgest.storage import Location
 from imgest.tasks.index.rerank import emptied, on_disk, renumbered_blocks, write_mapped
@@ -70,11 +70,13 @@ def plan_delta(store: Location, slug: str, dim: int, previous_ids: str, state: C
     """What differs between the vectors in the previous version (its id map, a Parquet file on local disk) and
     the live state, new vectors read. Joined in the state's DuckDB (memory capped, spilling), the new id map
     written from there to a file: what comes into memory is the change and one int64 per previous vector. One
-    thread under SORT_MEMORY, beside the index the update holds."""
+    thread, under the state's cap: the join of the previous id map with the new one (10M rows a side) ran out of
+    memory under SORT_MEMORY (256 MB) at 10M (2026-12-06); the state's 512 MB holds it, and one thread keeps
+    one set of buffers beside the index the update holds."""
     import duckdb
 
     ids = IdMapFile()
-    with state.sql() as cur, one_thread(cur, SORT_MEMORY):  # the joins' memory beside the index the update holds
+    with state.sql() as cur, one_thread(cur):  # one set of the joins' buffers beside the index the update holds
         try:
             cur.execute(f"""CREATE TEMP VIEW prev AS SELECT CAST(faiss_id AS BIGINT) AS faiss_id,
                             CAST(item_id AS VARCHAR) AS item_id, coalesce(CAST(content_hash AS VARCHAR), '') AS hash
