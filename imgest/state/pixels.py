@@ -35,8 +35,9 @@ from imgest.storage import Location, StorageError
 
 SCHEMA = pa.schema([("item_id", pa.string()), ("content_hash", pa.string()), ("width", pa.int32()),
                     ("height", pa.int32()), ("codec", pa.string()), ("bytes", pa.binary())])
-ROW_GROUP = 256  # copies a row group: ~6-9 MB of JPEG at side 256-320, what a reader holds at a time
-MAX_GROUP_BYTES = ROW_GROUP * kept.MAX_COPY_BYTES // 16  # a row group's uncompressed size, checked from the footer
+ROW_GROUP = 256  # copies a row group at most (~17 MB at side 256), what a reader holds at a time ...
+GROUP_BYTES = 16 << 20  # ... or fewer, once their bytes reach this (a large side)
+MAX_GROUP_BYTES = 4 * GROUP_BYTES  # a row group's size in the footer above this: not written by imgest
 MIN_SIDE, MAX_SIDE = 32, 4096
 _SIDE_FOLDER = re.compile(r"side=(\d{1,4})")
 
@@ -125,7 +126,7 @@ class PixelShardWriter:
     def __init__(self, side: int):
         from imgest.scratch import scratch_folder
 
-        self.side, self.rows, self.copy_bytes = side, 0, 0
+        self.side, self.rows, self.copy_bytes, self._held_bytes = side, 0, 0, 0
         self.path = os.path.join(scratch_folder(self, "pixels"), "pixels.parquet")
         footer = {b"imgest.side": str(side).encode(), b"imgest.codec": kept.CODEC.encode(),
                   b"imgest.quality": str(kept.QUALITY).encode()}
@@ -137,7 +138,8 @@ class PixelShardWriter:
         self._held.append((item_id, content_hash, width, height, data))
         self.rows += 1
         self.copy_bytes += len(data)
-        if len(self._held) >= ROW_GROUP:
+        self._held_bytes += len(data)
+        if len(self._held) >= ROW_GROUP or self._held_bytes >= GROUP_BYTES:
             self._flush()
 
     def _flush(self) -> None:
@@ -146,7 +148,7 @@ class PixelShardWriter:
             self._writer.write_table(pa.table([list(ids), list(hashes), pa.array(widths, pa.int32()),
                                                pa.array(heights, pa.int32()), [kept.CODEC] * len(ids), list(datas)],
                                               schema=SCHEMA))
-            self._held = []
+            self._held, self._held_bytes = [], 0
 
     def publish(self, store: Location, slug: str, shard: str) -> dict | None:
         """Upload the file (whole or not at all) and say what it holds, for the commit marker; None without rows."""
