@@ -83,6 +83,7 @@ def kept_pixels_cost(store: Location, slug: str, encoder, images_per_second: flo
     import hashlib
     import os
 
+    from imgest.demo import product_photos
     from imgest.encoders import parity
     from imgest.images import kept
     from imgest.images.decode import decode_image
@@ -98,7 +99,7 @@ def kept_pixels_cost(store: Location, slug: str, encoder, images_per_second: flo
         state.close()
     side = coverage["side"] or (coverage["sides"] or [256])[0]
     need, decoder = getattr(encoder, "decode_side", None), recorded(store, slug)
-    files = parity._files()[:KEPT_SAMPLE]
+    files = tuple(product_photos(KEPT_SAMPLE, seed=parity.SAMPLE_SEED).values())
     copies = [kept.make_copy(decode_image(data, min_side=max(need or 0, side), decoder=decoder), side)[0]
               for data in files]
 
