@@ -1,0 +1,299 @@
+"""Kept pixels: each image an ingest decodes leaves a reduced JPEG copy in a pixel file beside its shard, committed
+with it (imgest/images/kept.py, imgest/state/pixels.py); a later model reads the copies instead of the catalogue
+when its side fits and it passes the gate (tasks/ingest/kept.py). The fast lane covers the copy, the setting, the
+pixel files and their refusals; the slow lane runs real ingests under Prefect: copies that follow the catalogue
+through a night of changes and through kill -9, and re-encodes from copies against re-encodes from the originals
+(real EfficientNet-Lite weights)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image, JpegImagePlugin
+from typer.testing import CliRunner
+
+from imgest.cli import app
+from imgest.images import kept
+from imgest.state import pixels
+from imgest.storage import Location
+from imgest.tasks.ingest.encode import with_copies
+from imgest.tasks.ingest.plan import WorkItem
+from tests.helpers import gradient
+
+SLUG, SOURCE = "m-0000aaaa", "m-1111bbbb"
+
+
+# -- the copy --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size, side, factor, copy_size", [
+    ((1000, 600), 256, 2, (500, 300)),  # 600 // 256 = 2: 300 stays >= 256
+    ((600, 1000), 256, 2, (300, 500)),  # a portrait: the shorter side is the width
+    ((767, 767), 256, 2, (384, 384)),  # 767 // 256 = 2 (not 3: 255 < 256); Pillow's reduce rounds 383.5 up
+    ((768, 900), 256, 3, (256, 300)),  # 768 // 256 = 3: exactly 256
+    ((511, 2000), 256, 1, (511, 2000)),  # shorter side under twice the side: kept as the decode made it
+    ((300, 200), 256, 1, (300, 200)),  # smaller than the side: never enlarged
+    ((40, 30), 32, 1, (40, 30)),
+    ((4000, 3000), 320, 9, (445, 334)),  # 3000 // 320 = 9: 333.3 -> 334, still >= 320
+])
+def test_a_copy_keeps_the_whole_image_reduced_by_a_whole_factor_never_enlarged(size, side, factor, copy_size):
+    image = gradient(5, size)
+    assert kept.reduction(size, side) == factor
+    data, width, height = kept.make_copy(image, side)
+    assert (width, height) == copy_size
+    decoded = Image.open(io.BytesIO(data))
+    assert decoded.format == "JPEG" and decoded.size == copy_size and decoded.mode == "RGB"
+    assert JpegImagePlugin.get_sampling(decoded) == 0  # 4:4:4: full chroma
+    assert abs(width / height - size[0] / size[1]) <= 2 / min(copy_size)  # the aspect, to a pixel's rounding
+    assert min(copy_size) >= min(side, min(size))  # at least the side (or the whole image when smaller)
+    assert factor == 1 or min(copy_size) < 2 * side
+    # near-lossless: the copy is the box-reduced pixels, within JPEG q97's error
+    reduced = np.asarray(image.reduce(factor) if factor > 1 else image, np.float32)
+    assert np.abs(np.asarray(decoded, np.float32) - reduced).mean() < 2.0
+
+
+@pytest.mark.parametrize("decode_side, side, fits", [(256, 256, True), (224, 320, True), (297, 256, False),
+                                                     (None, 256, False), (0, 256, False), (32, 32, True)])
+def test_a_model_fits_copies_whose_side_covers_its_preprocessing(decode_side, side, fits):
+    assert kept.fits(decode_side, side) is fits
+
+
+# -- the setting -----------------------------------------------------------------------------------------------------
+def _store(tmp_path) -> Location:
+    (tmp_path / "store").mkdir(exist_ok=True)
+    return Location(str(tmp_path / "store"))
+
+
+def test_the_side_kept_is_the_asked_one_else_the_recorded_else_the_sources(tmp_path):
+    store = _store(tmp_path)
+    assert pixels.keep_side(store, SLUG, None, None, "r1") == 0  # nothing asked, recorded or inherited
+    assert not store.exists(pixels.setting_key(SLUG)), "nothing recorded for a model that keeps nothing"
+
+    assert pixels.keep_side(store, SOURCE, 256, None, "r2") == 256  # asked: recorded
+    assert store.read_json(pixels.setting_key(SOURCE))["side"] == 256
+    assert pixels.keep_side(store, SOURCE, None, None, "r3") == 256  # a later run keeps the recorded side
+
+    assert pixels.keep_side(store, SLUG, None, SOURCE, "r4") == 256  # a new model takes its source's setting
+    record = store.read_json(pixels.setting_key(SLUG))
+    assert (record["side"], record["run_id"], record["source"]) == (256, "r4", f"taken from model={SOURCE}")
+    assert pixels.keep_side(store, SLUG, 320, SOURCE, "r5") == 320  # asked beats recorded and inherited
+    assert pixels.read_setting(store, SLUG) == 320
+
+    assert pixels.keep_side(store, SLUG, 0, SOURCE, "r6") == 0  # 0 turns it off, recorded as off ...
+    assert pixels.read_setting(store, SLUG) == 0
+    assert pixels.keep_side(store, SLUG, None, SOURCE, "r7") == 0  # ... and stays off, the source's not taken
+    with pytest.raises(ValueError, match=r"keep_pixels: a side from 32 to 4096 pixels, or 0 \(off\); got 5"):
+        pixels.keep_side(store, SLUG, 5, None, "r8")
+    assert pixels.read_setting(store, SLUG) == 0, "a refused side records nothing"
+
+
+@pytest.mark.parametrize("record", [
+    b'{"side": "256"}', b'{"side": true}', b'{"side": 5}', b'{"side": 5000}', b'{"side": 256.0}',
+    b'{"side": -256}', b'{"side": null}', b'{"width": 256}', b'[256]', b'"256"', b'256', b'{"side": 2',
+    b'\xff\xfe not json', b'', b'[' * 10_000 + b']' * 10_000, b'{"side": 256, "pad": "' + b'x' * (17 << 20) + b'"}',
+])
+def test_a_hostile_setting_record_counts_as_none(tmp_path, record):
+    store = _store(tmp_path)
+    store.write_bytes(pixels.setting_key(SLUG), record)
+    assert pixels.read_setting(store, SLUG) is None
+    assert pixels.keep_side(store, SLUG, None, None, "r1") == 0  # and a run keeps nothing on its account
+
+
+@pytest.mark.parametrize("side", [0, 32, 320, 4096])
+def test_our_setting_records_read_back(tmp_path, side):
+    store = _store(tmp_path)
+    store.write_bytes(pixels.setting_key(SLUG), json.dumps({"side": side, "codec": "jpeg"}).encode())
+    assert pixels.read_setting(store, SLUG) == side
+
+
+# -- pixel files -----------------------------------------------------------------------------------------------------
+def _copy(seed: int) -> tuple[bytes, int, int]:
+    return kept.make_copy(gradient(seed, (96, 64)), 64)
+
+
+def _publish(store: Location, shard: str, rows: list[tuple[str, str, bytes]], side: int = 64,
+             slug: str = SOURCE) -> dict | None:
+    writer = pixels.PixelShardWriter(side)
+    for item_id, content_hash, data in rows:
+        writer.add(item_id, content_hash, 96, 64, data)
+    return writer.publish(store, slug, shard)
+
+
+def test_a_pixel_file_round_trips_by_item_and_content_hash(tmp_path):
+    store = _store(tmp_path)
+    n = pixels.ROW_GROUP + 44  # two row groups
+    copies = {f"p/{i:04d}.jpg": _copy(i)[0] for i in range(n)}
+    published = _publish(store, "part-a", [(key, f"h{i}", data) for i, (key, data) in enumerate(copies.items())])
+    key = pixels.pixels_key(SOURCE, 64, "part-a")
+    assert key == f"pixels/model={SOURCE}/side=64/part-a.parquet"
+    assert published == {"file": key, "side": 64, "codec": "jpeg", "quality": 97, "rows": n,
+                         "bytes": (tmp_path / "store" / key).stat().st_size}
+    meta = pq.ParquetFile(tmp_path / "store" / key).metadata
+    assert meta.num_row_groups == 2 and meta.row_group(0).num_rows == pixels.ROW_GROUP
+    assert pq.read_schema(tmp_path / "store" / key).remove_metadata().equals(pixels.SCHEMA)
+    assert meta.metadata[b"imgest.side"] == b"64" and meta.metadata[b"imgest.codec"] == b"jpeg"
+
+    # the copies asked for, with the hash the state says; another hash or an unknown item is passed over
+    wanted = {"p/0003.jpg": "h3", "p/0290.jpg": "h290", "p/0007.jpg": "another hash", "p/9999.jpg": "h9999"}
+    found = list(pixels.read_copies(store, SOURCE, 64, "part-a", wanted))
+    assert [(c.item_id, c.content_hash) for c in found] == [("p/0003.jpg", "h3"), ("p/0290.jpg", "h290")]
+    assert [c.data for c in found] == [copies["p/0003.jpg"], copies["p/0290.jpg"]]
+    assert pixels.kept_shards(store, SOURCE).to_pylist() == [{"shard": "part-a", "side": 64}]
+    assert pixels.models_keeping(store) == [SOURCE]
+
+
+def test_a_shard_without_copies_publishes_no_pixel_file(tmp_path):
+    store = _store(tmp_path)
+    assert _publish(store, "part-empty", []) is None
+    assert not store.exists(pixels.pixels_key(SOURCE, 64, "part-empty"))
+
+
+def _write_file(path, table: pa.Table, **kw) -> None:
+    """A Parquet file as imgest writes its pixel files (plain, uncompressed) unless `kw` says otherwise."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, **{"use_dictionary": False, "compression": "none", **kw})
+
+
+def _rows(n: int, data: bytes = b"\xff\xd8 copy") -> pa.Table:
+    return pa.table([[f"i{k}" for k in range(n)], [f"h{k}" for k in range(n)], pa.array([8] * n, pa.int32()),
+                     pa.array([8] * n, pa.int32()), ["jpeg"] * n, [data] * n], schema=pixels.SCHEMA)
+
+
+@pytest.fixture
+def reads(monkeypatch) -> list:
+    """Each row group read from a Parquet file (which, which columns): a refused file was never read."""
+    seen, real = [], pq.ParquetFile.read_row_group
+
+    def read_row_group(self, i, *args, **kwargs):
+        seen.append((i, kwargs.get("columns")))
+        return real(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", read_row_group)
+    return seen
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing", "missing"),
+    ("truncated", "ArrowInvalid"),
+    ("garbage", "ArrowInvalid"),
+    ("wrong schema", "not a pixel file (schema ['item_id', 'content_hash', 'bytes'])"),
+    ("widened column", "not a pixel file"),
+    ("too many rows", "row group 0 of "),
+    ("dictionary bomb", "row group 0 is compressed or dictionary- or delta-encoded; imgest writes pixel files plain"),
+    ("delta bomb", "row group 0 is compressed or dictionary- or delta-encoded"),
+    ("compressed", "row group 0 is compressed or dictionary- or delta-encoded"),
+])
+def test_a_pixel_file_that_is_not_ours_is_refused_before_a_copy_is_read(tmp_path, reads, damage, message):
+    store = _store(tmp_path)
+    path = tmp_path / "store" / pixels.pixels_key(SOURCE, 64, "part-x")
+    if damage in ("truncated", "garbage"):
+        _publish(store, "part-x", [("i0", "h0", _copy(0)[0])])
+        whole = path.read_bytes()
+        path.write_bytes(whole[:len(whole) // 2] if damage == "truncated" else b"PAR1" + b"\0" * 64 + whole[-8:])
+    elif damage == "wrong schema":
+        _write_file(path, pa.table({"item_id": ["i0"], "content_hash": ["h0"], "bytes": [b"x"]}))
+    elif damage == "widened column":  # a width as int64: the right names, not our types
+        _write_file(path, _rows(1).set_column(2, "width", pa.array([8], pa.int64())))
+    elif damage == "too many rows":  # one row group of 4 x 256 + 1 rows: more than imgest writes in one
+        _write_file(path, _rows(4 * pixels.ROW_GROUP + 1), row_group_size=10_000)
+    elif damage == "dictionary bomb":  # 1,000 rows of one 1 MB value: a 60 kB file, 1 GB once read
+        one = pa.DictionaryArray.from_arrays(pa.array(np.zeros(1000, np.int32)), pa.array([bytes(1 << 20)]))
+        _write_file(path, _rows(1000).set_column(5, "bytes", one), use_dictionary=True, compression="zstd",
+                    store_schema=False)  # written from a dictionary: 1 MB in memory here, not 1 GB
+        assert path.stat().st_size < 100_000 and pq.ParquetFile(path).metadata.row_group(0).total_byte_size < \
+            pixels.MAX_GROUP_BYTES, "the footer's sizes alone would let it through"
+    elif damage == "delta bomb":  # the same through prefix compression
+        _write_file(path, _rows(100, bytes(1 << 16)), column_encoding={"bytes": "DELTA_BYTE_ARRAY"})
+    elif damage == "compressed":
+        _write_file(path, _rows(3), compression="zstd")
+    with pytest.raises(pixels.KeptPixelsError, match=r"^pixels/model=m-1111bbbb/side=64/part-x\.parquet: "):
+        list(pixels.read_copies(store, SOURCE, 64, "part-x", {"i0": "h0"}))
+    with pytest.raises(pixels.KeptPixelsError) as refused:
+        list(pixels.read_copies(store, SOURCE, 64, "part-x", {"i0": "h0"}))
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    assert reads == [], "no row group was read"
+
+
+def test_an_oversized_row_group_is_refused_from_its_footer_and_an_oversized_copy_passed_over(tmp_path, reads,
+                                                                                           monkeypatch):
+    """A row group's uncompressed size is checked from the footer against MAX_GROUP_BYTES (64 MB; lowered here
+    to 1 MB so the test writes 1.5 MB, not 64), before any of it is read; a copy over MAX_COPY_BYTES (4 MB, the
+    real limit) in a row group that passes is never handed on."""
+    store = _store(tmp_path)
+    path = tmp_path / "store" / pixels.pixels_key(SOURCE, 64, "part-x")
+    _write_file(path, _rows(3, b"\xff\xd8" + bytes(500_000)))
+    monkeypatch.setattr(pixels, "MAX_GROUP_BYTES", 1 << 20)
+    with pytest.raises(pixels.KeptPixelsError, match=r"row group 0 of 1,50\d,\d{3} bytes, 3 rows: larger than "
+                                                     r"imgest writes"):
+        list(pixels.read_copies(store, SOURCE, 64, "part-x", {"i0": "h0"}))
+    assert reads == []
+
+    monkeypatch.undo()
+    big = b"\xff\xd8" + bytes(kept.MAX_COPY_BYTES - 1)  # one byte over 4 MB
+    _write_file(path, pa.concat_tables([_rows(1, big), _rows(2).slice(1)]))
+    found = list(pixels.read_copies(store, SOURCE, 64, "part-x", {"i0": "h0", "i1": "h1"}))
+    assert [c.item_id for c in found] == ["i1"]  # i0's copy is too large to be one of ours: its original is read
+
+
+def _items(shard: str, *ids: str, side: int = 64) -> tuple[WorkItem, ...]:
+    return tuple(WorkItem(item_id=i, uri=i, size=1, mtime=0.0, etag=None, prev_hash=None, kept_shard=shard,
+                          kept_hash=f"h{i[1:]}", kept_side=side) for i in ids)
+
+
+def test_a_planted_or_broken_pixel_file_sends_its_items_to_the_catalogue(tmp_path):
+    """with_copies (the shard's reader): items whose copy is found come with it; an item with two rows in a planted
+    file comes once; a row of other bytes, a missing row and a file that cannot be read send their items to the
+    catalogue (None), the file's fault said once, naming it."""
+    store = _store(tmp_path)
+    _publish(store, "part-a", [("i0", "h0", b"copy-0"), ("i0", "h0", b"copy-0 again"), ("i1", "h1", b"copy-1"),
+                               ("i2", "another hash", b"copy-2")])
+    (tmp_path / "store" / pixels.pixels_key(SOURCE, 64, "part-b")).write_bytes(b"not parquet")
+    items = (*_items("part-a", "i0", "i1", "i2", "i3"), *_items("part-b", "i4", "i5"),
+             WorkItem("i6", "i6", 1, 0.0, None, None))  # no copy planned
+    faults: list[str] = []
+    got = [(item.item_id, data) for item, data in with_copies(items, store, SOURCE, faults)]
+    assert sorted(got) == [("i0", b"copy-0"), ("i1", b"copy-1"), ("i2", None), ("i3", None), ("i4", None),
+                           ("i5", None), ("i6", None)]
+    assert len(got) == len(items), "every item once"
+    assert len(faults) == 1 and faults[0].startswith(f"{pixels.pixels_key(SOURCE, 64, 'part-b')}: ")
+    assert faults[0].endswith(": 2 item(s) read from the catalogue")
+
+
+def test_pixel_files_of_unreferenced_shards_and_killed_writes_are_removed(tmp_path):
+    store = _store(tmp_path)
+    for shard in ("part-a", "part-b"):
+        _publish(store, shard, [("i0", "h0", b"copy")])
+    _publish(store, "part-c", [("i0", "h0", b"copy")], side=128)
+    root = tmp_path / "store" / pixels.pixels_prefix(SOURCE)
+    (root / "side=64" / ".tmp-part-d.parquet").write_bytes(b"half a file")  # an upload killed before its rename
+    (root / "notes").mkdir()
+    (root / "notes" / "part-b.parquet").write_bytes(b"not in a side folder: not ours to delete")
+    removed = pixels.remove_orphans(store, SOURCE, {"part-a"})
+    assert sorted(removed) == ["side=128/part-c.parquet", "side=64/.tmp-part-d.parquet", "side=64/part-b.parquet"]
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*.parquet")) == \
+        ["notes/part-b.parquet", "side=64/part-a.parquet"]
+    assert pixels.remove_orphans(store, SOURCE, {"part-a"}) == []
+
+
+# -- the command line ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [["ingest"], ["reencode", "--model", "raw-pixels"], ["nightly"],
+                                     ["migrate", "start", "--to", "raw-pixels"]])
+@pytest.mark.parametrize("side", ["5", "5000", "-1"])
+def test_a_side_out_of_range_is_refused_in_one_line(tmp_path, command, side):
+    (tmp_path / "catalogue").mkdir()
+    store = tmp_path / "store"
+    result = CliRunner().invoke(app, [*command, "--catalogue", str(tmp_path / "catalogue"), "--store", str(store),
+                                      "--keep-pixels", side])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"imgest: error: keep_pixels: a shorter side from 32 to 4096 pixels, or 0 (off); got {side}"]
+    assert not store.exists(), "refused before anything is written"
+
+
+def test_the_side_is_an_option_of_every_command_that_encodes():
+    for command in (["ingest"], ["reencode"], ["nightly"], ["migrate", "start"]):
+        shown = CliRunner().invoke(app, [*command, "--help"], terminal_width=200).output
+        assert "--keep-pixels" in shown, command
