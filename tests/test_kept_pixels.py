@@ -297,3 +297,231 @@ def test_the_side_is_an_option_of_every_command_that_encodes():
     for command in (["ingest"], ["reencode"], ["nightly"], ["migrate", "start"]):
         shown = CliRunner().invoke(app, [*command, "--help"], terminal_width=200).output
         assert "--keep-pixels" in shown, command
+
+
+# -- through real ingests (slow: a Prefect server; a subprocess; real weights) ---------------------------------------
+SIDE = 64  # raw-pixels' copies: the night and the kill are about copies following items, not about a model
+
+
+def _ingest(catalogue, store, **kw) -> dict:
+    from imgest.config import IngestConfig
+    from imgest.flows.ingest import ingest
+
+    kw.setdefault("batch_size", "4")
+    kw.setdefault("shard_size", 5)
+    kw.setdefault("decoder", "pillow")  # the JPEG decoder is not what is tested: none is timed
+    return ingest(IngestConfig(catalogue=str(catalogue), store=str(store), **kw))
+
+
+def _slug(model: str) -> str:
+    from imgest import encoders
+
+    return encoders.resolve(model).slug
+
+
+def _live(store, slug: str) -> list:
+    from imgest.state.committed import load_state
+
+    state = load_state(Location(str(store)), slug)
+    try:
+        return state.live()
+    finally:
+        state.close()
+
+
+def _copies(store, slug: str) -> dict[str, tuple[str, bytes]]:
+    """item_id -> (content hash, copy) of every live item, reached through the state as a reader reaches it: its
+    live row's shard's pixel file, the row of its content hash; each exactly once, no pixel file holding an item
+    twice."""
+    loc = Location(str(store))
+    kept_shards = pixels.kept_shards(loc, slug).to_pydict()
+    sides = dict(zip(kept_shards["shard"], kept_shards["side"]))
+    by_shard: dict[str, list] = {}
+    for item in _live(store, slug):
+        by_shard.setdefault(item.shard, []).append(item)
+    out = {}
+    for shard, items in by_shard.items():
+        assert shard in sides, f"live shard {shard} has no pixel file"
+        table = loc.read_table(pixels.pixels_key(slug, sides[shard], shard))
+        rows = list(zip(table["item_id"].to_pylist(), table["content_hash"].to_pylist(), table["bytes"].to_pylist()))
+        assert len(rows) == len({item_id for item_id, _, _ in rows}), f"{shard}'s pixel file holds an item twice"
+        for item in items:
+            found = [(h, data) for item_id, h, data in rows if item_id == item.item_id and h == item.content_hash]
+            assert len(found) == 1, (item.item_id, shard)
+            out[item.item_id] = found[0]
+    return out
+
+
+def _referenced(store, slug: str) -> set[str]:
+    """The shards the committed state refers to (live rows, and tombstones that can still be revived)."""
+    from imgest.state.committed import load_state
+
+    state = load_state(Location(str(store)), slug)
+    try:
+        return {item.shard for item in state.items.values() if item.shard}
+    finally:
+        state.close()
+
+
+def _pixel_files(store, slug: str) -> dict[str, int]:
+    """shard -> rows of each pixel file of `slug` (the files themselves, renamed into place)."""
+    root = store / pixels.pixels_prefix(slug)
+    return {p.stem: pq.ParquetFile(p).metadata.num_rows for p in root.glob("side=*/*.parquet")
+            if not p.name.startswith(".")}
+
+
+def _committed(store, slug: str) -> dict[str, dict]:
+    """shard -> the `pixels` entry of its commit marker (markers of a run that did not finish: a finished run
+    folds them into its snapshot)."""
+    from tests.helpers import commit_markers
+
+    return {p.stem: json.loads(p.read_text())["pixels"]
+            for p in commit_markers(store / "state" / f"model={slug}", "commits/*.json")}
+
+
+def _night_catalogue() -> dict[str, bytes]:
+    from tests.helpers import jpeg_bytes, png_bytes
+
+    files = {f"p/{i:02d}.jpg": jpeg_bytes(gradient(i, (320, 240))) for i in range(10)}
+    files.update({f"p/{i:02d}.png": png_bytes(gradient(i, (240, 320))) for i in (10, 11)})
+    return files
+
+
+def _looks_like(copy: bytes, original: bytes) -> float:
+    """Mean absolute difference (0-255) between a copy and an original, both at 32 x 24."""
+    def small(data: bytes) -> np.ndarray:
+        return np.asarray(Image.open(io.BytesIO(data)).convert("RGB").resize((32, 24), Image.Resampling.BOX),
+                          np.float32)
+    return float(np.abs(small(copy) - small(original)).mean())
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_kept_copies_follow_the_catalogue_through_a_night_of_adds_changes_and_deletes(tmp_path):
+    import os
+    import time
+
+    from tests.helpers import jpeg_bytes, write_files
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    files = _night_catalogue()
+    write_files(str(cat), files)
+    slug = _slug("raw-pixels")
+
+    first = _ingest(cat, store, model="raw-pixels", keep_pixels=SIDE)
+    report = first["kept_pixels"]
+    assert (report["side"], report["written"], report["reads"], report["source"]) == (SIDE, 12, "catalogue", None)
+    assert report["why"] == "no other model in the store keeps pixels" and report["faults"] == []
+    assert report["bytes"] == sum(p.stat().st_size for p in (store / "pixels").rglob("*.parquet"))
+    assert json.loads((store / "runs" / f"{first['run_id']}.json").read_text())["kept_pixels"] == report
+    assert pixels.read_setting(Location(str(store)), slug) == SIDE
+    copies = _copies(store, slug)
+    assert sorted(copies) == sorted(files)
+    for key, (_, data) in copies.items():
+        size = Image.open(io.BytesIO(data)).size
+        # JPEGs: Pillow's 1/2 DCT decode (160 x 120) kept as it is; PNGs: 240 // 64 = 3, box-reduced to 80 x 107
+        assert size == ((160, 120) if key.endswith(".jpg") else (80, 107)), (key, size)
+        assert _looks_like(data, files[key]) < 3
+    assert set(_pixel_files(store, slug)) == _referenced(store, slug) and sum(_pixel_files(store, slug).values()) == 12
+    before = copies
+
+    # The night: two added, one changed (other bytes), one touched (same bytes), one deleted.
+    changed = jpeg_bytes(gradient(500, (320, 240)))
+    write_files(str(cat), {"p/new-a.jpg": jpeg_bytes(gradient(900, (320, 240))),
+                           "p/new-b.jpg": jpeg_bytes(gradient(901, (320, 240))), "p/01.jpg": changed})
+    os.utime(cat / "p/02.jpg", (time.time() + 60, time.time() + 60))
+    os.remove(cat / "p/03.jpg")
+    second = _ingest(cat, store, model="raw-pixels")  # no --keep-pixels: the model's recorded setting holds
+    assert (second["new"], second["changed"], second["deleted"], second["encoded"]) == (2, 1, 1, 3)
+    assert (second["kept_pixels"]["side"], second["kept_pixels"]["written"]) == (SIDE, 3)
+
+    after = _copies(store, slug)
+    live = {item.item_id: item for item in _live(store, slug)}
+    assert sorted(after) == sorted(live) == sorted({*files, "p/new-a.jpg", "p/new-b.jpg"} - {"p/03.jpg"})
+    assert "p/03.jpg" not in after, "a deleted item's copy is not reachable"
+    # the changed item's copy is its new bytes', in its new shard; the old one stays only where no live row points
+    assert after["p/01.jpg"][0] == live["p/01.jpg"].content_hash != before["p/01.jpg"][0]
+    assert _looks_like(after["p/01.jpg"][1], changed) < 3 < _looks_like(after["p/01.jpg"][1], files["p/01.jpg"])
+    # the touched and the untouched keep the copy they had
+    assert all(after[key] == before[key] for key in files if key not in ("p/01.jpg", "p/03.jpg"))
+    assert set(_pixel_files(store, slug)) == _referenced(store, slug)
+
+    # The deleted one comes back, same bytes: revived from its tombstone's shard, and so is its copy.
+    write_files(str(cat), {"p/03.jpg": files["p/03.jpg"]})
+    third = _ingest(cat, store, model="raw-pixels")
+    assert third["new"] == 1 and third["encoded"] == 0 and third["kept_pixels"]["written"] == 0
+    assert _copies(store, slug)["p/03.jpg"] == before["p/03.jpg"]
+
+
+KILLED_BETWEEN_PIXELS_AND_MARKER = """
+import sys, threading, time
+import imgest.tasks.ingest.writer as writer
+
+_publish, _lock, _calls = writer.ShardWriter._publish_pixels, threading.Lock(), []
+def _publish_then_hang(self):
+    published = _publish(self)
+    with _lock:
+        _calls.append(self.plan.name)
+        later = len(_calls) > 1
+    if later:  # the first shard commits; a later one stops with its pixel file uploaded and its marker not yet
+        open(sys.argv[3], "w").close()
+        time.sleep(3600)
+    return published
+writer.ShardWriter._publish_pixels = _publish_then_hang
+
+from imgest.flows.ingest import ingest
+ingest(config=dict(catalogue=sys.argv[1], store=sys.argv[2], model="raw-pixels", batch_size="2", shard_size=4,
+                   keep_pixels=64, decoder="pillow"))
+"""
+
+
+@pytest.mark.slow("a subprocess killed")
+@pytest.mark.usefixtures("prefect_harness")
+def test_kill_9_between_a_pixel_file_and_its_marker_loses_nothing_and_duplicates_nothing(tmp_path):
+    """The ingest is killed (SIGKILL, its whole process group) after its first shard committed, while a later
+    shard has uploaded its pixel file but not written its commit marker: the resume commits every item once with
+    one copy, and its orphan sweep removes the killed shard's unreferenced pixel file."""
+    import os
+    import pathlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.helpers import jpeg_bytes, write_files
+
+    cat, store, hung = tmp_path / "catalogue", tmp_path / "store", tmp_path / "hung"
+    files = {f"p/{i:02d}.jpg": jpeg_bytes(gradient(i, (320, 240))) for i in range(24)}
+    write_files(str(cat), files)
+    slug = _slug("raw-pixels")
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": root}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_BETWEEN_PIXELS_AND_MARKER, str(cat), str(store), str(hung)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not hung.exists():
+            assert proc.poll() is None, "the ingest ended before a later shard uploaded its pixel file"
+            assert time.monotonic() < deadline, "no shard reached its pixel file in time"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    committed, kept_files = _committed(store, slug), _pixel_files(store, slug)
+    orphans = set(kept_files) - set(committed)
+    assert committed and orphans, (committed, kept_files)
+    assert all(committed[shard]["rows"] == kept_files[shard] for shard in committed)
+    assert not list(store.glob(f"state/model={slug}/snapshots/*.parquet")), "killed before its snapshot"
+    done = sum(entry["rows"] for entry in committed.values())
+
+    rerun = _ingest(cat, store, model="raw-pixels", batch_size="4", shard_size=10)
+    assert rerun["resumed_shards"] == len(committed) and rerun["encoded"] == len(files) - done
+    assert {f"side={SIDE}/{shard}.parquet" for shard in orphans} <= set(rerun["removed_orphans"])
+    assert rerun["kept_pixels"]["side"] == SIDE and rerun["kept_pixels"]["written"] == len(files) - done
+    copies = _copies(store, slug)
+    assert sorted(copies) == sorted(files), "nothing lost"
+    assert sum(_pixel_files(store, slug).values()) == len(files), "nothing kept twice, in any pixel file"
+    assert set(_pixel_files(store, slug)) == _referenced(store, slug)
+    assert all(_looks_like(data, files[key]) < 3 for key, (_, data) in copies.items())
