@@ -525,3 +525,161 @@ def test_kill_9_between_a_pixel_file_and_its_marker_loses_nothing_and_duplicates
     assert sum(_pixel_files(store, slug).values()) == len(files), "nothing kept twice, in any pixel file"
     assert set(_pixel_files(store, slug)) == _referenced(store, slug)
     assert all(_looks_like(data, files[key]) < 3 for key, (_, data) in copies.items())
+
+
+# -- a model change reads the copies (real EfficientNet-Lite weights) -----------------------------------------------
+REAL = {"runtime": "torch", "precision": "fp32", "batch_size": "8", "shard_size": 10}
+PHOTOS = 40
+GATE_PHOTOS = 32
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> tuple:
+    """(catalogue folder, its files): 40 product photos (800-2000 px JPEGs, progressive, EXIF-rotated, PNG
+    cut-outs)."""
+    from imgest.demo import product_photos
+    from tests.helpers import write_files
+
+    files = product_photos(PHOTOS, seed=3)
+    cat = tmp_path_factory.mktemp("photos") / "catalogue"
+    write_files(str(cat), files)
+    return cat, files
+
+
+@pytest.fixture(scope="module")
+def lite0_keeping(photos, tmp_path_factory, prefect_harness):
+    """A store whose serving model, EfficientNet-Lite0, ingested the photos keeping copies at 256 (its decode
+    side): 4 shards, 4 pixel files. Tests copy it."""
+    store = tmp_path_factory.mktemp("lite0") / "store"
+    run = _ingest(photos[0], store, model="efficientnet-lite0", keep_pixels=256, **REAL)
+    assert run["encoded"] == PHOTOS and run["kept_pixels"]["written"] == PHOTOS
+    return store
+
+
+@pytest.fixture(scope="module")
+def gem_from_originals(photos, tmp_path_factory, prefect_harness) -> dict[str, np.ndarray]:
+    """EfficientNet-Lite0-GeM's vectors of the photos from the originals (a store where no model keeps pixels)."""
+    store = tmp_path_factory.mktemp("gem") / "store"
+    run = _ingest(photos[0], store, model="efficientnet-lite0-gem", **REAL)
+    assert run["encoded"] == PHOTOS and run["kept_pixels"]["reads"] == "catalogue"
+    assert run["kept_pixels"]["why"] == "no other model in the store keeps pixels"
+    return _vectors(store, "efficientnet-lite0-gem")
+
+
+@pytest.fixture
+def small_gate_sample(monkeypatch):
+    """The kept-pixels gate on the first 32 files of the parity sample (the same product photos, seed 0) instead of
+    all 256: 6 s instead of 60 on two cores. Measured on both: EfficientNet-Lite0-GeM, copies at 256, mean cosine
+    0.9986 / 0.9986, p1 0.9951 / 0.9937, overlap@10 0.975 / 0.988: it passes on either."""
+    from imgest.demo import product_photos
+    from imgest.encoders import parity
+
+    files = tuple(product_photos(GATE_PHOTOS, seed=parity.SAMPLE_SEED).values())
+    monkeypatch.setattr(parity, "_files", lambda: files)
+
+
+def _vectors(store, model: str) -> dict[str, np.ndarray]:
+    from imgest.state.shards import embedding_matrix
+
+    loc, slug, out = Location(str(store)), _slug(model), {}
+    by_shard: dict[str, set] = {}
+    for item in _live(store, slug):
+        by_shard.setdefault(item.shard, set()).add(item.item_id)
+    for shard, ids in by_shard.items():
+        table = loc.read_table(f"embeddings/model={slug}/{shard}.parquet")
+        matrix = embedding_matrix(table, table.schema.field("embedding").type.list_size)
+        for item_id, vector in zip(table["item_id"].to_pylist(), matrix):
+            if item_id in ids:
+                assert item_id not in out, f"{item_id} twice"
+                out[item_id] = vector
+    return out
+
+
+def _copy_store(source, tmp_path):
+    import shutil
+
+    shutil.copytree(source, tmp_path / "store")
+    return tmp_path / "store"
+
+
+@pytest.mark.slow("real weights")
+def test_a_reencode_from_kept_pixels_equals_one_from_the_originals_within_the_gate(
+        photos, lite0_keeping, gem_from_originals, small_gate_sample, tmp_path):
+    store = _copy_store(lite0_keeping, tmp_path)
+    run = _ingest(photos[0], store, model="efficientnet-lite0-gem", **REAL)
+    report, lite0 = run["kept_pixels"], _slug("efficientnet-lite0")
+    assert run["encoded"] == PHOTOS
+    assert (report["reads"], report["source"], report["planned_from_kept"]) == ("kept pixels", lite0, PHOTOS)
+    assert (report["from_kept"], report["from_catalogue"], report["faults"]) == (PHOTOS, 0, [])
+    gate = report["gate"]
+    assert gate["passed"] and gate["side"] == 256 and gate["images"] == GATE_PHOTOS
+    assert gate["mean_cosine"] >= 0.998 and gate["p1_cosine"] >= 0.99 and gate["overlap"] >= 0.90
+    assert report["why"].startswith(f"copies of model={lite0} at side >= 256 for 40 of 40 planned items (gate passed")
+    recorded = Location(str(store)).read_json(f"state/model={_slug('efficientnet-lite0-gem')}/kept-gate.json")
+    assert len(recorded) == 1 and recorded[0]["passed"] and recorded[0]["mean_cosine"] == gate["mean_cosine"]
+    footers = [pq.read_schema(p).metadata for p in (store / "embeddings").glob("model=*/*.parquet")]
+    assert sum(int(m.get(b"imgest.from_kept_pixels", 0)) for m in footers) == PHOTOS
+
+    from_kept = _vectors(store, "efficientnet-lite0-gem")
+    assert sorted(from_kept) == sorted(gem_from_originals) == sorted(photos[1])
+    cosines = np.array([float(from_kept[key] @ gem_from_originals[key]) for key in photos[1]])
+    assert cosines.mean() >= 0.998 and cosines.min() >= 0.98, np.sort(cosines)[:5]
+    assert not np.allclose(cosines, 1.0, atol=1e-6), "the copies, not the originals, were decoded"
+
+    # the new model took the source's setting: its own pixel files hold the copies it read, byte for byte
+    assert report["side"] == 256 and report["written"] == PHOTOS
+    assert _copies(store, _slug("efficientnet-lite0-gem")) == _copies(store, lite0)
+    again = _ingest(photos[0], store, model="efficientnet-lite0-gem", **REAL)  # nothing new: the gate not measured
+    assert again["encoded"] == 0 and again["kept_pixels"]["why"] == "nothing to decode"
+
+
+@pytest.mark.slow("real weights")
+def test_a_model_whose_side_exceeds_the_kept_side_reads_the_originals_and_says_why(photos, lite0_keeping, tmp_path):
+    store = _copy_store(lite0_keeping, tmp_path)
+    run = _ingest(photos[0], store, model="efficientnet-lite2", **REAL)
+    report = run["kept_pixels"]
+    assert run["encoded"] == PHOTOS
+    assert (report["reads"], report["from_kept"], report["from_catalogue"], report["gate"]) == \
+        ("catalogue", 0, PHOTOS, None)
+    assert report["why"] == (f"efficientnet-lite2's preprocessing needs a shorter side of 297 and this run keeps 256; "
+                             f"model={_slug('efficientnet-lite0')} keeps 256")
+    assert not (store / "state" / f"model={_slug('efficientnet-lite2')}" / "kept-gate.json").exists()
+
+
+@pytest.mark.slow("real weights")
+def test_a_damaged_pixel_file_sends_its_items_to_the_catalogue_and_the_run_names_it(
+        photos, lite0_keeping, gem_from_originals, small_gate_sample, tmp_path):
+    """Four pixel files of ten copies: one truncated, one rewritten with another schema, one with a row of another
+    content hash, a copy that is not a JPEG and a second row for an item, one intact. Every item is encoded; those
+    whose copy could not be used from the catalogue, with the vector the originals give."""
+    store = _copy_store(lite0_keeping, tmp_path)
+    lite0 = _slug("efficientnet-lite0")
+    files = sorted((store / pixels.pixels_prefix(lite0)).glob("side=256/*.parquet"))
+    assert len(files) == 4
+    ids = [pq.read_table(p, columns=["item_id"])["item_id"].to_pylist() for p in files]
+    files[0].write_bytes(files[0].read_bytes()[:-5000])  # truncated: the footer is gone
+    pq.write_table(pq.read_table(files[1]).drop_columns(["codec"]), files[1])  # not a pixel file
+    planted = pq.read_table(files[2]).to_pylist()
+    planted[0]["content_hash"] = "0" * 64  # a row of other bytes
+    planted[1]["bytes"] = b"not a JPEG"  # a copy that does not decode
+    planted.append({**planted[2], "bytes": b"a second row"})  # an item twice: the first row stands
+    pq.write_table(pa.Table.from_pylist(planted, schema=pixels.SCHEMA), files[2], use_dictionary=False,
+                   compression="none")
+
+    run = _ingest(photos[0], store, model="efficientnet-lite0-gem", **REAL)
+    report = run["kept_pixels"]
+    assert run["encoded"] == PHOTOS and run["rejected"] == 0
+    assert report["reads"] == "kept pixels" and report["planned_from_kept"] == PHOTOS  # planned from the state
+    from_catalogue = {*ids[0], *ids[1], planted[0]["item_id"], planted[1]["item_id"]}
+    assert (report["from_kept"], report["from_catalogue"]) == (PHOTOS - 22, 22)
+    assert len(report["faults"]) == 2
+    for path, fault in zip(files[:2], report["faults"]):
+        key = path.relative_to(store).as_posix()
+        assert fault.startswith(f"{key}: ") and fault.endswith(": 10 item(s) read from the catalogue"), fault
+
+    vectors = _vectors(store, "efficientnet-lite0-gem")
+    assert sorted(vectors) == sorted(photos[1])
+    cosines = {key: float(vectors[key] @ gem_from_originals[key]) for key in vectors}
+    assert all(cosines[key] >= 0.99999 for key in from_catalogue), "read from the originals, as without copies"
+    assert np.mean([c for key, c in cosines.items() if key not in from_catalogue]) >= 0.998
+    assert min(c for key, c in cosines.items() if key not in from_catalogue) < 0.99999, "those read the copies"
