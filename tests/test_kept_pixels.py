@@ -683,3 +683,33 @@ def test_a_damaged_pixel_file_sends_its_items_to_the_catalogue_and_the_run_names
     assert all(cosines[key] >= 0.99999 for key in from_catalogue), "read from the originals, as without copies"
     assert np.mean([c for key, c in cosines.items() if key not in from_catalogue]) >= 0.998
     assert min(c for key, c in cosines.items() if key not in from_catalogue) < 0.99999, "those read the copies"
+
+
+@pytest.mark.slow("real weights")
+def test_a_migration_reads_the_serving_models_copies_and_keeps_none_when_told(
+        photos, lite0_keeping, small_gate_sample, tmp_path):
+    """The nightly of a model that keeps pixels keeps its setting and serves it; `migrate start --keep-pixels 0`
+    re-encodes with the new model from the serving model's copies and keeps none of its own."""
+    from imgest.config import MigrateConfig, NightlyConfig
+    from imgest.flows.migrate import migrate
+    from imgest.flows.nightly import nightly
+    from imgest.state.aliases import read_alias
+
+    store = _copy_store(lite0_keeping, tmp_path)
+    lite0, gem = _slug("efficientnet-lite0"), _slug("efficientnet-lite0-gem")
+    night = nightly(NightlyConfig(catalogue=str(photos[0]), store=str(store), model="efficientnet-lite0",
+                                  kind="flat", decoder="pillow", **REAL))
+    assert night["models"][0]["ingest"]["encoded"] == 0
+    assert night["models"][0]["ingest"]["kept_pixels"] == {**night["models"][0]["ingest"]["kept_pixels"],
+                                                           "side": 256, "why": "nothing to decode"}
+    assert read_alias(Location(str(store)), "serving")["slug"] == lite0
+
+    start = migrate(MigrateConfig(store=str(store), action="start", to="efficientnet-lite0-gem", kind="flat",
+                                  keep_pixels=0, decoder="pillow", **REAL))
+    assert start["window"]["to"]["slug"] == gem and start["coverage"]["share"] == 1.0
+    runs = [json.loads(p.read_text()) for p in (store / "runs").glob("*.json")]
+    report = next(r for r in runs if r["slug"] == gem)["kept_pixels"]
+    assert (report["reads"], report["source"], report["from_kept"], report["side"], report["written"]) == \
+        ("kept pixels", lite0, PHOTOS, 0, 0)
+    assert pixels.read_setting(Location(str(store)), gem) == 0
+    assert not (store / pixels.pixels_prefix(gem)).exists()
