@@ -40,6 +40,10 @@ GROUP_BYTES = 16 << 20  # ... or fewer, once their bytes reach this (a large sid
 MAX_GROUP_BYTES = 4 * GROUP_BYTES  # a row group's size in the footer above this: not written by imgest
 MIN_SIDE, MAX_SIDE = 32, 4096
 _SIDE_FOLDER = re.compile(r"side=(\d{1,4})")
+# a column's encodings in a pixel file: values PLAIN, levels RLE. A dictionary or delta encoding (or compression)
+# lets a small row group decode to any size (one 4 MB value repeated 1,024 times is a 61 kB file whose footer
+# says 1 MB), so the footer's sizes would bound nothing
+PLAIN_ONLY = frozenset({"PLAIN", "RLE", "BIT_PACKED"})
 
 
 class KeptPixelsError(ValueError):
@@ -130,8 +134,9 @@ class PixelShardWriter:
         self.path = os.path.join(scratch_folder(self, "pixels"), "pixels.parquet")
         footer = {b"imgest.side": str(side).encode(), b"imgest.codec": kept.CODEC.encode(),
                   b"imgest.quality": str(kept.QUALITY).encode()}
-        # JPEG bytes do not compress
-        self._writer = pq.ParquetWriter(self.path, SCHEMA.with_metadata(footer), compression="none")
+        # JPEG bytes do not compress; plain values, so the footer's sizes are what a reader decodes (PLAIN_ONLY)
+        self._writer = pq.ParquetWriter(self.path, SCHEMA.with_metadata(footer), compression="none",
+                                        use_dictionary=False)
         self._held: list[tuple[str, str, int, int, bytes]] = []
 
     def add(self, item_id: str, content_hash: str, width: int, height: int, data: bytes) -> None:
@@ -180,6 +185,10 @@ def read_copies(store: Location, slug: str, side: int, shard: str, wanted: dict[
                 raise KeptPixelsError(f"{key}: not a pixel file (schema {file.schema_arrow.names})")
             meta = file.metadata
             for group in range(meta.num_row_groups):
+                chunks = [meta.row_group(group).column(c) for c in range(meta.row_group(group).num_columns)]
+                if any(c.compression != "UNCOMPRESSED" or not set(c.encodings) <= PLAIN_ONLY for c in chunks):
+                    raise KeptPixelsError(f"{key}: row group {group} is compressed or dictionary- or delta-encoded; "
+                                          "imgest writes pixel files plain")
                 size = meta.row_group(group).total_byte_size
                 if size > MAX_GROUP_BYTES or meta.row_group(group).num_rows > 4 * ROW_GROUP:
                     raise KeptPixelsError(f"{key}: row group {group} of {size:,} bytes, "

@@ -216,7 +216,9 @@ def with_copies(items: tuple[WorkItem, ...], store: Location, source_slug: str |
         copies = pixels.read_copies(store, source_slug, side, shard, wanted)
         try:
             for found in copies:
-                yield group.pop(found.item_id), found.data
+                item = group.pop(found.item_id, None)
+                if item is not None:  # a second row of an item (a file not written by imgest): the first stands
+                    yield item, found.data
         except pixels.KeptPixelsError as exc:
             faults.append(f"{exc}: {len(group)} item(s) read from the catalogue")
         finally:
