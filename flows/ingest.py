@@ -87,7 +87,9 @@ def ingest(config: IngestConfig) -> dict:
         kept_report = None
         if "image" in spec.modalities and spec.base is None:  # a head reads its base's vectors, never pixels
             plan, kept_report = kept_pixels_task(store_loc.url, spec, device, chosen, quote(plan),
-                                                 config.keep_pixels, run_id)
+                                                 config.keep_pixels, run_id, config.max_pixels)
+            if chosen is not None and kept_report.decode_seconds:  # mostly copies: decoding costs less
+                chosen.decode_seconds = kept_report.decode_seconds
         results = []
         if plan.shards:
             progress = create_progress_artifact(0.0, key="ingest-progress",

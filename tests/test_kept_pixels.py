@@ -713,3 +713,31 @@ def test_a_migration_reads_the_serving_models_copies_and_keeps_none_when_told(
         ("kept pixels", lite0, PHOTOS, 0, 0)
     assert pixels.read_setting(Location(str(store)), gem) == 0
     assert not (store / pixels.pixels_prefix(gem)).exists()
+
+
+@pytest.mark.parametrize(("source_decoder", "recorded", "how"), [
+    ("simplejpeg", "simplejpeg", "inherited"),  # the copies' decoder: originals and copies decode alike
+    ("nvjpeg", "pillow", "measured"),  # a GPU decoder cannot run on this CPU run: timed as any first run
+])
+def test_a_new_model_reading_copies_takes_their_decoder_on_its_first_run(tmp_path, source_decoder, recorded, how):
+    from imgest.images import decoders
+    from imgest.tasks.ingest.decoder import choose_decoder
+
+    store = Location(str(tmp_path / "store"))
+    timed = []
+
+    def measure(names):
+        timed.append(names)
+        return "pillow", {"pillow": 0.008}
+
+    choice = choose_decoder(store, "new-model", "r00000001-x", None, None, True, "cpu", measure,
+                            lambda *_: None, inherit=(source_decoder, "old-model"))
+    record = decoders.read_record(store, "new-model")
+    assert (choice.decoder, record.decoder, record.how) == (recorded, recorded, how)
+    assert bool(timed) == (how == "measured")
+    if how == "inherited":
+        assert record.gate == {"kept_pixels_of": "old-model"} and "old-model" in choice.source
+        # kept by its later runs as any record: the next run neither times nor inherits again
+        again = choose_decoder(store, "new-model", "r00000002-x", None, None, False, "cpu", measure,
+                               lambda *_: None, inherit=("pillow", "old-model"))
+        assert again.decoder == "simplejpeg" and len(timed) == 0

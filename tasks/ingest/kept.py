@@ -39,6 +39,8 @@ class KeptReport:
     written: int = 0  # copies this run wrote, and their bytes
     bytes: int = 0
     faults: list[str] = field(default_factory=list)
+    copy_decode_seconds: float | None = None  # core-seconds a copy's decode and preprocessing took (a sample)
+    decode_seconds: float | None = None  # the run's decode cost per image with the copies: what splits the cores
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,3 +127,25 @@ def plan_kept(store: Location, spec: EncoderSpec, encoder, plan: Plan, keep_side
                   f"{plan.to_read:,} planned items (gate passed: mean cosine {gate['mean_cosine']:.4f}, "
                   f"p1 {gate['p1_cosine']:.4f}, overlap@10 {gate['overlap']:.3f}); the rest have no current copy")
     return plan, report
+
+
+COST_SAMPLE = 16  # copies decoded to measure what a decode worker spends on one
+
+
+def copy_cost(store: Location, source: str, plan: Plan, encoder, max_pixels: int) -> float | None:
+    """Core-seconds per image a decode worker spends on a copy (decode and preprocess, this thread's CPU time), on up
+    to COST_SAMPLE of the first shard's items planned from copies; None when none reads (the shards meet it)."""
+    import time
+
+    from imgest.images.decode import decode_image
+    from imgest.tasks.ingest.encode import with_copies
+
+    items = tuple(i for i in (plan.shards[0].items if plan.shards else ()) if i.kept_shard)[:COST_SAMPLE]
+    datas = [data for _, data in with_copies(items, store, source, []) if data is not None]
+    if not datas:
+        return None
+    need = getattr(encoder, "decode_side", None)
+    start = time.thread_time()
+    for data in datas:
+        encoder.preprocess(decode_image(data, min(max_pixels, kept.MAX_COPY_PIXELS), need))
+    return (time.thread_time() - start) / len(datas)

@@ -59,8 +59,11 @@ def choose_encoding_task(store_url: str, spec: EncoderSpec, device: str, runtime
         cost = timed["cost"] = decode_cost(catalogue, sample, encoder, max_pixels, names=names)
         return (cost.decoder, cost.measured) if cost is not None else (decoders.PILLOW, {})
 
-    choice = choose_decoder(Location(store_url), spec.slug, run_id, decoder, force_decoder, first, device, measure,
-                            lambda recorded, asked: parity.decoder_parity(encoder, recorded, asked), fence)
+    store = Location(store_url)
+    source = kept.source_model(store, spec.slug) if first and decoder is None and spec.base is None else None
+    choice = choose_decoder(store, spec.slug, run_id, decoder, force_decoder, first, device, measure,
+                            lambda recorded, asked: parity.decoder_parity(encoder, recorded, asked), fence,
+                            inherit=(decoders.recorded(store, source), source) if source else None)
     cost = timed.get("cost")
     if (sample and "cost" not in timed) or (cost is not None and cost.decoder != choice.decoder):
         # the chosen decoder's cost alone (nvJPEG: the CPU's, Pillow for what the GPU does not decode)
@@ -82,9 +85,11 @@ def choose_encoding_task(store_url: str, spec: EncoderSpec, device: str, runtime
 
 @task(name="kept-pixels", cache_policy=NO_CACHE, **IO_RETRIES)
 def kept_pixels_task(store_url: str, spec: EncoderSpec, device: str, chosen: Encoding | None, plan: Plan,
-                     asked: int | None, run_id: str) -> tuple[Plan, KeptReport]:
+                     asked: int | None, run_id: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[Plan, KeptReport]:
     """Kept pixels for this run (tasks/ingest/kept.py): the side it keeps copies at (recorded), and the planned
-    items read from another model's copies instead of the catalogue, past the gate; logged with the reason."""
+    items read from another model's copies instead of the catalogue, past the gate; logged with the reason. When
+    copies are read, what a decode costs (which splits the cores between decoding and the encoder) is measured on
+    them too, weighted by their share of the work."""
     store = Location(store_url)
     side = pixels.keep_side(store, spec.slug, asked, kept.source_model(store, spec.slug), run_id)
     if side and chosen is not None and chosen.decoder == decoders.NVJPEG:
@@ -94,6 +99,11 @@ def kept_pixels_task(store_url: str, spec: EncoderSpec, device: str, chosen: Enc
         return plan, kept.KeptReport(side=side, why="nothing to decode")
     encoder = encoders.load(spec, device, chosen.runtime, chosen.precision)
     plan, report = kept.plan_kept(store, spec, encoder, plan, side, run_id, chosen.decoder)
+    if report.planned_from_kept and chosen.decode_seconds:  # the cores split by what the run decodes: mostly copies
+        report.copy_decode_seconds = kept.copy_cost(store, report.source, plan, encoder, max_pixels)
+        if report.copy_decode_seconds:
+            share = report.planned_from_kept / max(plan.to_read, 1)
+            report.decode_seconds = share * report.copy_decode_seconds + (1 - share) * chosen.decode_seconds
     logger = get_run_logger()
     logger.info("kept pixels: %s; reading %s: %s", f"a copy of each image decoded at side {side}" if side else
                 "none kept by this run", report.reads, report.why)
