@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from imgest.scratch import scratch_folder
+from imgest.storage import parquet_reader
 
 ID_MAP_SCHEMA = pa.schema([("faiss_id", pa.int64()), ("item_id", pa.string()), ("uri", pa.string()),
                            ("content_hash", pa.string()), ("shard", pa.string())])  # shard: where its vector is
@@ -38,7 +39,7 @@ class IdMapFile:
         skip = np.asarray([] if skip is None else skip, np.int64)
         last, position = None, 0
         with pq.ParquetWriter(self.path, ID_MAP_SCHEMA, compression="zstd") as writer:
-            for batch in pq.ParquetFile(ordered).iter_batches(ID_MAP_BATCH, columns=ID_MAP_SCHEMA.names[1:]):
+            for batch in parquet_reader(ordered).iter_batches(ID_MAP_BATCH, columns=ID_MAP_SCHEMA.names[1:]):
                 keys = batch.column(0)
                 if len(keys) and ((last is not None and keys[0].as_py() <= last) or
                                   pc.any(pc.less_equal(keys[1:], keys[:-1])).as_py()):
@@ -173,7 +174,7 @@ def _to_arrow_file(parquet: str, path: str) -> None:
     with whether its ids are in order; written beside its final name and renamed into place, so a reader never
     maps half a file."""
     temp = f"{path}.{os.getpid()}.tmp"
-    source = pq.ParquetFile(parquet)
+    source = parquet_reader(parquet)
     columns = [name for name in ("item_id", "uri", "shard") if name in source.schema_arrow.names]
     schema = pa.schema([source.schema_arrow.field(name) for name in columns],
                        metadata={ORDERED: b"true" if _ordered(source) else b"false"})

@@ -28,7 +28,7 @@ from imgest.state.committed import (
     shard_run_id,
 )
 from imgest.state.shards import embedding_matrix, shard_decoder, shard_encoder
-from imgest.storage import Location
+from imgest.storage import Location, parquet_reader
 
 
 def live_by_shard(live: pa.Table) -> list[tuple[str, pa.Array, np.ndarray]]:
@@ -71,7 +71,7 @@ class LiveShards:
                                   ORDER BY item_id) TO {sql_string(self.ordered)} (FORMAT parquet)""")
             self.rows = 0
             with pq.ParquetWriter(numbered, BY_SHARD_SCHEMA) as writer:  # the row numbers, in order
-                for batch in pq.ParquetFile(self.ordered).iter_batches(LIVE_BATCH, columns=["shard", "item_id"]):
+                for batch in parquet_reader(self.ordered).iter_batches(LIVE_BATCH, columns=["shard", "item_id"]):
                     rows = pa.array(np.arange(self.rows, self.rows + len(batch)), pa.int64())
                     writer.write_batch(pa.record_batch([*batch.columns, rows], schema=BY_SHARD_SCHEMA))
                     self.rows += len(batch)
@@ -110,7 +110,7 @@ class LiveShards:
         """(shard, item_id, row) of the live items in `shards` (a few of them: a training sample's)."""
         wanted = pa.array(shards, pa.string())
         tables = [pa.Table.from_batches([b]).filter(pc.is_in(b.column(0), value_set=wanted))
-                  for b in pq.ParquetFile(self.by_shard).iter_batches(LIVE_BATCH)]
+                  for b in parquet_reader(self.by_shard).iter_batches(LIVE_BATCH)]
         return pa.concat_tables(tables) if tables else BY_SHARD_SCHEMA.empty_table()
 
 
@@ -121,7 +121,7 @@ LIVE_BATCH = 65_536  # rows of the live set read at a time
 def shard_groups(path: str) -> Iterator[pa.Table]:
     """The rows of a Parquet file sorted by its `shard` column, one table per shard, read a batch at a time."""
     carry: list[pa.RecordBatch] = []
-    for batch in pq.ParquetFile(path).iter_batches(LIVE_BATCH):
+    for batch in parquet_reader(path).iter_batches(LIVE_BATCH):
         table = pa.Table.from_batches([*carry, batch]).combine_chunks()
         ends = pc.run_end_encode(table["shard"].combine_chunks()).run_ends.to_numpy()
         start = 0

@@ -18,11 +18,13 @@ from imgest.storage.location import (
     is_transient,
     one_line,
     open_location,
+    parquet_reader,
     parse_record,
     read_url,
     redact,
 )
 
 __all__ = ["MAX_RECORD_BYTES", "TEMP_PREFIX", "USERINFO", "ContainmentError", "Location", "ObjectInfo", "RecordError",
-           "StorageError", "check_no_credentials", "is_transient", "one_line", "open_location", "parse_record",
+           "StorageError", "check_no_credentials", "is_transient", "one_line", "open_location", "parquet_reader",
+           "parse_record",
            "read_url", "redact"]

@@ -37,6 +37,16 @@ def _contained(key: str, field: str = "key") -> str:
     return key
 
 
+STREAM_BUFFER = 1 << 20  # a streamed Parquet read's buffer: a column's pages come in reads of this size
+
+
+def parquet_reader(source, **options) -> pq.ParquetFile:
+    """A Parquet file read in parts (row groups, batches) with memory that follows the part. Arrow's default
+    (`pre_buffer`) fetches every column chunk a read will need at once, which for a whole-file `iter_batches` is
+    the whole file: numbering a 10M-item build's id map held 213-358 MB of it (measured 2026-12-06); streamed, 34."""
+    return pq.ParquetFile(source, pre_buffer=False, buffer_size=STREAM_BUFFER, **options)
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str  # path relative to the root, '/'-separated
@@ -275,10 +285,10 @@ class Location(ConditionalWrites):
     @store_io("reading")
     def _open_parquet(self, key: str) -> tuple[Any, pq.ParquetFile]:
         if self.is_local:  # Arrow's own file: its reader threads never call back into Python
-            return None, pq.ParquetFile(self.path(key))
+            return None, parquet_reader(self.path(key))
         handle = self.fs.open(self.path(key), "rb")
         try:
-            return handle, pq.ParquetFile(handle)
+            return handle, parquet_reader(handle)
         except BaseException:
             handle.close()
             raise

@@ -19,7 +19,7 @@ from imgest.images.listing import Listing, printable_key
 from imgest.names import DEFAULT_MAX_BYTES, DEFAULT_SHARD_SIZE
 from imgest.state.committed import DELETED, FAILED, LIVE, CatalogueState, ItemState, revivable
 from imgest.state.rows import ALLOCATOR_FLUSH, STATE_MEMORY
-from imgest.storage import Location
+from imgest.storage import Location, parquet_reader
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class PlannedShards(Sequence):
         if not -len(self) <= at < len(self):
             raise IndexError(at)
         at %= len(self)
-        rows = pq.ParquetFile(self.path).read_row_group(at).to_pylist()
+        rows = parquet_reader(self.path).read_row_group(at).to_pylist()
         return ShardPlan(self.run_id, at, tuple(WorkItem(**row) for row in rows))
 
     def __iter__(self) -> Iterator[ShardPlan]:
@@ -368,7 +368,7 @@ def _attach(plan: Plan, other: CatalogueState, fields: dict[str, str], shards: p
     group, time the catalogue. (One join of the whole plan sorted back into plan order ran out of a 512 MB cap
     at 10M; a column of every item's match is ~110 bytes an item.)"""
     planned = plan.shards if isinstance(plan.shards, PlannedShards) else _to_file(plan.run_id, plan.shards)
-    source, attached = pq.ParquetFile(planned.path), PlannedShards(plan.run_id)
+    source, attached = parquet_reader(planned.path), PlannedShards(plan.run_id)
     with other.sql() as cur:
         if shards is not None:
             cur.register("kept_shards", shards)
