@@ -30,6 +30,7 @@ from imgest.tasks.ingest.steps import (
     choose_encoding_task,
     commit_run_task,
     encode_shard_task,
+    kept_pixels_task,
     list_catalogue_fanned,
     plan_ingest_task,
     prepare_state_task,
@@ -83,6 +84,12 @@ def ingest(config: IngestConfig) -> dict:
             batch, source = chosen.batch_size, chosen.source
         elif plan.shards:
             batch, source = (1, "every item derived from stored base embeddings")
+        kept_report = None
+        if "image" in spec.modalities and spec.base is None:  # a head reads its base's vectors, never pixels
+            plan, kept_report = kept_pixels_task(store_loc.url, spec, device, chosen, quote(plan),
+                                                 config.keep_pixels, run_id, config.max_pixels)
+            if chosen is not None and kept_report.decode_seconds:  # mostly copies: decoding costs less
+                chosen.decode_seconds = kept_report.decode_seconds
         results = []
         if plan.shards:
             progress = create_progress_artifact(0.0, key="ingest-progress",
@@ -94,7 +101,9 @@ def ingest(config: IngestConfig) -> dict:
                 job = ShardJob.of(chosen, spec=spec, device=device, catalogue_url=catalogue_url,
                                   store_url=store_loc.url, batch_size=batch, decode_workers=config.decode_workers,
                                   max_pixels=config.max_pixels, encode_limit=config.encode_limit, fence=lock.fence,
-                                  dtype=config.dtype, metadata_seq=metadata_seq)
+                                  dtype=config.dtype, metadata_seq=metadata_seq,
+                                  keep_side=kept_report.side if kept_report else 0,
+                                  kept_source=kept_report.source if kept_report else None)
                 running = submit_in_order(shard_tasks, encode_shard_task, plan.shards, {"job": job},
                                           ahead=SHARDS_AHEAD * max(config.workers, 1))
                 for shard, future in running:  # in order: progress moves as shards commit
@@ -110,6 +119,7 @@ def ingest(config: IngestConfig) -> dict:
             end_kept()  # the decode processes the last shard left: no shard of this run will want them
         summary.batch_size, summary.batch_size_source, summary.device = batch, source, device
         summary.record_encoding(chosen, results)
+        summary.record_kept(kept_report, results)
         summary.removed_orphans = orphans
         summary = commit_run_task(store_loc.url, quote(state), quote(plan), quote(results), summary, lock.fence)
         state.close()  # the index build after this run loads the state afresh

@@ -76,7 +76,8 @@ def migrate_start(config: MigrateConfig) -> dict:
                                       model=config.to,
                                       batch_size=config.batch_size, device=config.device,
                                       runtime=config.runtime, precision=config.precision, shard_size=config.shard_size,
-                                      decoder=config.decoder, force_decoder=config.force_decoder))
+                                      decoder=config.decoder, force_decoder=config.force_decoder,
+                                      keep_pixels=config.keep_pixels))
     give_back()  # a cold start's freed memory, before the build
     with StoreLock(store_loc, owner=owner, wait=LOCK_WAIT_S) as lock:
         migration.record(store_loc, window, "reencode-finished", lock.fence, encoded=summary["encoded"],

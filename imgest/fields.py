@@ -230,6 +230,19 @@ Decoder = Annotated[Annotated[str, AfterValidator(one_of(DECODERS))] | None, Fie
 ForceDecoder = Annotated[str | None, Field(
     description="With decoder: switch without the gate (or where it cannot be measured: the recorded decoder not "
                 "installed here); the reason is recorded")]
+def _keep_side(value: int | None) -> int | None:
+    if value is not None and value != 0 and not 32 <= value <= 4096:
+        raise ValueError(f"a shorter side from 32 to 4096 pixels, or 0 (off); got {value}")
+    return value
+
+
+KeepPixels = Annotated[int | None, AfterValidator(_keep_side), Field(
+    description="Keep a resized copy of each image decoded (shorter side SIDE, aspect kept, JPEG) in the store, so "
+                "that a model change reads the copies instead of the catalogue's originals; recorded and kept by "
+                "later runs of the model (0 turns it off). Default: the model's recorded setting; a new model "
+                "takes the setting of the model whose copies it reads. A model reads copies when its preprocessing "
+                "needs no more than SIDE (256: EfficientNet-Lite0 and its GeM pooling; Lite2 needs 297) and it "
+                "passes the gate on them")]
 Kind = Annotated[str, AfterValidator(_kind),
                  Field(description=f"Index kind: {', '.join(KINDS)} or a faiss factory string")]
 Memory = Annotated[str, AfterValidator(_size(parse_memory)),

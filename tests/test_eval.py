@@ -136,6 +136,14 @@ def test_cost_report_of_the_serving_model(tmp_path, tiny_models):
     assert change["derived_model_hours"] == pytest.approx(0.11)  # the service answering is not the window's
     assert change["new_backbone_hours"] == pytest.approx(0.11 + report["projected_encode_hours"], rel=1e-3)
     assert "A model change at 2,000,000 items, from one rehearsed at 1,000,000" in render_cost(report)
+    kept = report["kept_pixels"]  # the store keeps no copies: a copy's size is estimated on the parity photos
+    assert sorted(kept["at"], key=int) == ["2000000", "4000000", "100000000"] and not kept["copies_measured"]
+    at_4m = kept["at"]["4000000"]
+    assert at_4m["objects_read"] == {"catalogue": 4_000_000, "kept pixels": 4_000_000 // 1_500 + 1}
+    assert at_4m["bytes_read"]["kept pixels"] == at_4m["copies_storage_bytes"]
+    assert at_4m["copies_storage_bytes"] == pytest.approx(4e6 * kept["copy_bytes_per_image"], rel=1e-3)
+    assert at_4m["bytes_read"]["catalogue"] == pytest.approx(4e6 * kept["original_bytes_per_image"], rel=1e-3)
+    assert "from the catalogue and from kept pixels" in render_cost(report)
     for bad in ('{"objects": 0, "stages": {"sync": {"seconds": 1}}}', '{"objects": 10, "stages": {}}', "[1, 2]",
                 '{"objects": 10, "stages": {"sync": {"seconds": "soon"}}}', ""):
         rehearsal.write_text(bad)

@@ -94,6 +94,11 @@ def status(
                    f"tombstones {m['tombstones']}, snapshot {m['snapshot']}, pending shards {m['pending_shards']}")
         if m.get("decoder"):
             typer.echo(f"  JPEG decoder: {m['decoder']}")
+        if (kept := m.get("kept_pixels")) and (kept["files"] or kept["side"]):
+            setting = f"kept at side {kept['side']}" if kept["side"] else "not kept by later runs"
+            typer.echo(f"  kept pixels: {setting}; {kept['live_items']:,} of {m['live']:,} live items covered, "
+                       f"{kept['bytes'] / 2**20:,.1f} MiB in {kept['files']} file(s)"
+                       + (f" (sides {', '.join(map(str, kept['sides']))})" if len(kept["sides"]) > 1 else ""))
         if last:
             typer.echo(f"  last run {last.get('run_id')} finished {last.get('finished')}: encoded "
                        f"{last.get('encoded')}, {last.get('images_per_second')} img/s")

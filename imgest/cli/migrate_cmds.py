@@ -49,7 +49,7 @@ def _migrate(config: MigrateConfig, as_json: bool = False) -> None:
 
 JSON = typer.Option(False, "--json")
 START = ("store", "to", "catalogue", "inventory", "batch_size", "device", "runtime", "precision", "kind", "memory",
-         "target_recall", "shard_size", "disk", "decoder", "force_decoder")
+         "target_recall", "shard_size", "disk", "decoder", "force_decoder", "keep_pixels")
 
 
 @migrate_app.command("start")

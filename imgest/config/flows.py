@@ -26,6 +26,7 @@ from imgest.fields import (
     Disk,
     Dtype,
     ForceDecoder,
+    KeepPixels,
     Kind,
     MaxPixels,
     Memory,
@@ -137,6 +138,7 @@ class EncodeConfig(FlowConfig):
     dtype: Dtype = DEFAULT_DTYPE
     decoder: Decoder = None
     force_decoder: ForceDecoder = None
+    keep_pixels: KeepPixels = None
 
     @model_validator(mode="after")
     def _workers_need_dask(self) -> Self:
@@ -288,6 +290,9 @@ class MigrateConfig(FlowConfig):
     decoder: Annotated[Decoder, Field(description="start: the new model's JPEG decoder (default: timed on its first "
                                                   "run and recorded)")] = None
     force_decoder: ForceDecoder = None
+    keep_pixels: Annotated[KeepPixels, Field(description="start: keep resized copies of the images the new model "
+                                                         "decodes (SIDE; 0: off); default: as the serving model "
+                                                         "keeps them")] = None
 
     @model_validator(mode="after")
     def _start_needs_a_model(self) -> Self:

@@ -285,6 +285,64 @@ def decoder_parity(encoder, reference: str, candidate: str, files: tuple[bytes, 
                          passed=passes(figures, "bf16"), images=len(files), **figures)
 
 
+@dataclass
+class KeptParity(GateFigures):
+    """Embeddings of the parity sample from kept copies (made at `side` from `source`'s decode, as an ingest that
+    keeps pixels makes them) against those from the originals decoded by `reference`, one encoder."""
+
+    model_id: str
+    reference: str
+    source: str
+    side: int
+    min_cosine: float
+    mean_cosine: float
+    p1_cosine: float
+    overlap: float
+    gate: dict
+    passed: bool
+    images: int
+    copy_bytes: int  # the sample's copies, in all
+
+    def reason(self) -> str:
+        return (f"copies at side {self.side} against the originals on {self.images} images of the parity sample: "
+                + "; ".join(self.shortfalls() or ["passed"]))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "shortfalls": self.shortfalls()}
+
+
+def kept_parity(encoder, reference: str, source: str, side: int, files: tuple[bytes, ...] | None = None) -> KeptParity:
+    """Kept copies' parity with the originals through `encoder`, on the parity sample's files (or `files`), judged by
+    the reduced precision's gate: each original decoded by `reference` at the encoder's side, against its copy
+    (decoded by `source` at `side`, resized, JPEG-encoded: imgest/images/kept.py) decoded and preprocessed."""
+    from imgest.images import kept
+    from imgest.images.decode import decode_image
+
+    files = files or _files()
+    need = getattr(encoder, "decode_side", None)
+    copies: list[bytes] = []
+
+    def original(data: bytes) -> np.ndarray:
+        return encoder.preprocess(decode_image(data, min_side=need, decoder=reference))
+
+    def from_copy(data: bytes) -> np.ndarray:
+        copy = kept.make_copy(decode_image(data, min_side=max(need or 0, side), decoder=source), side)[0]
+        copies.append(copy)
+        return encoder.preprocess(decode_image(copy, min_side=need))
+
+    def embed(prepare) -> np.ndarray:
+        return np.concatenate([encoder.encode_images(np.stack([prepare(data) for data in files[i:i + CHUNK]]))
+                               for i in range(0, len(files), CHUNK)])
+
+    ours, theirs = embed(original), embed(from_copy)
+    every = _cosines(ours, theirs)
+    figures = {"min_cosine": float(every.min()), "mean_cosine": float(every.mean()),
+               "p1_cosine": float(np.percentile(every, 1)), "overlap": neighbour_overlap(ours, theirs)}
+    figures = {k: round(v, 7) for k, v in figures.items()}
+    return KeptParity(encoder.spec.model_id, reference, source, side, gate=gate("bf16"),
+                      passed=passes(figures, "bf16"), images=len(files), copy_bytes=sum(map(len, copies)), **figures)
+
+
 def _record_name(precision: str, device_key: str) -> str:
     return f"parity-{precision}-{device_key}.json"
 

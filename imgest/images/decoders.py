@@ -202,7 +202,9 @@ EXPLICIT = "explicit"  # a run chose it (--decoder): the first in the store, or 
 FORCED = "forced"  # a run chose it past the gate, or where the gate could not be measured; the reason is kept
 ASSUMED = "assumed"  # vectors made before decoders were recorded: Pillow's, the only decoder there was
 EARLIER = "recorded after a run"  # a record written the old way, after a run's commit: its choice all the same
-HOW = (MEASURED, EXPLICIT, FORCED, ASSUMED, EARLIER)
+INHERITED = "inherited"  # the decoder of the model whose kept pixels it reads (tasks/ingest/kept.py): copies and
+# originals then decode alike (a copy is that decoder's DCT-scaled pixels)
+HOW = (MEASURED, EXPLICIT, FORCED, ASSUMED, EARLIER, INHERITED)
 
 
 @dataclass(frozen=True)

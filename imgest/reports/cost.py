@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 
@@ -68,6 +69,71 @@ def model_change(rehearsal: dict, corpus_size: int, encode_hours: float) -> dict
             "new_backbone_hours": float(f"{window + encode_hours:.4g}")}
 
 
+KEPT_SAMPLE = 32  # parity photos decoded to measure what a copy saves, when the store keeps none to measure
+PIXEL_FILE_ROWS = 1_500  # copies a pixel file holds (one per shard, the default shard size): objects read
+
+
+def kept_pixels_cost(store: Location, slug: str, encoder, images_per_second: float, sizes: list[int]) -> dict:
+    """A model change's decode and encode hours, objects and bytes read, from the catalogue and from kept pixels, at
+    each of `sizes` items on this host; and the copies' storage. Per image: the originals' mean size (the serving
+    model's live rows), the copies' (its pixel files; else copies of the parity sample's photos at the side it would
+    keep, 256 unless recorded), and a decode worker's core-seconds for either (measured here on the parity sample's
+    photos, with the model's decoder and decode side). Hours are the work bound: decode core-seconds spread over the
+    host's cores, beside the encoder's measured images/s."""
+    import hashlib
+    import os
+
+    from imgest.demo import product_photos
+    from imgest.encoders import parity
+    from imgest.images import kept
+    from imgest.images.decode import decode_image
+    from imgest.images.decoders import recorded
+    from imgest.state import pixels
+    from imgest.state.committed import load_state
+
+    state = load_state(store, slug)
+    try:
+        original_bytes = state.query("SELECT avg(size) AS b FROM state WHERE status = 'live'")["b"][0].as_py() or 0
+        coverage = pixels.coverage(store, slug, state)
+    finally:
+        state.close()
+    side = coverage["side"] or (coverage["sides"] or [256])[0]
+    need, decoder = getattr(encoder, "decode_side", None), recorded(store, slug)
+    files = tuple(product_photos(KEPT_SAMPLE, seed=parity.SAMPLE_SEED).values())
+    copies = [kept.make_copy(decode_image(data, min_side=max(need or 0, side), decoder=decoder), side)[0]
+              for data in files]
+
+    def core_seconds(work, datas) -> float:
+        start = time.thread_time()
+        for data in datas:
+            work(data)
+        return (time.thread_time() - start) / len(datas)
+
+    def from_original(data: bytes):
+        hashlib.sha256(data).hexdigest()
+        return encoder.preprocess(decode_image(data, min_side=need, decoder=decoder))
+
+    def from_copy(data: bytes):
+        return encoder.preprocess(decode_image(data, min_side=need))
+
+    decode = {"catalogue": core_seconds(from_original, files), "kept pixels": core_seconds(from_copy, copies)}
+    copy_bytes = coverage["bytes"] / coverage["live_items"] if coverage["live_items"] else \
+        sum(map(len, copies)) / len(copies) * (original_bytes / (sum(map(len, files)) / len(files)) if original_bytes
+                                               else 1.0)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    per_image = {source: seconds / cores + 1 / images_per_second for source, seconds in decode.items()}
+    return {
+        "side": side, "fits": kept.fits(need, side), "cores": cores,
+        "copy_bytes_per_image": round(copy_bytes), "original_bytes_per_image": round(original_bytes),
+        "copies_measured": coverage["live_items"] > 0,
+        "decode_core_ms_per_image": {k: round(v * 1e3, 3) for k, v in decode.items()},
+        "at": {str(n): {"hours": {k: float(f"{v * n / 3600:.4g}") for k, v in per_image.items()},
+                        "objects_read": {"catalogue": n, "kept pixels": -(-n // PIXEL_FILE_ROWS)},
+                        "bytes_read": {"catalogue": round(n * original_bytes), "kept pixels": round(n * copy_bytes)},
+                        "copies_storage_bytes": round(n * copy_bytes)} for n in sizes},
+    }
+
+
 def cost_report(store_url: str, corpus_size: int, gpu_hour_price: float | None = None,
                 node_memory: str = "64G", device: str = "auto", min_seconds: float = 1.0,
                 node_disk: str = "unlimited", rehearsal: dict | None = None) -> dict:
@@ -110,4 +176,7 @@ def cost_report(store_url: str, corpus_size: int, gpu_hour_price: float | None =
         "models_in_store": [m["slug"] for m in models],
         "measured_on": tuning.device_key,
         "model_change": model_change(rehearsal, corpus_size, hours) if rehearsal is not None else None,
+        "kept_pixels": kept_pixels_cost(store, serving["slug"], encoder, best,
+                                        sorted({corpus_size, 4_000_000, 100_000_000}))
+        if "image" in spec.modalities else None,
     }

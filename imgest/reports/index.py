@@ -98,4 +98,19 @@ def render_cost(report: dict) -> str:
         lines += ["", f"- to a model derived from stored vectors (a head): **{change['derived_model_hours']} "
                       "hours**", f"- to a new backbone (every image encoded as above): at most "
                       f"**{change['new_backbone_hours']} hours**"]
+    if kept := report.get("kept_pixels"):
+        lines += ["", f"### A new backbone's re-encode, from the catalogue and from kept pixels (side {kept['side']}, "
+                      f"{kept['cores']} cores here)", "",
+                  f"- per image: original {kept['original_bytes_per_image'] / 1024:,.0f} kB, copy "
+                  f"{kept['copy_bytes_per_image'] / 1024:,.0f} kB"
+                  + ("" if kept["copies_measured"] else " (estimated on the parity sample: the store keeps none)")
+                  + "; decode core-ms " + ", ".join(f"{k} {v}" for k, v in kept["decode_core_ms_per_image"].items())
+                  + ("" if kept["fits"] else "; this model's preprocessing needs more than the side: it reads "
+                                              "the originals"), "",
+                  "| items | hours (catalogue) | hours (kept pixels) | objects read (catalogue / kept) | "
+                  "bytes read (catalogue / kept) | copies' storage |", "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {int(n):,} | {row['hours']['catalogue']} | {row['hours']['kept pixels']} | "
+                  f"{row['objects_read']['catalogue']:,} / {row['objects_read']['kept pixels']:,} | "
+                  f"{row['bytes_read']['catalogue'] / gib:,.1f} / {row['bytes_read']['kept pixels'] / gib:,.1f} GiB | "
+                  f"{row['copies_storage_bytes'] / gib:,.1f} GiB |" for n, row in kept["at"].items()]
     return "\n".join(lines) + "\n"

@@ -355,6 +355,9 @@ def remove_orphan_shards(store: Location, state: CatalogueState, now: datetime |
         if name.startswith(TEMP_PREFIX) or (stem and stem not in needed):
             store.delete(f"{embeddings_prefix(state.slug)}/{name}")
             removed.append(name)
+    from imgest.state.pixels import remove_orphans  # the shards' pixel files follow them
+
+    removed += remove_orphans(store, state.slug, needed)
     for folder in (f"{state_prefix(state.slug)}/commits", f"{state_prefix(state.slug)}/snapshots"):
         for name in store.list_names(folder, temp=True):  # a marker or snapshot killed before its rename
             if name.startswith(TEMP_PREFIX):

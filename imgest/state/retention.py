@@ -17,6 +17,7 @@ from imgest.retrieval.versions import index_prefix
 from imgest.state.aliases import list_aliases
 from imgest.state.committed import embeddings_prefix, state_prefix
 from imgest.state.models import read_model
+from imgest.state.pixels import pixels_prefix
 from imgest.storage import Location, RecordError
 
 
@@ -65,7 +66,7 @@ def collect_retired(store: Location, fence: Fence | None = None, now: datetime |
         if fence is not None:
             fence.check(store)
         for prefix in (embeddings_prefix(entry["slug"]), index_prefix(entry["slug"]), state_prefix(entry["slug"]),
-                       f"tuning/model={entry['slug']}"):
+                       f"tuning/model={entry['slug']}", pixels_prefix(entry["slug"])):
             store.delete_tree(prefix)
         # the record stays: a retired model is never ingested again unless a new window migrates to it
         entry.pop("due")

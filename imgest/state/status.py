@@ -7,6 +7,7 @@ from imgest.images import decoders
 from imgest.lock import current_holder
 from imgest.records import RecordError
 from imgest.retrieval.versions import IndexIntegrityError, IndexNotFoundError, read_card
+from imgest.state import pixels
 from imgest.state.aliases import read_alias
 from imgest.state.committed import DELETED, FAILED, LIVE, REJECTED, latest_snapshot_seq, load_state
 from imgest.state.models import list_models
@@ -53,6 +54,7 @@ def model_status(store: Location, card: dict) -> dict:
         "pending_shards": len(state.pending),  # committed by a run that did not finish; folded next run
         "last_run": last_run(store, slug),
         "decoder": model_decoder(store, slug),  # what decodes its JPEGs; the serving index's `decoded_by`: the mix
+        "kept_pixels": pixels.coverage(store, slug, state),  # copies a later model reads instead of the catalogue
     }
 
 

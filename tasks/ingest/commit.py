@@ -63,6 +63,7 @@ class RunSummary:
     rejected_items: list[tuple[str, str]] = field(default_factory=list)
     removed_orphans: list[str] = field(default_factory=list)
     metadata: dict | None = None  # --metadata: rows new/changed/removed, unknown items, images without a row
+    kept_pixels: dict | None = None  # copies kept and read (tasks/ingest/kept.py KeptReport)
     texts: dict | None = None  # a text model: rows without text, rows for unlisted items, the snapshot read
 
     def to_dict(self) -> dict:
@@ -80,6 +81,18 @@ class RunSummary:
         if encoding is not None:
             self.work_bound = encoding.work_bound(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                                   else os.cpu_count() or 1)
+
+
+    def record_kept(self, report, results: list) -> None:
+        """What the run kept and read of kept pixels (`report`: tasks/ingest/kept.py), with the shards' counts."""
+        if report is None:
+            return
+        report.from_kept = sum(r.from_kept for r in results)
+        report.from_catalogue = sum(r.encoded - r.derived - r.from_kept for r in results)
+        report.written = sum(r.kept_written for r in results)
+        report.bytes = sum(r.kept_bytes for r in results)
+        report.faults = [f for r in results for f in r.kept_faults][:20]
+        self.kept_pixels = report.to_dict()
 
 
 def summary_key(run_id: str) -> str:

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -192,7 +192,7 @@ def _each(fn: Callable[[Item, int], Result], chunk: list[tuple[Item, int]]) -> l
     return [fn(item, at) for item, at in chunk]
 
 
-def read_ahead(items: tuple[Item, ...], fn: Callable[[Item, int], Result], workers: DecodeWorkers, depth: int,
+def read_ahead(items: Iterable[Item], fn: Callable[[Item, int], Result], workers: DecodeWorkers, depth: int,
                died: Callable[[Item], Result]) -> Iterator[Result]:
     """Yield ``fn(item, position)`` in order on `workers` while up to ``depth`` items are in flight: memory stays
     flat. Closing the generator early (the shard failed) cancels what has not started; `workers` stop the rest.

@@ -30,14 +30,18 @@ class DecoderChoice:
 
 def choose_decoder(store: Location, slug: str, run_id: str, asked: str | None, force: str | None, first: bool,
                    device: str, measure: Callable[[Sequence[str]], tuple[str, dict[str, float]]],
-                   gate: Callable[[str, str], object], fence: Fence | None = None) -> DecoderChoice:
+                   gate: Callable[[str, str], object], fence: Fence | None = None,
+                   inherit: tuple[str, str] | None = None) -> DecoderChoice:
     """The decoder for this run of `slug`, recorded before it returns wherever the record changes.
 
     Without `asked`: the record's decoder; on the model's `first` run in the store, `measure(names)` times the CPU
     decoders installed and the fastest is recorded (create-exclusive: two first runs at once take the same one);
     a model that has vectors but no record (made before records were kept) records Pillow, which made them.
     With `asked` other than the record's: `gate(recorded, asked)` (a DecoderParity) must pass, else the run is
-    refused (DecoderGateError) unless `force` gives a reason; the record then names `asked` from this run on."""
+    refused (DecoderGateError) unless `force` gives a reason; the record then names `asked` from this run on.
+    With `inherit` (a decoder and the model whose kept pixels this one will read), a first run records that decoder
+    instead of timing them, when it runs here: a copy is that decoder's DCT-scaled pixels, and the originals this
+    model still reads then decode alike."""
     record = decoders.check(store, slug, asked, force, device)
     if asked is None or (record is not None and asked == record.decoder):
         if record is not None:
@@ -46,6 +50,10 @@ def choose_decoder(store: Location, slug: str, run_id: str, asked: str | None, f
             new = Record(decoders.PILLOW, decoders.ASSUMED, run_id, now_iso())
             return _created(store, slug, new, "recorded now: the model's vectors predate decoder records and were "
                                               "decoded by Pillow")
+        if inherit is not None and decoders.unusable(inherit[0], device) is None:
+            new = Record(inherit[0], decoders.INHERITED, run_id, now_iso(), gate={"kept_pixels_of": inherit[1]})
+            return _created(store, slug, new, f"the decoder of model={inherit[1]}, whose kept pixels it reads, "
+                                              "recorded")
         chosen, measured = measure(decoders.timed())
         new = Record(chosen, decoders.MEASURED, run_id, now_iso(), measured)
         return _created(store, slug, new, "the fastest measured on the model's first run in this store, recorded",

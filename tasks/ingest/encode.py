@@ -15,10 +15,11 @@ from datetime import UTC, datetime
 import numpy as np
 
 from imgest.encoders import Encoder
-from imgest.images import decoders
+from imgest.images import decoders, kept
 from imgest.images.decode import DecodeError, decode_image
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DECODE_WORKERS, DEFAULT_DTYPE, DEFAULT_MAX_PIXELS
+from imgest.state import pixels
 from imgest.storage import Location, StorageError, is_transient, one_line
 from imgest.tasks.ingest import handoff
 from imgest.tasks.ingest.decode_workers import DecodeWorkers, plan_decode, read_ahead
@@ -45,16 +46,24 @@ class Prepared:
     vanished: bool = False
     jpeg: bytes | None = None  # bytes for the batch's GPU decode (tasks/ingest/gpu_decode.py), pixels not yet made
     slot: tuple | None = None  # (slot, shape, dtype): the pixels wait in the shared hand-off block
+    copy: tuple[bytes, int, int] | None = None  # kept pixels to write: (JPEG bytes, width, height)
+    from_kept: bool = False  # decoded from a kept copy, not the catalogue's original
 
 
 def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixels: int,
-            min_side: int | None = None, gpu_jpeg: bool = False, decoder: str = decoders.PILLOW) -> Prepared:
+            min_side: int | None = None, gpu_jpeg: bool = False, decoder: str = decoders.PILLOW,
+            keep_side: int = 0, copy: bytes | None = None) -> Prepared:
     """Read, hash, decode and preprocess one object. Whatever goes wrong with the object itself is a verdict
     recorded against it; only a catalogue that cannot be reached at all fails the shard (and so the run).
     With `gpu_jpeg`, a plain JPEG is left undecoded: its bytes go to the batch's GPU decode; `decoder` is the
-    CPU's JPEG decoder (imgest/images/decoders.py)."""
+    CPU's JPEG decoder (imgest/images/decoders.py). With `copy` (a kept copy of the item's bytes, `item.kept_hash`),
+    the copy is decoded instead of the original, which is read only if the copy does not decode. With `keep_side`,
+    a copy of the decoded image at that side comes back to be kept (imgest/images/kept.py): the copy read, when it
+    has that side, or one made from the decoded pixels (no second decode)."""
     if item.verdict is not None:
         return Prepared(item, reason=item.verdict)
+    if copy is not None and (done := _from_copy(item, copy, preprocess, max_pixels, min_side, keep_side)) is not None:
+        return done
     try:
         data = catalogue.read_bytes(item.item_id)
     except FileNotFoundError:
@@ -70,14 +79,34 @@ def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixel
     if gpu_jpeg and plain_jpeg(data, max_pixels):
         return Prepared(item, digest, jpeg=data)
     try:
-        pixels = preprocess(decode_image(data, max_pixels, min_side, decoder))
+        image = decode_image(data, max_pixels, max(min_side or 0, keep_side) or None, decoder)
+        pixels = preprocess(image)
+        kept_copy = kept.make_copy(image, keep_side) if keep_side else None
     except DecodeError as exc:
         return Prepared(item, digest, reason=str(exc))
     except MemoryError as exc:
         return Prepared(item, digest, reason=f"{type(exc).__name__} while decoding: {exc}", transient=True)
     except Exception as exc:  # the model's preprocessing refused this image (e.g. 1x1 pixels)
         return Prepared(item, digest, reason=f"{type(exc).__name__} in preprocessing: {exc}")
-    return Prepared(item, digest, pixels)
+    return Prepared(item, digest, pixels, copy=kept_copy)
+
+
+def _from_copy(item: WorkItem, copy: bytes, preprocess: Callable, max_pixels: int, min_side: int | None,
+               keep_side: int) -> Prepared | None:
+    """An item prepared from its kept copy; None when the copy does not decode (the original is read instead)."""
+    if item.prev_hash == item.kept_hash:  # the model's own row already has these bytes
+        return Prepared(item, item.kept_hash, revived=item.revive_shard is not None,
+                        unchanged=item.revive_shard is None)
+    try:
+        image = decode_image(copy, min(max_pixels, kept.MAX_COPY_PIXELS), min_side)  # Pillow: the copies' decoder
+        pixels = preprocess(image)
+    except Exception:  # a damaged copy: the original decides
+        return None
+    if keep_side and kept.reduction(image.size, keep_side) == 1:
+        kept_copy = (copy, *image.size)  # the copy as it is: no second lossy encode
+    else:
+        kept_copy = kept.make_copy(image, keep_side) if keep_side else None
+    return Prepared(item, item.kept_hash, pixels, copy=kept_copy, from_kept=True)
 
 
 def stack_pixels(pixels: list):
@@ -151,19 +180,51 @@ def _catalogue(url: str) -> Location:
     return Location(url, follow_links=True)
 
 
-def _prepare_in_process(catalogue_url: str, item: WorkItem, position: int, preprocess: Callable, max_pixels: int,
-                        min_side: int | None, slots: tuple[str, int, int] | None = None,
-                        decoder: str = decoders.PILLOW) -> Prepared:
+def _prepare_in_process(catalogue_url: str, source: tuple[WorkItem, bytes | None], position: int,
+                        preprocess: Callable, max_pixels: int, min_side: int | None,
+                        slots: tuple[str, int, int] | None = None, decoder: str = decoders.PILLOW,
+                        keep_side: int = 0) -> Prepared:
     """prepare() in a decode process: the catalogue travels as its URL (credentials come from the
-    environment the process inherited), the preprocessing as a module-level function. With `slots` (the
-    shared block's name, its slot count and size), the pixels go into the object's slot (tasks/ingest/handoff.py)
-    and only their shape and dtype come back."""
-    done = prepare(_catalogue(catalogue_url), item, preprocess, max_pixels, min_side, decoder=decoder)
+    environment the process inherited), the preprocessing as a module-level function, a kept copy with its item.
+    With `slots` (the shared block's name, its slot count and size), the pixels go into the object's slot
+    (tasks/ingest/handoff.py) and only their shape and dtype come back."""
+    item, copy = source
+    done = prepare(_catalogue(catalogue_url), item, preprocess, max_pixels, min_side, decoder=decoder,
+                   keep_side=keep_side, copy=copy)
     if slots is not None and done.pixels is not None:
         name, count, nbytes = slots
         if handoff.write(name, position % count, nbytes, done.pixels):
             done.slot, done.pixels = (position % count, done.pixels.shape, done.pixels.dtype.str), None
     return done
+
+
+def with_copies(items: tuple[WorkItem, ...], store: Location, source_slug: str | None,
+                faults: list[str]) -> Iterator[tuple[WorkItem, bytes | None]]:
+    """The shard's objects to read, each with its kept copy or None: first those with a copy, a pixel file at a
+    time (read a row group at a time as the decode asks for them), then the rest, to be read from the catalogue.
+    A pixel file that cannot be trusted or read sends its items to the catalogue and says why in `faults`; an item
+    whose copy is not in its file (another content hash, a row missing) goes to the catalogue too."""
+    by_file: dict[tuple[str, int], dict[str, WorkItem]] = {}
+    rest = []
+    for item in items:
+        if item.kept_shard and item.kept_hash and item.kept_side and source_slug and item.verdict is None:
+            by_file.setdefault((item.kept_shard, item.kept_side), {})[item.item_id] = item
+        else:
+            rest.append(item)
+    for (shard, side), group in sorted(by_file.items()):
+        wanted = {item_id: item.kept_hash for item_id, item in group.items()}
+        copies = pixels.read_copies(store, source_slug, side, shard, wanted)
+        try:
+            for found in copies:
+                item = group.pop(found.item_id, None)
+                if item is not None:  # a second row of an item (a file not written by imgest): the first stands
+                    yield item, found.data
+        except pixels.KeptPixelsError as exc:
+            faults.append(f"{exc}: {len(group)} item(s) read from the catalogue")
+        finally:
+            copies.close()
+        rest.extend(group.values())
+    yield from ((item, None) for item in rest)
 
 
 @contextlib.contextmanager
@@ -191,11 +252,14 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
                  decode_workers: int = DEFAULT_DECODE_WORKERS, max_pixels: int = DEFAULT_MAX_PIXELS,
                  fence: Fence | None = None, dtype: str = DEFAULT_DTYPE,
                  jpeg_decoder: BatchJpegDecoder | None | str = "auto",
-                 costs: tuple[float, float] | None = None, decoder: str = decoders.PILLOW) -> ShardResult:
+                 costs: tuple[float, float] | None = None, decoder: str = decoders.PILLOW, keep_side: int = 0,
+                 kept_source: str | None = None) -> ShardResult:
     """Encode one shard's objects and commit it, its JPEGs decoded by `decoder` (the run's, its model's recorded
     one: imgest/images/decoders.py). `jpeg_decoder`: "auto" decodes them in batches on the GPU when `decoder` is
     nvJPEG (BatchJpegDecoder.for_encoder); None: one by one, on the CPU. A worker that cannot run the run's decoder
-    fails its shard: a shard never holds vectors of another decoder than the one it names."""
+    fails its shard: a shard never holds vectors of another decoder than the one it names. Items planned with a kept
+    copy (of `kept_source`'s pixel files) are decoded from it; with `keep_side`, each image decoded leaves a copy in
+    the shard's pixel file, published before its commit marker (imgest/state/pixels.py)."""
     total, encoding, waiting = Stopwatch(), Stopwatch(running=False), Stopwatch(running=False)
     if jpeg_decoder == "auto":
         jpeg_decoder = BatchJpegDecoder.for_encoder(encoder, max_pixels) if decoder == decoders.NVJPEG else None
@@ -204,7 +268,8 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
             decoder == decoders.NVJPEG and jpeg_decoder is None and f"{encoder.spec.name} has no GPU preprocessing")):
         raise decoders.DecoderError(f"shard {plan.name}: this run decodes JPEGs with {decoder}, which cannot run in "
                                     f"this worker: {why}")
-    writer = ShardWriter(store, encoder.spec, plan, fence, dtype, encoder.runtime, encoder.precision, decoder)
+    writer = ShardWriter(store, encoder.spec, plan, fence, dtype, encoder.runtime, encoder.precision, decoder,
+                         keep_side)
     writer.result.worker, writer.result.started = f"{socket.gethostname()}:{os.getpid()}", _now()
     batch: list[Prepared] = []
 
@@ -232,6 +297,9 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
         return _finished(writer, total, encoding, waiting)
     decode_side = getattr(encoder, "decode_side", None)  # JPEGs decode at reduced size down to this
     gpu_jpeg = jpeg_decoder is not None
+    if gpu_jpeg and keep_side:
+        raise decoders.DecoderError(f"shard {plan.name}: kept pixels are made from a CPU decode; this model's "
+                                    "JPEGs are decoded by nvJPEG")
     where = plan_decode(encoder, decode_workers, len(to_read), gpu_jpeg, costs)
     # measured on 1,500 product photos, 2 cores, OpenVINO at batch 4: 8 in flight left the encoder waiting 1.8 s
     # of 12 (126 img/s), 32 waited 0.9-1.1 s (136-142 img/s); a slot is one preprocessed image (150 kB for Lite0)
@@ -239,14 +307,17 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     slots = handoff.PixelSlots(depth + 1, handoff.slot_bytes(encoder)) if where.processes else None
     if where.processes:
         fn = functools.partial(_prepare_in_process, catalogue.url, preprocess=encoder.preprocess_fn,
-                               max_pixels=max_pixels, min_side=decode_side, slots=slots.address, decoder=decoder)
+                               max_pixels=max_pixels, min_side=decode_side, slots=slots.address, decoder=decoder,
+                               keep_side=keep_side)
     else:
-        def fn(item: WorkItem, position: int) -> Prepared:
-            return prepare(catalogue, item, encoder.preprocess, max_pixels, decode_side, gpu_jpeg, decoder)
+        def fn(source: tuple[WorkItem, bytes | None], position: int) -> Prepared:
+            return prepare(catalogue, source[0], encoder.preprocess, max_pixels, decode_side, gpu_jpeg, decoder,
+                           keep_side, source[1])
     with contextlib.closing(slots) if slots is not None else contextlib.nullcontext(), \
             DecodeWorkers(where) as workers, torch_threads(where.torch_threads):
         writer.result.decode = workers.describe()
-        stream = read_ahead(to_read, fn, workers, depth, died=lambda item: Prepared(item, reason=DIED))
+        sources = with_copies(to_read, store, kept_source, writer.result.kept_faults)
+        stream = read_ahead(sources, fn, workers, depth, died=lambda source: Prepared(source[0], reason=DIED))
         with contextlib.closing(stream):
             while True:
                 with waiting:
@@ -264,6 +335,7 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
                 elif prepared.reason is not None:
                     writer.reject(prepared.item, prepared.content_hash, prepared.reason, prepared.transient)
                 else:
+                    writer.keep(prepared.item, prepared.content_hash, prepared.copy, prepared.from_kept)
                     batch.append(prepared)
                     if len(batch) >= batch_size:
                         flush_batch()

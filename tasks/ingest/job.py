@@ -28,6 +28,8 @@ class ShardJob:
     precision: str | None = None  # None: the device's plain precision (nothing was measured)
     costs: tuple[float, float] | None = None  # measured decode and encode seconds per image, to size decoding
     decoder: str = "pillow"
+    keep_side: int = 0  # kept pixels: a copy of each image decoded, at this shorter side, in the shard's pixel file
+    kept_source: str | None = None  # the model whose kept copies the planned items' kept_shard name
 
     @classmethod
     def of(cls, chosen: Encoding | None, **fields) -> ShardJob:

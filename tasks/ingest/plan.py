@@ -34,6 +34,9 @@ class WorkItem:
     base_hash: str | None = None  # ... for content with this hash
     verdict: str | None = None  # rejected from its listing alone (key, size, storage class): never read
     revive_shard: str | None = None  # a recent tombstone's row: revived if the bytes still hash to prev_hash
+    kept_shard: str | None = None  # a kept copy of these bytes is in this shard's pixel file (imgest/state/pixels.py)
+    kept_hash: str | None = None  # ... for content with this hash
+    kept_side: int | None = None  # ... at this side
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,8 @@ class ShardPlan:
 WORK_SCHEMA = pa.schema([("item_id", pa.string()), ("uri", pa.string()), ("size", pa.int64()),
                          ("mtime", pa.float64()), ("etag", pa.string()), ("prev_hash", pa.string()),
                          ("base_shard", pa.string()), ("base_hash", pa.string()), ("verdict", pa.string()),
-                         ("revive_shard", pa.string())])  # WorkItem's fields, in order
+                         ("revive_shard", pa.string()), ("kept_shard", pa.string()), ("kept_hash", pa.string()),
+                         ("kept_side", pa.int32())])  # WorkItem's fields, in order
 
 
 class PlannedShards(Sequence):
@@ -130,6 +134,15 @@ class Plan:
             column = pq.read_table(self.shards.path, columns=["base_shard"])["base_shard"]
             return column.null_count > 0
         return any(not item.base_shard for shard in self.shards for item in shard.items)
+
+    def kept_count(self) -> int:
+        """Planned objects to be read from a kept copy (attach_kept): from the plan file's footer, no column read."""
+        if isinstance(self.shards, PlannedShards):
+            meta = pq.ParquetFile(self.shards.path).metadata
+            at = WORK_SCHEMA.get_field_index("kept_shard")
+            return sum(meta.row_group(g).num_rows - meta.row_group(g).column(at).statistics.null_count
+                       for g in range(meta.num_row_groups))
+        return sum(item.kept_shard is not None for shard in self.shards for item in shard.items)
 
     def counts(self) -> np.ndarray:
         """Objects in each shard, in order."""
@@ -333,34 +346,57 @@ def _write_shards(plan: Plan, batches, catalogue: Location, shard_size: int, max
 
 def attach_base(plan: Plan, base: CatalogueState) -> Plan:
     """For a head model: every planned item whose base-model embedding is current (live, same signature)
-    is marked to be derived from it (the head applied to the stored vector) instead of read and decoded.
-    The plan's file is matched a group of shards at a time, as Arrow rows, in the base state's DuckDB against
+    is marked to be derived from it (the head applied to the stored vector) instead of read and decoded."""
+    return _attach(plan, base, {"base_shard": "shard", "base_hash": "content_hash"})
+
+
+def attach_kept(plan: Plan, source: CatalogueState, shards: pa.Table, min_side: int) -> Plan:
+    """Every planned item whose row in `source` (the model whose kept copies are read) is current (live, same
+    signature) and whose shard has a pixel file at a side of at least `min_side` (`shards`: shard, side) is marked
+    to be read from that copy instead of the catalogue."""
+    usable = shards.filter(pc.greater_equal(shards["side"], min_side))
+    return _attach(plan, source, {"kept_shard": "shard", "kept_hash": "content_hash", "kept_side": "side"},
+                   usable)
+
+
+def _attach(plan: Plan, other: CatalogueState, fields: dict[str, str], shards: pa.Table | None = None) -> Plan:
+    """Fill `fields` (planned column -> column of `other`'s rows) of every planned item whose row in `other` is
+    current (live, same signature) and, with `shards`, in one of its shards (columns shard and side).
+    The plan's file is matched a group of shards at a time, as Arrow rows, in the other state's DuckDB against
     the state's rows in the group's key range (the plan is in key order and the snapshot's row groups are too,
     so each group reads its own part of it), and the shards are written again as they come: memory follows the
     group, time the catalogue. (One join of the whole plan sorted back into plan order ran out of a 512 MB cap
     at 10M; a column of every item's match is ~110 bytes an item.)"""
-    shards = plan.shards if isinstance(plan.shards, PlannedShards) else _to_file(plan.run_id, plan.shards)
-    source, attached = parquet_reader(shards.path), PlannedShards(plan.run_id)
-    with base.sql() as cur:
-        for first, last in _groups(shards.counts, MATCH_ROWS):
+    planned = plan.shards if isinstance(plan.shards, PlannedShards) else _to_file(plan.run_id, plan.shards)
+    source, attached = parquet_reader(planned.path), PlannedShards(plan.run_id)
+    with other.sql() as cur:
+        if shards is not None:
+            cur.register("kept_shards", shards)
+        within = ("(SELECT st.*, k.side FROM state st JOIN kept_shards k ON k.shard = st.shard "
+                  "WHERE st.item_id BETWEEN $lo AND $hi)") if shards is not None else \
+            "(SELECT * FROM state WHERE item_id BETWEEN $lo AND $hi)"
+        columns = ", ".join(f"s.{name}" for name in dict.fromkeys(fields.values()))
+        for first, last in _groups(planned.counts, MATCH_ROWS):
             table = source.read_row_groups(range(first, last))
             keys = table["item_id"]
             cur.register("planned", table.append_column("position", pa.array(np.arange(len(table)))))
-            found = cur.sql(f"""SELECT s.shard, s.content_hash FROM planned l LEFT JOIN (
-                                    SELECT * FROM state WHERE item_id BETWEEN $lo AND $hi) s
+            found = cur.sql(f"""SELECT {columns} FROM planned l LEFT JOIN {within} s
                                 ON s.item_id = l.item_id AND s.status = '{LIVE}' AND s.shard IS NOT NULL
                                     AND ({SAME_SIGNATURE_SQL})
                                 ORDER BY l.position""",
                             params={"lo": pc.min(keys).as_py(), "hi": pc.max(keys).as_py()}).to_arrow_table()
             cur.unregister("planned")
             held = pc.is_valid(found["shard"])
-            for name, value in (("base_shard", "shard"), ("base_hash", "content_hash")):
-                table = table.set_column(WORK_SCHEMA.get_field_index(name), name,
-                                         pc.if_else(held, found[value], table[name]))
+            for name, value in fields.items():
+                at = WORK_SCHEMA.get_field_index(name)
+                table = table.set_column(at, name, pc.if_else(held, found[value].cast(WORK_SCHEMA.field(at).type),
+                                                              table[name]))
             at = 0
-            for count in shards.counts[first:last]:
+            for count in planned.counts[first:last]:
                 attached.write_table(table.slice(at, count))
                 at += count
+        if shards is not None:
+            cur.unregister("kept_shards")
     plan.shards = attached.close()
     return plan
 

@@ -18,6 +18,7 @@ from imgest.images.listing import Listing, catalogue_parts, list_catalogue, merg
 from imgest.lock import Fence
 from imgest.names import DEFAULT_MAX_PIXELS
 from imgest.policy import COMMIT_TIMEOUT_S, IO_RETRIES, LIST_TIMEOUT_S, SHARD_RETRIES
+from imgest.state import pixels
 from imgest.state.catalogue_images import record_root
 from imgest.state.committed import CatalogueState, load_state, prepare_state
 from imgest.state.metadata import (
@@ -28,6 +29,7 @@ from imgest.state.metadata import (
     store_metadata,
 )
 from imgest.storage import Location
+from imgest.tasks.ingest import kept
 from imgest.tasks.ingest.batch_size import Encoding, choose_encoding
 from imgest.tasks.ingest.commit import RunSummary, commit_run
 from imgest.tasks.ingest.decoder import choose_decoder
@@ -35,6 +37,7 @@ from imgest.tasks.ingest.encode import decode_cost, encode_shard
 from imgest.tasks.ingest.encode_text import encode_text_shard, shard_texts, text_listing
 from imgest.tasks.ingest.inventory import read_inventory
 from imgest.tasks.ingest.job import ShardJob
+from imgest.tasks.ingest.kept import KeptReport
 from imgest.tasks.ingest.plan import MassDeleteError, Plan, ShardPlan, WorkItem, attach_base, plan_ingest
 from imgest.tasks.ingest.writer import ShardResult
 
@@ -56,8 +59,11 @@ def choose_encoding_task(store_url: str, spec: EncoderSpec, device: str, runtime
         cost = timed["cost"] = decode_cost(catalogue, sample, encoder, max_pixels, names=names)
         return (cost.decoder, cost.measured) if cost is not None else (decoders.PILLOW, {})
 
-    choice = choose_decoder(Location(store_url), spec.slug, run_id, decoder, force_decoder, first, device, measure,
-                            lambda recorded, asked: parity.decoder_parity(encoder, recorded, asked), fence)
+    store = Location(store_url)
+    source = kept.source_model(store, spec.slug) if first and decoder is None and spec.base is None else None
+    choice = choose_decoder(store, spec.slug, run_id, decoder, force_decoder, first, device, measure,
+                            lambda recorded, asked: parity.decoder_parity(encoder, recorded, asked), fence,
+                            inherit=(decoders.recorded(store, source), source) if source else None)
     cost = timed.get("cost")
     if (sample and "cost" not in timed) or (cost is not None and cost.decoder != choice.decoder):
         # the chosen decoder's cost alone (nvJPEG: the CPU's, Pillow for what the GPU does not decode)
@@ -75,6 +81,35 @@ def choose_encoding_task(store_url: str, spec: EncoderSpec, device: str, runtime
                 encoding.decoder_source,
                 ", ".join(f"{k} {v * 1e3:.2f}" for k, v in encoding.decoders.items()) or "not measured")
     return encoding
+
+
+@task(name="kept-pixels", cache_policy=NO_CACHE, **IO_RETRIES)
+def kept_pixels_task(store_url: str, spec: EncoderSpec, device: str, chosen: Encoding | None, plan: Plan,
+                     asked: int | None, run_id: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[Plan, KeptReport]:
+    """Kept pixels for this run (tasks/ingest/kept.py): the side it keeps copies at (recorded), and the planned
+    items read from another model's copies instead of the catalogue, past the gate; logged with the reason. When
+    copies are read, what a decode costs (which splits the cores between decoding and the encoder) is measured on
+    them too, weighted by their share of the work."""
+    store = Location(store_url)
+    side = pixels.keep_side(store, spec.slug, asked, kept.source_model(store, spec.slug), run_id)
+    if side and chosen is not None and chosen.decoder == decoders.NVJPEG:
+        raise decoders.DecoderError(f"--keep-pixels {side}: copies are made from a CPU decode, and model={spec.slug}"
+                                    " decodes its JPEGs with nvjpeg; keep pixels off (--keep-pixels 0) on GPU nodes")
+    if chosen is None:  # nothing to decode this run
+        return plan, kept.KeptReport(side=side, why="nothing to decode")
+    encoder = encoders.load(spec, device, chosen.runtime, chosen.precision)
+    plan, report = kept.plan_kept(store, spec, encoder, plan, side, run_id, chosen.decoder)
+    if report.planned_from_kept and chosen.decode_seconds:  # the cores split by what the run decodes: mostly copies
+        report.copy_decode_seconds = kept.copy_cost(store, report.source, plan, encoder, max_pixels)
+        if report.copy_decode_seconds:
+            share = report.planned_from_kept / max(plan.to_read, 1)
+            report.decode_seconds = share * report.copy_decode_seconds + (1 - share) * chosen.decode_seconds
+    logger = get_run_logger()
+    logger.info("kept pixels: %s; reading %s: %s", f"a copy of each image decoded at side {side}" if side else
+                "none kept by this run", report.reads, report.why)
+    if report.gate is not None and not report.gate.get("passed"):
+        logger.warning("kept pixels not used: %s", report.why)
+    return plan, report
 
 
 @task(name="load-state", cache_policy=NO_CACHE, **IO_RETRIES)
@@ -217,4 +252,4 @@ def encode_shard_task(plan: ShardPlan, job: ShardJob) -> ShardResult:
             return encode_text_shard(plan, encoder, texts.texts, store, job.batch_size, job.fence, job.dtype)
         return encode_shard(plan, encoder, Location(job.catalogue_url, follow_links=True), Location(job.store_url),
                             job.batch_size, job.decode_workers, job.max_pixels, job.fence, job.dtype, costs=job.costs,
-                            decoder=job.decoder)
+                            decoder=job.decoder, keep_side=job.keep_side, kept_source=job.kept_source)

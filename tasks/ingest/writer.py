@@ -13,6 +13,7 @@ from imgest.encoders import EncoderSpec
 from imgest.lock import Fence
 from imgest.state.clock import now_iso
 from imgest.state.committed import commit_key, shard_key
+from imgest.state.pixels import PixelShardWriter
 from imgest.state.shards import DTYPES, shard_schema
 from imgest.storage import Location
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
@@ -36,6 +37,10 @@ class ShardResult:
     runtime: str = ""  # what ran the encoder (imgest/encoders/runtimes.py) and at which precision
     precision: str = ""
     decoder: str = ""  # the JPEG decoder that made its vectors (imgest/images/decoders.py); "" for text
+    from_kept: int = 0  # of the encoded: decoded from kept copies, not the catalogue's originals
+    kept_written: int = 0  # copies in the shard's pixel file (kept pixels)
+    kept_bytes: int = 0
+    kept_faults: list[str] = field(default_factory=list)  # pixel files skipped (damaged, planted): items re-read
     decode: str = ""  # where decoding ran: "1 decode process, torch 1 thread(s)" (decode_workers.py plan_decode)
     worker: str = ""  # host:pid of the process that encoded it
     started: str = ""  # UTC ISO times of the encode, for a timeline of the workers
@@ -51,7 +56,8 @@ class ShardWriter:
     """Collects one shard's outcome; ``flush`` makes it durable and then visible."""
 
     def __init__(self, store: Location, spec: EncoderSpec, plan: ShardPlan, fence: Fence | None = None,
-                 dtype: str = "float32", runtime: str = "torch", precision: str = "fp32", decoder: str | None = None):
+                 dtype: str = "float32", runtime: str = "torch", precision: str = "fp32", decoder: str | None = None,
+                 keep_side: int = 0):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
         self.store, self.spec, self.plan, self.fence, self.dtype = store, spec, plan, fence, dtype
@@ -61,6 +67,13 @@ class ShardWriter:
         self._rejected: list[dict] = []
         self._unchanged: list[dict] = []
         self._revived: list[dict] = []
+        self._pixels = PixelShardWriter(keep_side) if keep_side else None
+
+    def keep(self, item: WorkItem, content_hash: str, copy: tuple[bytes, int, int] | None, from_kept: bool) -> None:
+        """An item to be encoded: its kept copy (kept pixels) goes to the shard's pixel file."""
+        self.result.from_kept += from_kept
+        if self._pixels is not None and copy is not None:
+            self._pixels.add(item.item_id, content_hash, copy[1], copy[2], copy[0])
 
     def add(self, items: list[tuple[WorkItem, str]], embeddings: np.ndarray) -> None:
         if embeddings.shape != (len(items), self.spec.dim):
@@ -104,6 +117,8 @@ class ShardWriter:
         meta.update({b"imgest.run_id": self.plan.run_id.encode(), b"imgest.shard": self.plan.name.encode(),
                      b"imgest.rows": str(n).encode(), b"imgest.runtime": self.result.runtime.encode(),
                      b"imgest.precision": self.result.precision.encode()})
+        if self.result.from_kept:  # of its rows, decoded from kept copies of the originals
+            meta[b"imgest.from_kept_pixels"] = str(self.result.from_kept).encode()
         if self.result.decoder:  # what decoded its images: a model's vectors are made by one (shard_decoder)
             meta[b"imgest.decoder"] = self.result.decoder.encode()
         return table.replace_schema_metadata(meta)
@@ -138,9 +153,19 @@ class ShardWriter:
         }
         # one fence check per shard, before the marker: a writer that lost the lock leaves at most an
         # unreferenced file, which the holder's next run removes
+        marker["pixels"] = self._publish_pixels()
         self._check()
         self.store.write_json(commit_key(self.spec.slug, self.plan.name), marker)
         return self.result
+
+    def _publish_pixels(self) -> dict | None:
+        """The shard's pixel file, uploaded before its marker (a kill leaves at most an unreferenced file)."""
+        if self._pixels is None:
+            return None
+        published = self._pixels.publish(self.store, self.spec.slug, self.plan.name)
+        if published is not None:
+            self.result.kept_written, self.result.kept_bytes = published["rows"], published["bytes"]
+        return published
 
     def _check(self) -> None:
         if self.fence is not None:

@@ -22,6 +22,7 @@ from imgest.state.aliases import delete_alias, list_aliases, read_alias, set_ali
 from imgest.state.clock import now_iso
 from imgest.state.committed import embeddings_prefix, latest_snapshot_seq, state_prefix
 from imgest.state.models import find_model, read_model
+from imgest.state.pixels import pixels_prefix
 from imgest.state.retention import collect_retired, retired_slugs
 from imgest.state.shadow import check_agreement
 from imgest.state.shadow import summary as shadow_summary
@@ -122,7 +123,7 @@ def index_current(store: Location, slug: str) -> dict:
 def storage_bytes(store: Location, slug: str) -> dict:
     sizes = {}
     for name, prefix in (("shards", embeddings_prefix(slug)), ("indexes", index_prefix(slug)),
-                         ("state", state_prefix(slug))):
+                         ("state", state_prefix(slug)), ("kept pixels", pixels_prefix(slug))):
         sizes[name] = sum(obj.size for obj in store.walk(prefix))
     sizes["total"] = sum(sizes.values())
     return sizes
