@@ -106,6 +106,7 @@ def test_gate_reads_an_eval_report():
 
 
 def test_cost_report_of_the_serving_model(tmp_path, tiny_models):
+    from imgest.names import DEFAULT_SHARD_SIZE
     from imgest.reports.cost import cost_report, read_rehearsal
     from imgest.reports.index import render_cost
     from tests.helpers import gradient, png_bytes, write_files
@@ -139,7 +140,7 @@ def test_cost_report_of_the_serving_model(tmp_path, tiny_models):
     kept = report["kept_pixels"]  # the store keeps no copies: a copy's size is estimated on the parity photos
     assert sorted(kept["at"], key=int) == ["2000000", "4000000", "100000000"] and not kept["copies_measured"]
     at_4m = kept["at"]["4000000"]
-    assert at_4m["objects_read"] == {"catalogue": 4_000_000, "kept pixels": 4_000_000 // 1_500 + 1}
+    assert at_4m["objects_read"] == {"catalogue": 4_000_000, "kept pixels": 4_000_000 // DEFAULT_SHARD_SIZE}
     assert at_4m["bytes_read"]["kept pixels"] == at_4m["copies_storage_bytes"]
     assert at_4m["copies_storage_bytes"] == pytest.approx(4e6 * kept["copy_bytes_per_image"], rel=1e-3)
     assert at_4m["bytes_read"]["catalogue"] == pytest.approx(4e6 * kept["original_bytes_per_image"], rel=1e-3)

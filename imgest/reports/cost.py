@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from imgest import encoders
-from imgest.names import parse_memory
+from imgest.names import DEFAULT_SHARD_SIZE, parse_memory
 from imgest.retrieval.versions import IndexNotFoundError, read_card
 from imgest.state.aliases import read_alias
 from imgest.state.models import list_models
@@ -70,7 +70,7 @@ def model_change(rehearsal: dict, corpus_size: int, encode_hours: float) -> dict
 
 
 KEPT_SAMPLE = 32  # parity photos decoded to measure what a copy saves, when the store keeps none to measure
-PIXEL_FILE_ROWS = 1_500  # copies a pixel file holds (one per shard, the default shard size): objects read
+PIXEL_FILE_ROWS = DEFAULT_SHARD_SIZE  # copies a pixel file holds (one per shard, as its shard): objects read
 
 
 def kept_pixels_cost(store: Location, slug: str, encoder, images_per_second: float, sizes: list[int]) -> dict:
