@@ -39,13 +39,13 @@ def test_a_decode_process_hands_back_a_slot_not_the_pixels(tmp_path):
     by_id = {item.item_id: item for item in items}
     slots = handoff.PixelSlots(3, handoff.slot_bytes(lite0))
     try:
-        done = _prepare_in_process(cat.url, by_id["p/001.jpg"], 5, lite0.preprocess_fn, 10**8, lite0.decode_side,
-                                   (slots.name, 3, slots.nbytes))
+        done = _prepare_in_process(cat.url, (by_id["p/001.jpg"], None), 5, lite0.preprocess_fn, 10**8,
+                                   lite0.decode_side, (slots.name, 3, slots.nbytes))
         assert done.pixels is None and done.slot == (5 % 3, (3, 224, 224), "|u1")
         expected = prepare(cat, by_id["p/001.jpg"], lite0.preprocess, 10**8, lite0.decode_side).pixels
         np.testing.assert_array_equal(slots.read(*done.slot), expected)
-        broken = _prepare_in_process(cat.url, by_id["p/broken.jpg"], 0, lite0.preprocess_fn, 10**8, lite0.decode_side,
-                                     (slots.name, 3, slots.nbytes))
+        broken = _prepare_in_process(cat.url, (by_id["p/broken.jpg"], None), 0, lite0.preprocess_fn, 10**8,
+                                     lite0.decode_side, (slots.name, 3, slots.nbytes))
         assert broken.slot is None and broken.reason  # a rejection carries no pixels at all
     finally:
         slots.close()

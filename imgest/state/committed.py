@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -355,13 +356,33 @@ def remove_orphan_shards(store: Location, state: CatalogueState, now: datetime |
         if name.startswith(TEMP_PREFIX) or (stem and stem not in needed):
             store.delete(f"{embeddings_prefix(state.slug)}/{name}")
             removed.append(name)
-    from imgest.state.pixels import remove_orphans  # the shards' pixel files follow them
-
-    removed += remove_orphans(store, state.slug, needed)
+    removed += remove_orphan_pixels(store, state.slug, needed)  # the shards' kept pixels follow them
     for folder in (f"{state_prefix(state.slug)}/commits", f"{state_prefix(state.slug)}/snapshots"):
         for name in store.list_names(folder, temp=True):  # a marker or snapshot killed before its rename
             if name.startswith(TEMP_PREFIX):
                 store.delete(f"{folder}/{name}")
+    return removed
+
+
+def pixels_prefix(slug: str) -> str:
+    """Where a model's kept pixels are (imgest/state/pixels.py): a pixel file beside each shard, by side."""
+    return f"pixels/model={records.slug(slug, 'model')}"
+
+
+SIDE_FOLDER = re.compile(r"side=(\d{1,4})")
+
+
+def remove_orphan_pixels(store: Location, slug: str, needed: set[str]) -> list[str]:
+    """Delete pixel files whose shard no committed state refers to (`needed`), and temp files of a killed write."""
+    removed = []
+    for folder in store.list_names(pixels_prefix(slug), temp=True):
+        if not SIDE_FOLDER.fullmatch(folder):
+            continue
+        for name in store.list_names(f"{pixels_prefix(slug)}/{folder}", temp=True):
+            stem = name[:-len(".parquet")] if name.endswith(".parquet") else None
+            if name.startswith(TEMP_PREFIX) or (stem and stem not in needed):
+                store.delete(f"{pixels_prefix(slug)}/{folder}/{name}")
+                removed.append(f"{folder}/{name}")
     return removed
 
 

@@ -19,7 +19,6 @@ with a warning and its items read from the catalogue (`KeptPixelsError`).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -27,10 +26,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from imgest import records
 from imgest.images import kept
 from imgest.state.clock import now_iso
-from imgest.state.committed import state_prefix
+from imgest.state.committed import SIDE_FOLDER as _SIDE_FOLDER
+from imgest.state.committed import pixels_prefix, state_prefix
+from imgest.state.committed import remove_orphan_pixels as remove_orphans  # noqa: F401 (the pixel files' sweep)
 from imgest.storage import Location, StorageError
 
 SCHEMA = pa.schema([("item_id", pa.string()), ("content_hash", pa.string()), ("width", pa.int32()),
@@ -39,7 +39,6 @@ ROW_GROUP = 256  # copies a row group at most (~17 MB at side 256), what a reade
 GROUP_BYTES = 16 << 20  # ... or fewer, once their bytes reach this (a large side)
 MAX_GROUP_BYTES = 4 * GROUP_BYTES  # a row group's size in the footer above this: not written by imgest
 MIN_SIDE, MAX_SIDE = 32, 4096
-_SIDE_FOLDER = re.compile(r"side=(\d{1,4})")
 # a column's encodings in a pixel file: values PLAIN, levels RLE. A dictionary or delta encoding (or compression)
 # lets a small row group decode to any size (one 4 MB value repeated 1,024 times is a 61 kB file whose footer
 # says 1 MB), so the footer's sizes would bound nothing
@@ -48,10 +47,6 @@ PLAIN_ONLY = frozenset({"PLAIN", "RLE", "BIT_PACKED"})
 
 class KeptPixelsError(ValueError):
     """A pixel file that cannot be trusted or read (damaged, planted, oversized): its items come from the catalogue."""
-
-
-def pixels_prefix(slug: str) -> str:
-    return f"pixels/model={records.slug(slug, 'model')}"
 
 
 def pixels_key(slug: str, side: int, shard: str) -> str:
@@ -209,22 +204,6 @@ def read_copies(store: Location, slug: str, side: int, shard: str, wanted: dict[
         raise KeptPixelsError(f"{key}: missing") from exc
     except (OSError, pa.ArrowException, StorageError, ValueError) as exc:
         raise KeptPixelsError(f"{key}: {type(exc).__name__}: {exc}") from exc
-
-
-def remove_orphans(store: Location, slug: str, needed: set[str]) -> list[str]:
-    """Delete pixel files whose shard no committed state refers to (`needed`), and temp files of a killed write."""
-    from imgest.storage.location import TEMP_PREFIX
-
-    removed = []
-    for folder in store.list_names(pixels_prefix(slug), temp=True):
-        if not _SIDE_FOLDER.fullmatch(folder):
-            continue
-        for name in store.list_names(f"{pixels_prefix(slug)}/{folder}", temp=True):
-            stem = name[:-len(".parquet")] if name.endswith(".parquet") else None
-            if name.startswith(TEMP_PREFIX) or (stem and stem not in needed):
-                store.delete(f"{pixels_prefix(slug)}/{folder}/{name}")
-                removed.append(f"{folder}/{name}")
-    return removed
 
 
 def coverage(store: Location, slug: str, state) -> dict:
