@@ -23,16 +23,18 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from imgest.retrieval.params import refine_of
 from imgest.retrieval.versions import IdMapFile, IndexIntegrityError
 from imgest.state.committed import LIVE, CatalogueState, shard_key
 from imgest.state.live import read_vectors
-from imgest.state.rows import one_thread, sql_string
+from imgest.state.rows import SORT_MEMORY, one_thread, sql_string
 from imgest.state.shards import UNRECORDED, shard_decoder, shard_encoder
 from imgest.storage import Location
 from imgest.tasks.index.rerank import emptied, on_disk, renumbered_blocks, write_mapped
 
+SMALL_DELTA_ROWS = 4_000_000  # previous vectors up to which the delta's joins run under SORT_MEMORY (plan_delta)
 RETRAIN_PARAM_GROWTH = 2  # retrain when an update needs more than twice the nprobe its training served
 
 
@@ -70,13 +72,19 @@ def plan_delta(store: Location, slug: str, dim: int, previous_ids: str, state: C
     """What differs between the vectors in the previous version (its id map, a Parquet file on local disk) and
     the live state, new vectors read. Joined in the state's DuckDB (memory capped, spilling), the new id map
     written from there to a file: what comes into memory is the change and one int64 per previous vector. One
-    thread, under the state's cap: the join of the previous id map with the new one (10M rows a side) ran out of
-    memory under SORT_MEMORY (256 MB) at 10M (2026-12-06); the state's 512 MB holds it, and one thread keeps
-    one set of buffers beside the index the update holds."""
+    thread (one set of buffers beside the index the update holds), under SORT_MEMORY (256 MB) up to
+    SMALL_DELTA_ROWS previous vectors and the state's 512 MB above: DuckDB fills the cap it is given, and the 1M
+    night's index update peaked at 927 MB under 256 MB and 1,084 MB under 512 (2026-12-06), while the join of
+    two 10M id maps ran out of memory under 256 MB."""
     import duckdb
 
     ids = IdMapFile()
-    with state.sql() as cur, one_thread(cur):  # one set of the joins' buffers beside the index the update holds
+    try:
+        previous_rows = pq.read_metadata(previous_ids).num_rows
+    except (OSError, pa.ArrowException) as exc:
+        raise IndexIntegrityError(f"the previous version's id map does not read as one: {exc}") from exc
+    memory = SORT_MEMORY if previous_rows <= SMALL_DELTA_ROWS else None
+    with state.sql() as cur, one_thread(cur, memory):
         try:
             cur.execute(f"""CREATE TEMP VIEW prev AS SELECT CAST(faiss_id AS BIGINT) AS faiss_id,
                             CAST(item_id AS VARCHAR) AS item_id, coalesce(CAST(content_hash AS VARCHAR), '') AS hash
