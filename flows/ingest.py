@@ -18,6 +18,7 @@ from imgest.progress import report
 from imgest.reports.ingest import progress_line, render_summary
 from imgest.reports.run_names import run_name
 from imgest.runners import SHARDS_AHEAD, shard_runner, submit_in_order
+from imgest.state import pixels
 from imgest.state.committed import new_run_id
 from imgest.state.models import default_model
 from imgest.storage import one_line, open_location
@@ -52,7 +53,11 @@ def ingest(config: IngestConfig) -> dict:
     encoders.runtimes.refuse_unusable(config.runtime, config.precision, device)  # before any listing or encoding
     encoders.refuse_unrecordable(spec, store_loc)  # a name the nightly would refuse to read back: refused now
     if "image" in spec.modalities:  # the model's recorded JPEG decoder must run here, or the run say how to go on
-        decoders.check(store_loc, spec.slug, config.decoder, config.force_decoder, device)
+        record = decoders.check(store_loc, spec.slug, config.decoder, config.force_decoder, device)
+        if spec.base is None and decoders.NVJPEG in (config.decoder, record and record.decoder) \
+                and (config.keep_pixels or (config.keep_pixels is None and pixels.read_setting(store_loc, spec.slug))):
+            raise decoders.DecoderError("keep_pixels: copies are made from a CPU decode, and this run decodes JPEGs "
+                                        "with nvjpeg; keep pixels off (--keep-pixels 0) on GPU nodes")
     catalogue_loc = open_location(config.catalogue, must_exist=True, what="catalogue", follow_links=True)
     check_apart(catalogue_loc, store_loc)
     catalogue_url = catalogue_loc.url

@@ -270,19 +270,25 @@ def decoder_parity(encoder, reference: str, candidate: str, files: tuple[bytes, 
 
     files = files or _files()
     side = getattr(encoder, "decode_side", None)
-
-    def embed(decoder: str) -> np.ndarray:
-        return np.concatenate([encoder.encode_images(np.stack([
-            encoder.preprocess(decode_image(data, min_side=side, decoder=decoder)) for data in files[i:i + CHUNK]]))
-            for i in range(0, len(files), CHUNK)])
-
-    ours, theirs = embed(reference), embed(candidate)
-    every = _cosines(ours, theirs)
-    figures = {"min_cosine": float(every.min()), "mean_cosine": float(every.mean()),
-               "p1_cosine": float(np.percentile(every, 1)), "overlap": neighbour_overlap(ours, theirs)}
-    figures = {k: round(v, 7) for k, v in figures.items()}
+    figures = _paired_figures(encoder, files, lambda data: decode_image(data, min_side=side, decoder=reference),
+                              lambda data: decode_image(data, min_side=side, decoder=candidate))
     return DecoderParity(encoder.spec.model_id, reference, candidate, gate=gate("bf16"),
                          passed=passes(figures, "bf16"), images=len(files), **figures)
+
+
+def _paired_figures(encoder, files: tuple[bytes, ...], ours, theirs) -> dict[str, float]:
+    """The gate's figures of `encoder`'s embeddings of `files` decoded two ways (`ours`, `theirs`: bytes -> image),
+    CHUNK images at a time."""
+    def embed(decode) -> np.ndarray:
+        return np.concatenate([encoder.encode_images(np.stack([encoder.preprocess(decode(data))
+                                                               for data in files[i:i + CHUNK]]))
+                               for i in range(0, len(files), CHUNK)])
+
+    reference, candidate = embed(ours), embed(theirs)
+    every = _cosines(reference, candidate)
+    figures = {"min_cosine": float(every.min()), "mean_cosine": float(every.mean()),
+               "p1_cosine": float(np.percentile(every, 1)), "overlap": neighbour_overlap(reference, candidate)}
+    return {k: round(v, 7) for k, v in figures.items()}
 
 
 @dataclass
@@ -314,7 +320,7 @@ class KeptParity(GateFigures):
 def kept_parity(encoder, reference: str, source: str, side: int, files: tuple[bytes, ...] | None = None) -> KeptParity:
     """Kept copies' parity with the originals through `encoder`, on the parity sample's files (or `files`), judged by
     the reduced precision's gate: each original decoded by `reference` at the encoder's side, against its copy
-    (decoded by `source` at `side`, resized, JPEG-encoded: imgest/images/kept.py) decoded and preprocessed."""
+    (from `source`'s decode at `side`, kept as imgest/images/kept.py keeps it) decoded and preprocessed."""
     from imgest.images import kept
     from imgest.images.decode import decode_image
 
@@ -322,23 +328,13 @@ def kept_parity(encoder, reference: str, source: str, side: int, files: tuple[by
     need = getattr(encoder, "decode_side", None)
     copies: list[bytes] = []
 
-    def original(data: bytes) -> np.ndarray:
-        return encoder.preprocess(decode_image(data, min_side=need, decoder=reference))
-
-    def from_copy(data: bytes) -> np.ndarray:
+    def from_copy(data: bytes):
         copy = kept.make_copy(decode_image(data, min_side=max(need or 0, side), decoder=source), side)[0]
         copies.append(copy)
-        return encoder.preprocess(decode_image(copy, min_side=need))
+        return decode_image(copy, min_side=need)
 
-    def embed(prepare) -> np.ndarray:
-        return np.concatenate([encoder.encode_images(np.stack([prepare(data) for data in files[i:i + CHUNK]]))
-                               for i in range(0, len(files), CHUNK)])
-
-    ours, theirs = embed(original), embed(from_copy)
-    every = _cosines(ours, theirs)
-    figures = {"min_cosine": float(every.min()), "mean_cosine": float(every.mean()),
-               "p1_cosine": float(np.percentile(every, 1)), "overlap": neighbour_overlap(ours, theirs)}
-    figures = {k: round(v, 7) for k, v in figures.items()}
+    figures = _paired_figures(encoder, files, lambda data: decode_image(data, min_side=need, decoder=reference),
+                              from_copy)
     return KeptParity(encoder.spec.model_id, reference, source, side, gate=gate("bf16"),
                       passed=passes(figures, "bf16"), images=len(files), copy_bytes=sum(map(len, copies)), **figures)
 
