@@ -741,3 +741,25 @@ def test_a_new_model_reading_copies_takes_their_decoder_on_its_first_run(tmp_pat
         again = choose_decoder(store, "new-model", "r00000002-x", None, None, False, "cpu", measure,
                                lambda *_: None, inherit=("pillow", "old-model"))
         assert again.decoder == "simplejpeg" and len(timed) == 0
+
+
+@pytest.mark.usefixtures("prefect_harness", "small_gate_sample")
+def test_a_model_outside_the_gate_reads_the_originals_and_its_summary_has_the_figures(tmp_path):
+    """raw-pixels models fit any kept side but their tiny squares move past the gate (measured 0.86-0.98 mean
+    cosine): the new model reads the catalogue, the refusal and its figures are in the summary and recorded."""
+    from imgest.config import ReencodeConfig
+    from imgest.flows.reencode import reencode
+    from tests.helpers import jpeg_bytes, write_files
+
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    write_files(str(cat), {f"p/{i:02d}.jpg": jpeg_bytes(gradient(i, (640, 480))) for i in range(8)})
+    _ingest(cat, store, model="raw-pixels", keep_pixels=SIDE)
+    summary = reencode(ReencodeConfig(catalogue=str(cat), store=str(store), model="raw-pixels-16", batch_size="4",
+                                      shard_size=5, decoder="pillow"))
+    kept_report = summary["kept_pixels"]
+    assert kept_report["reads"] == "catalogue" and kept_report["from_kept"] == 0
+    assert kept_report["from_catalogue"] == summary["encoded"] == 8
+    assert kept_report["gate"]["passed"] is False and "the gate refused copies of side 64" in kept_report["why"]
+    assert "below the" in kept_report["why"]  # the shortfall, in figures
+    gate = json.loads((store / "state" / f"model={_slug('raw-pixels-16')}" / "kept-gate.json").read_text())
+    assert [entry["passed"] for entry in gate] == [False] and gate[0]["side"] == SIDE
