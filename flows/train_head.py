@@ -8,7 +8,6 @@ from prefect.artifacts import create_markdown_artifact
 
 from imgest.config import TrainHeadConfig
 from imgest.flow_params import configured_flow
-from imgest.images import decoders
 from imgest.names import parse_augmentations
 from imgest.plots import markdown_image
 from imgest.reports.heads import render_head, render_whitening
@@ -56,8 +55,8 @@ def train_head_flow(config: TrainHeadConfig) -> dict:
         live.catalogue = config.catalogue  # images are read only under it (or the root recorded at ingest)
         data = augment_task(live, base["name"], config.views, training.seed, config.max_items,
                             parse_augmentations(config.augment), config.device)
-    scorer = scorer_task(store_loc, base, config.eval_queries, data, config.negatives, training.seed, config.device,
-                         decoders.recorded(store_loc, base["slug"])) if config.eval_queries else None
+    scorer = scorer_task(store_loc, base, config.eval_queries, data, config.negatives, training.seed,
+                         config.device) if config.eval_queries else None
     result = train_task(data, training, scorer)
     evaluation = None
     if scorer is not None:

@@ -223,8 +223,8 @@ Precision = Annotated[str, AfterValidator(one_of(PRECISIONS)),
                       Field(description="The encoder's arithmetic: auto (bf16 where the device runs it natively and "
                                         "it passes the parity check, else fp32), fp32, bf16 or fp16")]
 Decoder = Annotated[Annotated[str, AfterValidator(one_of(DECODERS))] | None, Field(
-    description="The JPEG decoder (default: the model's own in this store, timed on its first run there and "
-                "recorded). pillow, simplejpeg, turbojpeg or nvjpeg (GPU) switches the model to it from this run "
+    description="The JPEG decoder (default: the one recorded for the model in this store; on its first run there "
+                "simplejpeg, every model's default, recorded). pillow, simplejpeg, turbojpeg or nvjpeg (GPU) switches the model to it from this run "
                 "on, recorded, when its embeddings pass the reduced-precision gate against the recorded decoder's "
                 "on the parity sample")]
 ForceDecoder = Annotated[str | None, Field(
@@ -240,9 +240,9 @@ KeepPixels = Annotated[int | None, AfterValidator(_keep_side), Field(
     description="Keep a resized copy of each image decoded (shorter side SIDE, aspect kept, JPEG) in the store, so "
                 "that a model change reads the copies instead of the catalogue's originals; recorded and kept by "
                 "later runs of the model (0 turns it off). Default: the model's recorded setting; a new model "
-                "takes the setting of the model whose copies it reads. A model reads copies when its preprocessing "
-                "needs no more than SIDE (256: EfficientNet-Lite0 and its GeM pooling; Lite2 needs 297) and it "
-                "passes the gate on them")]
+                "takes the setting of the model whose copies it reads. Never changes the model's own vectors. A model "
+                "reads copies when its recorded decode side is no more than SIDE (256: EfficientNet-Lite0 and its "
+                "GeM pooling; Lite2 needs 297) and it passes the gate on them")]
 Kind = Annotated[str, AfterValidator(_kind),
                  Field(description=f"Index kind: {', '.join(KINDS)} or a faiss factory string")]
 Memory = Annotated[str, AfterValidator(_size(parse_memory)),

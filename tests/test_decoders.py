@@ -121,36 +121,55 @@ def _store(tmp_path):
     return Location(str(tmp_path / "store"))
 
 
-def _choose(store, asked=None, force=None, first=True, measure=None, gate=None, run_id="r00000001-x"):
+def _choose(store, asked=None, force=None, first=True, side=None, gate=None, run_id="r00000001-x", legacy=0):
     from imgest.tasks.ingest.decoder import choose_decoder
 
-    def no_gate(recorded, asked):
+    def no_gate(recorded, asked, side):
         raise AssertionError("the gate ran")
 
-    def fastest_turbo(names):  # "measured": turbojpeg cheapest; each timed one's core-seconds
-        return "turbojpeg", {name: (0.001 if name == "turbojpeg" else 0.002) for name in names}
+    def model_side(name):  # the model's preprocessing decodes down to 256 (no gate)
+        return 256, None
 
-    return choose_decoder(store, SLUG, run_id, asked, force, first, "cpu", measure or fastest_turbo, gate or no_gate)
+    return choose_decoder(store, SLUG, run_id, asked, force, first, "cpu", side or model_side, gate or no_gate,
+                          legacy=legacy)
 
 
-def test_a_first_run_records_the_fastest_and_later_runs_keep_it_when_another_measures_faster(tmp_path):
+def test_a_first_run_records_the_models_default_decode_and_later_runs_keep_it(tmp_path):
     store = _store(tmp_path)
-    first = _choose(store)  # the model's first run in the store: timed, recorded before any shard
+    first = _choose(store)  # the model's first run in the store: its default, recorded before any shard
     record = decoders.read_record(store, SLUG)
-    assert first.decoder == record.decoder == "turbojpeg" and record.how == decoders.MEASURED
-    assert set(record.measured) == set(decoders.timed()) and record.run_id == "r00000001-x"
+    assert (first.decoder, first.side) == (record.decoder, record.side) == (decoders.DEFAULT, 256)
+    assert record.how == decoders.DEFAULTED and record.run_id == "r00000001-x" and not record.measured
+    for later in (True, False):  # a resume (no snapshot yet: "first" again) and a later run, whatever they'd pick
+        kept = _choose(store, first=later, side=lambda name: (0, None))
+        assert (kept.decoder, kept.side) == (decoders.DEFAULT, 256) and kept.source.startswith(
+            f"recorded: {decoders.DEFAULT} (default, run r00000001-x), down to a shorter side of 256 px")
+    # and its queries decode alike
+    assert decoders.recorded(store, SLUG) == decoders.Decode(decoders.DEFAULT, 256)
 
-    def pillow_cheapest(data, name):  # every other decoder made to cost ~2 ms of CPU an image: Pillow measures fastest
-        if name != decoders.PILLOW:
-            end = time.thread_time() + 0.002
-            while time.thread_time() < end:
-                pass
 
-    assert decoders.fastest([b"a", b"b"], pillow_cheapest)[0] == decoders.PILLOW
-    for later in (True, False):  # a resume (no snapshot yet: "first" again) and a later run
-        kept = _choose(store, first=later, measure=lambda names: decoders.fastest([b"a", b"b"], pillow_cheapest, names))
-        assert kept.decoder == "turbojpeg" and kept.source.startswith("recorded: turbojpeg (measured")
-    assert decoders.recorded(store, SLUG) == "turbojpeg"  # and its queries decode alike
+def test_a_record_from_before_the_default_keeps_its_decoder_and_gets_its_side_recorded(tmp_path):
+    """A store whose first run timed the decoders (or inherited one) keeps that decoder: switching stays behind the
+    gate. Its side, unrecorded then, is the one its vectors were made at (`legacy`), recorded by the next run."""
+    store = _store(tmp_path)
+    store.write_json(decoders.record_key(SLUG), {"decoder": "turbojpeg", "how": "measured", "run_id": "r00000001-x",
+                                                 "measured": {"pillow": 0.002, "turbojpeg": 0.001}})
+    old = decoders.read_record(store, SLUG)
+    assert old.side == decoders.UNRECORDED and not old.default(None)
+
+    class Lite:  # an encoder's attributes only: what resolves a side from before sides were recorded
+        decode_side = 256
+
+    class Transformers:
+        decode_side, legacy_decode_side = 224, None
+
+    assert old.decode(Lite()) == decoders.Decode("turbojpeg", 256)
+    assert old.decode(Transformers()) == decoders.Decode("turbojpeg", None)  # decoded whole before
+    kept = _choose(store, first=False, legacy=256)
+    record = decoders.read_record(store, SLUG)
+    assert (kept.decoder, kept.side) == ("turbojpeg", 256) and "recorded now" in kept.source
+    assert (record.decoder, record.how, record.side, record.measured) == ("turbojpeg", "measured", 256, old.measured)
+    assert _choose(store, legacy=0).side == 256  # recorded: no longer resolved
 
 
 def test_two_first_runs_at_once_agree_the_loser_takes_the_winners_record(tmp_path):
@@ -165,18 +184,21 @@ def test_two_first_runs_at_once_agree_the_loser_takes_the_winners_record(tmp_pat
 
 def test_a_model_with_vectors_from_before_records_keeps_pillow_and_an_old_record_is_the_record(tmp_path):
     store = _store(tmp_path)
-    assert _choose(store, first=False).decoder == decoders.PILLOW  # its vectors were Pillow's: not timed
+    chosen = _choose(store, first=False, legacy=256)  # its vectors were Pillow's, at the side it had then
+    assert (chosen.decoder, chosen.side) == (decoders.PILLOW, 256)
     assert decoders.read_record(store, SLUG).how == decoders.ASSUMED
     old = _store(tmp_path / "old")
     old.write_json(decoders.record_key(SLUG), {"decoder": "simplejpeg", "run_id": "r00000003-x"})  # written after a run
     assert decoders.read_record(old, SLUG).how == decoders.EARLIER
-    assert _choose(old).decoder == decoders.recorded(old, SLUG) == "simplejpeg"
+    assert _choose(old).decoder == decoders.recorded(old, SLUG).decoder == "simplejpeg"
 
 
 @pytest.mark.parametrize("hostile", [{"decoder": "os.system"}, {"decoder": ["simplejpeg"]}, {"other": 1}, [1, 2],
                                      {"decoder": "simplejpeg", "how": "exec"},
                                      {"decoder": "simplejpeg", "gate": {"k": "x" * 500}},
-                                     {"decoder": "simplejpeg", "measured": {"__import__('os')": 1.0}}, "not json"])
+                                     {"decoder": "simplejpeg", "measured": {"__import__('os')": 1.0}},
+                                     {"decoder": "simplejpeg", "side": "256"}, {"decoder": "simplejpeg", "side": 10**9},
+                                     {"decoder": "simplejpeg", "side": True}, "not json"])
 def test_a_garbled_or_planted_record_is_never_trusted(tmp_path, hostile, caplog):
     import json
     import logging
@@ -188,7 +210,7 @@ def test_a_garbled_or_planted_record_is_never_trusted(tmp_path, hostile, caplog)
     with pytest.raises(decoders.DecoderError, match=r"decoder\.json does not read as a decoder record"):
         decoders.read_record(store, SLUG)
     with caplog.at_level(logging.WARNING, logger="imgest"):
-        assert decoders.recorded(store, SLUG) == decoders.PILLOW  # a query warns and decodes with Pillow
+        assert decoders.recorded(store, SLUG).decoder == decoders.PILLOW  # a query warns and decodes with Pillow
     assert "queries decode with Pillow" in caplog.text
     # a run refuses before any work, saying how to go on; a forced explicit choice replaces the record
     with pytest.raises(decoders.DecoderError, match="--decoder NAME --force-decoder REASON"):
@@ -261,8 +283,8 @@ def test_an_explicit_decoder_outside_the_gate_is_refused_and_one_inside_switches
     store = _store(tmp_path)
     decoders.create_record(store, SLUG, decoders.Record("simplejpeg", decoders.MEASURED, "r00000001-x"))
 
-    def gate(recorded, asked):
-        return parity.decoder_parity(encoder, recorded, asked, gate_files)
+    def gate(recorded, asked, side):
+        return parity.decoder_parity(encoder, recorded, asked, gate_files, side)
 
     with pytest.raises(DecoderGateError, match=r"--decoder negative: JPEGs decoded by negative against simplejpeg on "
                                                r"24 images of the parity sample: mean cosine .* below the 0.998"):
@@ -279,6 +301,43 @@ def test_an_explicit_decoder_outside_the_gate_is_refused_and_one_inside_switches
     record = decoders.read_record(store, SLUG)
     assert forced.decoder == record.decoder == "negative" and record.gate == {"forced": "a test of the force"}
     assert record.previous == "turbojpeg" and "forced past the gate against turbojpeg" in forced.source
+
+
+def test_a_transformers_models_reduced_decode_is_recorded_where_it_passes_its_gate(tmp_path, tiny_models,
+                                                                                   gate_files, monkeypatch):
+    """A transformers processor's resize target is the side its JPEGs may decode down to (the shortest edge; for
+    DINOv2 256, not the crop), and a first run records it only where the reduced decode passes the gate against the
+    processor's own path on whole images; else it records whole images, with the figures."""
+    from transformers import BitImageProcessor, SiglipImageProcessor
+
+    from imgest import encoders
+    from imgest.encoders import parity
+    from imgest.encoders.hf import _decode_side
+    from imgest.tasks.ingest.decoder import model_side
+
+    assert _decode_side(BitImageProcessor(size={"shortest_edge": 256}, crop_size={"height": 224, "width": 224})) == 256
+    assert _decode_side(SiglipImageProcessor(size={"height": 224, "width": 384})) == 384  # squashed: both sides
+    assert _decode_side(SiglipImageProcessor(do_resize=False)) is None
+    encoder = encoders.load(encoders.resolve(f"hf:{tiny_models['clip']}"), "cpu")
+    assert encoder.decode_side == 32 and encoder.gated_decode_side and decoders.legacy_side(encoder) == 0
+    monkeypatch.setitem(decoders.REGISTRY, Negative.name, Negative())
+    decoders.installed.cache_clear()
+
+    def gated(encoder, decoder, side):
+        return parity.side_parity(encoder, decoder, side, gate_files)
+
+    side, figures = model_side(encoder, decoders.DEFAULT, gated)
+    assert side == 32 and figures["passed"] and figures["images"] == len(gate_files)
+    assert figures["mean_cosine"] >= parity.REDUCED_MEAN_COSINE
+    store = _store(tmp_path)  # a decode outside the gate: the first run records whole images, and why
+    chosen = _choose(store, side=lambda name: model_side(encoder, Negative.name, gated))
+    record = decoders.read_record(store, SLUG)
+    assert chosen.side == record.side == decoders.FULL and not record.side_gate["passed"]
+    assert record.decode(encoder) == decoders.Decode(decoders.DEFAULT, None)
+    from imgest.state.status import model_decoder
+
+    shown = model_decoder(store, SLUG)
+    assert shown["side"] == 0 and "whole images: the reduced decode failed its gate" in shown["describe"]
 
 
 def test_each_shard_names_its_decoder_and_the_same_bytes_give_the_same_vector(tmp_path, tiny_models, monkeypatch):

@@ -129,6 +129,38 @@ def test_second_model_gets_its_own_namespace_and_auto_batch(tmp_path, tiny_model
     assert again["encoded"] == 0 and again["batch_size_source"] == "nothing to encode"
 
 
+def test_a_dinov2_shaped_model_decodes_product_photos_reduced_and_status_shows_its_side(tmp_path, monkeypatch):
+    """A transformers DINOv2 whose processor resizes the shortest edge to 256 and crops 224 (facebook/dinov2-base's
+    settings; tiny random weights): its ~1200 px JPEGs decode down to 256, not whole, once the reduced decode passes
+    its gate against the processor's own path on whole images; the record, the shards and `imgest status` say so."""
+    import torch
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    from imgest.demo import product_photos
+    from imgest.encoders import parity
+
+    folder = tmp_path / "models" / "dinov2-256"
+    torch.manual_seed(0)
+    Dinov2Model(Dinov2Config(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                             image_size=224, patch_size=14)).save_pretrained(folder)
+    BitImageProcessor(size={"shortest_edge": 256}, crop_size={"height": 224, "width": 224}, do_convert_rgb=True,
+                      image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]).save_pretrained(folder)
+    monkeypatch.setenv("IMGEST_MODEL_DIRS", str(folder.parent))
+    sample = tuple(product_photos(24, seed=parity.SAMPLE_SEED).values())  # the gate's sample, not what is tested
+    monkeypatch.setattr(parity, "_files", lambda: sample)
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    write_files(str(cat), product_photos(4, seed=6, sides=(1100, 1300)))
+    run = _run(cat, store, model=f"hf:{folder}", runtime="torch", precision="fp32", max_pixels=10**7)
+    encoding = run["encoding"]
+    assert run["encoded"] == 4 and (encoding["decoder"], encoding["decode_side"]) == (decoders.DEFAULT, 256)
+    assert encoding["side_gate"]["passed"] and encoding["side_gate"]["images"] == 24
+    assert {pq.read_schema(p).metadata[b"imgest.decode_side"] for p in (store / "embeddings").glob("*/*.parquet")} \
+        == {b"256"}
+    shown = CliRunner().invoke(app, ["status", "--store", str(store)]).output
+    assert f"JPEG decode: {decoders.DEFAULT} (default, run {run['run_id']}), down to a shorter side of 256 px\n" \
+        in shown, shown
+
+
 def _s3(url: str):
     import s3fs
 
@@ -171,7 +203,8 @@ KILLABLE = HANG_AFTER_FIRST_SHARD + """
 import sys
 from imgest.flows.ingest import ingest
 from imgest.images import decoders
-ingest(config=dict(catalogue=sys.argv[1], store=sys.argv[2], batch_size="1", shard_size=4))
+ingest(config=dict(catalogue=sys.argv[1], store=sys.argv[2], batch_size="1", shard_size=4, runtime="torch",
+                   precision="fp32"))
 """
 
 
@@ -200,12 +233,12 @@ def test_kill_mid_run_then_rerun_is_exactly_once_and_second_writer_refused(tmp_p
     committed = sum(json.loads(p.read_text())["rows"] for p in commit_markers(commits, "model=*/commits/*.json"))
     assert 0 < committed < n
 
-    # the killed run timed the JPEG decoders and recorded its choice before its first shard; the resume keeps it,
-    # times no other, and every shard, the killed run's and its own, names it
+    # the killed run recorded the model's default decode before its first shard; the resume keeps it, times no
+    # other, and every shard, the killed run's and its own, names it
     record = json.loads(next(commits.glob("model=*/decoder.json")).read_text())
-    assert record["how"] == "measured" and set(record["measured"]) == set(decoders.timed())
+    assert (record["how"], record["decoder"], record["side"]) == ("default", decoders.DEFAULT, 256)
 
-    rerun = _run(cat, store, batch_size="4", shard_size=10)
+    rerun = _run(cat, store, batch_size="4", shard_size=10, runtime="torch", precision="fp32")
     assert rerun["resumed_shards"] >= 1
     assert rerun["encoding"]["decoder"] == record["decoder"] and list(rerun["encoding"]["decoders"]) == \
         [record["decoder"]] and rerun["encoding"]["decoder_source"].startswith("recorded")
@@ -219,6 +252,11 @@ def test_kill_mid_run_then_rerun_is_exactly_once_and_second_writer_refused(tmp_p
     assert all(name.startswith("part-") and name.endswith(".parquet") for name in names)
     rows = ds.dataset(str(store / "embeddings"), format="parquet").count_rows()
     assert rows == n
+    # and the killed-and-resumed store holds a clean store's vectors (batch sizes differ: float noise only)
+    clean = _run(cat, tmp_path / "clean", batch_size="4", shard_size=10, runtime="torch", precision="fp32")
+    assert clean["encoding"]["decoder"] == record["decoder"] and clean["encoding"]["decode_side"] == 256
+    resumed, fresh = (_vectors(_export_ids(s, tmp_path / f"{s.name}.parquet")) for s in (store, tmp_path / "clean"))
+    assert resumed.keys() == fresh.keys() and max(abs(resumed[k] - fresh[k]).max() for k in fresh) < 1e-5
 
 
 def test_a_catalogue_that_drops_mid_run_fails_the_run_naming_the_shard_and_the_object(tmp_path, s3_endpoint,
@@ -263,23 +301,58 @@ def test_a_catalogue_that_drops_mid_run_fails_the_run_naming_the_shard_and_the_o
     assert not list((tmp_path / "store").glob("state/model=*/snapshots/*")), "nothing committed"
 
 
-def test_a_later_run_keeps_the_models_recorded_decoder_and_the_same_bytes_give_the_same_vector(tmp_path):
-    """The model's record names a decoder other than the one that measures fastest here, as if its first run had
-    timed it so: every later run decodes with it, and a copy of a photo gets its vector."""
+def _vectors(table) -> dict:
+    from imgest.state.shards import embedding_matrix
+
+    return dict(zip(table.column("item_id").to_pylist(), embedding_matrix(table, 1280)))
+
+
+def _timed_as(winner: str):
+    """decoders.fastest with its figures forced: `winner` ten times cheaper than every other decoder."""
+    def fastest(datas, work, names=None, rounds=2):
+        names = list(names or decoders.timed())
+        return (winner if winner in names else names[0]), {n: 0.001 if n == winner else 0.01 for n in names}
+    return fastest
+
+
+def test_two_fresh_stores_hold_the_same_vectors_however_the_decoders_timings_fall(tmp_path, monkeypatch):
+    """Two stores of one catalogue and model, their first runs with the decoders' timings forced apart both ways
+    (Pillow ten times cheaper, then simplejpeg): the same decode recorded, the same vectors, bit for bit."""
+    from imgest.demo import product_photos
+
+    cat = tmp_path / "catalogue"
+    photos = product_photos(6, seed=4, sides=(500, 700))
+    write_files(str(cat), photos)
+    fixed = {"runtime": "torch", "precision": "fp32", "max_pixels": 10**7}
+    runs, tables = {}, {}
+    for winner in (decoders.PILLOW, "simplejpeg"):
+        monkeypatch.setattr(decoders, "fastest", _timed_as(winner))
+        runs[winner] = _run(cat, tmp_path / winner, **fixed)
+        tables[winner] = _vectors(_export_ids(tmp_path / winner, tmp_path / f"{winner}.parquet"))
+    records = [json.loads(next((tmp_path / w / "state").glob("model=*/decoder.json")).read_text()) for w in runs]
+    assert {(r["decoder"], r["how"], r["side"]) for r in records} == {(decoders.DEFAULT, "default", 256)}
+    assert {run["encoding"]["decoder_source"] for run in runs.values()} == {"the model's default, recorded"}
+    pillow, simplejpeg = tables.values()
+    assert pillow.keys() == simplejpeg.keys() == set(photos)
+    assert all((pillow[k] == simplejpeg[k]).all() for k in photos)
+
+
+def test_a_later_run_keeps_a_recorded_decoder_other_than_the_default_and_the_same_bytes_give_the_same_vector(
+        tmp_path):
+    """The model's record names a decoder other than the default, as a store whose first run timed the decoders
+    recorded it (before the decoder was fixed, and before sides were recorded): every later run decodes with it,
+    its side is recorded, status says it is not the default, and a copy of a photo gets its vector."""
     from imgest import encoders
     from imgest.demo import product_photos
-    from imgest.images.decode import decode_image
-    from imgest.state.shards import embedding_matrix
     from imgest.storage import Location
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     photos = product_photos(6, seed=4, sides=(500, 700))
     write_files(str(cat), photos)
-    datas = list(photos.values())
-    fastest, _ = decoders.fastest(datas, lambda data, name: decode_image(data, min_side=256, decoder=name))
-    kept = next(name for name in decoders.timed() if name != fastest)
+    kept = "turbojpeg"
     slug = encoders.resolve("efficientnet-lite0").slug
-    decoders.create_record(Location(str(store)), slug, decoders.Record(kept, decoders.MEASURED, "r00000000-test"))
+    Location(str(store)).write_json(decoders.record_key(slug), {"decoder": kept, "how": "measured",
+                                                                 "run_id": "r00000000-test"})
     fixed = {"runtime": "torch", "precision": "fp32", "max_pixels": 10**7}
     first = _run(cat, store, **fixed)
     write_files(str(cat), {f"copy/{key}": data for key, data in photos.items()})  # the same bytes, new names
@@ -287,12 +360,17 @@ def test_a_later_run_keeps_the_models_recorded_decoder_and_the_same_bytes_give_t
     for run in (first, later):
         assert run["encoding"]["decoder"] == kept and list(run["encoding"]["decoders"]) == [kept]  # only its cost
         assert run["encoding"]["decoder_source"].startswith(f"recorded: {kept} (measured, run r00000000-test")
+        assert run["encoding"]["decode_side"] == 256
+    assert "its side as decoded before sides were recorded, recorded now" in first["encoding"]["decoder_source"]
+    assert decoders.read_record(Location(str(store)), slug).side == 256
     assert later["new"] == len(photos) and later["encoded"] == len(photos)
-    table = _export_ids(store, tmp_path / "live.parquet")
-    vectors = dict(zip(table.column("item_id").to_pylist(), embedding_matrix(table, 1280)))
+    vectors = _vectors(_export_ids(store, tmp_path / "live.parquet"))
     cosines = [float(vectors[key] @ vectors[f"copy/{key}"]) for key in photos]
     assert min(cosines) >= 0.99999, cosines
     assert {shard_decoder(pq.read_schema(p).metadata) for p in (store / "embeddings").glob("*/*.parquet")} == {kept}
+    decode = store_status(str(store))["models"][0]["decoder"]
+    assert decode["side"] == 256 and not decode["default_decoder"]
+    assert f"not the model's default ({decoders.DEFAULT})" in decode["describe"]
 
 
 def test_an_explicit_decoder_is_recorded_in_the_run_and_its_shards_and_status_shows_the_mix(tmp_path):
@@ -303,7 +381,7 @@ def test_an_explicit_decoder_is_recorded_in_the_run_and_its_shards_and_status_sh
     write_files(str(cat), small_catalogue(6))
     first = _run(cat, store)
     recorded = first["encoding"]["decoder"]
-    assert first["encoding"]["decoder_source"].startswith("the fastest measured on the model's first run")
+    assert first["encoding"]["decoder_source"] == "the model's default, recorded" and recorded == decoders.DEFAULT
     other = next(name for name in decoders.timed() if name != recorded)
     write_files(str(cat), small_catalogue(4, seed=1, prefix="more"))
     second = _run(cat, store, decoder=other, force_decoder="a test of the switch")
@@ -320,9 +398,11 @@ def test_an_explicit_decoder_is_recorded_in_the_run_and_its_shards_and_status_sh
     build_index(IndexConfig(store=str(store), kind="flat"))
     report = store_status(str(store))
     assert report["serving"]["decoded_by"] == {recorded: 6, other: 4}
-    assert report["models"][0]["decoder"] == f"{other} (forced, run {second['run_id']}, after {recorded})"
+    assert report["models"][0]["decoder"]["describe"].startswith(
+        f"{other} (forced, run {second['run_id']}, after {recorded}), down to a shorter side of 256 px; not the "
+        "model's default")
     shown = CliRunner().invoke(app, ["status", "--store", str(store)]).output
-    assert f"JPEGs decoded by: {recorded} 60.0%, {other} 40.0%" in shown and f"JPEG decoder: {other} (forced" in shown
+    assert f"JPEGs decoded by: {recorded} 60.0%, {other} 40.0%" in shown and f"JPEG decode: {other} (forced" in shown
     # the next run, without --decoder, keeps the switched one
     write_files(str(cat), small_catalogue(2, seed=2, prefix="last"))
     assert _run(cat, store)["encoding"]["decoder"] == other

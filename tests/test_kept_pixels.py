@@ -634,6 +634,31 @@ def test_a_reencode_from_kept_pixels_equals_one_from_the_originals_within_the_ga
 
 
 @pytest.mark.slow("real weights")
+@pytest.mark.usefixtures("prefect_harness")
+def test_keeping_pixels_above_the_models_side_never_changes_its_vectors(photos, tmp_path):
+    """Lite0 (decode side 256) ingested keeping copies at 448 and without: the same vectors, bit for bit (runtime,
+    precision, batch and decoder fixed); the copies are decoded at 448, a second decode where the model's stops
+    below it."""
+    from tests.helpers import write_files
+
+    files = dict(list(photos[1].items())[:12])
+    cat = tmp_path / "catalogue"
+    write_files(str(cat), files)
+    options = {**REAL, "decoder": "simplejpeg"}
+    keeping = _ingest(cat, tmp_path / "keeping", model="efficientnet-lite0", keep_pixels=448, **options)
+    plain = _ingest(cat, tmp_path / "plain", model="efficientnet-lite0", **options)
+    assert keeping["encoded"] == plain["encoded"] == len(files) and keeping["kept_pixels"]["written"] == len(files)
+    assert keeping["encoding"]["decode_side"] == plain["encoding"]["decode_side"] == 256
+    with_copies, without = _vectors(tmp_path / "keeping", "efficientnet-lite0"), _vectors(tmp_path / "plain",
+                                                                                          "efficientnet-lite0")
+    assert sorted(with_copies) == sorted(without) == sorted(files)
+    assert all((with_copies[key] == without[key]).all() for key in files)
+    for key, (_, copy) in _copies(tmp_path / "keeping", _slug("efficientnet-lite0")).items():
+        with Image.open(io.BytesIO(copy)) as image:  # whole images under 448 are kept whole
+            assert min(image.size) >= min(448, min(Image.open(io.BytesIO(files[key])).size)), key
+
+
+@pytest.mark.slow("real weights")
 def test_a_model_whose_side_exceeds_the_kept_side_reads_the_originals_and_says_why(photos, lite0_keeping, tmp_path):
     store = _copy_store(lite0_keeping, tmp_path)
     run = _ingest(photos[0], store, model="efficientnet-lite2", **REAL)
@@ -641,7 +666,7 @@ def test_a_model_whose_side_exceeds_the_kept_side_reads_the_originals_and_says_w
     assert run["encoded"] == PHOTOS
     assert (report["reads"], report["from_kept"], report["from_catalogue"], report["gate"]) == \
         ("catalogue", 0, PHOTOS, None)
-    assert report["why"] == (f"efficientnet-lite2's preprocessing needs a shorter side of 297 and this run keeps 256; "
+    assert report["why"] == (f"efficientnet-lite2 decodes down to a shorter side of 297 and this run keeps 256; "
                              f"model={_slug('efficientnet-lite0')} keeps 256")
     assert not (store / "state" / f"model={_slug('efficientnet-lite2')}" / "kept-gate.json").exists()
 
@@ -713,34 +738,6 @@ def test_a_migration_reads_the_serving_models_copies_and_keeps_none_when_told(
         ("kept pixels", lite0, PHOTOS, 0, 0)
     assert pixels.read_setting(Location(str(store)), gem) == 0
     assert not (store / pixels.pixels_prefix(gem)).exists()
-
-
-@pytest.mark.parametrize(("source_decoder", "recorded", "how"), [
-    ("simplejpeg", "simplejpeg", "inherited"),  # the copies' decoder: originals and copies decode alike
-    ("nvjpeg", "pillow", "measured"),  # a GPU decoder cannot run on this CPU run: timed as any first run
-])
-def test_a_new_model_reading_copies_takes_their_decoder_on_its_first_run(tmp_path, source_decoder, recorded, how):
-    from imgest.images import decoders
-    from imgest.tasks.ingest.decoder import choose_decoder
-
-    store = Location(str(tmp_path / "store"))
-    timed = []
-
-    def measure(names):
-        timed.append(names)
-        return "pillow", {"pillow": 0.008}
-
-    choice = choose_decoder(store, "new-model", "r00000001-x", None, None, True, "cpu", measure,
-                            lambda *_: None, inherit=(source_decoder, "old-model"))
-    record = decoders.read_record(store, "new-model")
-    assert (choice.decoder, record.decoder, record.how) == (recorded, recorded, how)
-    assert bool(timed) == (how == "measured")
-    if how == "inherited":
-        assert record.gate == {"kept_pixels_of": "old-model"} and "old-model" in choice.source
-        # kept by its later runs as any record: the next run neither times nor inherits again
-        again = choose_decoder(store, "new-model", "r00000002-x", None, None, False, "cpu", measure,
-                               lambda *_: None, inherit=("pillow", "old-model"))
-        assert again.decoder == "simplejpeg" and len(timed) == 0
 
 
 @pytest.mark.usefixtures("prefect_harness", "small_gate_sample")

@@ -93,7 +93,7 @@ def status(
         typer.echo(f"  live {m['live']} in {m['shards']} shard(s), rejected {len(m['rejected'])}, "
                    f"tombstones {m['tombstones']}, snapshot {m['snapshot']}, pending shards {m['pending_shards']}")
         if m.get("decoder"):
-            typer.echo(f"  JPEG decoder: {m['decoder']}")
+            typer.echo(f"  JPEG decode: {m['decoder']['describe']}")
         if (kept := m.get("kept_pixels")) and (kept["files"] or kept["side"]):
             setting = f"kept at side {kept['side']}" if kept["side"] else "not kept by later runs"
             typer.echo(f"  kept pixels: {setting}; {kept['live_items']:,} of {m['live']:,} live items covered, "

@@ -242,6 +242,14 @@ class HeadEncoder(GraphEncoder):
         return getattr(self.base, "decode_side", None)
 
     @property
+    def gated_decode_side(self) -> bool:  # the base model's images, decoded as its own are
+        return getattr(self.base, "gated_decode_side", False)
+
+    @property
+    def legacy_decode_side(self):
+        return getattr(self.base, "legacy_decode_side", self.decode_side)
+
+    @property
     def preprocess_fn(self):
         """The base model's picklable preprocessing, when it has one: a head's images decode in processes too."""
         return getattr(self.base, "preprocess_fn", None)

@@ -263,17 +263,42 @@ def _files() -> tuple[bytes, ...]:
     return tuple(product_photos(SAMPLE_IMAGES, seed=SAMPLE_SEED).values())
 
 
-def decoder_parity(encoder, reference: str, candidate: str, files: tuple[bytes, ...] | None = None) -> DecoderParity:
-    """`candidate`'s parity with `reference` through `encoder` (its decode side and preprocessing), on the parity
-    sample's files (or `files`), judged by the reduced precision's gate: a decoder moves embeddings as bf16 does."""
+def decoder_parity(encoder, reference: str, candidate: str, files: tuple[bytes, ...] | None = None,
+                   side: int | None = None) -> DecoderParity:
+    """`candidate`'s parity with `reference` through `encoder` (its preprocessing), each decoding down to `side` (the
+    model's recorded decode side; None: the encoder's), on the parity sample's files (or `files`), judged by the
+    reduced precision's gate: a decoder moves embeddings as bf16 does."""
     from imgest.images.decode import decode_image
 
     files = files or _files()
-    side = getattr(encoder, "decode_side", None)
+    side = getattr(encoder, "decode_side", None) if side is None else side or None
     figures = _paired_figures(encoder, files, lambda data: decode_image(data, min_side=side, decoder=reference),
                               lambda data: decode_image(data, min_side=side, decoder=candidate))
     return DecoderParity(encoder.spec.model_id, reference, candidate, gate=gate("bf16"),
                          passed=passes(figures, "bf16"), images=len(files), **figures)
+
+
+PILLOW_FULL = "pillow at full size"  # the reference of a reduced decode: what a transformers processor reads alone
+_SIDE_GATES: dict[tuple, DecoderParity] = {}  # measured in this process: (model id, runtime, precision, decoder, side)
+
+
+def side_parity(encoder, decoder: str, side: int, files: tuple[bytes, ...] | None = None) -> DecoderParity:
+    """A reduced decode's parity with the processor's own path: JPEGs decoded by `decoder` down to a shorter side of
+    `side` against the whole image decoded by Pillow, both through `encoder`'s preprocessing (a transformers
+    processor resizes either), on the parity sample's files (or `files`), judged by the reduced precision's gate.
+    The sample is fixed, so the verdict is the model's, not a store's; kept per process."""
+    from imgest.images.decode import decode_image
+
+    key = (encoder.spec.model_id, getattr(encoder, "runtime", ""), getattr(encoder, "precision", ""), decoder, side,
+           files)
+    if key not in _SIDE_GATES:
+        chosen = files or _files()
+        figures = _paired_figures(encoder, chosen, lambda data: decode_image(data),
+                                  lambda data: decode_image(data, min_side=side, decoder=decoder))
+        _SIDE_GATES[key] = DecoderParity(encoder.spec.model_id, PILLOW_FULL, f"{decoder} down to {side} px",
+                                         gate=gate("bf16"), passed=passes(figures, "bf16"), images=len(chosen),
+                                         **figures)
+    return _SIDE_GATES[key]
 
 
 def _paired_figures(encoder, files: tuple[bytes, ...], ours, theirs) -> dict[str, float]:
@@ -317,15 +342,17 @@ class KeptParity(GateFigures):
         return {**asdict(self), "shortfalls": self.shortfalls()}
 
 
-def kept_parity(encoder, reference: str, source: str, side: int, files: tuple[bytes, ...] | None = None) -> KeptParity:
+def kept_parity(encoder, reference: str, source: str, side: int, files: tuple[bytes, ...] | None = None,
+                need: int | None = None) -> KeptParity:
     """Kept copies' parity with the originals through `encoder`, on the parity sample's files (or `files`), judged by
-    the reduced precision's gate: each original decoded by `reference` at the encoder's side, against its copy
-    (from `source`'s decode at `side`, kept as imgest/images/kept.py keeps it) decoded and preprocessed."""
+    the reduced precision's gate: each original decoded by `reference` down to `need` (the model's recorded decode
+    side; None: the encoder's), against its copy (from `source`'s decode at `side`, kept as imgest/images/kept.py
+    keeps it) decoded and preprocessed."""
     from imgest.images import kept
     from imgest.images.decode import decode_image
 
     files = files or _files()
-    need = getattr(encoder, "decode_side", None)
+    need = getattr(encoder, "decode_side", None) if need is None else need
     copies: list[bytes] = []
 
     def from_copy(data: bytes):

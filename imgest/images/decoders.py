@@ -1,5 +1,5 @@
-"""JPEG decoders (Pillow's draft, simplejpeg, PyTurboJPEG scale in the DCT domain; nvJPEG decodes on a GPU), the
-fastest one measured, and the one a model's vectors were made with, recorded in its store.
+"""JPEG decoders (Pillow's draft, simplejpeg, PyTurboJPEG scale in the DCT domain; nvJPEG decodes on a GPU), and the
+decode a model's vectors were made with (its decoder and decode side), recorded in its store.
 
 Decoding a product photo is mostly entropy decoding and the inverse DCT; libjpeg-turbo can do the latter at any
 scale M/8, so a 1200 px photo needed at 256 px decodes at 3/8 of its side. Pillow's `draft` offers only 1/2, 1/4
@@ -10,10 +10,14 @@ colour or greyscale JPEG); anything else, or any error, goes to Pillow, which th
 an image at all.
 
 The decoders' pixels differ (scale, filters, rounding), and so do the embeddings made from them: the decoder is
-part of what made a vector. A model's decoder is therefore chosen once per store, when the model first encodes
-there (the CPU decoders timed on its own images, `fastest`), recorded beside its state before its first shard
-(`state/model=<slug>/decoder.json`, `create_record`), and kept by every later run, resume and query. A record is
-read from a store: it can only name a registered decoder, never anything to load.
+part of what made a vector, and so is the side it decodes down to. Both follow from the model, never from a
+timing: every model decodes with DEFAULT (simplejpeg, a dependency of every install, so every host has it; it
+measured cheapest of the three on product photos in each benchmark run, BENCHMARKS.md) down to its
+preprocessing's side (`encoder.decode_side`), so two stores of the same catalogue and model hold the same
+vectors. Both are recorded beside the model's state before its first shard (`state/model=<slug>/decoder.json`,
+`create_record`) and kept by every later run, resume and query; another decoder is taken only by an explicit
+choice that passes the gate against the recorded one. A record is read from a store: it can only name a
+registered decoder, never anything to load.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from typing import Protocol
 import numpy as np
 
 from imgest.errors import UserError
+from imgest.names import DEFAULT_MAX_PIXELS
 
 PILLOW = "pillow"
 NVJPEG = "nvjpeg"
+DEFAULT = "simplejpeg"  # every model's decoder unless its store recorded another (see the module doc)
 
 
 class DecoderError(UserError, ValueError):
@@ -174,7 +180,8 @@ def unusable(name: str, device: str) -> str | None:
 def fastest(datas: Sequence[bytes], work: Callable[[bytes, str], object],
             names: Sequence[str] | None = None, rounds: int = 2) -> tuple[str, dict[str, float]]:
     """The decoder that makes `work(data, decoder)` (decode and preprocess) cheapest in CPU time over `datas`, and
-    each one's core-seconds per image (the better of `rounds`, taken in turn, so a moment of other work on the
+    each one's core-seconds per image (a measurement for benchmarks and a run's cost: it never picks a model's
+    decoder, which the model fixes) (the better of `rounds`, taken in turn, so a moment of other work on the
     machine does not decide it); `names` defaults to the CPU decoders installed (`timed`). Pillow wins ties and is
     the answer without a sample."""
     names = [n for n in (names or timed()) if n in installed()] or [PILLOW]
@@ -197,37 +204,86 @@ def record_key(slug: str) -> str:
     return f"{state_prefix(slug)}/decoder.json"
 
 
-MEASURED = "measured"  # timed on the model's first run in the store (`fastest`)
+DEFAULTED = "default"  # the model's first run in the store: DEFAULT, at the model's decode side
+MEASURED = "measured"  # timed on the model's first run in the store (records made before the decoder was fixed)
 EXPLICIT = "explicit"  # a run chose it (--decoder): the first in the store, or past the gate against the one before
 FORCED = "forced"  # a run chose it past the gate, or where the gate could not be measured; the reason is kept
 ASSUMED = "assumed"  # vectors made before decoders were recorded: Pillow's, the only decoder there was
 EARLIER = "recorded after a run"  # a record written the old way, after a run's commit: its choice all the same
-INHERITED = "inherited"  # the decoder of the model whose kept pixels it reads (tasks/ingest/kept.py): copies and
-# originals then decode alike (a copy is that decoder's DCT-scaled pixels)
-HOW = (MEASURED, EXPLICIT, FORCED, ASSUMED, EARLIER, INHERITED)
+INHERITED = "inherited"  # the decoder of the model whose kept pixels it read (records made before the decoder was
+# fixed)
+HOW = (DEFAULTED, MEASURED, EXPLICIT, FORCED, ASSUMED, EARLIER, INHERITED)
+FULL = 0  # a record's side: JPEGs decoded whole
+UNRECORDED = -1  # a record's side: written before sides were recorded (the model's decode then: `legacy_side`)
+MAX_SIDE = 1 << 15
+
+
+def legacy_side(encoder) -> int:
+    """The side a model's JPEGs were decoded down to before decode sides were recorded: its preprocessing's side,
+    except where the encoder says its decode was full then (`legacy_decode_side`: transformers models, whose side
+    was not read from their processors). Without an encoder: the whole image."""
+    side = getattr(encoder, "legacy_decode_side", getattr(encoder, "decode_side", None))
+    return int(side or FULL)
+
+
+@dataclass(frozen=True)
+class Decode:
+    """How a model's JPEGs are decoded: by `decoder`, down to a shorter side of `side` (None: the whole image)."""
+
+    decoder: str = PILLOW
+    side: int | None = None
+
+    def image(self, data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS):
+        """`data` decoded as the model's vectors were made (imgest/images/decode.py `decode_image`)."""
+        from imgest.images.decode import decode_image
+
+        return decode_image(data, max_pixels, self.side, self.decoder)
+
+    def describe(self) -> str:
+        return f"{self.decoder}, {f'down to a shorter side of {self.side} px' if self.side else 'full size'}"
+
+
+def default_decode(encoder) -> Decode:
+    """The decode a model's first run in a store records: DEFAULT down to its preprocessing's side (or the whole
+    image, where a gated side fails its gate: tasks/ingest/decoder.py)."""
+    return Decode(DEFAULT, getattr(encoder, "decode_side", None) or None)
 
 
 @dataclass(frozen=True)
 class Record:
-    """A model's JPEG decoder in a store: the one its vectors are made with, how it was chosen and by which run;
-    on a switch, the decoder before and the gate's figures against it (or the reason it was forced)."""
+    """A model's JPEG decode in a store: the decoder and the decode side its vectors are made with, how they were
+    chosen and by which run; on a switch, the decoder before and the gate's figures against it (or the reason it was
+    forced); on a first run of a model whose side is gated, the side gate's figures (`side_gate`)."""
 
     decoder: str
     how: str
     run_id: str = ""
     created: str = ""
-    measured: dict[str, float] = field(default_factory=dict)  # a first run: core-seconds per image of each timed
+    measured: dict[str, float] = field(default_factory=dict)  # records from before: each decoder timed
     previous: str | None = None
     gate: dict | None = None
+    side: int = UNRECORDED  # the shorter side JPEGs decode down to; FULL: the whole image
+    side_gate: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def decode(self, encoder) -> Decode:
+        """The decode this record says, for `encoder` (which resolves a side from before sides were recorded)."""
+        side = legacy_side(encoder) if self.side == UNRECORDED else self.side
+        return Decode(self.decoder, side or None)
+
+    def default(self, encoder) -> bool:
+        """Whether this is the model's default decode (`default_decode`)."""
+        return self.decode(encoder) == default_decode(encoder)
+
     def describe(self) -> str:
-        """One phrase: "simplejpeg (measured, run r00000001-...)"."""
+        """One phrase: "simplejpeg (measured, run r00000001-...), down to 224 px"."""
         by = f", run {self.run_id}" if self.run_id else ""
         after = f", after {self.previous}" if self.previous else ""
-        return f"{self.decoder} ({self.how}{by}{after})"
+        side = "" if self.side == UNRECORDED else ", full size" if self.side == FULL else \
+            f", down to a shorter side of {self.side} px"
+        return f"{self.decoder} ({self.how}{by}{after}){side}"
 
 
 def parse_record(value: object) -> Record:
@@ -241,7 +297,8 @@ def parse_record(value: object) -> Record:
     how = value.get("how", EARLIER)
     run_id, created, previous = (value.get(k) for k in ("run_id", "created", "previous"))
     measured = value.get("measured") or {}
-    gate = value.get("gate")
+    gate, side_gate = value.get("gate"), value.get("side_gate")
+    side = value.get("side", UNRECORDED)
 
     def plain(text: object) -> bool:
         return isinstance(text, str) and len(text) <= 200 and text.isprintable()
@@ -250,11 +307,13 @@ def parse_record(value: object) -> Record:
             or not (previous is None or previous in REGISTRY) \
             or not (isinstance(measured, dict) and all(k in REGISTRY and type(v) in (int, float)
                                                        for k, v in measured.items())) \
-            or not (gate is None or isinstance(gate, dict) and len(gate) <= 16 and all(
-                plain(k) and (type(v) in (int, float, bool) or plain(v)) for k, v in gate.items())):
+            or not all(figures is None or isinstance(figures, dict) and len(figures) <= 16 and all(
+                plain(k) and (type(v) in (int, float, bool) or plain(v)) for k, v in figures.items())
+                for figures in (gate, side_gate)) \
+            or not (type(side) is int and (side in (FULL, UNRECORDED) or 0 < side <= MAX_SIDE)):
         raise ValueError("a field is not what a decoder record holds (how, run_id, created, measured, previous, "
-                         "gate)")
-    return Record(name, how, run_id or "", created or "", dict(measured), previous, gate)
+                         "gate, side, side_gate)")
+    return Record(name, how, run_id or "", created or "", dict(measured), previous, gate, side, side_gate)
 
 
 def read_record(store, slug: str) -> Record | None:
@@ -324,20 +383,22 @@ def check(store, slug: str, asked: str | None, force: str | None, device: str) -
     return record
 
 
-def recorded(store, slug: str) -> str:
-    """The decoder `slug`'s images were decoded with, for its queries, when it can run here; else Pillow, with a
+def recorded(store, slug: str, encoder=None) -> Decode:
+    """How `slug`'s images were decoded, for its queries (its side resolved by `encoder`; without one, a side from
+    before sides were recorded reads as the full image), when its decoder can run here; else Pillow's, with a
     warning. The record is read from the store: it can only name a registered decoder, never anything to load."""
     from imgest.storage import StorageError
 
+    fallback = Decode(PILLOW, legacy_side(encoder) or None)
     try:
         record = read_record(store, slug)
     except (DecoderError, StorageError, OSError) as exc:
         logging.getLogger("imgest").warning("%s: queries decode with Pillow", exc)
-        return PILLOW
+        return fallback
     if record is None:
-        return PILLOW  # vectors from before decoders were recorded: Pillow's
+        return fallback  # vectors from before decoders were recorded: Pillow's
     if record.decoder not in installed():
         logging.getLogger("imgest").warning("model=%s: its images were decoded by %s, not installed here: queries "
                                             "decode with Pillow", slug, record.decoder)
-        return PILLOW
-    return record.decoder
+        return Decode(PILLOW, record.decode(encoder).side)
+    return record.decode(encoder)

@@ -1,4 +1,5 @@
-"""Kept pixels: a reduced copy of a catalogue image, made from the pixels its decode already has, so that a later
+"""Kept pixels: a reduced copy of a catalogue image, made from the pixels the model's decode already has when they
+reach the copy's side (else from a second decode at that side: the model's own pixels never change), so that a later
 model reads the copy instead of fetching and decoding the original again (img2dataset keeps resized copies for
 the same reason).
 
@@ -10,7 +11,7 @@ EfficientNet-Lite0-GeM's embeddings below the reduced-precision gate even with l
 at side 256, PNG), while the decode's own pixels kept as a JPEG at quality 97 with full chroma (4:4:4) pass it
 (mean cosine 0.9984, 0.994 at the 1st percentile, overlap@10 0.98 through simplejpeg; quality 95 and 4:2:0 do
 not). Measured on the parity sample's 256 product photos (BENCHMARKS.md, "Kept pixels"; docs/ingest.md). A model
-reads copies only when its preprocessing needs no more than SIDE (`fits`) and passes the gate on them
+reads copies only when its recorded decode side is no more than SIDE (`fits`) and passes the gate on them
 (tasks/ingest/kept.py).
 """
 

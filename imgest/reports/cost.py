@@ -98,7 +98,8 @@ def kept_pixels_cost(store: Location, slug: str, encoder, images_per_second: flo
     finally:
         state.close()
     side = coverage["side"] or (coverage["sides"] or [256])[0]
-    need, decoder = getattr(encoder, "decode_side", None), recorded(store, slug)
+    decode = recorded(store, slug, encoder)
+    need, decoder = decode.side, decode.decoder
     files = tuple(product_photos(KEPT_SAMPLE, seed=parity.SAMPLE_SEED).values())
     copies = [kept.make_copy(decode_image(data, min_side=max(need or 0, side), decoder=decoder), side)[0]
               for data in files]

@@ -13,7 +13,6 @@ from imgest import encoders
 from imgest.encoders import EncoderError
 from imgest.errors import UserError
 from imgest.images import decoders
-from imgest.images.decode import decode_image
 from imgest.names import PRECISIONS, RUNTIMES
 from imgest.retrieval.filters import FilterError, GroupOf, filtered_search, grouped, matching_items, positions
 from imgest.retrieval.versions import OpenIndex, open_index, resolve_target
@@ -90,7 +89,7 @@ class Searcher:
                               "different model; rebuild the index or restore those weights")
         self.spec, self.device = spec, device
         self._encoder = None
-        self._decoder: str | None = None
+        self._decode: decoders.Decode | None = None
         self._table = None  # the store's metadata, read on the first --where or --group-by
         self._filters: dict[str, np.ndarray] = {}  # --where predicate -> faiss ids
         self._group_maps: dict[str, GroupOf] = {}  # --group-by column -> item_id -> value
@@ -105,8 +104,7 @@ class Searcher:
     def warm(self) -> None:
         """Load now what the first query would otherwise wait for: the model's weights and the map from
         indexed items to their metadata rows (a long-lived reader calls it before serving a version)."""
-        self.encoder()
-        self.decoder()
+        self.decode()
         self.metadata_of([])
 
     def encoder(self):
@@ -114,11 +112,12 @@ class Searcher:
             self._encoder = query_encoder(self.spec, self.device, self.card)
         return self._encoder
 
-    def decoder(self) -> str:
-        """The JPEG decoder the catalogue's images were last decoded with (imgest/images/decoders.py), read once."""
-        if self._decoder is None:
-            self._decoder = decoders.recorded(self.store, self.card["slug"])
-        return self._decoder
+    def decode(self) -> decoders.Decode:
+        """How the catalogue's images were decoded for this model (its recorded decoder and decode side,
+        imgest/images/decoders.py), read once: query images decode alike."""
+        if self._decode is None:
+            self._decode = decoders.recorded(self.store, self.card["slug"], self.encoder())
+        return self._decode
 
     @property
     def query_encoded_by(self) -> str | None:
@@ -147,9 +146,8 @@ class Searcher:
         vectors = np.zeros((len(queries), self.spec.dim), np.float32)
         image_rows = [i for i, kind in enumerate(kinds) if kind == "image"]
         if image_rows:
-            side = getattr(encoder, "decode_side", None)  # the reduced JPEG decode the catalogue got, by its decoder
-            pixels = [encoder.preprocess(decode_image(_image_bytes(queries[i]), min_side=side, decoder=self.decoder()))
-                      for i in image_rows]
+            decode = self.decode()  # the JPEG decode the catalogue got: its decoder, down to its side
+            pixels = [encoder.preprocess(decode.image(_image_bytes(queries[i]))) for i in image_rows]
             vectors[image_rows] = encoder.encode_images(np.stack(pixels))
         text_rows = [i for i, kind in enumerate(kinds) if kind == "text"]
         if text_rows:
@@ -321,6 +319,7 @@ def query_encoder(spec, device: str, card: dict):
     same parity check as ingest (so a query vector is made the way the catalogue's were), else, when that cannot
     run here (another device, a runtime not installed, a parity refusal), the plain encoder with one warning."""
     made = catalogue_encoding(card)
+    encoders.refuse_missing_packages(spec)  # no runtime runs it without them: one refusal, never a fallback's warning
     if made is not None:
         try:
             return encoders.load(spec, device, *made)

@@ -23,14 +23,27 @@ def last_run(store: Location, slug: str) -> dict | None:
     return None
 
 
-def model_decoder(store: Location, slug: str) -> str | None:
-    """The model's JPEG decoder as its record says ("simplejpeg (measured, run r...)"), None without a record; a
-    record that does not read says so (it is read from the store: a registered name or nothing)."""
+def model_decoder(store: Location, slug: str) -> dict | None:
+    """The model's JPEG decode as its record says: `describe` ("simplejpeg (default, run r...), down to a shorter
+    side of 256 px"), the decoder, the side (0: whole images; None: not recorded yet, the next run records it), how
+    it was chosen, whether the decoder is the model's default, and the side gate's figures; None without a record.
+    A record that does not read says so (it is read from the store: a registered name or nothing)."""
     try:
         record = decoders.read_record(store, slug)
     except decoders.DecoderError as exc:
-        return f"unreadable: {exc}"
-    return record.describe() if record is not None else None
+        return {"describe": f"unreadable: {exc}"}
+    if record is None:
+        return None
+    note = "" if record.decoder == decoders.DEFAULT else \
+        f"; not the model's default ({decoders.DEFAULT}): --decoder {decoders.DEFAULT} switches, behind the gate"
+    if record.side == decoders.UNRECORDED:
+        note += "; decode side not recorded yet (the next run records the one its vectors were made at)"
+    elif record.side == decoders.FULL and record.side_gate and not record.side_gate.get("passed", True):
+        note += (f"; whole images: the reduced decode failed its gate against the whole image (mean cosine "
+                 f"{record.side_gate.get('mean_cosine')}, p1 {record.side_gate.get('p1_cosine')})")
+    return {"describe": record.describe() + note, "decoder": record.decoder, "how": record.how,
+            "side": None if record.side == decoders.UNRECORDED else record.side,
+            "default_decoder": record.decoder == decoders.DEFAULT, "side_gate": record.side_gate}
 
 
 def model_status(store: Location, card: dict) -> dict:

@@ -15,7 +15,7 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from imgest.images.decode import DecodeError, decode_image
+from imgest.images.decode import DecodeError
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DUPLICATE_THRESHOLD
 from imgest.progress import report
@@ -58,10 +58,10 @@ def embedder(searcher, batch: int = 32):
     """Image bytes -> unit vectors, decoded and preprocessed as the catalogue's were."""
     def embed(images: list[bytes]) -> np.ndarray:
         encoder = searcher.encoder()
-        side = getattr(encoder, "decode_side", None)
+        decode = searcher.decode()
         out = []
         for begin in range(0, len(images), batch):
-            pixels = [encoder.preprocess(decode_image(data, min_side=side, decoder=searcher.decoder()))
+            pixels = [encoder.preprocess(decode.image(data))
                       for data in images[begin:begin + batch]]
             out.append(np.asarray(encoder.encode_images(np.stack(pixels)), np.float32))
         vectors = np.concatenate(out)

@@ -21,7 +21,8 @@ from prefect.cache_policies import NO_CACHE
 
 from imgest import encoders
 from imgest.encoders import Encoder, EncoderSpec
-from imgest.images.decode import DecodeError, decode_image
+from imgest.images import decoders
+from imgest.images.decode import DecodeError
 from imgest.progress import report
 from imgest.records import RecordError
 from imgest.retrieval.metrics import evaluate, paired_bootstrap, per_query
@@ -80,9 +81,8 @@ def modality(spec: EncoderSpec, query: LabelledQuery) -> str:
                         "image, a caption model a text)")
 
 
-def embed_queries(encoder: Encoder, queries: list[LabelledQuery], decoder: str) -> np.ndarray:
-    """Each query in the modality its model reads, decoded as the catalogue's images were."""
-    side = getattr(encoder, "decode_side", None)
+def embed_queries(encoder: Encoder, queries: list[LabelledQuery], decode: decoders.Decode) -> np.ndarray:
+    """Each query in the modality its model reads, decoded as the catalogue's images are for it (`decode`)."""
     vectors = np.zeros((len(queries), encoder.spec.dim), np.float32)
     kinds = [modality(encoder.spec, q) for q in queries]
     for kind in ("image", "text"):
@@ -92,8 +92,8 @@ def embed_queries(encoder: Encoder, queries: list[LabelledQuery], decoder: str) 
             if kind == "text":
                 vectors[chunk] = encoder.encode_texts([queries[i].text for i in chunk])
             else:
-                vectors[chunk] = encoder.encode_images(np.stack([encoder.preprocess(decode_image(
-                    read_url(queries[i].image), min_side=side, decoder=decoder)) for i in chunk]))
+                vectors[chunk] = encoder.encode_images(np.stack([encoder.preprocess(decode.image(
+                    read_url(queries[i].image))) for i in chunk]))
     return vectors
 
 
@@ -104,7 +104,7 @@ class Encoded:
     seconds: float  # decode + preprocess + encode of the rows encoded
 
 
-def encode_sample(encoder: Encoder, images: CatalogueImages, uris: list[str], decoder: str) -> Encoded:
+def encode_sample(encoder: Encoder, images: CatalogueImages, uris: list[str], decode: decoders.Decode) -> Encoded:
     """The sample's images through `encoder` a batch at a time, timed from the bytes read to the vectors (an
     image that cannot be read or decoded is that image's fault: skipped, logged)."""
     side = getattr(encoder, "decode_side", None)
@@ -124,7 +124,7 @@ def encode_sample(encoder: Encoder, images: CatalogueImages, uris: list[str], de
         with work:
             for row, data in read:
                 try:
-                    pixels.append(encoder.preprocess(decode_image(data, min_side=side, decoder=decoder)))
+                    pixels.append(encoder.preprocess(decode.image(data)))
                     rows.append(row)
                 except DecodeError as exc:
                     logging.getLogger("imgest").warning("candidates: %s not decoded: %s", uris[row], exc)
@@ -175,7 +175,6 @@ def compare_candidates(store_url: str, queries: list[LabelledQuery], alias: str,
         for q in queries:
             modality(spec, q)
     images = CatalogueImages(store, card["slug"], catalogue)
-    decoder = searcher.decoder()  # the JPEG decoder the catalogue was decoded with, for every model alike
     picked = draw_sample(live_set(store, card["slug"]), queries, sample, seed)
     encoded, query_vectors, runs_on, on = [], [], [], "cpu"
     made = catalogue_encoding(card)
@@ -183,8 +182,11 @@ def compare_candidates(store_url: str, queries: list[LabelledQuery], alias: str,
         encoder = load_as_catalogue(spec, device, made)
         on = encoder.device
         runs_on.append(f"{encoder.runtime} {encoder.precision}")
-        encoded.append(encode_sample(encoder, images, picked.uris, decoder))
-        query_vectors.append(embed_queries(encoder, queries, decoder))
+        # each model decodes as its vectors are made: the serving one as its record says, a candidate as its first
+        # run would
+        decode = searcher.decode() if spec.slug == card["slug"] else decoders.default_decode(encoder)
+        encoded.append(encode_sample(encoder, images, picked.uris, decode))
+        query_vectors.append(embed_queries(encoder, queries, decode))
     ok = np.logical_and.reduce([e.ok for e in encoded])  # the same items for every model
     item_ids = pa.array([item for item, keep in zip(picked.item_ids, ok) if keep], pa.string())
     qrels = {q.query_id: set(q.relevant) for q in queries}

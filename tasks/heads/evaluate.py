@@ -113,14 +113,13 @@ def query_gallery(store, base: dict, url: str, item_ids, vectors: np.ndarray, ne
 
 
 def query_scorer(url: str, gallery, base_name: str, device: str = "auto", log=lambda line: None,
-                 decoder: str = decoders.PILLOW, encoded_by: dict[str, int] | Counter | None = None) -> QueryScorer:
-    """Read the query set, encode its images with the base model (decoded by `decoder`, the one the catalogue's
-    images were: imgest/images/decoders.py `recorded`; on the runtime and precision that encoded most of the rows
-    counted in `encoded_by`, as views are), map relevant and excluded ids to gallery rows (`gallery`: a Gallery, or
-    anything with `item_ids` and `vectors`, such as the live vectors). A query none of whose relevant items is in
-    the gallery cannot be scored and is dropped (counted)."""
+                 store=None, encoded_by: dict[str, int] | Counter | None = None) -> QueryScorer:
+    """Read the query set, encode its images with the base model (decoded as the catalogue's images were in `store`:
+    imgest/images/decoders.py `recorded`; Pillow without a store; on the runtime and precision that encoded most of
+    the rows counted in `encoded_by`, as views are), map relevant and excluded ids to gallery rows (`gallery`: a
+    Gallery, or anything with `item_ids` and `vectors`, such as the live vectors). A query none of whose relevant
+    items is in the gallery cannot be scored and is dropped (counted)."""
     from imgest import encoders
-    from imgest.images.decode import decode_image
     from imgest.retrieval.querysets import read_query_set
     from imgest.storage import read_url
     from imgest.tasks.heads.views import catalogue_encoder, recorded_encoding
@@ -136,10 +135,11 @@ def query_scorer(url: str, gallery, base_name: str, device: str = "auto", log=la
         raise HeadError(f"{url}: no query has a relevant item among the {len(ids)} live items searched of {base_name}")
     spec = encoders.resolve(base_name)
     encoder = catalogue_encoder(spec, device, recorded_encoding(encoded_by), log)
-    side = getattr(encoder, "decode_side", None)
+    decode = decoders.recorded(store, spec.slug, encoder) if store is not None else \
+        decoders.Decode(decoders.PILLOW, decoders.legacy_side(encoder) or None)
     chunks = []
     for begin in range(0, len(kept), 64):
-        pixels = [encoder.preprocess(decode_image(read_url(queries[n].image), min_side=side, decoder=decoder))
+        pixels = [encoder.preprocess(decode.image(read_url(queries[n].image)))
                   for n in kept[begin:begin + 64]]
         chunks.append(encoder.encode_images(np.stack(pixels)))
     searched = {}
@@ -166,9 +166,8 @@ def _rows_of(ids: pa.Array, lists: list[list[str]]) -> list[np.ndarray]:
 
 
 @task(name="encode-eval-queries", cache_policy=NO_CACHE)
-def scorer_task(store, base: dict, url: str, training, negatives: int, seed: int, device: str,
-                decoder: str) -> QueryScorer:
+def scorer_task(store, base: dict, url: str, training, negatives: int, seed: int, device: str) -> QueryScorer:
     """The query set's scorer: its gallery read (`query_gallery`), its images encoded."""
     ids, vectors = training.originals()
     gallery = query_gallery(store, base, url, ids, vectors, negatives, seed)
-    return query_scorer(url, gallery, base["name"], device, get_run_logger().info, decoder, training.encoded_by)
+    return query_scorer(url, gallery, base["name"], device, get_run_logger().info, store, training.encoded_by)

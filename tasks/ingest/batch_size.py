@@ -57,9 +57,11 @@ class Encoding:
     encode_seconds: float | None = None  # core-seconds per image of the one chosen (threads / its img/s)
     decode_seconds: float | None = None  # core-seconds per image of reading and decoding (tasks/ingest/encode.py)
     decoder: str = "pillow"  # the model's JPEG decoder in the store (tasks/ingest/decoder.py)
-    decoders: dict[str, float] = field(default_factory=dict)  # each one timed -> core-seconds per image
-    decoder_source: str = ""  # why that one: recorded, measured on the model's first run, explicit past the gate
+    decode_side: int = 0  # ... and the shorter side it decodes JPEGs down to (0: the whole image)
+    decoders: dict[str, float] = field(default_factory=dict)  # the decoder timed -> core-seconds per image
+    decoder_source: str = ""  # why that one: the model's default, recorded, explicit past the gate
     decoder_gate: dict | None = None  # an explicit switch: the gate's figures against the one before, or the reason
+    side_gate: dict | None = None  # a first run of a gated side: the reduced decode against the whole image
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -58,8 +58,10 @@ def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixel
     With `gpu_jpeg`, a plain JPEG is left undecoded: its bytes go to the batch's GPU decode; `decoder` is the
     CPU's JPEG decoder (imgest/images/decoders.py). With `copy` (a kept copy of the item's bytes, `item.kept_hash`),
     the copy is decoded instead of the original, which is read only if the copy does not decode. With `keep_side`,
-    a copy of the decoded image at that side comes back to be kept (imgest/images/kept.py): the copy read, when it
-    has that side, or one made from the decoded pixels (no second decode)."""
+    a copy of the image at that side comes back to be kept (imgest/images/kept.py): the copy read, when it has
+    that side; else one made from the model's decode when that has the side, or from a second decode at
+    `keep_side`. The model's pixels always come from its own decode down to `min_side`: keeping pixels never
+    changes a vector."""
     if item.verdict is not None:
         return Prepared(item, reason=item.verdict)
     if copy is not None and (done := _from_copy(item, copy, preprocess, max_pixels, min_side, keep_side)) is not None:
@@ -79,9 +81,10 @@ def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixel
     if gpu_jpeg and plain_jpeg(data, max_pixels):
         return Prepared(item, digest, jpeg=data)
     try:
-        image = decode_image(data, max_pixels, max(min_side or 0, keep_side) or None, decoder)
+        image = decode_image(data, max_pixels, min_side, decoder)
         pixels = preprocess(image)
-        kept_copy = kept.make_copy(image, keep_side) if keep_side else None
+        kept_copy = kept.make_copy(_at_side(image, data, keep_side, max_pixels, decoder, min_side), keep_side) \
+            if keep_side else None
     except DecodeError as exc:
         return Prepared(item, digest, reason=str(exc))
     except MemoryError as exc:
@@ -89,6 +92,15 @@ def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixel
     except Exception as exc:  # the model's preprocessing refused this image (e.g. 1x1 pixels)
         return Prepared(item, digest, reason=f"{type(exc).__name__} in preprocessing: {exc}")
     return Prepared(item, digest, pixels, copy=kept_copy)
+
+
+def _at_side(image, data: bytes, side: int, max_pixels: int, decoder: str, min_side: int | None):
+    """The image a copy at `side` is made from: the model's decode (down to `min_side`) when it is whole or its
+    shorter side already reaches `side` (a DCT-scaled decode is then the one a decode at `side` makes), else the
+    bytes decoded again at `side`."""
+    if not min_side or min(image.size) >= side:
+        return image
+    return decode_image(data, max_pixels, side, decoder)
 
 
 def _from_copy(item: WorkItem, copy: bytes, preprocess: Callable, max_pixels: int, min_side: int | None,
@@ -141,12 +153,13 @@ class DecodeCost:
 
 
 def decode_cost(catalogue: Location, items: tuple[WorkItem, ...], encoder: Encoder, max_pixels: int,
-                sample: int = 16, names: tuple[str, ...] | None = None) -> DecodeCost | None:
+                sample: int = 16, names: tuple[str, ...] | None = None, side: int | None = None) -> DecodeCost | None:
     """What a decode worker's work (read, hash, decode, preprocess) costs per image, in core-seconds, with the
     fastest of the JPEG decoders `names` (default: the CPU ones installed here), measured on up to `sample` of
     `items` in this thread (CPU time: waits on the store do not count). None without a sample that decodes, or
-    when the catalogue cannot be read now: the shards meet that fault themselves and name it."""
-    side = getattr(encoder, "decode_side", None)
+    when the catalogue cannot be read now: the shards meet that fault themselves and name it. JPEGs decode down to
+    `side` (0: the whole image; None: the encoder's side)."""
+    side = (getattr(encoder, "decode_side", None) if side is None else side) or None
     start, datas = time.thread_time(), []
     try:
         for item in items[:sample]:
@@ -253,13 +266,14 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
                  fence: Fence | None = None, dtype: str = DEFAULT_DTYPE,
                  jpeg_decoder: BatchJpegDecoder | None | str = "auto",
                  costs: tuple[float, float] | None = None, decoder: str = decoders.PILLOW, keep_side: int = 0,
-                 kept_source: str | None = None) -> ShardResult:
-    """Encode one shard's objects and commit it, its JPEGs decoded by `decoder` (the run's, its model's recorded
-    one: imgest/images/decoders.py). `jpeg_decoder`: "auto" decodes them in batches on the GPU when `decoder` is
-    nvJPEG (BatchJpegDecoder.for_encoder); None: one by one, on the CPU. A worker that cannot run the run's decoder
-    fails its shard: a shard never holds vectors of another decoder than the one it names. Items planned with a kept
-    copy (of `kept_source`'s pixel files) are decoded from it; with `keep_side`, each image decoded leaves a copy in
-    the shard's pixel file, published before its commit marker (imgest/state/pixels.py)."""
+                 kept_source: str | None = None, decode_side: int | None = None) -> ShardResult:
+    """Encode one shard's objects and commit it, its JPEGs decoded by `decoder` down to `decode_side` (the run's:
+    its model's recorded decode, imgest/images/decoders.py; 0 the whole image, None the encoder's side).
+    `jpeg_decoder`: "auto" decodes them in batches on the GPU when `decoder` is nvJPEG
+    (BatchJpegDecoder.for_encoder); None: one by one, on the CPU. A worker that cannot run the run's decoder fails
+    its shard: a shard never holds vectors of another decoder than the one it names. Items planned with a kept copy
+    (of `kept_source`'s pixel files) are decoded from it; with `keep_side`, each image decoded leaves a copy in the
+    shard's pixel file, published before its commit marker (imgest/state/pixels.py)."""
     total, encoding, waiting = Stopwatch(), Stopwatch(running=False), Stopwatch(running=False)
     if jpeg_decoder == "auto":
         jpeg_decoder = BatchJpegDecoder.for_encoder(encoder, max_pixels) if decoder == decoders.NVJPEG else None
@@ -268,8 +282,10 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
             decoder == decoders.NVJPEG and jpeg_decoder is None and f"{encoder.spec.name} has no GPU preprocessing")):
         raise decoders.DecoderError(f"shard {plan.name}: this run decodes JPEGs with {decoder}, which cannot run in "
                                     f"this worker: {why}")
+    if decode_side is None:
+        decode_side = getattr(encoder, "decode_side", None)
     writer = ShardWriter(store, encoder.spec, plan, fence, dtype, encoder.runtime, encoder.precision, decoder,
-                         keep_side)
+                         keep_side, decode_side or 0)
     writer.result.worker, writer.result.started = f"{socket.gethostname()}:{os.getpid()}", _now()
     batch: list[Prepared] = []
 
@@ -295,7 +311,7 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     to_read = derive_from_base(plan.items, encoder, store, writer) if encoder.spec.base is not None else plan.items
     if not to_read:  # every item derived from its stored base vector: no reader, decoder or torch thread
         return _finished(writer, total, encoding, waiting)
-    decode_side = getattr(encoder, "decode_side", None)  # JPEGs decode at reduced size down to this
+    decode_side = decode_side or None  # JPEGs decode at reduced size down to this (None: whole)
     gpu_jpeg = jpeg_decoder is not None
     if gpu_jpeg and keep_side:
         raise decoders.DecoderError(f"shard {plan.name}: kept pixels are made from a CPU decode; this model's "

@@ -28,14 +28,15 @@ class ShardJob:
     precision: str | None = None  # None: the device's plain precision (nothing was measured)
     costs: tuple[float, float] | None = None  # measured decode and encode seconds per image, to size decoding
     decoder: str = "pillow"
+    decode_side: int = 0  # the model's recorded decode side: JPEGs decode down to it (0: the whole image)
     keep_side: int = 0  # kept pixels: a copy of each image decoded, at this shorter side, in the shard's pixel file
     kept_source: str | None = None  # the model whose kept copies the planned items' kept_shard name
 
     @classmethod
     def of(cls, chosen: Encoding | None, **fields) -> ShardJob:
-        """The job with what the run chose to encode with (runtime, precision, costs, decoder); where nothing was
+        """The job with what the run chose to encode with (runtime, precision, costs, decode); where nothing was
         measured (a caption model, or every row derived), torch at the device's plain precision, and Pillow."""
         if chosen is None:
             return cls(**fields)
         return cls(runtime=chosen.runtime, precision=chosen.precision, costs=chosen.costs(), decoder=chosen.decoder,
-                   **fields)
+                   decode_side=chosen.decode_side, **fields)

@@ -1,7 +1,7 @@
 """Kept pixels in a run: the side this run keeps copies at, and which planned items are read from the copies another
 model kept (imgest/state/pixels.py) instead of the catalogue, and why.
 
-A model reads copies when its preprocessing needs no more than their side (`kept.fits`) and its embeddings from
+A model reads copies when its recorded decode side is no more than their side (`kept.fits`) and its embeddings from
 copies pass the reduced-precision gate against its embeddings from the originals on the parity sample
 (`parity.kept_parity`): measured once per model, source decoder and side, and recorded beside the model's state
 (`state/model=<slug>/kept-gate.json`) so later runs and resumes decide alike. A model that fails it reads the
@@ -66,14 +66,14 @@ def gate_key(slug: str) -> str:
     return f"{state_prefix(slug)}/kept-gate.json"
 
 
-def kept_gate(store: Location, slug: str, encoder, reference: str, source_decoder: str, side: int,
+def kept_gate(store: Location, slug: str, encoder, reference: decoders.Decode, source_decoder: str, side: int,
               run_id: str) -> dict:
     """The gate's verdict for `slug` reading copies of `side` made by `source_decoder`'s decode, against its own
     decode (`reference`) of the originals: the recorded one, or measured now and recorded."""
     from imgest.encoders import parity
 
-    key = {"source_decoder": source_decoder, "reference": reference, "side": side, "codec": kept.CODEC,
-           "quality": kept.QUALITY, "model_id": encoder.spec.model_id}
+    key = {"source_decoder": source_decoder, "reference": reference.decoder, "side": side, "codec": kept.CODEC,
+           "quality": kept.QUALITY, "model_id": encoder.spec.model_id, "decode_side": reference.side}
     try:
         entries = store.read_json(gate_key(slug))
     except (FileNotFoundError, RecordError, StorageError, ValueError):
@@ -83,16 +83,17 @@ def kept_gate(store: Location, slug: str, encoder, reference: str, source_decode
         if all(entry.get(k) == v for k, v in key.items()) and isinstance(entry.get("passed"), bool) \
                 and all(isinstance(entry.get(k), float) for k in ("mean_cosine", "p1_cosine", "overlap")):
             return entry
-    figures = parity.kept_parity(encoder, reference, source_decoder, side)
+    figures = parity.kept_parity(encoder, reference.decoder, source_decoder, side, need=reference.side or 0)
     entry = {**key, **figures.to_dict(), "run_id": run_id, "measured": now_iso()}
     store.write_json(gate_key(slug), entries[-15:] + [entry])
     return entry
 
 
 def plan_kept(store: Location, spec: EncoderSpec, encoder, plan: Plan, keep_side: int, run_id: str,
-              decoder: str) -> tuple[Plan, KeptReport]:
+              decode: decoders.Decode) -> tuple[Plan, KeptReport]:
     """Mark the planned items that are read from another model's copies (attach_kept), when this model may read
-    them: its preprocessing fits their side and it passes the gate (`decoder`: the run's own JPEG decoder)."""
+    them: its recorded decode side fits their side and it passes the gate (`decode`: the run's own JPEG decode; a
+    model that decodes whole images reads no copies)."""
     report = KeptReport(side=keep_side)
     source = source_model(store, spec.slug)
     if source is None:
@@ -100,15 +101,15 @@ def plan_kept(store: Location, spec: EncoderSpec, encoder, plan: Plan, keep_side
         return plan, report
     report.source = source
     shards = pixels.kept_shards(store, source)
-    need = getattr(encoder, "decode_side", None)
+    need = decode.side
     usable = [s for s in sorted(set(shards["side"].to_pylist())) if kept.fits(need, s) and s >= keep_side]
     if not usable:
         have = ", ".join(map(str, sorted(set(shards["side"].to_pylist())))) or "none"
-        report.why = (f"{spec.name}'s preprocessing needs a shorter side of {need or 'the full image'}"
+        report.why = (f"{spec.name} decodes {f'down to a shorter side of {need}' if need else 'whole images'}"
                       f"{f' and this run keeps {keep_side}' if keep_side else ''}; model={source} keeps {have}")
         return plan, report
-    source_decoder = decoders.recorded(store, source)
-    gate = kept_gate(store, spec.slug, encoder, decoder, source_decoder, usable[0], run_id)
+    source_decoder = decoders.recorded(store, source).decoder
+    gate = kept_gate(store, spec.slug, encoder, decode, source_decoder, usable[0], run_id)
     report.gate = {k: gate[k] for k in ("mean_cosine", "p1_cosine", "overlap", "images", "passed", "side")
                    if k in gate}
     if not gate["passed"]:
@@ -132,7 +133,7 @@ def plan_kept(store: Location, spec: EncoderSpec, encoder, plan: Plan, keep_side
 COST_SAMPLE = 16  # copies decoded to measure what a decode worker spends on one
 
 
-def copy_cost(store: Location, source: str, plan: Plan, encoder, max_pixels: int) -> float | None:
+def copy_cost(store: Location, source: str, plan: Plan, encoder, max_pixels: int, need: int | None) -> float | None:
     """Core-seconds per image a decode worker spends on a copy (decode and preprocess, this thread's CPU time), on up
     to COST_SAMPLE of the first shard's items planned from copies; None when none reads (the shards meet it)."""
     import time
@@ -144,7 +145,6 @@ def copy_cost(store: Location, source: str, plan: Plan, encoder, max_pixels: int
     datas = [data for _, data in with_copies(items, store, source, []) if data is not None]
     if not datas:
         return None
-    need = getattr(encoder, "decode_side", None)
     start = time.thread_time()
     for data in datas:
         encoder.preprocess(decode_image(data, min(max_pixels, kept.MAX_COPY_PIXELS), need))

@@ -32,7 +32,7 @@ from imgest.storage import Location
 from imgest.tasks.ingest import kept
 from imgest.tasks.ingest.batch_size import Encoding, choose_encoding
 from imgest.tasks.ingest.commit import RunSummary, commit_run
-from imgest.tasks.ingest.decoder import choose_decoder
+from imgest.tasks.ingest.decoder import choose_decoder, model_side
 from imgest.tasks.ingest.encode import decode_cost, encode_shard
 from imgest.tasks.ingest.encode_text import encode_text_shard, shard_texts, text_listing
 from imgest.tasks.ingest.inventory import read_inventory
@@ -47,29 +47,24 @@ def choose_encoding_task(store_url: str, spec: EncoderSpec, device: str, runtime
                          fixed_batch_size: int | None, catalogue_url: str, sample: tuple[WorkItem, ...] = (),
                          max_pixels: int = DEFAULT_MAX_PIXELS, run_id: str = "", decoder: str | None = None,
                          force_decoder: str | None = None, first: bool = True, fence: Fence | None = None) -> Encoding:
-    """Runtime, precision and batch size for the run; its JPEG decoder (the model's recorded one, or timed on a
-    sample of the images to read and recorded on its first run in the store, or `decoder` past the gate: all
-    before any shard, tasks/ingest/decoder.py) and the decode's cost with it (the split of the cores follows both
-    costs); what was asked for and could not run is one warning."""
+    """Runtime, precision and batch size for the run; its JPEG decode (the decoder and side the model's store
+    records, or on its first run there the model's default, recorded; or `decoder` past the gate: all before any
+    shard, tasks/ingest/decoder.py) and the decode's cost, measured on a sample of the images to read (the split
+    of the cores follows both costs); what was asked for and could not run is one warning."""
     encoding = choose_encoding(store_url, spec, device, runtime, precision, fixed_batch_size)
     encoder = encoders.load(spec, device, encoding.runtime, encoding.precision)
-    catalogue, timed = Location(catalogue_url, follow_links=True), {}
-
-    def measure(names: tuple[str, ...]) -> tuple[str, dict[str, float]]:
-        cost = timed["cost"] = decode_cost(catalogue, sample, encoder, max_pixels, names=names)
-        return (cost.decoder, cost.measured) if cost is not None else (decoders.PILLOW, {})
-
-    store = Location(store_url)
-    source = kept.source_model(store, spec.slug) if first and decoder is None and spec.base is None else None
-    choice = choose_decoder(store, spec.slug, run_id, decoder, force_decoder, first, device, measure,
-                            lambda recorded, asked: parity.decoder_parity(encoder, recorded, asked), fence,
-                            inherit=(decoders.recorded(store, source), source) if source else None)
-    cost = timed.get("cost")
-    if (sample and "cost" not in timed) or (cost is not None and cost.decoder != choice.decoder):
-        # the chosen decoder's cost alone (nvJPEG: the CPU's, Pillow for what the GPU does not decode)
-        cost = decode_cost(catalogue, sample, encoder, max_pixels,
-                           names=(decoders.PILLOW if choice.decoder == decoders.NVJPEG else choice.decoder,))
+    catalogue, store = Location(catalogue_url, follow_links=True), Location(store_url)
+    choice = choose_decoder(store, spec.slug, run_id, decoder, force_decoder, first, device,
+                            lambda name: model_side(encoder, name),
+                            lambda recorded, asked, side: parity.decoder_parity(encoder, recorded, asked, side=side),
+                            fence, legacy=decoders.legacy_side(encoder))
+    # the chosen decoder's cost alone, what splits the cores (nvJPEG: the CPU's, Pillow for what the GPU does not
+    # decode); a measurement, never a choice
+    cost = decode_cost(catalogue, sample, encoder, max_pixels, side=choice.side,
+                       names=(decoders.PILLOW if choice.decoder == decoders.NVJPEG else choice.decoder,)) \
+        if sample else None
     encoding.decoder, encoding.decoder_source, encoding.decoder_gate = choice.decoder, choice.source, choice.gate
+    encoding.decode_side, encoding.side_gate = choice.side, choice.side_gate
     if cost is not None:
         encoding.decode_seconds, encoding.decoders = cost.seconds, cost.measured
     logger = get_run_logger()
@@ -77,8 +72,8 @@ def choose_encoding_task(store_url: str, spec: EncoderSpec, device: str, runtime
         logger.warning(encoding.warning)
     logger.info("encoding with %s %s at batch %d (%s); measured img/s: %s; not used: %s; JPEGs decoded by %s, %s "
                 "(core-ms per image: %s)", encoding.runtime, encoding.precision, encoding.batch_size, encoding.source,
-                encoding.measured or "nothing to compare", "; ".join(encoding.refused) or "none", encoding.decoder,
-                encoding.decoder_source,
+                encoding.measured or "nothing to compare", "; ".join(encoding.refused) or "none",
+                decoders.Decode(encoding.decoder, encoding.decode_side or None).describe(), encoding.decoder_source,
                 ", ".join(f"{k} {v * 1e3:.2f}" for k, v in encoding.decoders.items()) or "not measured")
     return encoding
 
@@ -98,9 +93,10 @@ def kept_pixels_task(store_url: str, spec: EncoderSpec, device: str, chosen: Enc
     if chosen is None:  # nothing to decode this run
         return plan, kept.KeptReport(side=side, why="nothing to decode")
     encoder = encoders.load(spec, device, chosen.runtime, chosen.precision)
-    plan, report = kept.plan_kept(store, spec, encoder, plan, side, run_id, chosen.decoder)
+    decode = decoders.Decode(chosen.decoder, chosen.decode_side or None)
+    plan, report = kept.plan_kept(store, spec, encoder, plan, side, run_id, decode)
     if report.planned_from_kept and chosen.decode_seconds:  # the cores split by what the run decodes: mostly copies
-        report.copy_decode_seconds = kept.copy_cost(store, report.source, plan, encoder, max_pixels)
+        report.copy_decode_seconds = kept.copy_cost(store, report.source, plan, encoder, max_pixels, decode.side)
         if report.copy_decode_seconds:
             share = report.planned_from_kept / max(plan.to_read, 1)
             report.decode_seconds = share * report.copy_decode_seconds + (1 - share) * chosen.decode_seconds
@@ -252,4 +248,5 @@ def encode_shard_task(plan: ShardPlan, job: ShardJob) -> ShardResult:
             return encode_text_shard(plan, encoder, texts.texts, store, job.batch_size, job.fence, job.dtype)
         return encode_shard(plan, encoder, Location(job.catalogue_url, follow_links=True), Location(job.store_url),
                             job.batch_size, job.decode_workers, job.max_pixels, job.fence, job.dtype, costs=job.costs,
-                            decoder=job.decoder, keep_side=job.keep_side, kept_source=job.kept_source)
+                            decoder=job.decoder, decode_side=job.decode_side, keep_side=job.keep_side,
+                            kept_source=job.kept_source)

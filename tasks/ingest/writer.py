@@ -37,6 +37,7 @@ class ShardResult:
     runtime: str = ""  # what ran the encoder (imgest/encoders/runtimes.py) and at which precision
     precision: str = ""
     decoder: str = ""  # the JPEG decoder that made its vectors (imgest/images/decoders.py); "" for text
+    decode_side: int | None = None  # ... down to this shorter side (0: whole images; None: text)
     from_kept: int = 0  # of the encoded: decoded from kept copies, not the catalogue's originals
     kept_written: int = 0  # copies in the shard's pixel file (kept pixels)
     kept_bytes: int = 0
@@ -57,11 +58,12 @@ class ShardWriter:
 
     def __init__(self, store: Location, spec: EncoderSpec, plan: ShardPlan, fence: Fence | None = None,
                  dtype: str = "float32", runtime: str = "torch", precision: str = "fp32", decoder: str | None = None,
-                 keep_side: int = 0):
+                 keep_side: int = 0, decode_side: int | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
         self.store, self.spec, self.plan, self.fence, self.dtype = store, spec, plan, fence, dtype
-        self.result = ShardResult(shard=plan.name, runtime=runtime, precision=precision, decoder=decoder or "")
+        self.result = ShardResult(shard=plan.name, runtime=runtime, precision=precision, decoder=decoder or "",
+                                  decode_side=decode_side if decoder else None)
         self._rows: list[dict] = []
         self._vectors: list[np.ndarray] = []
         self._rejected: list[dict] = []
@@ -121,6 +123,8 @@ class ShardWriter:
             meta[b"imgest.from_kept_pixels"] = str(self.result.from_kept).encode()
         if self.result.decoder:  # what decoded its images: a model's vectors are made by one (shard_decoder)
             meta[b"imgest.decoder"] = self.result.decoder.encode()
+        if self.result.decode_side is not None:
+            meta[b"imgest.decode_side"] = str(self.result.decode_side).encode()
         return table.replace_schema_metadata(meta)
 
     def flush(self) -> ShardResult:
@@ -138,6 +142,7 @@ class ShardWriter:
             "runtime": self.result.runtime,
             "precision": self.result.precision,
             "decoder": self.result.decoder or None,
+            "decode_side": self.result.decode_side,
             "file": shard_key(self.spec.slug, self.plan.name) if self._rows else None,
             "rows": len(self._rows),
             "bytes": self.result.bytes,
