@@ -279,26 +279,42 @@ def decoder_parity(encoder, reference: str, candidate: str, files: tuple[bytes, 
 
 
 PILLOW_FULL = "pillow at full size"  # the reference of a reduced decode: what a transformers processor reads alone
-_SIDE_GATES: dict[tuple, DecoderParity] = {}  # measured in this process: (model id, runtime, precision, decoder, side)
-
-
 def side_parity(encoder, decoder: str, side: int, files: tuple[bytes, ...] | None = None) -> DecoderParity:
     """A reduced decode's parity with the processor's own path: JPEGs decoded by `decoder` down to a shorter side of
     `side` against the whole image decoded by Pillow, both through `encoder`'s preprocessing (a transformers
     processor resizes either), on the parity sample's files (or `files`), judged by the reduced precision's gate.
-    The sample is fixed, so the verdict is the model's, not a store's; kept per process."""
+    The sample is fixed, so the verdict is the model's, not a store's: on the sample, it is kept in the host's
+    compiled-model cache (one process of the host measures it; every later store of the model reads it)."""
     from imgest.images.decode import decode_image
 
-    key = (encoder.spec.model_id, getattr(encoder, "runtime", ""), getattr(encoder, "precision", ""), decoder, side,
-           files)
-    if key not in _SIDE_GATES:
-        chosen = files or _files()
+    def measured(chosen: tuple[bytes, ...]) -> DecoderParity:
         figures = _paired_figures(encoder, chosen, lambda data: decode_image(data),
                                   lambda data: decode_image(data, min_side=side, decoder=decoder))
-        _SIDE_GATES[key] = DecoderParity(encoder.spec.model_id, PILLOW_FULL, f"{decoder} down to {side} px",
-                                         gate=gate("bf16"), passed=passes(figures, "bf16"), images=len(chosen),
-                                         **figures)
-    return _SIDE_GATES[key]
+        return DecoderParity(encoder.spec.model_id, PILLOW_FULL, f"{decoder} down to {side} px", gate=gate("bf16"),
+                             passed=passes(figures, "bf16"), images=len(chosen), **figures)
+
+    if files is not None:
+        return measured(files)
+    key = {"model_id": encoder.spec.model_id, "runtime": getattr(encoder, "runtime", ""), "sample": SAMPLE,
+           "precision": getattr(encoder, "precision", ""), "decoder": decoder, "side": side, "check": "decode side"}
+    entry = compiled.Entry(os.path.join(compiled.root(), "decode-sides"), key)
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json"
+
+    def kept() -> DecoderParity | None:
+        record = compiled.read_record(entry, name)
+        if record is not None and record.get("key") == key:
+            with contextlib.suppress(TypeError):
+                return DecoderParity(**record["parity"])
+        return None
+
+    parity = kept()
+    if parity is None:
+        with compiled.one_at_a_time(f"decode side {name}"):  # a second process waits, then reads the first's
+            parity = kept()
+            if parity is None:
+                parity = measured(_files())
+                compiled.write_record(entry, name, {"key": key, "parity": parity.to_dict()})
+    return parity
 
 
 def _paired_figures(encoder, files: tuple[bytes, ...], ours, theirs) -> dict[str, float]:

@@ -65,6 +65,8 @@ def _encoding_line(summary: RunSummary) -> str:
                  f"core-ms a picture: work bound {summary.work_bound} img/s")
     if encoding.get("decoders") or encoding.get("decoder_source"):
         line += f"; JPEGs decoded by {encoding.get('decoder', 'pillow')}"
+        if encoding.get("decode_side"):
+            line += f" down to {encoding['decode_side']} px"
         if encoding.get("decoder_source"):
             line += f", {encoding['decoder_source'].replace('|', '/')}"
         if encoding.get("decoders"):
