@@ -224,9 +224,9 @@ Precision = Annotated[str, AfterValidator(one_of(PRECISIONS)),
                                         "it passes the parity check, else fp32), fp32, bf16 or fp16")]
 Decoder = Annotated[Annotated[str, AfterValidator(one_of(DECODERS))] | None, Field(
     description="The JPEG decoder (default: the one recorded for the model in this store; on its first run there "
-                "simplejpeg, every model's default, recorded). pillow, simplejpeg, turbojpeg or nvjpeg (GPU) switches the model to it from this run "
-                "on, recorded, when its embeddings pass the reduced-precision gate against the recorded decoder's "
-                "on the parity sample")]
+                "simplejpeg, every model's default, recorded). pillow, simplejpeg, turbojpeg or nvjpeg (GPU) "
+                "switches the model to it from this run on, recorded, when its embeddings pass the reduced-precision "
+                "gate against the recorded decoder's on the parity sample")]
 ForceDecoder = Annotated[str | None, Field(
     description="With decoder: switch without the gate (or where it cannot be measured: the recorded decoder not "
                 "installed here); the reason is recorded")]

@@ -89,6 +89,11 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: in
         raise DecodeError(_reason(exc)) from exc
 
 
+def decode_as(data: bytes, how: decoders.Decode, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """`data` decoded as a model's vectors are made (`how`: its recorded decoder and decode side)."""
+    return decode_image(data, max_pixels, how.side, how.decoder)
+
+
 def _scaled(decoder: str, data: bytes, header: Image.Image, min_side: int | None) -> Image.Image | None:
     """`data` decoded by `decoder` and turned upright by the orientation `header` (Pillow's open) read; None when
     that decoder cannot decode it (Pillow then decodes it, or gives the reason it is not an image)."""

@@ -32,7 +32,6 @@ from typing import Protocol
 import numpy as np
 
 from imgest.errors import UserError
-from imgest.names import DEFAULT_MAX_PIXELS
 
 PILLOW = "pillow"
 NVJPEG = "nvjpeg"
@@ -228,16 +227,11 @@ def legacy_side(encoder) -> int:
 
 @dataclass(frozen=True)
 class Decode:
-    """How a model's JPEGs are decoded: by `decoder`, down to a shorter side of `side` (None: the whole image)."""
+    """How a model's JPEGs are decoded: by `decoder`, down to a shorter side of `side` (None: the whole image);
+    imgest/images/decode.py `decode_as` decodes so."""
 
     decoder: str = PILLOW
     side: int | None = None
-
-    def image(self, data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS):
-        """`data` decoded as the model's vectors were made (imgest/images/decode.py `decode_image`)."""
-        from imgest.images.decode import decode_image
-
-        return decode_image(data, max_pixels, self.side, self.decoder)
 
     def describe(self) -> str:
         return f"{self.decoder}, {f'down to a shorter side of {self.side} px' if self.side else 'full size'}"

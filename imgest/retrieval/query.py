@@ -13,6 +13,7 @@ from imgest import encoders
 from imgest.encoders import EncoderError
 from imgest.errors import UserError
 from imgest.images import decoders
+from imgest.images.decode import decode_as
 from imgest.names import PRECISIONS, RUNTIMES
 from imgest.retrieval.filters import FilterError, GroupOf, filtered_search, grouped, matching_items, positions
 from imgest.retrieval.versions import OpenIndex, open_index, resolve_target
@@ -147,7 +148,7 @@ class Searcher:
         image_rows = [i for i, kind in enumerate(kinds) if kind == "image"]
         if image_rows:
             decode = self.decode()  # the JPEG decode the catalogue got: its decoder, down to its side
-            pixels = [encoder.preprocess(decode.image(_image_bytes(queries[i]))) for i in image_rows]
+            pixels = [encoder.preprocess(decode_as(_image_bytes(queries[i]), decode)) for i in image_rows]
             vectors[image_rows] = encoder.encode_images(np.stack(pixels))
         text_rows = [i for i, kind in enumerate(kinds) if kind == "text"]
         if text_rows:

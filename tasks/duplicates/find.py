@@ -15,7 +15,7 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from imgest.images.decode import DecodeError
+from imgest.images.decode import DecodeError, decode_as
 from imgest.lock import Fence
 from imgest.names import DEFAULT_DUPLICATE_THRESHOLD
 from imgest.progress import report
@@ -61,7 +61,7 @@ def embedder(searcher, batch: int = 32):
         decode = searcher.decode()
         out = []
         for begin in range(0, len(images), batch):
-            pixels = [encoder.preprocess(decode.image(data))
+            pixels = [encoder.preprocess(decode_as(data, decode))
                       for data in images[begin:begin + batch]]
             out.append(np.asarray(encoder.encode_images(np.stack(pixels)), np.float32))
         vectors = np.concatenate(out)

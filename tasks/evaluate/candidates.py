@@ -22,7 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from imgest import encoders
 from imgest.encoders import Encoder, EncoderSpec
 from imgest.images import decoders
-from imgest.images.decode import DecodeError
+from imgest.images.decode import DecodeError, decode_as
 from imgest.progress import report
 from imgest.records import RecordError
 from imgest.retrieval.metrics import evaluate, paired_bootstrap, per_query
@@ -92,8 +92,8 @@ def embed_queries(encoder: Encoder, queries: list[LabelledQuery], decode: decode
             if kind == "text":
                 vectors[chunk] = encoder.encode_texts([queries[i].text for i in chunk])
             else:
-                vectors[chunk] = encoder.encode_images(np.stack([encoder.preprocess(decode.image(
-                    read_url(queries[i].image))) for i in chunk]))
+                vectors[chunk] = encoder.encode_images(np.stack([encoder.preprocess(decode_as(
+                    read_url(queries[i].image), decode)) for i in chunk]))
     return vectors
 
 
@@ -124,7 +124,7 @@ def encode_sample(encoder: Encoder, images: CatalogueImages, uris: list[str], de
         with work:
             for row, data in read:
                 try:
-                    pixels.append(encoder.preprocess(decode.image(data)))
+                    pixels.append(encoder.preprocess(decode_as(data, decode)))
                     rows.append(row)
                 except DecodeError as exc:
                     logging.getLogger("imgest").warning("candidates: %s not decoded: %s", uris[row], exc)

@@ -19,6 +19,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from imgest.images import decoders
+from imgest.images.decode import decode_as
 from imgest.retrieval.metrics import paired_bootstrap
 from imgest.tasks.heads.train import HeadError, as_strings
 
@@ -139,7 +140,7 @@ def query_scorer(url: str, gallery, base_name: str, device: str = "auto", log=la
         decoders.Decode(decoders.PILLOW, decoders.legacy_side(encoder) or None)
     chunks = []
     for begin in range(0, len(kept), 64):
-        pixels = [encoder.preprocess(decode.image(read_url(queries[n].image)))
+        pixels = [encoder.preprocess(decode_as(read_url(queries[n].image), decode))
                   for n in kept[begin:begin + 64]]
         chunks.append(encoder.encode_images(np.stack(pixels)))
     searched = {}
