@@ -287,8 +287,8 @@ class MigrateConfig(FlowConfig):
     target_recall: TargetRecall = DEFAULT_TARGET_RECALL
     shard_size: ShardSize = DEFAULT_SHARD_SIZE
     disk: Disk = DEFAULT_DISK
-    decoder: Annotated[Decoder, Field(description="start: the new model's JPEG decoder (default: timed on its first "
-                                                  "run and recorded)")] = None
+    decoder: Annotated[Decoder, Field(description="start: the new model's JPEG decoder (default: simplejpeg, every "
+                                                  "model's, recorded on its first run)")] = None
     force_decoder: ForceDecoder = None
     keep_pixels: Annotated[KeepPixels, Field(description="start: keep resized copies of the images the new model "
                                                          "decodes (SIDE; 0: off); default: as the serving model "
