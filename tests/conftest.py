@@ -238,6 +238,22 @@ def tiny_models(tiny_model_folders, monkeypatch) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def tiny_siglip_sentencepiece_folder(tmp_path_factory) -> str:
+    """A tiny random SigLIP whose tokenizer is a SentencePiece model trained here, offline: SiglipTokenizer, as the
+    real checkpoints ship (imgest[hf]). Not listed in IMGEST_MODEL_DIRS until a test lists it
+    (`tiny_siglip_sentencepiece`)."""
+    return make_tiny_hf_model("siglip", str(tmp_path_factory.mktemp("hf-sentencepiece") / "siglip"),
+                              tokenizer="sentencepiece")
+
+
+@pytest.fixture
+def tiny_siglip_sentencepiece(tiny_siglip_sentencepiece_folder, monkeypatch) -> str:
+    """That SigLIP's folder, listed for this test in IMGEST_MODEL_DIRS (as `tiny_models` lists theirs)."""
+    monkeypatch.setenv("IMGEST_MODEL_DIRS", os.path.dirname(tiny_siglip_sentencepiece_folder))
+    return tiny_siglip_sentencepiece_folder
+
+
+@pytest.fixture(scope="session")
 def installed_imgest(tmp_path_factory) -> dict[str, str]:
     """imgest pip-installed (a wheel, not editable) into a fresh virtualenv outside the checkout, as a user
     installs it. Its third-party dependencies come from this test environment's site-packages through a

@@ -90,8 +90,40 @@ def small_catalogue(n: int, seed: int = 0, prefix: str = "img") -> dict[str, byt
     return {f"{prefix}/{i:04d}.jpg": jpeg_bytes(gradient(seed * 10_000 + i)) for i in range(n)}
 
 
-def make_tiny_hf_model(kind: str, folder: str) -> str:
-    """Random-weight CLIP/SigLIP/DINOv2 with a word-level tokenizer, saved as a transformers folder."""
+SENTENCEPIECE_VOCAB = 100  # the phrases below make 111 pieces at most
+
+
+def train_sentencepiece(path: str) -> str:
+    """A unigram SentencePiece model of SENTENCEPIECE_VOCAB pieces trained on product phrases, offline, its special
+    pieces where SigLIP's (T5's) are: <pad> 0, </s> 1, <unk> 2, no <s>. Written to `path`."""
+    import itertools
+
+    import sentencepiece
+
+    colours = ("red", "blue", "green", "black", "white", "brown", "grey", "pink", "navy", "beige", "olive", "cream")
+    materials = ("leather", "canvas", "wool", "cotton", "suede", "denim", "linen", "silk", "velvet", "nylon")
+    products = ("shoe", "sneaker", "boot", "sandal", "loafer", "bag", "tote", "backpack", "wallet", "jacket", "coat",
+                "dress", "shirt", "scarf", "hat", "skirt", "trousers", "sweater", "hoodie", "belt")
+    styles = ("vintage", "waterproof", "oversized", "slim", "striped", "quilted", "knitted", "embroidered", "sporty",
+              "classic", "summer", "winter", "evening", "casual", "formal", "running", "hiking", "ankle",
+              "crossbody", "mini")
+    phrases = [f"a {c} {m} {p}" for c, m, p in itertools.product(colours, materials, products)]
+    phrases += [f"{s} {p} in {c}" for s, p, c in itertools.product(styles, products, colours)]
+    phrases += [f"a photo of a {c} {p}" for c, p in itertools.product(colours, products)]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(phrases), model_writer=model, vocab_size=SENTENCEPIECE_VOCAB, model_type="unigram",
+        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>",
+        num_threads=1, minloglevel=2)
+    with open(path, "wb") as fh:
+        fh.write(model.getvalue())
+    return path
+
+
+def make_tiny_hf_model(kind: str, folder: str, tokenizer: str = "word-level") -> str:
+    """Random-weight CLIP/SigLIP/DINOv2 saved as a transformers folder, with a word-level tokenizer. A SigLIP with
+    tokenizer="sentencepiece" is laid out as the real checkpoints are: a SentencePiece model (spiece.model) read by
+    SiglipTokenizer, which returns input_ids only (as transformers' conversion of them saves it)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
@@ -106,11 +138,13 @@ def make_tiny_hf_model(kind: str, folder: str) -> str:
         SiglipModel,
     )
 
+    if tokenizer not in ("word-level", "sentencepiece") or (tokenizer == "sentencepiece" and kind != "siglip"):
+        raise ValueError(f"{kind} with a {tokenizer} tokenizer")
     torch.manual_seed(0)
     vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
                   image_size=32, patch_size=8)
     text = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                vocab_size=64, max_position_embeddings=16)
+                vocab_size=SENTENCEPIECE_VOCAB if tokenizer == "sentencepiece" else 64, max_position_embeddings=16)
     size = {"height": 32, "width": 32}
     if kind == "clip":
         model = CLIPModel(CLIPConfig(text_config={**text, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2},
@@ -126,7 +160,12 @@ def make_tiny_hf_model(kind: str, folder: str) -> str:
         raise ValueError(kind)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
-    if kind != "dinov2":
+    if tokenizer == "sentencepiece":
+        from transformers import SiglipTokenizer
+
+        SiglipTokenizer(vocab_file=train_sentencepiece(os.path.join(folder, "spiece.model")),
+                        model_input_names=["input_ids"], model_max_length=16).save_pretrained(folder)
+    elif kind != "dinov2":
         words = ["[BOS]", "[EOS]", "[PAD]", "[UNK]", "a", "red", "blue", "shoe", "bag", "photo", "of"]
         tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
         tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -54,11 +54,14 @@ def fail(exc: BaseException) -> None:
 
 
 def check_model(name: str, store: str) -> None:
-    """Before Prefect starts: the model resolves, and the store's later readers will take its name back."""
+    """Before Prefect starts: the model resolves, the store's later readers will take its name back, and what
+    loading it imports is installed here."""
     from imgest import encoders
     from imgest.storage import open_location
 
-    encoders.refuse_unrecordable(encoders.resolve(name), open_location(store))
+    spec = encoders.resolve(name)
+    encoders.refuse_unrecordable(spec, open_location(store))
+    encoders.refuse_missing_packages(spec)
 
 
 def check_decoder(config) -> None:

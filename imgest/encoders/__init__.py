@@ -126,6 +126,14 @@ def refuse_unrecordable(spec: EncoderSpec, store) -> None:
                                f"({str(exc).removeprefix('model: ')})") from exc
 
 
+def refuse_missing_packages(spec: EncoderSpec) -> None:
+    """Before a run loads `spec` in its workers: the packages loading it imports (a head's base model's too) are
+    installed here, or one line naming the model and the fix, instead of a failed task after the run started."""
+    while spec is not None:
+        hf.check_packages(spec)
+        spec = spec.base
+
+
 def resolve_recorded(name: object, store, where: str) -> EncoderSpec:
     """``resolve`` for a name read from a store record, after `recorded` allowed it."""
     allowed = recorded(name, store, where)
@@ -183,4 +191,5 @@ def _compiled(plain: Encoder, spec: EncoderSpec, device: str, runtime: str, prec
 
 
 __all__ = ["DEFAULT_MODEL", "Encoder", "EncoderError", "EncoderSpec", "REGISTRY", "device_key", "load", "parity",
-           "recorded", "refuse_unrecordable", "resolve", "resolve_device", "resolve_recorded", "runtimes"]
+           "recorded", "refuse_missing_packages", "refuse_unrecordable", "resolve", "resolve_device",
+           "resolve_recorded", "runtimes"]

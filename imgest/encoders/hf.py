@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 from collections.abc import Sequence
@@ -24,6 +25,10 @@ SUPPORTED = {
     "dinov2": (("image",), lambda c: c["hidden_size"]),
 }
 _WEIGHT_FILES = (".safetensors", ".bin", ".json", ".txt", ".model")
+# model_type -> what its tokenizer imports beyond imgest's own dependencies: transformers 5 tokenizes SigLIP with
+# SiglipTokenizer only, a SentencePiece model that it reads with protobuf. The `hf` extra installs them.
+TOKENIZER_PACKAGES = {"siglip": ("sentencepiece", "google.protobuf")}
+HF_EXTRA = "pip install 'imgest[hf]'"
 
 
 def _folder_digest(folder: str) -> str:
@@ -102,13 +107,48 @@ def resolve(name: str) -> EncoderSpec:
     )
 
 
+def check_packages(spec: EncoderSpec) -> None:
+    """EncoderError, one line naming the model and the fix, when its tokenizer needs a package that is not installed
+    here: checked before a run starts (imgest/cli/app.py), before a search loads the model, and before the weights
+    load, where transformers would refuse only after them, in a paragraph."""
+    if spec.family != "hf" or "text" not in spec.modalities:
+        return
+    for package in TOKENIZER_PACKAGES.get(spec.extra.get("model_type"), ()):
+        try:
+            importlib.import_module(package)
+        except ImportError as exc:
+            raise EncoderError(f"{spec.name}: its tokenizer needs the {package.split('.')[-1]} package, which is not "
+                               f"installed here: {HF_EXTRA}") from exc
+
+
+def _tokenizer(spec: EncoderSpec):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(spec.source)
+    except ImportError as exc:  # a package of a tokenizer the table above does not list: transformers names it
+        reason = str(exc).strip().split(". ")[0].splitlines()[0][:200]
+        raise EncoderError(f"{spec.name}: its tokenizer needs a package that is not installed here ({reason}): "
+                           f"install it ({HF_EXTRA} installs SigLIP's)") from exc
+
+
 def _decode_side(processor) -> int | None:
-    """The largest side the processor resizes to (its shorter-edge target, or its fixed height and width):
-    a JPEG never needs decoding beyond it. None when the processor does not say."""
+    """The shorter side a JPEG may be decoded down to for this processor: its resize target (the shortest edge, or
+    the larger of a fixed height and width, which a squashing resize needs on both sides), never its crop. None
+    when the processor does not resize to a target (it then reads the full image). transformers 5 keeps `size` as
+    a SizeDict (attributes, no keys()); a processor saved by 4.x reads back as one too."""
     size = getattr(processor, "size", None)
-    size = dict(size) if size is not None and hasattr(size, "keys") else {}
-    sides = [v for k, v in size.items() if k in ("shortest_edge", "height", "width") and isinstance(v, int)]
-    return max(sides) if sides else None
+    if size is None or not getattr(processor, "do_resize", True):
+        return None
+
+    def side(name: str):
+        value = size.get(name) if isinstance(size, dict) else getattr(size, name, None)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    if side("shortest_edge"):
+        return side("shortest_edge")
+    fixed = [v for v in (side("height"), side("width")) if v]
+    return max(fixed) if fixed else None
 
 
 def _pixels(processor, image) -> np.ndarray:
@@ -167,10 +207,11 @@ TOKEN_INPUTS = ("input_ids", "attention_mask")  # what the text tower reads of t
 class HFEncoder(GraphEncoder):
     def __init__(self, spec: EncoderSpec, device: str):
         import torch
-        from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+        from transformers import AutoImageProcessor, AutoModel
 
         self.spec, self.device = spec, device
         self.model_type = spec.extra["model_type"]
+        check_packages(spec)  # before the weights: a refusal costs nothing
         try:  # safetensors only (never a pickled .bin), and never a model's own code (trust_remote_code stays off)
             self.model = AutoModel.from_pretrained(spec.source, use_safetensors=True,
                                                    trust_remote_code=False).eval().to(device)
@@ -178,9 +219,12 @@ class HFEncoder(GraphEncoder):
             raise EncoderError(f"{spec.name}: cannot load its weights as safetensors without running the model's own "
                                f"code ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
         self.processor = AutoImageProcessor.from_pretrained(spec.source)
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.source) if "text" in spec.modalities else None
+        self.tokenizer = _tokenizer(spec) if "text" in spec.modalities else None
         self.input_shape = tuple(self.preprocess(_blank()).shape)
         self.decode_side = _decode_side(self.processor)
+        # its vectors decode down to that side only where the reduced decode passes a gate against the processor's
+        # own path on the whole image (tasks/ingest/decoder.py); stores recorded before sides were decoded whole
+        self.gated_decode_side, self.legacy_decode_side = True, None
         # picklable, so decode processes preprocess (tasks/ingest/encode.py); a hub model's source is its snapshot
         self.preprocess_fn = functools.partial(hf_preprocess, spec.source)
         scale, mean, std = _normalisation(self.processor)
@@ -202,10 +246,19 @@ class HFEncoder(GraphEncoder):
         return towers
 
     def _tokens(self, texts: Sequence[str]) -> dict:
-        padding = "max_length" if self.model_type == "siglip" else True
         max_len = self.model.config.text_config.max_position_embeddings
-        tokens = self.tokenizer(list(texts), padding=padding, truncation=True, max_length=max_len,
-                                return_tensors="pt")
+        if self.model_type == "siglip":
+            # As transformers documents SigLIP (its model doc; SiglipModel.get_text_features' example): padded to
+            # the length it was trained at, padding="max_length", and the tokens alone, no attention mask. Its
+            # checkpoints' tokenizers return input_ids only (transformers' SigLIP conversion saves them with
+            # model_input_names=["input_ids"]: the original model takes no mask), so the documented
+            # get_text_features(**tokenizer(texts, padding="max_length")) runs unmasked and pools the last
+            # position, a padding token. A mask would change every embedding, so one is never passed, whatever a
+            # folder's tokenizer returns.
+            tokens = self.tokenizer(list(texts), padding="max_length", truncation=True, max_length=max_len,
+                                    return_tensors="pt")
+            return {"input_ids": tokens["input_ids"]}
+        tokens = self.tokenizer(list(texts), padding=True, truncation=True, max_length=max_len, return_tensors="pt")
         return {k: tokens[k] for k in TOKEN_INPUTS if k in tokens}
 
     def preprocess(self, image) -> np.ndarray:
