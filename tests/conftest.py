@@ -220,12 +220,33 @@ def s3_each_endpoint(request) -> str:
     return use_s3(request, request.param)
 
 
+def _shared_folder(tmp_path_factory, name: str, make) -> pathlib.Path:
+    """A folder of this test run made once by `make(folder)` and shared by its workers (one makes it under a lock,
+    renames it into place; the others wait and read it): the same path, so the same model ids, and what the host
+    keeps for a model (its compiled graphs, parity and decode-side records) is measured once per run."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    with open(f"{root}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not root.exists():
+            building = root.with_name(f".{name}-{os.getpid()}")
+            building.mkdir()
+            make(building)
+            building.rename(root)
+    return root
+
+
 @pytest.fixture(scope="session")
 def tiny_model_folders(tmp_path_factory) -> dict[str, str]:
     """Tiny random CLIP, SigLIP and DINOv2 saved as local transformers folders: the hf: path, offline. Not
-    listed in IMGEST_MODEL_DIRS: a store may not name them until a test lists them (`tiny_models`)."""
-    root = tmp_path_factory.mktemp("hf-models")
-    return {kind: make_tiny_hf_model(kind, str(root / kind)) for kind in ("clip", "siglip", "dinov2")}
+    listed in IMGEST_MODEL_DIRS: a store may not name them until a test lists them (`tiny_models`). One set for
+    the run, shared by its workers."""
+    kinds = ("clip", "siglip", "dinov2")
+    root = _shared_folder(tmp_path_factory, "hf-models",
+                          lambda folder: [make_tiny_hf_model(kind, str(folder / kind)) for kind in kinds])
+    return {kind: str(root / kind) for kind in kinds}
 
 
 @pytest.fixture
@@ -242,8 +263,9 @@ def tiny_siglip_sentencepiece_folder(tmp_path_factory) -> str:
     """A tiny random SigLIP whose tokenizer is a SentencePiece model trained here, offline: SiglipTokenizer, as the
     real checkpoints ship (imgest[hf]). Not listed in IMGEST_MODEL_DIRS until a test lists it
     (`tiny_siglip_sentencepiece`)."""
-    return make_tiny_hf_model("siglip", str(tmp_path_factory.mktemp("hf-sentencepiece") / "siglip"),
-                              tokenizer="sentencepiece")
+    root = _shared_folder(tmp_path_factory, "hf-sentencepiece", lambda folder: make_tiny_hf_model(
+        "siglip", str(folder / "siglip"), tokenizer="sentencepiece"))
+    return str(root / "siglip")
 
 
 @pytest.fixture

@@ -29,6 +29,9 @@ _WEIGHT_FILES = (".safetensors", ".bin", ".json", ".txt", ".model")
 # SiglipTokenizer only, a SentencePiece model that it reads with protobuf. The `hf` extra installs them.
 TOKENIZER_PACKAGES = {"siglip": ("sentencepiece", "google.protobuf")}
 HF_EXTRA = "pip install 'imgest[hf]'"
+# transformers 5 resizes with torchvision where it is installed (imgest[gpu]) and with Pillow elsewhere, and the two
+# give different pixels: one backend everywhere, so a GPU node and a CPU node make the same vectors
+PROCESSOR_BACKEND = "pil"
 
 
 def _folder_digest(folder: str) -> str:
@@ -169,7 +172,7 @@ def _pixels(processor, image) -> np.ndarray:
 def _processor(source: str):
     from transformers import AutoImageProcessor
 
-    return AutoImageProcessor.from_pretrained(source)
+    return AutoImageProcessor.from_pretrained(source, backend=PROCESSOR_BACKEND)
 
 
 def hf_preprocess(source: str, image) -> np.ndarray:
@@ -218,7 +221,7 @@ class HFEncoder(GraphEncoder):
         except (OSError, ValueError) as exc:
             raise EncoderError(f"{spec.name}: cannot load its weights as safetensors without running the model's own "
                                f"code ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
-        self.processor = AutoImageProcessor.from_pretrained(spec.source)
+        self.processor = AutoImageProcessor.from_pretrained(spec.source, backend=PROCESSOR_BACKEND)
         self.tokenizer = _tokenizer(spec) if "text" in spec.modalities else None
         self.input_shape = tuple(self.preprocess(_blank()).shape)
         self.decode_side = _decode_side(self.processor)
