@@ -110,10 +110,8 @@ def _photos() -> tuple:
     """The sample's pictures, decoded upright in RGB (Pillow; the same pixels go to both sides)."""
     from PIL import Image, ImageOps
 
-    from imgest.demo import product_photos
-
     images = []
-    for data in product_photos(SAMPLE_IMAGES, seed=SAMPLE_SEED).values():
+    for data in _sample_files():
         image = Image.open(io.BytesIO(data))
         image.draft("RGB", (SAMPLE_SIDE, SAMPLE_SIDE))  # a JPEG decoded at a reduced DCT scale, never below it
         image = ImageOps.exif_transpose(image)
@@ -255,12 +253,54 @@ class DecoderParity(GateFigures):
         return asdict(self)
 
 
-@functools.lru_cache(maxsize=1)
 def _files() -> tuple[bytes, ...]:
-    """The sample's files as a catalogue stores them (JPEGs of 800-2000 px, PNG cut-outs), not yet decoded."""
-    from imgest.demo import product_photos
+    """The files the decoder, decode-side and kept-pixels gates decode: the sample's."""
+    return _sample_files()
 
-    return tuple(product_photos(SAMPLE_IMAGES, seed=SAMPLE_SEED).values())
+
+@functools.lru_cache(maxsize=1)
+def _sample_files() -> tuple[bytes, ...]:
+    """The sample's files as a catalogue stores them (JPEGs of 800-2000 px, PNG cut-outs), not yet decoded: made
+    once per host (by one process at a time) and kept in the compiled-model cache, since making them costs about
+    20 s; keyed by what makes them (imgest, Pillow and scikit-image's versions)."""
+    import PIL
+    import skimage
+
+    from imgest.demo import product_photos
+    from imgest.names import VERSION
+
+    key = json.dumps([SAMPLE, VERSION, PIL.__version__, skimage.__version__])
+    path = os.path.join(compiled.root(), "parity-sample",
+                        hashlib.sha256(key.encode()).hexdigest()[:24] + ".npz")
+    kept = _read_files(path)
+    if kept is None:
+        with compiled.one_at_a_time(f"parity sample {path}"):  # a second process waits, then reads the first's
+            kept = _read_files(path)
+            if kept is None:
+                kept = tuple(product_photos(SAMPLE_IMAGES, seed=SAMPLE_SEED).values())
+                _write_files(path, kept)
+    return kept
+
+
+def _read_files(path: str) -> tuple[bytes, ...] | None:
+    """The kept sample, if whole: its files' bytes and their offsets (plain arrays, never a pickle)."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        with np.load(path, allow_pickle=False) as kept:
+            data, offsets = kept["data"], kept["offsets"]
+        if data.dtype == np.uint8 and offsets.dtype == np.int64 and len(offsets) == SAMPLE_IMAGES + 1 \
+                and offsets[0] == 0 and offsets[-1] == len(data) and (np.diff(offsets) > 0).all():
+            raw = data.tobytes()
+            return tuple(raw[a:b] for a, b in zip(offsets[:-1], offsets[1:]))
+    return None
+
+
+def _write_files(path: str, files: tuple[bytes, ...]) -> None:
+    with contextlib.suppress(OSError):  # a cache that cannot be written costs the next process its time only
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex}.npz"
+        offsets = np.cumsum([0, *map(len, files)]).astype(np.int64)
+        np.savez(tmp, data=np.frombuffer(b"".join(files), np.uint8), offsets=offsets)
+        os.replace(tmp, path)
 
 
 def decoder_parity(encoder, reference: str, candidate: str, files: tuple[bytes, ...] | None = None,
