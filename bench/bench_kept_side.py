@@ -25,6 +25,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as fh:
+        return next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")),
+                    platform.machine())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=64)
@@ -62,7 +68,7 @@ def main() -> None:
                 best[name] = min(best[name], (time.thread_time() - start) / len(items))
                 pixels[name] = [d.pixels for d in done]
         same = all(all(np.array_equal(a, b) for a, b in zip(pixels["no copy"], other)) for other in pixels.values())
-    print(f"# {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
+    print(f"# {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {cpu_name()}, "
           f"{args.images} photos at 1100-1300 px, {args.model} (decode side {side}), {decoders.DEFAULT}, one core")
     print("| a decode worker's work per image | core-ms | x no copy |")
     print("|---|---:|---:|")
