@@ -88,7 +88,14 @@ def test_the_cores_split_in_the_proportion_of_measured_costs(monkeypatch):
     assert (plan.workers, plan.torch_threads, plan.processes, plan.nice) == (10, 7, True, decode_workers.DECODE_NICE)
     assert plan.describe() == "10 decode processes (nice 10), torch 7 thread(s)"
     assert plan_decode(lite0, 0, 2000, False, costs=(0.05, 0.0001)).torch_threads == 1  # one core stays the encoder's
-    assert plan_decode(lite0, 0, 2000, False, costs=(0.0001, 0.05)).torch_threads == 15
+    # a decode under half a core's share (a ViT's: 8 ms against 240): the encoder keeps every core, and the niced
+    # decode processes take what it leaves idle (on 2 cores: 0.52 of the work bound with one encoder thread)
+    assert plan_decode(lite0, 0, 2000, False, costs=(0.0001, 0.05)).torch_threads == 16
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    vit = plan_decode(lite0, 0, 2000, False, costs=(0.008, 0.24))
+    assert (vit.workers, vit.torch_threads, vit.nice) == (2, 2, decode_workers.DECODE_NICE)
+    assert plan_decode(lite0, 0, 20, False, costs=(0.008, 0.24)).torch_threads == 1  # decode threads: not niced
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     assert plan_decode(lite0, 0, 2000, False).torch_threads == 8  # nothing measured: half each
     assert plan_decode(lite0, 0, 20, False).nice == 0  # decode threads are not niced (nor outnumber)
     assert (plan_decode(lite0, 4, 2000, False, costs=(0.007, 0.005)).workers, plan.nice) == (4, 10)  # N wins

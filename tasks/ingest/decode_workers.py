@@ -8,7 +8,9 @@ two decode threads beside two torch threads. So with --decode-workers 0 (the def
 between decode and encoder in the proportion of their measured cost per image (the run measures both before
 its first shard; half each when it has not), all but one decode on a GPU, where the model does not need them;
 a shard with enough images to pay for starting them decodes in processes when the encoder's preprocessing can
-run in one, and their pixels come back through shared memory (tasks/ingest/handoff.py).
+run in one, and their pixels come back through shared memory (tasks/ingest/handoff.py). Where the decode's share
+rounds to no core (a ViT-B's encoder costs 30 times its decode), the encoder keeps every core and niced decode
+processes take what it leaves idle: one encoder thread beside them reached only 0.52 of the work bound on 2 cores.
 
 Starting a decode process costs about half a core-second (the interpreter and its imports): two of them for
 every shard cost 4-6% of the images/s of a 1,500-photo shard on 2 cores (measured 2026-12-05). So a shard
@@ -73,10 +75,13 @@ def plan_decode(encoder: Encoder, decode_workers: int, to_read: int, gpu_jpeg: b
     torch_threads, nice = None, 0
     if decode_workers == 0:
         share = costs[0] / sum(costs) if costs and all(c and c > 0 for c in costs) else 0.5
-        decode_workers = max(1, cores - 1) if on_gpu else min(max(1, round(cores * share)), max(1, cores - 1))
+        wanted = round(cores * share)  # the decode's share of the cores, in whole cores
+        decode_workers = max(1, cores - 1) if on_gpu else min(max(1, wanted), max(1, cores - 1))
         torch_threads = None if on_gpu else max(1, cores - decode_workers)
         if processes and not on_gpu and cores > 1:
             decode_workers, nice = decode_workers + 1, DECODE_NICE
+            if not wanted:  # under half a core (a ViT: decode ~3% of the work): the encoder keeps every core,
+                torch_threads = cores  # the niced decode processes take what it leaves idle
     return DecodePlan(decode_workers, processes, torch_threads, nice)
 
 
