@@ -35,14 +35,18 @@ def model_side(encoder, decoder: str, gated: Callable | None = None) -> tuple[in
     """The side a new record of `encoder`'s model decodes its JPEGs down to, and the side gate's figures: its
     preprocessing's side (`decode_side`); for an encoder whose reduced decode is not established for its family
     (`gated_decode_side`: a transformers model), only where the reduced decode by `decoder` passes the gate against
-    the processor's own path on the whole image (`parity.side_parity`), else FULL."""
+    the processor's own path on the whole image (`parity.side_parity`), else FULL. The gate is measured through
+    the model in eager torch fp32 on the CPU, whatever the run's runtime and device: the verdict, and so the
+    side, is the model's on every host."""
     need = int(getattr(encoder, "decode_side", None) or FULL)
     if not need or not getattr(encoder, "gated_decode_side", False):
         return need, None
     if gated is None:
+        from imgest import encoders
         from imgest.encoders import parity
 
-        gated = parity.side_parity
+        def gated(encoder, decoder, side):
+            return parity.side_parity(encoders.load(encoder.spec, "cpu", "torch", "fp32"), decoder, side)
     figures = gated(encoder, decoder, need)
     return (need if figures.passed else FULL), {**figures.figures(), "images": figures.images,
                                                  "passed": figures.passed}
