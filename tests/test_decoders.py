@@ -1,6 +1,6 @@
-"""JPEG decoders: each one's scale, pixels and orientation, the choice by measurement, the fallbacks; and a model's
-decoder recorded in its store and kept: by later runs and resumes, by its shards, against hostile records, behind
-the gate (tasks/ingest/decoder.py)."""
+"""JPEG decoders: each one's scale, pixels and orientation, their cost, the fallbacks; and a model's decode (its
+default decoder and side, a transformers model's side behind its gate) recorded in its store and kept: by later runs
+and resumes, by its shards, against hostile records, behind the gate (tasks/ingest/decoder.py)."""
 
 import sys
 import time
@@ -87,7 +87,7 @@ def test_an_unknown_decoder_is_refused_naming_the_known():
         decoders.get("libjpeg")
 
 
-def test_the_cheapest_decoder_is_chosen_by_cpu_time():
+def test_the_decoders_are_timed_in_cpu_time_for_the_runs_cost_never_to_choose_one():
     def work(data, name):  # Pillow made to cost ~5 ms of CPU an image, the others nothing
         if name == decoders.PILLOW:
             end = time.thread_time() + 0.005
