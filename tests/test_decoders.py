@@ -155,7 +155,7 @@ def test_a_record_from_before_the_default_keeps_its_decoder_and_gets_its_side_re
     store.write_json(decoders.record_key(SLUG), {"decoder": "turbojpeg", "how": "measured", "run_id": "r00000001-x",
                                                  "measured": {"pillow": 0.002, "turbojpeg": 0.001}})
     old = decoders.read_record(store, SLUG)
-    assert old.side == decoders.UNRECORDED and not old.default(None)
+    assert old.side == decoders.UNRECORDED and old.decode(None) != decoders.default_decode(None)
 
     class Lite:  # an encoder's attributes only: what resolves a side from before sides were recorded
         decode_side = 256

@@ -262,6 +262,28 @@ def test_a_planted_or_broken_pixel_file_sends_its_items_to_the_catalogue(tmp_pat
     assert faults[0].endswith(": 2 item(s) read from the catalogue")
 
 
+def test_an_image_whose_copy_cannot_be_made_is_encoded_without_one_and_the_run_says_why(tmp_path, monkeypatch):
+    """The copy is storage only: an item whose copy fails (here the memory for it, injected) keeps its pixels, the
+    model's own, and is encoded; its fault goes to the run's kept-pixels faults (a later model reads its original)."""
+    from imgest.tasks.ingest import encode
+    from tests.helpers import jpeg_bytes, write_files
+
+    write_files(str(tmp_path / "cat"), {"p.jpg": jpeg_bytes(gradient(3, (640, 480)))})
+    cat = Location(str(tmp_path / "cat"))
+    item = WorkItem("p.jpg", cat.uri("p.jpg"), 1, None, None, None)
+    plain = encode.prepare(cat, item, np.asarray, 10**8, 64, decoder="simplejpeg")
+    kept_at_256 = encode.prepare(cat, item, np.asarray, 10**8, 64, decoder="simplejpeg", keep_side=256)
+    assert kept_at_256.copy is not None and np.array_equal(kept_at_256.pixels, plain.pixels)
+
+    def out_of_memory(image, side, quality=kept.QUALITY):
+        raise MemoryError("no room for the copy")
+
+    monkeypatch.setattr(kept, "make_copy", out_of_memory)
+    done = encode.prepare(cat, item, np.asarray, 10**8, 64, decoder="simplejpeg", keep_side=256)
+    assert done.reason is None and done.copy is None and np.array_equal(done.pixels, plain.pixels)
+    assert done.copy_fault == "p.jpg: no kept copy (MemoryError: no room for the copy)"
+
+
 def test_pixel_files_of_unreferenced_shards_and_killed_writes_are_removed(tmp_path):
     store = _store(tmp_path)
     for shard in ("part-a", "part-b"):

@@ -50,6 +50,7 @@ SAMPLE_TEXTS = ("a red leather ankle boot", "white sneakers on a wooden floor", 
 SAMPLE = (f"{SAMPLE_IMAGES} product photos (imgest.demo.product_photos, seed {SAMPLE_SEED}) through the encoder's "
           f"preprocessing; {len(SAMPLE_TEXTS)} fixed texts for a text tower")
 REFERENCE = "torch fp32"
+PILLOW_FULL = "pillow at full size"  # a reduced decode's reference: what a transformers processor reads alone
 
 
 class ParityError(EncoderError):
@@ -309,16 +310,16 @@ def decoder_parity(encoder, reference: str, candidate: str, files: tuple[bytes, 
     model's recorded decode side; None: the encoder's), on the parity sample's files (or `files`), judged by the
     reduced precision's gate: a decoder moves embeddings as bf16 does."""
     from imgest.images.decode import decode_image
+    from imgest.images.decoders import min_side
 
     files = files or _files()
-    side = getattr(encoder, "decode_side", None) if side is None else side or None
+    side = min_side(encoder, side)
     figures = _paired_figures(encoder, files, lambda data: decode_image(data, min_side=side, decoder=reference),
                               lambda data: decode_image(data, min_side=side, decoder=candidate))
     return DecoderParity(encoder.spec.model_id, reference, candidate, gate=gate("bf16"),
                          passed=passes(figures, "bf16"), images=len(files), **figures)
 
 
-PILLOW_FULL = "pillow at full size"  # the reference of a reduced decode: what a transformers processor reads alone
 def side_parity(encoder, decoder: str, side: int, files: tuple[bytes, ...] | None = None) -> DecoderParity:
     """A reduced decode's parity with the processor's own path: JPEGs decoded by `decoder` down to a shorter side of
     `side` against the whole image decoded by Pillow, both through `encoder`'s preprocessing (a transformers
@@ -406,9 +407,10 @@ def kept_parity(encoder, reference: str, source: str, side: int, files: tuple[by
     keeps it) decoded and preprocessed."""
     from imgest.images import kept
     from imgest.images.decode import decode_image
+    from imgest.images.decoders import min_side
 
     files = files or _files()
-    need = getattr(encoder, "decode_side", None) if need is None else need
+    need = min_side(encoder, need)
     copies: list[bytes] = []
 
     def from_copy(data: bytes):

@@ -179,10 +179,9 @@ def unusable(name: str, device: str) -> str | None:
 def fastest(datas: Sequence[bytes], work: Callable[[bytes, str], object],
             names: Sequence[str] | None = None, rounds: int = 2) -> tuple[str, dict[str, float]]:
     """The decoder that makes `work(data, decoder)` (decode and preprocess) cheapest in CPU time over `datas`, and
-    each one's core-seconds per image (a measurement for benchmarks and a run's cost: it never picks a model's
-    decoder, which the model fixes) (the better of `rounds`, taken in turn, so a moment of other work on the
-    machine does not decide it); `names` defaults to the CPU decoders installed (`timed`). Pillow wins ties and is
-    the answer without a sample."""
+    each one's core-seconds per image, the better of `rounds` taken in turn, so a moment of other work on the
+    machine does not decide it: a measurement for benchmarks and a run's cost, never what picks a model's decoder;
+    `names` defaults to the CPU decoders installed (`timed`). Pillow wins ties and is the answer without a sample."""
     names = [n for n in (names or timed()) if n in installed()] or [PILLOW]
     if not datas:
         return PILLOW, {}
@@ -237,10 +236,16 @@ class Decode:
         return f"{self.decoder}, {f'down to a shorter side of {self.side} px' if self.side else 'full size'}"
 
 
+def min_side(encoder, side: int | None = None) -> int | None:
+    """A decode side as `decode_image` takes it: `side` (a recorded one; FULL: the whole image, None), or without
+    one the encoder's own preprocessing side."""
+    return (getattr(encoder, "decode_side", None) if side is None else side) or None
+
+
 def default_decode(encoder) -> Decode:
     """The decode a model's first run in a store records: DEFAULT down to its preprocessing's side (or the whole
     image, where a gated side fails its gate: tasks/ingest/decoder.py)."""
-    return Decode(DEFAULT, getattr(encoder, "decode_side", None) or None)
+    return Decode(DEFAULT, min_side(encoder))
 
 
 @dataclass(frozen=True)
@@ -266,10 +271,6 @@ class Record:
         """The decode this record says, for `encoder` (which resolves a side from before sides were recorded)."""
         side = legacy_side(encoder) if self.side == UNRECORDED else self.side
         return Decode(self.decoder, side or None)
-
-    def default(self, encoder) -> bool:
-        """Whether this is the model's default decode (`default_decode`)."""
-        return self.decode(encoder) == default_decode(encoder)
 
     def describe(self) -> str:
         """One phrase: "simplejpeg (measured, run r00000001-...), down to 224 px"."""

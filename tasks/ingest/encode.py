@@ -48,6 +48,7 @@ class Prepared:
     slot: tuple | None = None  # (slot, shape, dtype): the pixels wait in the shared hand-off block
     copy: tuple[bytes, int, int] | None = None  # kept pixels to write: (JPEG bytes, width, height)
     from_kept: bool = False  # decoded from a kept copy, not the catalogue's original
+    copy_fault: str | None = None  # the copy could not be made (the item is encoded all the same, kept without one)
 
 
 def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixels: int,
@@ -83,15 +84,20 @@ def prepare(catalogue: Location, item: WorkItem, preprocess: Callable, max_pixel
     try:
         image = decode_image(data, max_pixels, min_side, decoder)
         pixels = preprocess(image)
-        kept_copy = kept.make_copy(_at_side(image, data, keep_side, max_pixels, decoder, min_side), keep_side) \
-            if keep_side else None
     except DecodeError as exc:
         return Prepared(item, digest, reason=str(exc))
     except MemoryError as exc:
         return Prepared(item, digest, reason=f"{type(exc).__name__} while decoding: {exc}", transient=True)
     except Exception as exc:  # the model's preprocessing refused this image (e.g. 1x1 pixels)
         return Prepared(item, digest, reason=f"{type(exc).__name__} in preprocessing: {exc}")
-    return Prepared(item, digest, pixels, copy=kept_copy)
+    if not keep_side:
+        return Prepared(item, digest, pixels)
+    try:  # the copy is storage only: an item whose copy cannot be made is encoded all the same, without one
+        copy = kept.make_copy(_at_side(image, data, keep_side, max_pixels, decoder, min_side), keep_side)
+    except Exception as exc:  # a second decode's MemoryError too: the next model reads this item's original
+        return Prepared(item, digest, pixels, copy_fault=f"{item.item_id}: no kept copy ({type(exc).__name__}: "
+                                                         f"{str(exc)[:200]})")
+    return Prepared(item, digest, pixels, copy=copy)
 
 
 def _at_side(image, data: bytes, side: int, max_pixels: int, decoder: str, min_side: int | None):
@@ -159,7 +165,7 @@ def decode_cost(catalogue: Location, items: tuple[WorkItem, ...], encoder: Encod
     `items` in this thread (CPU time: waits on the store do not count). None without a sample that decodes, or
     when the catalogue cannot be read now: the shards meet that fault themselves and name it. JPEGs decode down to
     `side` (0: the whole image; None: the encoder's side)."""
-    side = (getattr(encoder, "decode_side", None) if side is None else side) or None
+    side = decoders.min_side(encoder, side)
     start, datas = time.thread_time(), []
     try:
         for item in items[:sample]:
@@ -282,8 +288,7 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
             decoder == decoders.NVJPEG and jpeg_decoder is None and f"{encoder.spec.name} has no GPU preprocessing")):
         raise decoders.DecoderError(f"shard {plan.name}: this run decodes JPEGs with {decoder}, which cannot run in "
                                     f"this worker: {why}")
-    if decode_side is None:
-        decode_side = getattr(encoder, "decode_side", None)
+    decode_side = decoders.min_side(encoder, decode_side)  # JPEGs decode at reduced size down to this (None: whole)
     writer = ShardWriter(store, encoder.spec, plan, fence, dtype, encoder.runtime, encoder.precision, decoder,
                          keep_side, decode_side or 0)
     writer.result.worker, writer.result.started = f"{socket.gethostname()}:{os.getpid()}", _now()
@@ -311,7 +316,6 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     to_read = derive_from_base(plan.items, encoder, store, writer) if encoder.spec.base is not None else plan.items
     if not to_read:  # every item derived from its stored base vector: no reader, decoder or torch thread
         return _finished(writer, total, encoding, waiting)
-    decode_side = decode_side or None  # JPEGs decode at reduced size down to this (None: whole)
     gpu_jpeg = jpeg_decoder is not None
     if gpu_jpeg and keep_side:
         raise decoders.DecoderError(f"shard {plan.name}: kept pixels are made from a CPU decode; this model's "
@@ -352,6 +356,8 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
                     writer.reject(prepared.item, prepared.content_hash, prepared.reason, prepared.transient)
                 else:
                     writer.keep(prepared.item, prepared.content_hash, prepared.copy, prepared.from_kept)
+                    if prepared.copy_fault:
+                        writer.result.kept_faults.append(prepared.copy_fault)
                     batch.append(prepared)
                     if len(batch) >= batch_size:
                         flush_batch()

@@ -41,7 +41,7 @@ class ShardResult:
     from_kept: int = 0  # of the encoded: decoded from kept copies, not the catalogue's originals
     kept_written: int = 0  # copies in the shard's pixel file (kept pixels)
     kept_bytes: int = 0
-    kept_faults: list[str] = field(default_factory=list)  # pixel files skipped (damaged, planted): items re-read
+    kept_faults: list[str] = field(default_factory=list)  # pixel files skipped (damaged, planted), copies not made
     decode: str = ""  # where decoding ran: "1 decode process, torch 1 thread(s)" (decode_workers.py plan_decode)
     worker: str = ""  # host:pid of the process that encoded it
     started: str = ""  # UTC ISO times of the encode, for a timeline of the workers
