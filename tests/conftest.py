@@ -84,8 +84,8 @@ def pytest_collection_finish(session):
     """What collection left alive (torch, transformers, Prefect, the test modules: about 600,000 objects, kept
     for the whole run) moved out of the cyclic collector's reach (`gc.freeze`): each full collection then walks
     what the tests made since, not every module's objects. Every ingest ends with one (imgest.memory.give_back,
-    which gives a long flow's freed memory back): 0.43 s each in a test process before, 0.25 s after (test_heads.py, 2026-12-07).
-    Nothing is kept alive by it: a frozen object whose count drops to zero is freed as before."""
+    which gives a long flow's freed memory back): 0.43 s each in a test process before, 0.25 s after
+    (tests/test_heads.py, 2026-12-07). Nothing is kept alive by it: a frozen object whose count drops to zero is freed as before."""
     import gc
 
     gc.collect()
