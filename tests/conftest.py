@@ -80,16 +80,32 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files keep their order
 
 
-def pytest_collection_finish(session):
-    """What collection left alive (torch, transformers, Prefect, the test modules: about 600,000 objects, kept
-    for the whole run) moved out of the cyclic collector's reach (`gc.freeze`): each full collection then walks
-    what the tests made since, not every module's objects. Every ingest ends with one (imgest.memory.give_back,
-    which gives a long flow's freed memory back): 0.43 s each in a test process before, 0.25 s after
-    (tests/test_heads.py, 2026-12-07). Nothing is kept alive by it: a frozen object whose count drops to zero is freed as before."""
+IMPORTS_BETWEEN_FREEZES = 200  # modules imported since the last freeze that make a new one worth a collection
+_frozen_at = [0]  # len(sys.modules) at the last freeze
+
+
+def _freeze() -> None:
     import gc
 
     gc.collect()
     gc.freeze()
+    _frozen_at[0] = len(sys.modules)
+
+
+def pytest_collection_finish(session):
+    """What the run keeps alive to its end (the modules imported: torch, transformers, Prefect, scipy, the test
+    modules; about a million objects by the end of a worker's share) moved out of the cyclic collector's reach
+    (`gc.freeze`): each full collection then walks what the tests made, not every module's objects. Every ingest
+    ends with one (imgest.memory.give_back, which gives a long flow's freed memory back), and Python runs its own.
+    Frozen here, after collection, and again after a test that imported many more modules (most are imported
+    lazily, by the first test that needs them), each time after a collection, so no garbage of the moment is kept.
+    A frozen object whose count drops to zero is freed as before."""
+    _freeze()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if len(sys.modules) - _frozen_at[0] >= IMPORTS_BETWEEN_FREEZES:
+        _freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)
