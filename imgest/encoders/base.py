@@ -159,22 +159,3 @@ def l2_normalise(features) -> np.ndarray:
     features = features.float()
     features = torch.nn.functional.normalize(features, dim=-1)
     return features.detach().cpu().numpy().astype(np.float32, copy=False)
-
-
-def pillow_bicubic_weights(size: int, start: float, stop: float, out: int) -> np.ndarray:
-    """The (out x size) matrix of Pillow's bicubic resampling of [start, stop) onto `out` pixels: its
-    filter (a = -0.5), widened by the scale when shrinking (antialiasing), its window, normalised per row.
-    A tensor's resize through it matches Image.resize(..., BICUBIC, box=...) to rounding."""
-    scale = (stop - start) / out
-    widen = max(scale, 1.0)
-    support = 2.0 * widen
-    centres = start + (np.arange(out) + 0.5) * scale
-    pixels = np.arange(size)
-    x = np.abs((pixels[None, :] - centres[:, None] + 0.5) / widen)
-    a = -0.5
-    weights = np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
-                       np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
-    low = np.maximum((centres - support + 0.5).astype(int), 0)  # C's int(): towards zero, as Pillow
-    high = np.minimum((centres + support + 0.5).astype(int), size)
-    weights *= (pixels[None, :] >= low[:, None]) & (pixels[None, :] < high[:, None])
-    return (weights / weights.sum(axis=1, keepdims=True)).astype(np.float32)

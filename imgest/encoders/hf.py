@@ -16,6 +16,7 @@ from imgest.encoders.graph_encoder import GraphEncoder, torch_module
 from imgest.encoders.graphs import Graph
 from imgest.encoders.precision import default_precision
 from imgest.encoders.text import is_sentence_transformer, text_spec
+from imgest.images import tensors
 
 PREFIX = "hf:"
 # model_type -> (modalities, how to read the embedding dimension from config.json)
@@ -168,6 +169,42 @@ def _pixels(processor, image) -> np.ndarray:
     return pixels
 
 
+def _resample_plan(processor, height: int, width: int) -> tensors.Resample | None:
+    """What `processor` (transformers' Pillow backend) does to an RGB image of this size, as a tensor path's plan:
+    its resize (the target size worked out by transformers' own helpers, in the order its backend tries them), its
+    filter, its centre crop. None where the tensor path cannot do the same: another filter, a target it pads to."""
+    from transformers.image_transforms import get_resize_output_image_size, get_size_with_aspect_ratio
+    from transformers.image_utils import ChannelDimension, get_image_size_for_max_height_width
+
+    new = (height, width)
+    resample = int(getattr(processor, "resample", tensors.BICUBIC))
+    if getattr(processor, "do_resize", True):
+        size = processor.size
+        if resample not in (tensors.BICUBIC, tensors.BILINEAR):
+            return None
+        if size.shortest_edge and size.longest_edge:
+            new = get_size_with_aspect_ratio((height, width), size.shortest_edge, size.longest_edge)
+        elif size.shortest_edge:  # the helper reads the image's shape only: a broadcast view of one byte
+            shape = np.broadcast_to(np.zeros((), np.uint8), (3, height, width))
+            new = get_resize_output_image_size(shape, size=size.shortest_edge, default_to_square=False,
+                                               input_data_format=ChannelDimension.FIRST)
+        elif size.max_height and size.max_width:
+            new = get_image_size_for_max_height_width((height, width), size.max_height, size.max_width)
+        elif size.height and size.width:
+            new = (size.height, size.width)
+        else:
+            return None
+    new = (int(new[0]), int(new[1]))
+    crop = None
+    if getattr(processor, "do_center_crop", False):
+        crop_h, crop_w = processor.crop_size.height, processor.crop_size.width
+        top, left = (new[0] - crop_h) // 2, (new[1] - crop_w) // 2  # transformers' center_crop
+        if top < 0 or left < 0:  # it pads a smaller image: the processor's own path does that
+            return None
+        crop = (top, left, crop_h, crop_w)
+    return tensors.Resample((0.0, 0.0, float(width), float(height)), new, resample, crop)
+
+
 @functools.lru_cache(maxsize=4)
 def _processor(source: str):
     from transformers import AutoImageProcessor
@@ -267,6 +304,10 @@ class HFEncoder(GraphEncoder):
     def preprocess(self, image) -> np.ndarray:
         """uint8 CHW: decode workers ship a quarter of the bytes of float pixels and do no float work."""
         return _pixels(self.processor, image)
+
+    def resample_plan(self, height: int, width: int) -> tensors.Resample | None:
+        """`preprocess` of an upright RGB image of this size as the tensor path runs it, or None (the CPU path)."""
+        return _resample_plan(self.processor, height, width)
 
     def encode_images(self, batch: np.ndarray) -> np.ndarray:
         return l2_normalise(self.runners["image"](batch))

@@ -366,7 +366,11 @@ def _paired_figures(encoder, files: tuple[bytes, ...], ours, theirs) -> dict[str
                                                                for data in files[i:i + CHUNK]]))
                                for i in range(0, len(files), CHUNK)])
 
-    reference, candidate = embed(ours), embed(theirs)
+    return paired(embed(ours), embed(theirs))
+
+
+def paired(reference: np.ndarray, candidate: np.ndarray) -> dict[str, float]:
+    """The decoder gate's figures of two embeddings of the same images, row for row (`passes` judges them)."""
     every = _cosines(reference, candidate)
     figures = {"min_cosine": float(every.min()), "mean_cosine": float(every.mean()),
                "p1_cosine": float(np.percentile(every, 1)), "overlap": neighbour_overlap(reference, candidate)}

@@ -55,7 +55,7 @@ class Decoder(Protocol):
         side is at least `min_side` (the full image without it); raises on anything it cannot decode."""
 
 
-def _eighths(size: tuple[int, int], min_side: int | None) -> tuple[int, int]:
+def eighths(size: tuple[int, int], min_side: int | None) -> tuple[int, int]:
     """The smallest scale n/8 (n in 1..8) keeping the shorter side at least `min_side`, as (n, 8)."""
     if not min_side:
         return 8, 8
@@ -106,7 +106,7 @@ class TurboJpeg:
         from turbojpeg import TJPF_RGB
 
         turbo = _turbo()
-        return turbo.decode(data, pixel_format=TJPF_RGB, scaling_factor=_eighths(size, min_side), flags=0)
+        return turbo.decode(data, pixel_format=TJPF_RGB, scaling_factor=eighths(size, min_side), flags=0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,10 +117,12 @@ def _turbo():
 
 
 class NvJpeg:
-    """nvJPEG through torchvision (`imgest[gpu]`) on a CUDA device, at full size (nvJPEG has no DCT scaling). An
-    ingest on CUDA decodes a batch of plain JPEGs in one call and resizes them on the GPU (BatchJpegDecoder); a
-    query decodes one here. Its pixels are not a CPU decoder's, so it is never timed against them: a model uses it
-    only where its store records it or a run chooses it (--decoder nvjpeg)."""
+    """nvJPEG through torchvision (`imgest[gpu]`) on a CUDA device. nvJPEG decodes whole images only: each is
+    reduced on the GPU to the eighths libjpeg-turbo's scaled decode keeps (`tensors.dct_scaled`, in the DCT
+    domain as libjpeg does), so a model decoded down to its side reads pixels within the decoder gate of the CPU
+    decoders'. An ingest on CUDA decodes a batch of plain JPEGs in one call and does the rest on the GPU
+    (BatchJpegDecoder); a query, and the gate, decode one here. Never timed against the CPU decoders: a model uses
+    it only where its store records it or a run chooses it (--decoder nvjpeg), past the gate."""
 
     name = NVJPEG
     gpu = True
@@ -139,9 +141,11 @@ class NvJpeg:
         import torch
         from torchvision.io import ImageReadMode, decode_jpeg
 
+        from imgest.images.tensors import dct_scaled
+
         image = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
                             device="cuda")  # EXIF orientation: decode_image applies it, as for the others
-        return image.permute(1, 2, 0).cpu().numpy()
+        return dct_scaled(image, eighths(size, min_side)[0]).permute(1, 2, 0).cpu().numpy()
 
 
 REGISTRY: dict[str, Decoder | None] = {PILLOW: None, SimpleJpeg.name: SimpleJpeg(), TurboJpeg.name: TurboJpeg(),
