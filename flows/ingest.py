@@ -9,6 +9,7 @@ from prefect.utilities.annotations import quote
 
 from imgest import encoders
 from imgest.config import IngestConfig
+from imgest.errors import UserError
 from imgest.flow_params import configured_flow
 from imgest.images import decoders
 from imgest.images.listing import check_apart
@@ -114,6 +115,8 @@ def ingest(config: IngestConfig) -> dict:
                 for shard, future in running:  # in order: progress moves as shards commit
                     try:
                         results.append(future.result())
+                    except UserError:  # what the user must change (a /dev/shm too small): one line, as it is
+                        raise
                     except Exception as exc:
                         raise ShardFailedError(f"shard {shard.name} ({len(shard.items)} objects) failed after "
                                                f"retries: {one_line(exc)}") from exc

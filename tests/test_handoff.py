@@ -112,3 +112,27 @@ def test_the_decode_cost_is_measured_on_what_will_be_read(tmp_path):
     broken = tuple(item for item in items if item.item_id == "p/broken.jpg")
     assert encode_module.decode_cost(cat, broken, lite0, 10**8) is None  # only the broken one: no figure
     assert decode_image(jpeg_bytes(gradient(1, (700, 560))), min_side=256).size == (350, 280)
+
+
+def test_a_shared_memory_too_small_for_the_slots_is_refused_in_one_line(tmp_path):
+    assert handoff.room(str(tmp_path)) > 0 and handoff.room(str(tmp_path / "absent")) is None  # nothing to check
+    handoff.check_room(2049, 150_528, free=2**30)  # Lite0 at batch 1024 fits in 1 GB
+    with pytest.raises(handoff.SharedMemoryError) as refused:
+        handoff.check_room(2049, 150_528, free=64 * 2**20)  # a container's default /dev/shm
+    message = str(refused.value)
+    assert "\n" not in message and "64 MB free" in message and "368 MB" in message and "--shm-size" in message
+    handoff.check_room(2049, 150_528, path=str(tmp_path / "absent"))  # no /dev/shm here (not Linux): no check
+
+
+def test_a_shard_is_refused_before_anything_is_read_when_its_slots_do_not_fit(tmp_path, monkeypatch):
+    raw = encoders.load(encoders.resolve("raw-pixels"), "cpu")
+    raw.preprocess_fn = raw.preprocess  # decodes in processes, as a model with a decode-process path does
+    cat, items = _catalogue(tmp_path / "cat", decode_workers.PROCESS_MIN_ITEMS + 2)
+    read = []
+    monkeypatch.setattr(Location, "read_bytes", lambda self, key: read.append(key))
+    need = (max(2 * 64, 4 * 3, 32) + 1) * handoff.slot_bytes(raw)  # raw pixels: 48 bytes a slot
+    monkeypatch.setattr(handoff, "room", lambda path=handoff.SHM: need // 2)  # a /dev/shm with half of it free
+    with pytest.raises(handoff.SharedMemoryError, match="pixel slots need"):
+        encode_shard(ShardPlan(RUN, 0, items), raw, cat, Location(str(tmp_path / "store")), batch_size=64,
+                     decode_workers=2)
+    assert read == [] and not (tmp_path / "store").exists()

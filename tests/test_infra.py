@@ -42,6 +42,10 @@ def test_kubernetes_pool_accepts_the_template_and_renders_gpu_requests():
     assert container["envFrom"][0]["secretRef"]["name"] == "imgest-s3", "credentials from a Secret"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert "AWS_SECRET_ACCESS_KEY" not in json.dumps(defaults), "no credentials in the template"
+    # a memory-backed /dev/shm for the decode processes' pixel slots (a container's default is 64 MB)
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
 
 
 def test_kubernetes_deployments_deploy_to_that_pool():

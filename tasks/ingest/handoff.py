@@ -11,9 +11,42 @@ the encoder's process is killed.
 from __future__ import annotations
 
 import functools
+import os
 from multiprocessing import shared_memory
 
 import numpy as np
+
+from imgest.errors import FinalError, UserError
+
+SHM = "/dev/shm"  # where Linux keeps shared-memory blocks; a container's is 64 MB unless its runtime sizes it
+SHM_MARGIN = 1.25  # the room asked beyond the slots themselves: another shard's block, the allocator's pages
+
+
+class SharedMemoryError(UserError, FinalError):
+    """/dev/shm cannot hold the decode processes' pixel slots: writing past it would kill them with SIGBUS."""
+
+
+def room(path: str = SHM) -> int | None:
+    """Bytes free in the shared-memory filesystem at `path`; None where there is none to check (not Linux)."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def check_room(count: int, nbytes: int, path: str = SHM, free: int | None = None) -> None:
+    """SharedMemoryError, one line with the fix, when `count` slots of `nbytes` (and the margin) do not fit in
+    what `path` has free (`free`, where the caller measured it). Checked before a run encodes anything and before
+    each shard's block is made."""
+    free = room(path) if free is None else free
+    need = int(count * nbytes * SHM_MARGIN)
+    if free is not None and free < need:
+        raise SharedMemoryError(
+            f"{path} has {free / 2**20:.0f} MB free; the decode processes' pixel slots need {need / 2**20:.0f} MB "
+            f"({count} images of {nbytes / 1024:.0f} kB in flight): give the container a larger {path} (docker run "
+            "--shm-size 2g; Kubernetes: the job template's memory-backed /dev/shm, docs/operations.md), or lower "
+            "--batch-size")
 
 
 class PixelSlots:
