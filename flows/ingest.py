@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefect import tags
+from prefect import get_run_logger, tags
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
@@ -66,6 +66,9 @@ def ingest(config: IngestConfig) -> dict:
         state, orphans = prepare_state_task(store_loc.url, spec.describe(), catalogue_loc.url)
         run_id = new_run_id(state.seq + 1)
         summary = new_summary(spec, run_id, catalogue_url, store_loc.url, config.to_dict())
+        if config.device == "auto" and device == "cpu" and (note := encoders.unusable_gpu()):
+            summary.device_note = note
+            get_run_logger().warning(note)
         listing = read_inventory_task(config.inventory, catalogue_url) if config.inventory else \
             list_catalogue_fanned(catalogue_url)
         if config.metadata:

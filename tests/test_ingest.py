@@ -406,3 +406,21 @@ def test_an_explicit_decoder_is_recorded_in_the_run_and_its_shards_and_status_sh
     # the next run, without --decoder, keeps the switched one
     write_files(str(cat), small_catalogue(2, seed=2, prefix="last"))
     assert _run(cat, store)["encoding"]["decoder"] == other
+
+
+def test_a_gpu_that_auto_cannot_use_is_named_in_the_run_and_its_status(tmp_path, monkeypatch):
+    from imgest.encoders import base
+
+    gpu, driver = tmp_path / "nvidiactl", tmp_path / "version"
+    gpu.write_bytes(b"")
+    driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n")
+    monkeypatch.setattr(base, "GPU_DEVICE_FILES", (str(gpu),))  # a host whose driver is there, and torch's CPU build
+    monkeypatch.setattr(base, "NVIDIA_DRIVER", str(driver))
+    cat, store = tmp_path / "catalogue", tmp_path / "store"
+    write_files(str(cat), small_catalogue(3))
+    summary = _run(cat, store, model="raw-pixels")
+    assert summary["device"] == "cpu"
+    assert summary["device_note"].startswith("a GPU is here (driver 535.104.05) but this run encodes on the CPU: torch")
+    assert "is a CPU build" in summary["device_note"]
+    shown = CliRunner().invoke(app, ["status", "--store", str(store)]).output
+    assert f"device: {summary['device_note']}" in shown

@@ -67,3 +67,33 @@ def test_a_batch_of_mixed_sizes_is_each_image_through_its_own_plan():
     assert batch.shape == (3, 3, 48, 48) and batch.dtype == torch.uint8
     for image, plan, got in zip(images, plans, batch):
         assert torch.equal(got, tensors.resample(image, plan))
+
+
+def test_an_unusable_gpu_is_explained_with_its_driver_and_torchs_build(tmp_path, monkeypatch):
+    import warnings
+
+    from imgest.encoders import base
+
+    assert base.unusable_gpu() is None or "a GPU is here" in base.unusable_gpu()  # this host, whatever it has
+    gpu, driver = tmp_path / "nvidiactl", tmp_path / "version"
+    gpu.write_bytes(b"")
+    driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.256.02  Thu May  2 14:37:44 UTC 2024\n")
+    monkeypatch.setattr(base, "GPU_DEVICE_FILES", (str(gpu),))
+    monkeypatch.setattr(base, "NVIDIA_DRIVER", str(driver))
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu_build = base.unusable_gpu()
+    assert cpu_build.startswith("a GPU is here (driver 470.256.02)") and "is a CPU build" in cpu_build
+
+    def too_old():  # what torch's CUDA build says on a host whose driver predates its CUDA
+        warnings.warn("CUDA initialization: The NVIDIA driver on your system is too old (found version 11040). "
+                      "Please update your GPU driver", UserWarning, stacklevel=1)
+        return False
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", too_old)
+    old = base.unusable_gpu()
+    assert "built for CUDA 13.0" in old and "driver on your system is too old" in old and "\n" not in old
+    monkeypatch.setattr(base, "GPU_DEVICE_FILES", (str(tmp_path / "absent"),))
+    assert base.unusable_gpu() is None  # no GPU: nothing to explain

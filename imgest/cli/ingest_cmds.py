@@ -102,6 +102,8 @@ def status(
         if last:
             typer.echo(f"  last run {last.get('run_id')} finished {last.get('finished')}: encoded "
                        f"{last.get('encoded')}, {last.get('images_per_second')} img/s")
+            if last.get("device_note"):
+                typer.echo(f"  device: {last['device_note']}")
         for rej in m["rejected"]:
             typer.echo(f"  rejected {rej['item_id']}: {rej['reason']}")
 

@@ -8,7 +8,7 @@ import re
 import threading
 
 from imgest.encoders import efficientnet, head, hf, parity, pixels, runtimes, text
-from imgest.encoders.base import Encoder, EncoderError, EncoderSpec, device_key, resolve_device
+from imgest.encoders.base import Encoder, EncoderError, EncoderSpec, device_key, resolve_device, unusable_gpu
 from imgest.encoders.precision import default_precision, native_precisions
 from imgest.names import DEFAULT_MODEL
 
@@ -191,5 +191,5 @@ def _compiled(plain: Encoder, spec: EncoderSpec, device: str, runtime: str, prec
 
 
 __all__ = ["DEFAULT_MODEL", "Encoder", "EncoderError", "EncoderSpec", "REGISTRY", "device_key", "load", "parity",
-           "recorded", "refuse_missing_packages", "refuse_unrecordable", "resolve", "resolve_device",
+           "recorded", "refuse_missing_packages", "refuse_unrecordable", "resolve", "resolve_device", "unusable_gpu",
            "resolve_recorded", "runtimes"]

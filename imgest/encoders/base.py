@@ -114,6 +114,45 @@ def resolve_device(device: str) -> str:
     return device
 
 
+NVIDIA_DRIVER = "/proc/driver/nvidia/version"  # the kernel module's version line, where NVIDIA's driver is loaded
+
+
+def unusable_gpu() -> str | None:
+    """Why `--device auto` encodes on the CPU on a host that has a GPU (a device file of GPU_DEVICE_FILES), in one
+    line naming the driver and torch's CUDA build, for the run's record and `imgest status`; None where there is
+    no GPU, or torch can use it."""
+    if not any(os.path.exists(path) for path in GPU_DEVICE_FILES):
+        return None
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            return None
+    driver = _driver_version()
+    build = torch.version.cuda or torch.version.hip
+    if build is None:
+        why = f"torch {torch.__version__} is a CPU build: install its CUDA build (infra/Dockerfile, docs/operations.md)"
+    else:
+        told = next((str(w.message).strip().splitlines()[0] for w in said if "CUDA" in str(w.message)), None)
+        why = (f"torch {torch.__version__} is built for CUDA {build} and cannot use it"
+               + (f": {told}" if told else " (torch.cuda.is_available() is False: an older driver, or no device "
+                                           "visible to this process)"))
+    return f"a GPU is here (driver {driver or 'unknown'}) but this run encodes on the CPU: {why}"
+
+
+def _driver_version() -> str | None:
+    try:
+        with open(NVIDIA_DRIVER) as fh:
+            line = fh.readline()
+    except OSError:
+        return None
+    found = re.search(r"Kernel Module\s+([\d.]+)", line) or re.search(r"\b(\d{3,}\.\d+(?:\.\d+)?)\b", line)
+    return found.group(1) if found else None
+
+
 def device_key(device: str, threads: bool = True) -> str:
     """Stable name of the hardware a tuning result was measured on (with torch's thread count on a CPU, unless
     `threads` is False: a parity figure does not depend on it)."""

@@ -18,6 +18,7 @@ def render_summary(summary: RunSummary, max_rejects: int = 20) -> str:
         f"- catalogue: `{summary.catalogue}`",
         f"- store: `{summary.store}`",
         f"- device: `{summary.device}`, batch size **{summary.batch_size}** ({summary.batch_size_source})",
+        *([f"- **{summary.device_note}**"] if summary.device_note else []),
         *([_encoding_line(summary)] if summary.runtime else []),
         f"- throughput: **{summary.images_per_second} images/s** over {summary.shards} shard(s) on "
         f"{max(len(summary.workers), 1)} worker process(es), "

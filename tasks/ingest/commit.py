@@ -46,6 +46,7 @@ class RunSummary:
     batch_size: int = 0
     batch_size_source: str = ""
     device: str = ""
+    device_note: str | None = None  # --device auto on a host with a GPU it could not use: why (driver, CUDA build)
     runtime: str = ""  # what ran the encoder, and at which precision: the same for every shard of a run
     precision: str = ""
     encoding: dict | None = None  # how they were chosen: measured img/s per candidate, the refused, parity
