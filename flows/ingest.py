@@ -9,7 +9,6 @@ from prefect.utilities.annotations import quote
 
 from imgest import encoders
 from imgest.config import IngestConfig
-from imgest.errors import UserError
 from imgest.flow_params import configured_flow
 from imgest.images import decoders
 from imgest.images.listing import check_apart
@@ -26,6 +25,7 @@ from imgest.storage import one_line, open_location
 from imgest.tasks.ingest.commit import new_summary
 from imgest.tasks.ingest.decode_workers import end_kept
 from imgest.tasks.ingest.encode import ShardFailedError
+from imgest.tasks.ingest.handoff import SharedMemoryError
 from imgest.tasks.ingest.job import ShardJob
 from imgest.tasks.ingest.steps import (
     attach_base_task,
@@ -118,7 +118,7 @@ def ingest(config: IngestConfig) -> dict:
                 for shard, future in running:  # in order: progress moves as shards commit
                     try:
                         results.append(future.result())
-                    except UserError:  # what the user must change (a /dev/shm too small): one line, as it is
+                    except SharedMemoryError:  # the host's to change, before the shard read anything: as it is
                         raise
                     except Exception as exc:
                         raise ShardFailedError(f"shard {shard.name} ({len(shard.items)} objects) failed after "
