@@ -349,3 +349,28 @@ def test_a_retired_model_is_kept_until_its_retention_has_passed(tmp_path):
     assert collect_retired(store, now=closed + timedelta(days=7)) == ["old-1a2b3c4d"]
     assert not store.exists(f"{embeddings_prefix('old-1a2b3c4d')}/part-00000.parquet")
     assert store.read_json("migration/retire/old-1a2b3c4d.json")["deleted_at"] == "2031-03-08T12:00:00+00:00"
+
+
+def test_finish_run_again_after_the_window_closed_says_so_and_resumes_the_deletion(tmp_path):
+    """A finish killed after it closed the window (or simply run twice) is a rerun that should be a no-op: it says
+    the window had already finished and goes on deleting what the retention allows, where the first stopped."""
+    from datetime import UTC, datetime, timedelta
+
+    from imgest.state.committed import embeddings_prefix
+
+    store = Location(str(tmp_path / "store"))
+    with pytest.raises(migration.MigrationError, match="no migration window is open"):
+        migration.finish(store, retain_days=7)  # nothing was ever open: still refused
+    window = open_test_window(store)
+    set_alias(store, "serving", card(1, window["to"]["slug"]), "promoted")
+    store.write_bytes(f"{embeddings_prefix('old-1a2b3c4d')}/part-00000.parquet", b"old vectors")
+    closed = datetime(2031, 3, 1, 12, 0, tzinfo=UTC)
+    first = migration.finish(store, retain_days=7, now=closed)
+    assert not first.get("already_finished") and first["deleted"] == []
+    again = migration.finish(store, retain_days=7, now=closed + timedelta(days=8))
+    assert again["already_finished"] and again["window"]["id"] == window["id"]
+    assert again["window"]["status"] == "finished" and again["deleted"] == ["old-1a2b3c4d"]
+    assert migration.read_window(store) is None
+    from imgest.reports.migration import render_finished
+
+    assert render_finished(again).startswith(f"Window {window['id']} had already finished; deleted now:")

@@ -37,7 +37,9 @@ def _migrate(config: MigrateConfig, as_json: bool = False) -> None:
     if as_json:
         typer.echo(json.dumps(result, indent=2, default=str))
     elif "finished" in result:
-        typer.echo(f"window {result['finished']['window']['id']} finished; deleted now: "
+        already = " had already finished (closed at " + str(result["finished"]["window"].get("closed_at")) + ")" \
+            if result["finished"].get("already_finished") else " finished"
+        typer.echo(f"window {result['finished']['window']['id']}{already}; deleted now: "
                    f"{result['finished']['deleted'] or 'nothing yet (retention, or an alias still points at it)'}")
     else:
         from imgest.reports.migration import render_window

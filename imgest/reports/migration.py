@@ -63,5 +63,6 @@ def render_window(status: dict) -> str:
 
 
 def render_finished(finished: dict) -> str:
-    return (f"Window {finished['window']['id']} finished; deleted now: "
+    done = " had already finished" if finished.get("already_finished") else " finished"
+    return (f"Window {finished['window']['id']}{done}; deleted now: "
             f"{finished['deleted'] or 'nothing (retention or aliases hold it)'}\n")

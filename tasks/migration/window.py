@@ -304,6 +304,11 @@ def finish(store: Location, retain_days: float = 7.0, fence: Fence | None = None
     """Close the window; the model not serving is scheduled for deletion after the retention, counted from
     `now` (the wall clock when None; tests pass a time)."""
     now = now or datetime.now(UTC)
+    if read_window(store) is None and (closed := last_closed(store)) is not None:
+        # run again after a finish that closed the window (killed before it returned, or simply twice): the
+        # window is finished; what is left is deleting what its retention allows, which this resumes
+        _check(store, fence)
+        return {"window": closed, "deleted": collect_retired(store, fence, now), "already_finished": True}
     window = require_window(store)
     _check(store, fence)
     serving = read_alias(store, "serving")
@@ -321,6 +326,14 @@ def finish(store: Location, retain_days: float = 7.0, fence: Fence | None = None
     fenced_delete(store, WINDOW_KEY, _stored_version(store, window, fence), fence)
     _announce("imgest.migration.finished", store, window, drop["slug"], retire_after=retire_at)
     return {"window": window, "deleted": collect_retired(store, fence, now)}
+
+
+def last_closed(store: Location) -> dict | None:
+    """The window closed last (migration/history/), or None."""
+    closed = [store.read_json(f"migration/history/{name}") for name in store.list_names("migration/history")
+              if name.endswith(".json")]
+    closed = [w for w in closed if isinstance(w, dict) and w.get("status") == "finished"]
+    return max(closed, key=lambda w: str(w.get("closed_at", "")), default=None)
 
 
 def _announce(event: str, store: Location, window: dict, slug: str, **details) -> None:
