@@ -324,9 +324,11 @@ def encode_shard(plan: ShardPlan, encoder: Encoder, catalogue: Location, store: 
     # measured on 1,500 product photos, 2 cores, OpenVINO at batch 4: 8 in flight left the encoder waiting 1.8 s
     # of 12 (126 img/s), 32 waited 0.9-1.1 s (136-142 img/s); a slot is one preprocessed image (150 kB for Lite0)
     depth = max(2 * batch_size, 4 * where.workers, READ_AHEAD_MIN)
+    slots = None
     if where.processes:  # before anything is read: a block /dev/shm cannot hold kills the processes with SIGBUS
-        handoff.check_room(depth + 1, handoff.slot_bytes(encoder))
-    slots = handoff.PixelSlots(depth + 1, handoff.slot_bytes(encoder)) if where.processes else None
+        slot = handoff.slot_bytes(encoder)
+        handoff.check_room(depth + 1, slot)
+        slots = handoff.PixelSlots(depth + 1, slot)
     if where.processes:
         fn = functools.partial(_prepare_in_process, catalogue.url, preprocess=encoder.preprocess_fn,
                                max_pixels=max_pixels, min_side=decode_side, slots=slots.address, decoder=decoder,

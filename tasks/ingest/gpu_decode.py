@@ -54,7 +54,8 @@ def _header(data: bytes) -> tuple[int, int, int]:
         warnings.simplefilter("ignore")
         with Image.open(io.BytesIO(data)) as image:
             width, height = image.size
-    return height, width, tensors.orientation(data)
+            turn = image.getexif().get(tensors.ORIENTATION, 1)
+    return height, width, turn if isinstance(turn, int) and 1 <= turn <= 8 else 1  # as tensors.orientation
 
 
 def free_device_memory(device: str) -> int:
