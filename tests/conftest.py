@@ -66,18 +66,30 @@ SLOW_CAUSES = {"prefect_harness": "a Prefect server", "installed_imgest": "a fre
                "seaweedfs_server": "an S3 server"}
 
 
+# Files whose tests take a minute or more each (bench/suite_time.py on a run's JUnit report): started first.
+LONGEST_FILES = ("test_demo.py", "test_multiscale.py", "test_store_restart.py", "test_operations.py",
+                 "test_captions.py", "test_migration.py", "test_duplicate_threshold.py", "test_ingest.py",
+                 "test_reliability.py")
+
+
 def pytest_collection_modifyitems(items):
     """`slow`: a test that starts Prefect, an S3 server or a fresh install, or is marked so by hand (real weights,
     an OpenVINO compile, a subprocess, a sleep: `fast_lane_rule` fails a test that does one unmarked).
     `pytest -m "not slow"` is the fast lane of unit tests.
 
-    Slow tests run first, each file's in its order, then the fast lane: xdist hands tests out in this order, so
-    the minutes-long ones start while there is still other work to pack beside them, and the run ends on
-    sub-second tests instead of one worker finishing a long test alone."""
+    The files of minutes-long tests first, then the other slow tests, each file's in its order, then the fast
+    lane: xdist hands tests out one at a time in this order (`--maxschedchunk=1` in pyproject.toml; by default
+    each worker starts with a quarter of its share, consecutive tests, and one worker was left finishing its
+    block of slow tests alone), so the long ones start while there is still other work to pack beside them, and
+    the run ends on sub-second tests."""
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files keep their order
+
+    def order(item) -> tuple[bool, bool]:
+        return item.get_closest_marker("slow") is None, item.path.name not in LONGEST_FILES
+
+    items.sort(key=order)  # stable: files keep their order
 
 
 IMPORTS_BETWEEN_FREEZES = 200  # modules imported since the last freeze that make a new one worth a collection

@@ -86,11 +86,12 @@ def _artifact_images_load(url: str) -> int:
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(url, wait_until="domcontentloaded")
-            charts = page.locator("img[src^='data:image/png']")
-            charts.first.wait_for(state="attached", timeout=60_000)
-            page.wait_for_function("() => [...document.querySelectorAll(\"img[src^='data:image/png']\")]"
-                                   ".every(i => i.complete)", timeout=30_000)
-            widths = charts.evaluate_all("images => images.map(i => i.naturalWidth)")
+            # one look at the page: the images there, all loaded (or broken), and their widths; the UI renders the
+            # markdown more than once, so a locator's images may be gone by a second look
+            widths = page.wait_for_function("""() => {
+                const images = [...document.querySelectorAll("img[src^='data:image/png']")];
+                return images.length > 0 && images.every(i => i.complete) && images.map(i => i.naturalWidth);
+            }""", timeout=60_000).json_value()
         finally:
             browser.close()
     assert widths and all(w > 0 for w in widths), f"{url}: chart widths {widths}"
