@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from imgest.retrieval.filters import FilterError, GroupOf, filtered_search, grouped, matching_items, positions
+from imgest.retrieval.filters import FilterError, filtered_search, grouped, matching_items, positions
 from imgest.retrieval.query import Hit
 from imgest.tasks.index.build import new_index
 
@@ -76,24 +76,3 @@ def test_grouping_keeps_the_best_hits_of_each_group():
     assert [h.item_id for h in kept] == ["i0", "i1", "i2", "i4"] and full
     kept, full = grouped(hits[:2], product, k=3, per_group=1)
     assert [h.item_id for h in kept] == ["i0"] and not full
-
-
-@pytest.mark.parametrize("order", ["ascending", "shuffled"])
-def test_a_group_is_looked_up_in_the_metadata_columns_not_a_map_of_every_item(order):
-    """--group-by reads each hit's value from the metadata's columns by halves; a dict of every item (the
-    old way) held 179 MB for 1M items, measured. A snapshot not in item_id order is put in order once."""
-    import tracemalloc
-
-    n = 200_000
-    ids = np.array([f"catalogue/sku-{i:07d}.jpg" for i in range(n)], object)
-    rows = np.arange(n) if order == "ascending" else np.random.default_rng(0).permutation(n)
-    brand = pa.array([None if i % 10 == 3 else f"brand-{i % 97}" for i in rows])
-    table = pa.table({"item_id": pa.array(ids[rows]), "brand": brand, "price": pa.array(rows * 1.5)})
-    tracemalloc.start()
-    groups = GroupOf(table, "brand")
-    found = [groups.get(f"catalogue/sku-{i:07d}.jpg") for i in (0, 3, 14, 96, 199_999)]
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert found == ["brand-0", None, "brand-14", "brand-96", f"brand-{199_999 % 97}"]
-    assert groups.get("catalogue/not-there.jpg") is None and GroupOf(table, "price").get(ids[7]) == "10.5"
-    assert peak < 1_000_000, peak  # Python objects: a few lookups, never one per item

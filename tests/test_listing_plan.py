@@ -107,6 +107,37 @@ def test_columnar_plan_from_parquet_files_follows_the_change(tmp_path, monkeypat
     assert plans[0].shards == plans[1].shards == plans[2].shards
 
 
+def test_an_empty_listing_over_a_large_state_is_refused_from_counts_not_a_list_of_its_items(tmp_path):
+    """The mass-delete check counts the unlisted live items in DuckDB before any id comes back to Python: an
+    empty listing (a wrong prefix) over 200,000 live items is refused holding a few kB, where collecting the
+    items it would tombstone took a tuple per item."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    import pytest
+
+    from imgest.state.rows import STATE_SCHEMA
+    from imgest.tasks.ingest.plan import MassDeleteError
+    from tests.helpers import traced
+
+    n = 200_000
+    ids = pc.binary_join_element_wise("k/", pa.array(np.char.zfill(np.arange(n).astype(str), 7)), ".jpg", "")
+    pq.write_table(pa.table({"item_id": ids, "uri": ids, "status": pa.array(["live"] * n), "etag": pa.nulls(n),
+                             "size": pa.array(np.ones(n, np.int64)), "mtime": pa.array(np.ones(n)),
+                             "content_hash": ids, "shard": pa.array(["part-0"] * n), "run_id": pa.array(["r"] * n),
+                             "reason": pa.nulls(n), "updated_at": pa.array(["t"] * n)}).cast(STATE_SCHEMA),
+                   tmp_path / "state.parquet")
+    empty = Listing("file:///cat", listing_table([]))
+
+    def refused():
+        with pytest.raises(MassDeleteError, match=f"tombstone {n} of {n} live items.*from an empty listing"):
+            plan_ingest(empty, str(tmp_path / "state.parquet"), "r00000002-x-y", max_delete_fraction=0.1)
+
+    _, peak = traced(refused)
+    assert peak < 2_000_000, f"the refusal traced {peak / 1e6:.1f} MB"
+
+
 def test_location_atomic_write_and_exclusive_create(tmp_path):
     loc = Location(str(tmp_path))
     loc.write_bytes("a/b.bin", b"one")

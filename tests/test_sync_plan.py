@@ -18,13 +18,15 @@ KEYS = [f"products/{i % 97:02d}/sku-{i:09d}.jpg" for i in range(N)]
 CHILD = """
 import json, shutil
 import pyarrow as pa
+import pyarrow.parquet as pq
 from imgest.storage import Location
 from imgest.state.committed import load_state
 from imgest.tasks.sync.run import plan
 
 state = load_state(Location({store!r}), "m")
-metadata = pa.table({{"item_id": [f"products/{{i % 97:02d}}/sku-{{i:09d}}.jpg" for i in range(10)],
-                      "row_hash": ["m"] * 10}})  # ten items gained metadata
+metadata = {store!r} + "/metadata.parquet"  # ten items gained metadata
+pq.write_table(pa.table({{"item_id": sorted(f"products/{{i % 97:02d}}/sku-{{i:09d}}.jpg" for i in range(10)),
+                          "title": ["a title"] * 10, "row_hash": ["m"] * 10}}), metadata)
 todo = plan(state, metadata, {before!r}, pa.array(["gone/after-a-killed-sync.jpg"]))
 for name in ("now", "upsert"):
     shutil.copy(getattr(todo, name), {store!r} + "/" + name + ".parquet")
@@ -60,6 +62,8 @@ def test_a_sync_plan_brings_back_only_the_deletions_and_sends_what_changed(tmp_p
     sent = pq.read_table(got["upsert"])
     assert got["upserts"] == len(sent) == len(changed) and set(sent["item_id"].to_pylist()) == changed
     assert sent["shard"].to_pylist() == sorted(sent["shard"].to_pylist()), "in shard order: one read of each"
+    titled = sent.filter(pa.compute.is_valid(sent["title"]))["item_id"].to_pylist()  # metadata carried by the plan
+    assert sorted(titled) == sorted(KEYS[i] for i in range(1, 10))
     manifest = pq.read_table(got["now"])
     assert got["live"] == len(manifest) == N - len(deleted)
     assert manifest.column_names == ["item_id", "content_hash", "meta_hash"]

@@ -1,9 +1,10 @@
 """Filtered search over catalogue metadata: a `--where` predicate to an id set, searched with faiss's ID
 selectors, never under-filled; and `--group-by` (one product, however many photos, fills one result).
 
-The predicate is SQL evaluated by DuckDB over the store's latest metadata snapshot, in a connection that
-cannot read or write files (`enable_external_access = false`), wrapped as one parenthesised WHERE clause, so
-it can filter rows and nothing else. The ids it selects are searched at the served ANN parameters first;
+The predicate is SQL evaluated by DuckDB over the served version's metadata file
+(imgest/retrieval/item_metadata.py: DuckDB reads the columns it names), in a connection that cannot read or
+write files (`enable_external_access = false`), wrapped as one parenthesised WHERE clause, so it can filter
+rows and nothing else. The ids it selects are searched at the served ANN parameters first;
 where the index kind can miss selected items at those parameters (a selective filter under HNSW or IVF),
 the search widens (every IVF list; a larger efSearch), and as a last step compares the query with every
 selected vector: the k results satisfy the predicate whenever k items do.
@@ -74,8 +75,8 @@ def _limits() -> tuple[float, str]:
     return timeout, os.environ.get("IMGEST_WHERE_MEMORY", "").strip() or DEFAULT_WHERE_MEMORY
 
 
-def _refusal(con, sql: str) -> str | None:
-    """Why `sql` (the predicate inside its SELECT) is more than one allowed expression, or None."""
+def _refusal(con, sql: str, selected: str = "item_id") -> str | None:
+    """Why `sql` (the predicate inside its SELECT of `selected`) is more than one allowed expression, or None."""
     serialized = con.execute("SELECT json_serialize_sql(?)", [sql]).fetchall()[0][0]
     try:
         tree = json.loads(serialized)
@@ -90,7 +91,7 @@ def _refusal(con, sql: str) -> str | None:
     if (len(statements) != 1 or node.get("type") != "SELECT_NODE" or node.get("modifiers")
             or (node.get("cte_map") or {}).get("map") or node.get("group_expressions") or node.get("group_sets")
             or node.get("having") or node.get("qualify") or node.get("sample") or len(select) != 1
-            or select[0].get("column_names") != ["item_id"] or source.get("type") != "BASE_TABLE"
+            or select[0].get("column_names") != [selected] or source.get("type") != "BASE_TABLE"
             or source.get("table_name") != "metadata" or source.get("alias")):
         return "one predicate over the metadata's columns, not statements"
     todo = [node.get("where_clause")]
@@ -126,18 +127,20 @@ def _interrupt(con) -> None:
         pass
 
 
-def matching_items(table, where: str):
-    """item_ids (an Arrow array) of the metadata rows that satisfy `where` (DuckDB SQL over its columns).
+def matching_items(table, where: str, select: str = "item_id", hidden: tuple[str, ...] = ("row_hash",)):
+    """The `select` column (item_ids; an Arrow array) of the metadata rows that satisfy `where` (DuckDB SQL over
+    its columns; `hidden` ones are left out of messages). DuckDB reads the columns the predicate names and
+    `select`, no others.
 
     Raises FilterError, one line, for a predicate that is not one allowed expression, a bad column or
     syntax, or one that runs past the time or memory limit (the module docstring lists them)."""
     import duckdb
 
-    columns = ", ".join(c for c in table.column_names if c != "row_hash")
+    columns = ", ".join(c for c in table.column_names if c not in hidden)
     if len(where) > MAX_WHERE_CHARS:
         raise FilterError(f"--where of {len(where)} characters: the limit is {MAX_WHERE_CHARS}")
     timeout, memory = _limits()
-    sql = f"SELECT item_id FROM metadata WHERE ({where})"
+    sql = f"SELECT {select} FROM metadata WHERE ({where})"
     try:
         con = duckdb.connect(config={
             "enable_external_access": False, "memory_limit": memory,
@@ -151,12 +154,12 @@ def matching_items(table, where: str):
         statements = con.extract_statements(sql)
         if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
             raise FilterError(f"--where {_shown(where)}: one predicate over the metadata's columns, not statements")
-        refusal = _refusal(con, sql)
+        refusal = _refusal(con, sql, select)
         if refusal:
             raise FilterError(f"--where {_shown(where)}: {refusal} (columns: {columns})")
         con.register("metadata", table)
         timer.start()
-        return con.sql(sql).to_arrow_table().column("item_id").combine_chunks()
+        return con.sql(sql).to_arrow_table().column(select).combine_chunks()
     except duckdb.InterruptException as exc:
         raise FilterError(f"--where {_shown(where)}: stopped at the time limit of {timeout:g} s "
                           "(IMGEST_WHERE_TIMEOUT_S)") from exc
@@ -254,34 +257,9 @@ def filtered_search(index, vectors: np.ndarray, k: int, allowed: np.ndarray, par
     return scores, ids
 
 
-class GroupOf:
-    """item_id -> its value of one metadata column (str, None when it has none), looked up by halves in the
-    metadata's item_id order: no map of every item (measured: a dict of 1M items held 179 MB, so ~1.8 GB at 10M).
-    The metadata snapshot is written in item_id order; one that is not (an older store) is put in order once,
-    as columns."""
-
-    def __init__(self, table, column: str):
-        import pyarrow.compute as pc
-
-        from imgest.retrieval.idmap import ascending
-
-        ids, values = table.column("item_id"), table.column(column)
-        if not ascending(ids):
-            order = pc.sort_indices(ids)
-            ids, values = ids.take(order), values.take(order)
-        self.ids, self.values = ids, values
-
-    def get(self, item_id: str, default: str | None = None) -> str | None:
-        from imgest.retrieval.idmap import find_sorted
-
-        row = find_sorted(self.ids, item_id)
-        value = None if row is None else self.values[row].as_py()
-        return default if value is None else str(value)
-
-
-def grouped(hits: list, group_of: GroupOf | dict[str, str], k: int, per_group: int) -> tuple[list, bool]:
-    """At most `per_group` hits per group (an item without one is its own), the first k groups in rank
-    order; and whether k groups were filled."""
+def grouped(hits: list, group_of, k: int, per_group: int) -> tuple[list, bool]:
+    """At most `per_group` hits per group (`group_of.get(item_id)`; an item without one is its own), the first k
+    groups in rank order; and whether k groups were filled."""
     kept, counts = [], {}
     for hit in hits:
         group = group_of.get(hit.item_id) or hit.item_id
@@ -295,29 +273,3 @@ def grouped(hits: list, group_of: GroupOf | dict[str, str], k: int, per_group: i
     for rank, hit in enumerate(kept, 1):
         hit.rank = rank
     return kept, len(counts) >= k
-
-
-def describe_columns(table, max_values: int = 50) -> list[dict]:
-    """Each metadata column for a filter form: numbers with their range, text with its values when there are
-    at most `max_values` of them (a choice), else none (free text)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    columns = []
-    for field in table.schema:
-        if field.name in ("item_id", "row_hash"):
-            continue
-        column = table.column(field.name)
-        if column.null_count == len(column):  # a standard column this catalogue does not fill: nothing to choose
-            continue
-        if pa.types.is_integer(field.type) or pa.types.is_floating(field.type):
-            bounds = pc.min_max(column).as_py()
-            columns.append({"name": field.name, "type": "number", "min": bounds["min"], "max": bounds["max"]})
-            continue
-        try:
-            values = pc.unique(column.cast(pa.string())).drop_null()
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # a nested column: not a filter of the form
-            continue
-        columns.append({"name": field.name, "type": "text",
-                        "values": sorted(values.to_pylist()) if len(values) <= max_values else None})
-    return columns

@@ -15,9 +15,9 @@ from imgest.errors import UserError
 from imgest.images import decoders
 from imgest.images.decode import decode_as
 from imgest.names import PRECISIONS, RUNTIMES
-from imgest.retrieval.filters import FilterError, GroupOf, filtered_search, grouped, matching_items, positions
-from imgest.retrieval.versions import OpenIndex, open_index, resolve_target
-from imgest.state.metadata import load_metadata
+from imgest.retrieval.filters import FilterError, filtered_search, grouped, matching_items
+from imgest.retrieval.item_metadata import FAISS_ID, INTERNAL, VersionMetadata
+from imgest.retrieval.versions import DEFAULT_CACHE, OpenIndex, open_index, resolve_target
 from imgest.state.models import find_model
 from imgest.storage import open_location, read_url
 
@@ -91,20 +91,18 @@ class Searcher:
         self.spec, self.device = spec, device
         self._encoder = None
         self._decode: decoders.Decode | None = None
-        self._table = None  # the store's metadata, read on the first --where or --group-by
+        self._metadata_file: VersionMetadata | bool | None = None  # the items' metadata by faiss id, mapped
         self._filters: dict[str, np.ndarray] = {}  # --where predicate -> faiss ids
-        self._group_maps: dict[str, GroupOf] = {}  # --group-by column -> item_id -> value
+        self._group_maps: dict[str, GroupsAt] = {}  # --group-by column -> item_id -> value
         self._stored = None  # StoredVectors, made on the first query by item id
-        self._metadata_rows: np.ndarray | None = None  # faiss id -> its item's metadata row (-1: none), for hits
-        self._columns: list[dict] | None = None  # the metadata columns, for the search page's filters
 
     @property
     def card(self) -> dict:
         return self.opened.card
 
     def warm(self) -> None:
-        """Load now what the first query would otherwise wait for: the model's weights and the map from
-        indexed items to their metadata rows (a long-lived reader calls it before serving a version)."""
+        """Load now what the first query would otherwise wait for: the model's weights and the version's
+        metadata file, made if this host has none yet (a long-lived reader calls it before serving a version)."""
         self.decode()
         self.metadata_of([])
 
@@ -224,26 +222,32 @@ class Searcher:
         return filtered_search(self.opened.index, vectors, k, allowed, search["param"], search["value"],
                                search.get("k_factor"))
 
-    def _metadata(self):
-        if self._table is None:
-            self._table = load_metadata(self.store)
-            if self._table is None:
-                self._table = False  # read once: a store without metadata is not asked again per query
-        if self._table is False:
+    def _metadata(self) -> VersionMetadata:
+        """The version's items' metadata (imgest/retrieval/item_metadata.py), opened once: the snapshot it was
+        made from stays this searcher's, as its index does."""
+        if self._metadata_file is None:
+            try:
+                self._metadata_file = VersionMetadata(self.store, self.opened.ids, DEFAULT_CACHE)
+            except LookupError:
+                self._metadata_file = False  # read once: a store without metadata is not asked again per query
+        if self._metadata_file is False:
             raise SearchError("this store holds no catalogue metadata to filter or group by: ingest with "
                               "--metadata FILE_OR_URL first")
-        return self._table
+        return self._metadata_file
 
     def _allowed(self, where: str) -> np.ndarray:
         """The faiss ids of indexed items whose metadata satisfies `where`; kept per predicate for the
-        Searcher's life (its index and metadata snapshot do not change under it)."""
+        Searcher's life (its index and metadata snapshot do not change under it). DuckDB reads the columns the
+        predicate names from the mapped file, and item_id from the version's id map."""
         if where in self._filters:
             return self._filters[where]
+        metadata = self._metadata()
+        table = metadata.table.append_column("item_id", self._ids())
         try:
-            items = matching_items(self._metadata(), where)
+            found = matching_items(table, where, select=FAISS_ID, hidden=tuple(INTERNAL))
         except FilterError as exc:
             raise SearchError(str(exc)) from exc
-        self._filters[where] = positions(items, self._ids())
+        self._filters[where] = metadata.with_rows(found.to_numpy(zero_copy_only=False).astype(np.int64))
         return self._filters[where]
 
     def _ids(self) -> pa.ChunkedArray:
@@ -259,45 +263,48 @@ class Searcher:
         return None if position is None else self.opened.ids.uri(position)
 
     def metadata_columns(self) -> list[dict]:
-        """The catalogue metadata columns a search can filter or group by ([] when the store holds none); worked
-        out once per searcher."""
-        from imgest.retrieval.filters import describe_columns
-
-        if self._columns is None:
-            try:
-                self._columns = describe_columns(self._metadata())
-            except SearchError:
-                self._columns = []
-        return self._columns
+        """The catalogue metadata columns a search can filter or group by ([] when the store holds none), as
+        worked out when the version's metadata file was made."""
+        try:
+            return self._metadata().columns
+        except SearchError:
+            return []
 
     def metadata_of(self, item_ids: list[str]) -> dict[str, dict]:
         """Each indexed item's catalogue metadata row (item_id and row_hash left out); {} when the store holds
-        none. A lookup per hit: the map from indexed item to metadata row is made once per searcher (matching
-        the whole table per query cost 14 ms at 1M rows)."""
-        import pyarrow.compute as pc
-
+        none. A lookup per hit: its faiss id's rows of the mapped file."""
         try:
-            table = self._metadata()
+            metadata = self._metadata()
         except SearchError:
             return {}
-        if self._metadata_rows is None:  # the metadata row of each indexed item (faiss id order), -1 for none
-            rows = pc.index_in(self._ids(), value_set=table.column("item_id")).fill_null(-1)
-            self._metadata_rows = rows.to_numpy() if isinstance(rows, pa.Array) else \
-                np.concatenate([chunk.to_numpy() for chunk in rows.chunks] or [np.empty(0, np.int64)])
-        at = self.opened.ids.positions(list(dict.fromkeys(item_ids)))
-        rows = self._metadata_rows[at[at >= 0]]
-        return {row.pop("item_id"): {k: v for k, v in row.items() if k != "row_hash"}
-                for row in table.take(pa.array(rows[rows >= 0], pa.int64())).to_pylist()}
+        wanted = list(dict.fromkeys(item_ids))
+        at = self.opened.ids.positions(wanted)
+        held = at >= 0
+        rows = metadata.rows(at[held])
+        return {item: row for item, row in zip((i for i, h in zip(wanted, held) if h), rows) if row is not None}
 
-    def groups(self, column: str) -> GroupOf:
-        """item_id -> its value of `column` (GroupOf.get), kept per column like the filters."""
+    def groups(self, column: str) -> GroupsAt:
+        """item_id -> its value of `column` (GroupsAt.get), kept per column like the filters."""
         if column not in self._group_maps:
-            table = self._metadata()
-            if column not in table.column_names or column == "row_hash":
+            metadata = self._metadata()
+            if column not in metadata.names:
                 raise SearchError(f"--group-by {column!r}: no such metadata column; columns: "
-                                  f"{', '.join(c for c in table.column_names if c != 'row_hash')}")
-            self._group_maps[column] = GroupOf(table, column)
+                                  f"{', '.join(metadata.names)}")
+            self._group_maps[column] = GroupsAt(metadata, self.opened.ids, column)
         return self._group_maps[column]
+
+
+class GroupsAt:
+    """item_id -> its value of one metadata column (str, None when it has none): the item's faiss id by the id
+    map's binary search, then one row of the column's mapped pages. No map of every item."""
+
+    def __init__(self, metadata: VersionMetadata, ids, column: str) -> None:
+        self.metadata, self.ids, self.name = metadata, ids, column
+
+    def get(self, item_id: str, default: str | None = None) -> str | None:
+        at = self.ids.position(item_id)
+        value = None if at is None else self.metadata.value(self.name, at)
+        return default if value is None else str(value)
 
 
 def catalogue_encoding(card: dict) -> tuple[str, str] | None:

@@ -4,31 +4,30 @@ with the catalogue metadata's columns beside them when the store holds metadata.
 from __future__ import annotations
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from imgest.scratch import scratch_folder
 from imgest.state.committed import load_state
 from imgest.state.live import iter_live_tables
-from imgest.state.metadata import load_metadata
+from imgest.state.metadata import snapshot_file
 from imgest.state.models import default_model, find_model
 from imgest.storage import Location, open_location
 
 
 def export_live(store_url: str, model: str | None, out: str) -> dict:
     """One row per live item of ``model`` (None: the store's own, `default_model`), written shard by shard so
-    memory holds one shard at a time."""
+    memory holds one shard at a time; the metadata's columns joined on disk beside them (imgest/state/live.py
+    `iter_live_tables`), never loaded whole."""
     store = open_location(store_url, must_exist=True, what="store")
     card = find_model(store, default_model(store, model))
     state = load_state(store, card["slug"])
     target = Location(out)
     rows = 0
-    metadata = load_metadata(store)
+    metadata = snapshot_file(store, scratch_folder(state, "export"))
     with target.open_output("") as fh:
         writer = None
-        for table in iter_live_tables(store, state):
+        for table in iter_live_tables(store, state, metadata):
             table = as_float32(table, int(card["dim"]))  # float16 shards export as float32, like the others
-            if metadata is not None:
-                table = with_metadata(table, metadata)
             if writer is None:
                 writer = pq.ParquetWriter(fh, table.schema, compression="zstd")
             writer.write_table(table.cast(writer.schema))
@@ -53,14 +52,3 @@ def as_float32(table: pa.Table, dim: int) -> pa.Table:
     i = table.schema.get_field_index("embedding")
     meta = {**(table.schema.metadata or {}), b"imgest.dtype": b"float32", b"imgest.stored_dtype": b"float16"}
     return table.set_column(i, field, table.column(i).cast(field.type)).replace_schema_metadata(meta)
-
-
-def with_metadata(table: pa.Table, metadata: pa.Table) -> pa.Table:
-    """The metadata's columns appended to each row (null where an item has no row); a column whose name the
-    embeddings already use is prefixed `metadata_`."""
-    rows = metadata.take(pc.index_in(table["item_id"], value_set=metadata["item_id"]))
-    for name in metadata.column_names:
-        if name in ("item_id", "row_hash"):
-            continue
-        table = table.append_column(f"metadata_{name}" if name in table.column_names else name, rows[name])
-    return table

@@ -68,7 +68,8 @@ class LiveShards:
         numbered = os.path.join(folder, "numbered.parquet")
         with state.sql() as cur, one_thread(cur, SORT_MEMORY):  # wide rows: one sort's buffers, as a snapshot's
             cur.execute(f"""COPY (SELECT item_id, uri, content_hash, shard FROM state WHERE status = '{LIVE}'
-                                  ORDER BY item_id) TO {sql_string(self.ordered)} (FORMAT parquet)""")
+                                  ORDER BY item_id) TO {sql_string(self.ordered)}
+                            (FORMAT parquet, ROW_GROUP_SIZE {LIVE_BATCH})""")
             self.rows = 0
             with pq.ParquetWriter(numbered, BY_SHARD_SCHEMA) as writer:  # the row numbers, in order
                 for batch in parquet_reader(self.ordered).iter_batches(LIVE_BATCH, columns=["shard", "item_id"]):
@@ -76,7 +77,7 @@ class LiveShards:
                     writer.write_batch(pa.record_batch([*batch.columns, rows], schema=BY_SHARD_SCHEMA))
                     self.rows += len(batch)
             cur.execute(f"""COPY (SELECT * FROM read_parquet({sql_string(numbered)}) ORDER BY shard, item_id)
-                            TO {sql_string(self.by_shard)} (FORMAT parquet)""")
+                            TO {sql_string(self.by_shard)} (FORMAT parquet, ROW_GROUP_SIZE {LIVE_BATCH})""")
             self.counts = cur.sql(f"""SELECT shard, count(*) AS rows FROM read_parquet({sql_string(self.by_shard)})
                                       GROUP BY shard ORDER BY shard""").to_arrow_table()
         os.remove(numbered)
@@ -106,6 +107,24 @@ class LiveShards:
             return con.sql("SELECT item_id, uri, content_hash FROM live SEMI JOIN wanted USING (item_id) "
                            "ORDER BY item_id").to_arrow_table()
 
+    def metadata_by_shard(self, snapshot: str) -> Iterator[pa.Table]:
+        """The metadata rows of the live items, one table per shard in this set's order (shard, then item_id),
+        row for row as the shard's live ids come (null where an item has no row): joined with `snapshot` (a
+        metadata snapshot's local Parquet file) by DuckDB on disk, capped and spilling, then read a batch at a
+        time; no whole snapshot, no lookup among every key."""
+        from imgest.state.rows import sql_string
+
+        joined = os.path.join(self.folder, "metadata.parquet")
+        names = [n for n in pq.read_schema(snapshot).names if n not in ("item_id", "row_hash")]
+        picked = "".join(f', m."{n.replace(chr(34), chr(34) * 2)}"' for n in names)
+        with self.connect() as con:
+            con.execute(f"""COPY (SELECT b.shard, b.item_id{picked} FROM read_parquet({sql_string(self.by_shard)}) b
+                                  LEFT JOIN read_parquet({sql_string(snapshot)}) m ON m.item_id = b.item_id
+                                  ORDER BY b.shard, b.item_id, m.row_hash) TO {sql_string(joined)}
+                            (FORMAT parquet, ROW_GROUP_SIZE {METADATA_BATCH})""")
+        for group in shard_groups(joined, METADATA_BATCH):
+            yield first_of_each(group, "item_id").drop_columns(["shard", "item_id"])
+
     def shard_rows(self, shards: list[str]) -> pa.Table:
         """(shard, item_id, row) of the live items in `shards` (a few of them: a training sample's)."""
         wanted = pa.array(shards, pa.string())
@@ -115,13 +134,15 @@ class LiveShards:
 
 
 BY_SHARD_SCHEMA = pa.schema([("shard", pa.string()), ("item_id", pa.string()), ("row", pa.int64())])
-LIVE_BATCH = 65_536  # rows of the live set read at a time
+LIVE_BATCH = 16_384  # rows of the live set read at a time (and its files' row groups: a read decodes one)
+METADATA_BATCH = 4_096  # rows of joined metadata read at a time: a row is as wide as the catalogue's metadata
 
 
-def shard_groups(path: str) -> Iterator[pa.Table]:
-    """The rows of a Parquet file sorted by its `shard` column, one table per shard, read a batch at a time."""
+def shard_groups(path: str, batch_rows: int = LIVE_BATCH) -> Iterator[pa.Table]:
+    """The rows of a Parquet file sorted by its `shard` column, one table per shard, read `batch_rows` at a
+    time."""
     carry: list[pa.RecordBatch] = []
-    for batch in parquet_reader(path).iter_batches(LIVE_BATCH):
+    for batch in parquet_reader(path).iter_batches(batch_rows):
         table = pa.Table.from_batches([*carry, batch]).combine_chunks()
         ends = pc.run_end_encode(table["shard"].combine_chunks()).run_ends.to_numpy()
         start = 0
@@ -131,6 +152,18 @@ def shard_groups(path: str) -> Iterator[pa.Table]:
         carry = table.slice(start).to_batches()
     if carry and sum(len(b) for b in carry):
         yield pa.Table.from_batches(carry)
+
+
+def first_of_each(table: pa.Table, key: str) -> pa.Table:
+    """The first row of each run of equal `key` values (a table sorted by it): an item twice in a damaged
+    metadata snapshot keeps one row."""
+    keys = table[key].combine_chunks()
+    if len(keys) < 2:
+        return table
+    repeat = pc.equal(keys.slice(1), keys.slice(0, len(keys) - 1)).fill_null(False)
+    if not pc.any(repeat).as_py():
+        return table
+    return table.filter(pa.concat_arrays([pa.array([True]), pc.invert(repeat)]))
 
 
 def read_shard_vectors(store: Location, slug: str, dim: int, shard: str, keep: pa.Array,
@@ -156,11 +189,20 @@ def _live_rows(store: Location, slug: str, shard: str, keep: pa.Array) -> tuple[
     return table, pc.index_in(table["item_id"], value_set=keep).to_numpy().astype(np.int64)
 
 
-def iter_live_tables(store: Location, state: CatalogueState) -> Iterator[pa.Table]:
+def iter_live_tables(store: Location, state: CatalogueState, metadata: str | None = None) -> Iterator[pa.Table]:
     """One filtered table per shard: only the rows that are an item's current embedding (the live set numbered
-    on disk first: one shard's ids in memory at a time)."""
-    for shard, keep, _ in LiveShards(state):
-        yield _live_rows(store, state.slug, shard, keep)[0]
+    on disk first: one shard's ids in memory at a time). With `metadata` (a snapshot's local Parquet file), each
+    row carries its item's metadata columns (`LiveShards.metadata_by_shard`; null where it has none; a name the
+    shard uses already is prefixed `metadata_`)."""
+    live = LiveShards(state)
+    groups = live.metadata_by_shard(metadata) if metadata else None
+    for shard, keep, _ in live:
+        table, found = _live_rows(store, state.slug, shard, keep)
+        if groups is not None:
+            rows = next(groups).take(pa.array(found, pa.int64()))  # the group's rows are `keep`'s, in its order
+            for name in rows.column_names:
+                table = table.append_column(f"metadata_{name}" if name in table.column_names else name, rows[name])
+        yield table
 
 
 @dataclass

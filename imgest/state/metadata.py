@@ -39,7 +39,7 @@ from imgest.storage.cache import local_copy
 
 __all__ = ["MAX_BLOCK_BYTES", "MAX_CELL_CHARS", "MAX_JSON_DEPTH", "MAX_LINE_CHARS", "MAX_METADATA_COLUMNS",
            "MetadataError", "MetadataReport", "NoMetadataError", "StagedMetadata", "latest_seq", "load_metadata",
-           "read_metadata", "snapshot_key", "stage_metadata", "store_metadata"]
+           "read_metadata", "snapshot_file", "snapshot_key", "stage_metadata", "store_metadata"]
 
 SNAPSHOTS = "metadata/snapshots"
 HASH_SCHEME = "sha256-json-v2"  # row_hash: sha256 of the row's non-null cells as `"name":json`, by column name
@@ -286,6 +286,15 @@ def snapshot_key(seq: int) -> str:
 def latest_seq(store: Location) -> int:
     names = [n for n in store.list_names(SNAPSHOTS) if n.endswith(".parquet") and n[:-8].isdigit()]
     return max((int(n[:-8]) for n in names), default=0)
+
+
+def snapshot_file(store: Location, cache_dir: str) -> str | None:
+    """A local Parquet file of the latest snapshot (the file itself in a local store, else a copy under
+    `cache_dir`, downloaded once per snapshot), or None when the store has none: for DuckDB to join on disk."""
+    seq = latest_seq(store)
+    if not seq:
+        return None
+    return local_copy(store, snapshot_key(seq), cache_dir, checksum=str(seq), suffix=".parquet")
 
 
 def load_metadata(store: Location) -> pa.Table | None:

@@ -276,12 +276,14 @@ def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id
         if parts > 1 and files:  # each input written in its hash partitions once: a pass reads only its own
             _partition(con, "listing", "key", parts, folder)
             _partition(con, "state", "item_id", parts, folder, STATE_COLUMNS)
-        unlisted = []
+        gone = 0
+        sources = []
         for part in range(parts):
             listing_part, state_part = ("listing", "state") if parts == 1 else \
                 (_part(folder, "listing", part), _part(folder, "state", part)) if files else (
                 f"(SELECT * FROM listing WHERE hash(key) % {parts} = {part})",
                 f"(SELECT * FROM state WHERE hash(item_id) % {parts} = {part})")
+            sources.append((listing_part, state_part))
             work = f"""SELECT l.key, l.key_ok, l.size, l.mtime, l.etag, l.storage_class,
                               s.status, s.content_hash, s.shard, s.updated_at
                        FROM {listing_part} l LEFT JOIN {state_part} s ON s.item_id = l.key
@@ -291,14 +293,14 @@ def plan_ingest(listing: Listing, state: CatalogueState | pa.Table | str, run_id
                             "(FORMAT parquet)")
             else:
                 con.execute(f"CREATE OR REPLACE TEMP TABLE work_{part} AS {work}")
-            unlisted += con.execute(f"""
-                SELECT s.item_id, s.status = '{LIVE}' FROM {state_part} s ANTI JOIN {listing_part} l
-                ON s.item_id = l.key WHERE s.status <> '{DELETED}'""").fetchall()
-        unlisted.sort(key=lambda row: row[0])
-        plan.deleted = [item_id for item_id, _ in unlisted]
-        gone = sum(was_live for _, was_live in unlisted)
-        if max_delete_fraction is not None:
+            gone += con.execute(f"""
+                SELECT count(*) FROM {state_part} s ANTI JOIN {listing_part} l
+                ON s.item_id = l.key WHERE s.status = '{LIVE}'""").fetchone()[0]
+        if max_delete_fraction is not None:  # counted, not collected: an empty listing at 100M is refused as cheaply
             check_deletions(live, gone, plan.listed, max_delete_fraction)
+        plan.deleted = sorted(item_id for listing_part, state_part in sources for (item_id,) in con.execute(f"""
+            SELECT s.item_id FROM {state_part} s ANTI JOIN {listing_part} l
+            ON s.item_id = l.key WHERE s.status <> '{DELETED}'""").fetchall())
         every = f"read_parquet('{_quoted(os.path.join(folder, 'work-*.parquet'))}')" if files else \
             "(" + " UNION ALL ".join(f"SELECT * FROM work_{part}" for part in range(parts)) + ")"
         batches = con.sql(f"SELECT * FROM {every} ORDER BY key").to_arrow_reader(WORK_BATCH)

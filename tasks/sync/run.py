@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -21,10 +20,11 @@ from prefect.cache_policies import NO_CACHE
 from imgest.config import SyncConfig
 from imgest.lock import StoreLock, StoreLockedError
 from imgest.progress import report
+from imgest.scratch import scratch_folder
 from imgest.state.clock import now_iso
 from imgest.state.committed import LIVE, load_state, shard_key
-from imgest.state.live import live_fingerprint, shard_groups
-from imgest.state.metadata import load_metadata
+from imgest.state.live import LIVE_BATCH, METADATA_BATCH, first_of_each, live_fingerprint, shard_groups
+from imgest.state.metadata import snapshot_file
 from imgest.state.models import find_model
 from imgest.state.rows import sql_string
 from imgest.state.shards import embedding_matrix
@@ -48,9 +48,9 @@ _RESERVED = ("item_id", "vector")
 @dataclass(frozen=True)
 class Plan:
     """What one sync sends, as files on local disk beside the state (no object per item): `now`, every live item
-    after the sync (MANIFEST_SCHEMA, the manifest the watermark records); `upsert`, the (item_id, shard,
-    meta_row: its row in the metadata table, null for none) to send (new, or changed content or metadata), in
-    shard order; `delete`, the ids to delete."""
+    after the sync (MANIFEST_SCHEMA, the manifest the watermark records); `upsert`, the (item_id, shard, the
+    metadata's columns: null for none) to send (new, or changed content or metadata), in shard order; `delete`,
+    the ids to delete."""
 
     now: str
     upsert: str
@@ -72,34 +72,37 @@ def resolve_model(store: Location, alias: str | None, model: str | None) -> dict
     return find_model(store, target["slug"])
 
 
-def plan(state, metadata: pa.Table | None, before: str | None, maybe_there: pa.Array) -> Plan:
+def plan(state, metadata: str | None, before: str | None, maybe_there: pa.Array) -> Plan:
     """Upsert what is new or whose content or metadata changed; delete what was (or may have been) sent and is
-    no longer live. Joined in the state's DuckDB (memory capped, spilling) against the previous manifest's file."""
+    no longer live. Joined in the state's DuckDB (memory capped, spilling) against the previous manifest's file
+    and `metadata`, the snapshot's local Parquet file (None: the store holds none): the rows to upsert carry
+    their metadata columns, read a shard at a time by `rows_for`."""
     folder = state.base.folder
     now, upsert, manifest = (os.path.join(folder, f"sync-{name}.parquet") for name in ("now", "upsert", "manifest"))
-    meta = metadata.select(["item_id", "row_hash"]) if metadata is not None else \
-        pa.table({"item_id": pa.array([], pa.string()), "row_hash": pa.array([], pa.string())})
-    meta = meta.append_column("meta_row", pa.array(np.arange(meta.num_rows, dtype=np.int64)))
+    snapshot = f"read_parquet({sql_string(metadata)})" if metadata else \
+        "(SELECT NULL::VARCHAR AS item_id, NULL::VARCHAR AS row_hash WHERE false)"
+    names = [n for n in pq.read_schema(metadata).names if n not in ("item_id", "row_hash")] if metadata else []
+    picked = "".join(f', m."{n.replace(chr(34), chr(34) * 2)}"' for n in names)
     sent = f"read_parquet({sql_string(before)})" if before else \
         "(SELECT NULL::VARCHAR AS item_id, NULL::VARCHAR AS content_hash, NULL::VARCHAR AS meta_hash WHERE false)"
     with state.sql() as cur:
-        cur.register("meta", meta)
         cur.register("maybe", pa.table({"item_id": maybe_there.cast(pa.string())}))
-        cur.execute(f"""COPY (SELECT l.item_id, l.content_hash, m.meta_hash, m.meta_row, l.shard FROM state l
+        cur.execute(f"""COPY (SELECT l.item_id, l.content_hash, m.meta_hash, l.shard FROM state l
                               LEFT JOIN (SELECT CAST(item_id AS VARCHAR) AS item_id,
-                                                min(CAST(row_hash AS VARCHAR)) AS meta_hash,
-                                                arg_min(meta_row, CAST(row_hash AS VARCHAR)) AS meta_row
-                                         FROM meta GROUP BY 1) m
+                                                min(CAST(row_hash AS VARCHAR)) AS meta_hash
+                                         FROM {snapshot} GROUP BY 1) m
                               ON m.item_id = l.item_id
                               WHERE l.status = '{LIVE}' ORDER BY l.item_id) TO {sql_string(now)} (FORMAT parquet)""")
         cur.execute(f"""CREATE TEMP VIEW sent AS SELECT CAST(item_id AS VARCHAR) AS item_id,
                         CAST(content_hash AS VARCHAR) AS content_hash, CAST(meta_hash AS VARCHAR) AS meta_hash
                         FROM {sent}""")
-        cur.execute(f"""COPY (SELECT n.item_id, n.shard, n.meta_row FROM read_parquet({sql_string(now)}) n
+        cur.execute(f"""COPY (SELECT n.item_id, n.shard{picked} FROM read_parquet({sql_string(now)}) n
                               LEFT JOIN sent b ON b.item_id = n.item_id
+                              LEFT JOIN {snapshot} m ON m.item_id = n.item_id AND m.row_hash = n.meta_hash
                               WHERE b.item_id IS NULL OR b.content_hash IS DISTINCT FROM n.content_hash
                                  OR b.meta_hash IS DISTINCT FROM n.meta_hash
-                              ORDER BY n.shard, n.item_id) TO {sql_string(upsert)} (FORMAT parquet)""")
+                              ORDER BY n.shard, n.item_id) TO {sql_string(upsert)}
+                        (FORMAT parquet, ROW_GROUP_SIZE {METADATA_BATCH if names else LIVE_BATCH})""")
         delete = cur.sql(f"""SELECT DISTINCT g.item_id FROM (SELECT item_id FROM sent UNION ALL
                                                                SELECT item_id FROM maybe) g
                              WHERE NOT EXISTS (SELECT 1 FROM read_parquet({sql_string(now)}) n
@@ -107,35 +110,37 @@ def plan(state, metadata: pa.Table | None, before: str | None, maybe_there: pa.A
                              ORDER BY g.item_id""").to_arrow_table()["item_id"].combine_chunks()
         cur.execute(f"""COPY (SELECT item_id, content_hash, meta_hash FROM read_parquet({sql_string(now)}))
                         TO {sql_string(manifest)} (FORMAT parquet)""")
-    return Plan(manifest, upsert, pq.read_metadata(upsert).num_rows, delete, pq.read_metadata(manifest).num_rows)
+    upserts = pq.read_metadata(upsert).num_rows
+    return Plan(manifest, upsert, upserts, delete, pq.read_metadata(manifest).num_rows)
 
 
-def metadata_columns(metadata: pa.Table | None) -> pa.Schema:
-    """The metadata's columns as the target carries them (a name the target uses itself gets `metadata_`)."""
+def metadata_columns(metadata: str | None) -> pa.Schema:
+    """The metadata's columns (of the snapshot file `metadata`) as the target carries them (a name the target
+    uses itself gets `metadata_`)."""
     if metadata is None:
         return pa.schema([])
     return pa.schema([pa.field(f"metadata_{f.name}" if f.name in _RESERVED else f.name, f.type)
-                      for f in metadata.schema if f.name not in ("item_id", "row_hash")])
+                      for f in pq.read_schema(metadata) if f.name not in ("item_id", "row_hash")])
 
 
-def rows_for(store: Location, slug: str, upsert: str, metadata: pa.Table | None, columns: pa.Schema,
-             dim: int, batch: int):
+def rows_for(store: Location, slug: str, upsert: str, columns: pa.Schema, dim: int, batch: int):
     """Batches of (item_id, vector, metadata columns) for the items of `upsert` (a Parquet file of item_id, shard
-    and meta_row, in shard order), one shard read at a time; an item's metadata is taken at its meta_row, never
-    looked for among every row of the metadata."""
+    and the metadata's columns, in shard order), one shard read at a time; an item's metadata is its row of the
+    shard's group, looked up among the shard's ids only."""
     pending: list[pa.Table] = []
     size = 0
-    for group in shard_groups(upsert):
+    for group in shard_groups(upsert, METADATA_BATCH if len(columns) else LIVE_BATCH):
+        group = first_of_each(group, "item_id")  # an item twice in a damaged snapshot: sent once
         shard, keep = group["shard"][0].as_py(), group["item_id"].combine_chunks()
         table = store.read_table(shard_key(slug, shard))
         table = table.filter(pc.is_in(table["item_id"], value_set=keep))
         vectors = embedding_matrix(table, dim)
         rows = pa.table({"item_id": table["item_id"].cast(pa.string()),
                          "vector": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel(), pa.float32()), dim)})
-        if metadata is not None:  # the shard's rows in the group's order: their metadata rows, from the plan
-            found = metadata.take(group["meta_row"].take(pc.index_in(rows["item_id"], value_set=keep)))
-            for field, source in zip(columns, (n for n in metadata.column_names if n not in ("item_id", "row_hash"))):
-                rows = rows.append_column(field, found[source])
+        if len(columns):  # the shard's rows in the group's order: their metadata, carried by the plan
+            found = group.take(pc.index_in(rows["item_id"], value_set=keep))
+            for field, source in zip(columns, group.column_names[2:]):
+                rows = rows.append_column(field, found[source].cast(field.type))
         pending.append(rows)
         size += rows.num_rows
         while size >= batch:
@@ -183,7 +188,7 @@ def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, b
                         "folder in the store, and the next sync rebuilds it with a collection per model")
     fingerprint = live_fingerprint(store, card["slug"])
     state = load_state(store, card["slug"])
-    metadata = load_metadata(store)
+    metadata = snapshot_file(store, scratch_folder(state, "sync"))
     columns = metadata_columns(metadata)
     folder = watermark.model_dir(spec.slug, wanted.slug)
     mark = watermark.last_watermark(store, folder)
@@ -216,7 +221,7 @@ def _sync_locked(store: Location, spec: TargetSpec, card: dict, wanted: Model, b
                 target.delete(ids)
             done += len(ids)
             report(what, done, total, "items")
-        upserts = _Counted(rows_for(store, wanted.slug, todo.upsert, metadata, columns, wanted.dim, batch),
+        upserts = _Counted(rows_for(store, wanted.slug, todo.upsert, columns, wanted.dim, batch),
                            todo.upserts, lambda rows: report(what, done + rows, total, "items"))
         with _batch(spec, lambda: f"batch {n + upserts.n} of {batches} (upserting items {upserts.at})", upserts):
             target.upsert(upserts)

@@ -1,0 +1,171 @@
+"""The catalogue metadata of an index version's items, for serving: one row per faiss id, in faiss id order, in an
+uncompressed Arrow file on local disk that is memory-mapped, never loaded.
+
+Made once per (version's id map, metadata snapshot) in the index cache, by DuckDB on disk (memory capped,
+spilling): the version's id map joined with the store's latest snapshot. A hit's metadata is then a read of
+its rows' pages; a `--where` is DuckDB over the columns it names (the file's other columns are never read);
+`--group-by` reads one column at the hits' rows; the columns a search page offers are worked out while the file
+is made and kept in its schema, so serving them scans nothing. What stays resident is what the OS keeps of the
+file (clean pages, given back under pressure), not the snapshot's width times the catalogue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from imgest.retrieval.idmap import IdMap, take_rows
+from imgest.state.metadata import latest_seq, snapshot_key
+from imgest.storage import Location
+from imgest.storage.cache import local_copy
+
+FAISS_ID = "_faiss_id"  # the row's faiss id (a filter selects these)
+PRESENT = "_has_row"  # whether the item has a metadata row (a row of nulls otherwise)
+INTERNAL = frozenset({FAISS_ID, PRESENT, "row_hash"})
+COLUMNS_KEY = b"imgest.columns"  # the schema metadata: the columns a search page offers (describe_columns)
+FORMAT = "1"  # the file's layout: a change makes a new file beside the old ones
+BUILD_MEMORY = "256MB"  # DuckDB's cap while it joins and sorts; past it, it spills to the file's folder
+BATCH = 8_192  # rows per record batch of the file (a batch is as wide as the catalogue's metadata)
+MAX_CHOICES = 50  # a text column with at most this many values is a choice on the search page
+
+
+class VersionMetadata:
+    """An index version's items' metadata rows, by faiss id (module docstring)."""
+
+    def __init__(self, store: Location, ids: IdMap, cache_dir: str) -> None:
+        seq = latest_seq(store)
+        if not seq:
+            raise LookupError(f"{store.url} holds no catalogue metadata")
+        key = f"{ids.sha256}\n{store.uri(snapshot_key(seq))}\n{seq}\n{FORMAT}"
+        path = os.path.join(cache_dir, f"metadata-{hashlib.sha256(key.encode()).hexdigest()[:32]}.arrow")
+        if not os.path.exists(path):
+            os.makedirs(cache_dir, exist_ok=True)
+            snapshot = local_copy(store, snapshot_key(seq), os.path.join(cache_dir, "snapshots"), checksum=str(seq),
+                                  suffix=".parquet")
+            _write(ids.parquet, snapshot, path)
+        self.seq, self.path = seq, path
+        reader = pa.ipc.open_file(pa.memory_map(path))
+        self.table = reader.read_all()
+        if self.table.num_rows != len(ids):
+            raise ValueError(f"{path}: {self.table.num_rows} metadata rows for the version's {len(ids)} items")
+        self.columns: list[dict] = json.loads((reader.schema.metadata or {}).get(COLUMNS_KEY, b"[]"))
+        self.names = [n for n in self.table.column_names if n not in INTERNAL]
+        self._starts = np.cumsum([0] + [batch.num_rows for batch in self.table.to_batches()])
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def column(self, name: str) -> pa.ChunkedArray:
+        return self.table.column(name)
+
+    def rows(self, faiss_ids: np.ndarray) -> list[dict | None]:
+        """Each faiss id's metadata row as a dict (None where its item has none), in the order asked."""
+        faiss_ids = np.asarray(faiss_ids, np.int64)
+        present = take_rows(self.table.column(PRESENT), self._starts, faiss_ids).to_pylist()
+        taken = pa.table({name: take_rows(self.table.column(name), self._starts, faiss_ids) for name in self.names})
+        return [row if has else None for row, has in zip(taken.to_pylist(), present)]
+
+    def with_rows(self, faiss_ids: np.ndarray) -> np.ndarray:
+        """Those of `faiss_ids` whose items have a metadata row (a filter matches rows, as it did over the
+        snapshot: `category IS NULL` is not every item without metadata)."""
+        present = take_rows(self.table.column(PRESENT), self._starts, faiss_ids)
+        return faiss_ids[present.to_numpy(zero_copy_only=False)]
+
+    def value(self, name: str, faiss_id: int):
+        """One row's value of one column (None for none)."""
+        return self.table.column(name)[int(faiss_id)].as_py()
+
+
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _write(ids_parquet: str, snapshot: str, path: str) -> None:
+    """Join the id map (faiss_id, item_id) with the snapshot in faiss id order, stream the rows into an Arrow file
+    beside `path` and rename it into place (a reader never maps half a file)."""
+    import duckdb
+
+    from imgest.scratch import scratch_folder
+
+    names = [n for n in pq.read_schema(snapshot).names if n not in ("item_id", "row_hash")]
+    holder = _Holder()
+    folder = scratch_folder(holder, "metadata")
+    con = duckdb.connect(config={"memory_limit": BUILD_MEMORY, "threads": 1, "preserve_insertion_order": True,
+                                 "temp_directory": os.path.join(folder, "spill")})
+    tmp = f"{path}.{uuid.uuid4().hex}.part"
+    try:
+        con.execute(f"CREATE VIEW snapshot AS SELECT * FROM read_parquet({_sql_string(snapshot)})")
+        columns = describe(con, names)
+        picked = ", ".join(f"m.{_quoted(n)}" for n in names)
+        reader = con.execute(f"""SELECT i.faiss_id AS {FAISS_ID}, m.item_id IS NOT NULL AS {PRESENT}
+                                        {", " + picked if picked else ""}
+                                 FROM read_parquet({_sql_string(ids_parquet)}) i
+                                 LEFT JOIN snapshot m ON m.item_id = i.item_id
+                                 ORDER BY i.faiss_id, m.row_hash""").to_arrow_reader(BATCH)
+        schema = reader.schema.with_metadata({COLUMNS_KEY: json.dumps(columns).encode(), b"imgest.format": FORMAT})
+        last = -1
+        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for batch in reader:
+                # one row per faiss id: an item twice in a damaged snapshot keeps its first row
+                faiss_ids = batch.column(0).to_numpy()
+                first = np.diff(faiss_ids, prepend=last) != 0
+                last = int(faiss_ids[-1]) if len(faiss_ids) else last
+                writer.write_batch(batch if first.all() else batch.filter(pa.array(first)))
+        os.replace(tmp, path)
+    finally:
+        con.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+class _Holder:
+    """Owns the scratch folder of one file's making (removed with it)."""
+
+
+NUMBER_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER",
+                "UBIGINT", "FLOAT", "DOUBLE", "DECIMAL", "REAL")
+
+
+def describe(con, names: list[str], max_values: int = MAX_CHOICES) -> list[dict]:
+    """Each metadata column for a search page's filter form, from the view `snapshot`: numbers with their range,
+    text with its values when there are at most `max_values` of them (a choice), else none (free text); columns
+    that are all null, and nested ones, are left out. One aggregate per column, memory capped by the connection:
+    an estimate of the distinct values first (HyperLogLog, a few kB), the values themselves only for a choice."""
+    kinds = dict(con.execute("SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM snapshot)").fetchall())
+    columns = []
+    for name in names:
+        kind, q = kinds[name].upper(), _quoted(name)
+        if kind.startswith(NUMBER_TYPES):
+            count, low, high = con.execute(f"SELECT count({q}), min({q}), max({q}) FROM snapshot").fetchone()
+            if count:
+                columns.append({"name": name, "type": "number", "min": _plain(low), "max": _plain(high)})
+            continue
+        if any(mark in kind for mark in ("STRUCT", "MAP", "[]", "UNION")) or kind.startswith(("LIST", "BLOB")):
+            continue  # nested: not a filter of the form
+        count, estimate = con.execute(f"SELECT count({q}), approx_count_distinct({q}) FROM snapshot").fetchone()
+        if not count:
+            continue
+        values = None
+        if estimate <= 2 * max_values:  # HyperLogLog's error is a few percent: count exactly near the line
+            found = [v for (v,) in con.execute(f"SELECT DISTINCT CAST({q} AS VARCHAR) FROM snapshot "
+                                               f"WHERE {q} IS NOT NULL LIMIT {max_values + 1}").fetchall()]
+            values = sorted(found) if len(found) <= max_values else None
+        columns.append({"name": name, "type": "text", "values": values})
+    return columns
+
+
+def _plain(value):
+    """A JSON number for a column's bound (DuckDB's DECIMAL comes back as Decimal)."""
+    if value is None or isinstance(value, int | float):
+        return value
+    return float(value)

@@ -1,0 +1,162 @@
+"""The readers of the catalogue metadata at catalogue size: the search service's metadata file per index version
+(mapped, never loaded), export and sync joined with the snapshot on disk, a shard at a time. The mechanism at
+100,000 items with a wide metadata row: what Arrow allocates while each runs (its pool's peak, in a process of its
+own) stays under a cap that the snapshot alone, loaded as a table the way these readers did, exceeds several
+times over."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from imgest.state.metadata import snapshot_key
+from tests.test_index_stream import SPEC, write_store
+
+N, SHARD = 200_000, 2_000
+TITLE = 600  # characters of a title: the metadata row is far wider than the item's vector at d = 12
+CAP = 32 << 20
+
+
+def _metadata(store_root, keys: list[str]) -> pa.Table:
+    """A snapshot as ingest writes it (sorted by item_id, a row hash), every item but each 10th with a row."""
+    keys = sorted(keys)
+    kept = [k for i, k in enumerate(keys) if i % 10]
+    rng = np.random.default_rng(2)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", np.uint8)
+    titles = [bytes(letters[rng.integers(0, len(letters), TITLE)]).decode() for _ in range(len(kept))]
+    table = pa.table({"item_id": kept, "brand": [f"brand-{i % 13}" for i in range(len(kept))],
+                      "price": np.arange(len(kept), dtype=np.float64) / 10, "title": titles,
+                      "row_hash": [f"h{i}" for i in range(len(kept))]})
+    path = store_root / snapshot_key(1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, row_group_size=32_768)
+    return table
+
+
+@pytest.fixture(scope="module")
+def wide_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wide")
+    store, state, vectors = write_store(root, N, SHARD)
+    table = _metadata(root, list(vectors))
+    return root, table.nbytes, {k: i for i, k in enumerate(table["item_id"].to_pylist())}
+
+
+def _arrow_peak(script: str) -> dict:
+    """Run `script` in a process of its own (Arrow's pool counts its peak from the start); its last line's JSON,
+    with that peak as `arrow_peak`."""
+    code = script + "\nimport pyarrow as _pa\nprint(json.dumps({**out, 'arrow_peak': " \
+                    "_pa.default_memory_pool().max_memory()}))\n"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow("a subprocess")
+def test_the_snapshot_loaded_whole_is_what_the_readers_no_longer_hold(wide_store):
+    root, snapshot_bytes, _ = wide_store
+    got = _arrow_peak(f"""
+import json
+from imgest.storage import Location
+from imgest.state.metadata import load_metadata
+out = {{"rows": load_metadata(Location({str(root)!r})).num_rows}}
+""")
+    assert got["rows"] == N - N // 10
+    assert snapshot_bytes > 3 * CAP and got["arrow_peak"] > 3 * CAP, got  # the way they read it: over the cap
+
+
+@pytest.mark.slow("a subprocess")
+def test_a_served_version_maps_its_items_metadata_and_filters_without_loading_it(wide_store, tmp_path):
+    root, _, row_of = wide_store
+    got = _arrow_peak(f"""
+import json, hashlib
+import numpy as np
+from imgest.storage import Location
+from imgest.state.committed import load_state
+from imgest.state.live import LiveShards
+from imgest.retrieval.idmap import IdMap, IdMapFile
+from imgest.retrieval.item_metadata import FAISS_ID, INTERNAL, VersionMetadata
+from imgest.retrieval.filters import matching_items
+from imgest.retrieval.query import GroupsAt
+
+store = Location({str(root)!r})
+live = LiveShards(load_state(store, {SPEC.slug!r}))
+made = IdMapFile().number(live.ordered)
+sha = hashlib.sha256(open(made.path, "rb").read()).hexdigest()
+ids = IdMap(made.path, sha, {str(tmp_path / "cache")!r})
+metadata = VersionMetadata(store, ids, {str(tmp_path / "cache")!r})
+again = VersionMetadata(store, ids, {str(tmp_path / "cache")!r})  # made once: opened as it is
+rows = metadata.rows(np.array([0, 1, 10, 12345, len(ids) - 1]))
+table = metadata.table.append_column("item_id", ids.item_ids)
+cheap = matching_items(table, "brand = 'brand-3' AND price < 100", select=FAISS_ID, hidden=tuple(INTERNAL))
+cheap = metadata.with_rows(cheap.to_numpy())
+groups = GroupsAt(metadata, ids, "brand")
+out = {{"rows": rows, "items": ids.items(np.array([0, 1, 10, 12345, len(ids) - 1])),
+        "same": again.path == metadata.path,
+        "cheap": sorted(ids.items(cheap)), "columns": metadata.columns,
+        "group_items": ids.items(np.array([1, 2])), "group": [groups.get(i) for i in ids.items(np.array([1, 2]))]}}
+""")
+    assert got["arrow_peak"] < CAP, f"serving the metadata held {got['arrow_peak'] / 1e6:.1f} MB of Arrow"
+    assert got["same"]
+    for item, row in zip(got["items"], got["rows"]):
+        if item not in row_of:
+            assert row is None  # an item without a metadata row has none
+        else:
+            assert row["brand"] == f"brand-{row_of[item] % 13}" and row["price"] == row_of[item] / 10
+            assert len(row["title"]) == TITLE and set(row) == {"brand", "price", "title"}
+    assert got["cheap"] == sorted(k for k, r in row_of.items() if r % 13 == 3 and r / 10 < 100)
+    assert got["group"] == [None if i not in row_of else f"brand-{row_of[i] % 13}" for i in got["group_items"]]
+    brand = next(c for c in got["columns"] if c["name"] == "brand")
+    assert brand == {"name": "brand", "type": "text", "values": sorted(f"brand-{i}" for i in range(13))}
+    assert {"name": "price", "type": "number", "min": 0.0, "max": (len(row_of) - 1) / 10} in got["columns"]
+    assert {"name": "title", "type": "text", "values": None} in got["columns"]  # free text: no choice
+
+
+@pytest.mark.slow("a subprocess")
+def test_an_export_joins_the_metadata_on_disk_a_shard_at_a_time(wide_store, tmp_path):
+    root, _, row_of = wide_store
+    out = tmp_path / "export.parquet"
+    got = _arrow_peak(f"""
+import json
+from imgest.state.export import export_live
+out = export_live({str(root)!r}, {SPEC.name!r}, {str(out)!r})
+""")
+    assert got["arrow_peak"] < CAP, f"the export held {got['arrow_peak'] / 1e6:.1f} MB of Arrow"
+    table = pq.read_table(out, columns=["item_id", "brand", "price", "title"])
+    assert got["rows"] == table.num_rows == N
+    sample = table.take(np.random.default_rng(0).choice(N, 500, replace=False)).to_pylist()
+    for row in sample:
+        at = row_of.get(row["item_id"])
+        assert (row["brand"], row["price"]) == ((None, None) if at is None else (f"brand-{at % 13}", at / 10))
+
+
+@pytest.mark.slow("a subprocess")
+def test_a_sync_reads_its_rows_metadata_from_the_plan_a_shard_at_a_time(wide_store, tmp_path):
+    root, _, row_of = wide_store
+    got = _arrow_peak(f"""
+import json
+import pyarrow as pa
+from imgest.storage import Location
+from imgest.state.committed import load_state
+from imgest.state.metadata import snapshot_file
+from imgest.tasks.sync.run import metadata_columns, plan, rows_for
+
+store = Location({str(root)!r})
+state = load_state(store, {SPEC.slug!r})
+snapshot = snapshot_file(store, {str(tmp_path / "cache")!r})
+todo = plan(state, snapshot, None, pa.array([], pa.string()))
+columns = metadata_columns(snapshot)
+sent, sample = 0, []
+for batch in rows_for(store, {SPEC.slug!r}, todo.upsert, columns, {SPEC.dim}, 5000):
+    sent += batch.num_rows
+    sample += batch.slice(0, 3).select(["item_id", "brand", "price"]).to_pylist()
+out = {{"sent": sent, "upserts": todo.upserts, "sample": sample}}
+""")
+    assert got["arrow_peak"] < CAP, f"the sync's rows held {got['arrow_peak'] / 1e6:.1f} MB of Arrow"
+    assert got["sent"] == got["upserts"] == N
+    for row in got["sample"]:
+        at = row_of.get(row["item_id"])
+        assert (row["brand"], row["price"]) == ((None, None) if at is None else (f"brand-{at % 13}", at / 10))
