@@ -8,7 +8,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from imgest.config import TrainHeadConfig
 from imgest.flow_params import configured_flow
-from imgest.names import parse_augmentations
+from imgest.names import SELF_SUPERVISED_ITEMS, parse_augmentations
 from imgest.plots import markdown_image
 from imgest.reports.heads import render_head, render_whitening
 from imgest.reports.run_names import run_name
@@ -48,12 +48,13 @@ def train_head_flow(config: TrainHeadConfig) -> dict:
     live = None
     if config.labels:  # the label file joined with the live set: only the labelled items' vectors are read (at most
         # max_items of them, a seeded sample)
-        data = labelled_task(store_loc, base, config.labels, config.max_items, training.seed)
-    else:  # the items whose views are made, and only those, are read (every live item when max_items is 0)
-        live = load_live_sample(store_loc, base["slug"], int(base["dim"]), config.max_items or sys.maxsize,
-                                training.seed)
+        data = labelled_task(store_loc, base, config.labels, config.max_items or 0, training.seed)
+    else:  # the items whose views are made, and only those, are read: a seeded sample of SELF_SUPERVISED_ITEMS
+        # unless max_items says otherwise (0: every live item); the record says which (its `labels.max_items`)
+        limit = SELF_SUPERVISED_ITEMS if config.max_items is None else config.max_items
+        live = load_live_sample(store_loc, base["slug"], int(base["dim"]), limit or sys.maxsize, training.seed)
         live.catalogue = config.catalogue  # images are read only under it (or the root recorded at ingest)
-        data = augment_task(live, base["name"], config.views, training.seed, config.max_items,
+        data = augment_task(live, base["name"], config.views, training.seed, limit,
                             parse_augmentations(config.augment), config.device)
     scorer = scorer_task(store_loc, base, config.eval_queries, data, config.negatives, training.seed,
                          config.device) if config.eval_queries else None

@@ -63,6 +63,13 @@ def at_least(low: int):
     return check
 
 
+def optional(check):
+    """`check` for a value that may also be None (not given)."""
+    def checked(value, info: ValidationInfo):
+        return None if value is None else check(value, info)
+    return checked
+
+
 def fraction(low_open: bool = False):
     def check(value: float | None, info: ValidationInfo) -> float | None:
         if value is None:  # an optional fraction not given

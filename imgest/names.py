@@ -36,6 +36,8 @@ DEFAULT_PRECISION = "auto"  # bf16 where the device runs it natively and it pass
 DEFAULT_MAX_BYTES = 256 << 20  # a larger object is rejected from its listing size, never read
 DEFAULT_MAX_DELETE_FRACTION = 0.2  # a run that would tombstone more of the live items stops (exit 2)
 DEFAULT_VIEWS = 3  # train-head without labels: augmented views per catalogue image
+SELF_SUPERVISED_ITEMS = 50_000  # train-head without labels and without --max-items: the items sampled (each image
+# decoded and encoded once per view: at 1M items, every one would be days of CPU and its views' vectors gigabytes)
 
 # -- vocabularies ----------------------------------------------------------------------------------------
 KINDS = ("auto", "flat", "hnsw", "ivfsq8", "ivfpq")  # index kinds by name (or a faiss factory string)

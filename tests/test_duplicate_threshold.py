@@ -161,12 +161,20 @@ def test_a_planted_hash_file_is_skipped_and_an_oversized_one_is_not_read(tmp_pat
     live = str(tmp_path / "live.parquet")  # the content hashes live now: what the cache keeps
     pq.write_table(pa.table({"content_hash": ["h1", "h2", "h3"]}), live)
     wanted = pa.array(["h1", "h2", "h3", "h9"])
-    HashCache(store, max_rows=10).write({"h1": 1, "h2": 2**64 - 1}, live, "20261201T000000000000")
-    assert HashCache(store, max_rows=10).lookup(wanted) == {"h1": 1, "h2": 2**64 - 1}
+
+    def found() -> dict:
+        table = HashCache(store, max_rows=10).lookup(wanted)
+        return dict(zip(table["content_hash"].to_pylist(), table["phash"].to_pylist()))
+
+    def hashes(**new) -> pa.Table:
+        return pa.table({"content_hash": list(new), "phash": pa.array(list(new.values()), pa.uint64())})
+
+    HashCache(store, max_rows=10).write(hashes(h1=1, h2=2**64 - 1), live, "20261201T000000000000")
+    assert found() == {"h1": 1, "h2": 2**64 - 1}
     pq.write_table(pa.table({"content_hash": ["h1", "h3"]}), live)  # h2's image is gone
-    HashCache(store, max_rows=10).write({"h3": 3}, live, "20261202T000000000000")  # the newest holds all
+    HashCache(store, max_rows=10).write(hashes(h3=3), live, "20261202T000000000000")  # the newest holds all
     assert [n for n in store.list_names("duplicates/hashes")] == ["20261202T000000000000.parquet"]
-    assert HashCache(store, max_rows=10).lookup(wanted) == {"h1": 1, "h3": 3}
+    assert found() == {"h1": 1, "h3": 3}
     store.write_table("duplicates/hashes/20261203T000000000000.parquet",
                       pa.table({"content_hash": ["h9"], "phash": ["not a number"]}))
     store.write_table("duplicates/hashes/20261204T000000000000.parquet",
@@ -174,5 +182,5 @@ def test_a_planted_hash_file_is_skipped_and_an_oversized_one_is_not_read(tmp_pat
                                 "phash": pa.array(range(50), pa.uint64())}))
     store.write_bytes("duplicates/hashes/20261205T000000000000.parquet", b"PAR1 not parquet")
     with caplog.at_level(logging.WARNING, logger="imgest"):
-        assert HashCache(store, max_rows=10).lookup(wanted) == {"h1": 1, "h3": 3}
+        assert found() == {"h1": 1, "h3": 3}
     assert caplog.text.count("is not a hash file imgest wrote") == 3 and "50 rows, more than the 10" in caplog.text

@@ -378,11 +378,13 @@ def test_nightly_on_a_head_keeps_its_base_current_and_decodes_new_images_once(la
 def test_without_labels_each_item_is_an_instance_with_augmented_views(labelled):
     import json
 
+    from imgest.names import SELF_SUPERVISED_ITEMS
     from imgest.storage import read_url
 
     trained = _train(labelled, labels=None, views=2, loss="triplet")
     source = trained["config"]["labels"]
     assert source["file"] is None and source["augmented_views"] == 2 and source["items"] == 36
+    assert source["max_items"] == SELF_SUPERVISED_ITEMS  # a sample by default (every item: --max-items 0)
     counts = trained["config"]["counts"]
     assert counts["labels"] == 36 and counts["train_items"] + counts["val_items"] == 36 * 3
     assert trained["config"]["training"]["split"] == "labels", "held-out items are unseen instances"

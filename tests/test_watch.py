@@ -188,7 +188,7 @@ def test_drift_flags_a_planted_shift_and_not_a_random_resample():
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_a_planted_shift_of_new_images_emits_drift_and_more_of_the_same_does_not(tmp_path):
+def test_a_planted_shift_of_new_images_emits_drift_and_more_of_the_same_does_not(tmp_path, monkeypatch):
     from PIL import Image
 
     from imgest.config import NightlyConfig
@@ -217,6 +217,14 @@ def test_a_planted_shift_of_new_images_emits_drift_and_more_of_the_same_does_not
     assert "imgest.drift.high" in shifted["events"]
     rows = read_history(Location(str(store)))
     assert [r["drift"] is not None and r["drift"]["high"] for r in rows] == [False, False, True]
+    # a night larger than the sample (a model change's cold start) is measured on a seeded sample of it
+    from imgest.state.models import find_model
+    from imgest.tasks.watch import drift
+
+    slug, run_id = find_model(Location(str(store)), "raw-pixels")["slug"], rows[2]["run_id"]
+    monkeypatch.setattr(drift, "SAMPLE", 12)
+    sampled = drift.night_drift(Location(str(store)), slug, run_id)
+    assert (sampled["new"], sampled["tonight"]) == (12, 24) and sampled["high"], sampled
 
 
 def test_a_drift_reference_that_is_not_one_is_refused_and_the_night_goes_on(tmp_path, caplog):

@@ -18,9 +18,10 @@ from imgest.fields import (
     augmentations,
     non_negative,
     one_of,
+    optional,
     shrinkage_value,
 )
-from imgest.names import AUGMENTATIONS, DEFAULT_DEVICE, DEFAULT_VIEWS, LOSSES
+from imgest.names import AUGMENTATIONS, DEFAULT_DEVICE, DEFAULT_VIEWS, LOSSES, SELF_SUPERVISED_ITEMS
 
 
 class HeadConfig(FlowConfig):
@@ -84,9 +85,10 @@ class TrainHeadConfig(FlowConfig):
                     "own label with augmented views as positives")] = None
     views: Annotated[int, AfterValidator(at_least(1)), Field(
         description="Without labels: augmented views per catalogue image (encoded once)")] = DEFAULT_VIEWS
-    max_items: Annotated[int, AfterValidator(at_least(0)), Field(
-        description="At most this many items train: a seeded sample of the labelled live items, or without "
-                    "labels of the catalogue items (0: all)")] = 0
+    max_items: Annotated[int | None, AfterValidator(optional(at_least(0))), Field(
+        description="At most this many items train: a seeded sample of the labelled live items (default: all), "
+                    f"or without labels of the catalogue items (default: {SELF_SUPERVISED_ITEMS:,}; each is "
+                    "decoded and encoded once per view); 0: all")] = None
     augment: Annotated[str, AfterValidator(augmentations), Field(
         description="Without labels: the augmentations making the views: all, or a comma list of "
                     f"{', '.join(AUGMENTATIONS)}, or of the groups geometry, photometry, rendering")] = "all"

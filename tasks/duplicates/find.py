@@ -131,39 +131,46 @@ def hash_pairs(store: Location, live: LiveShards, found: Candidates, band: np.nd
                run: str, fence: Fence | None = None) -> np.ndarray:
     """Which of the candidate pairs `band` (their indices: scoring in [floor, threshold)) have perceptual hashes
     within the calibrated distance. Hashes are looked up in the store's cache for these pairs' images only;
-    missing ones are computed from the images and the cache written again (fenced), kept for the images live
-    now."""
+    missing ones are computed from the images (one per content hash) and the cache written again (fenced), kept
+    for the images live now. The band's items, their content hashes and perceptual hashes stay Arrow and NumPy
+    columns: the only Python values are the uris of the images hashed now, a batch at a time."""
     if not len(band):
         return np.zeros(0, bool)
     codes = np.unique(np.concatenate([found.a[band], found.b[band]]))
-    rows = found.rows(codes, live.folder)  # one image per content hash is read
+    rows = found.rows(codes, live.folder)  # (code, content_hash, uri) of the band's items
     cache = HashCache(store, max_rows=4 * len(live) + 1024)  # the live items' hashes and those of the recently gone
-    known = cache.lookup(pc.unique(rows["content_hash"]))
-    new, failed = {}, 0
-    for content_hash, uri in zip(rows["content_hash"].to_pylist(), rows["uri"].to_pylist()):
-        if content_hash in known or content_hash in new:
-            continue
-        try:
-            new[content_hash] = perceptual_hash(picture(images.read(uri)))
-        except (DecodeError, ContainmentError, StorageError, OSError) as exc:  # that item has no hash signal
-            new[content_hash] = None
-            failed += 1
-            logging.getLogger("imgest").debug("no perceptual hash for %s: %s", uri, exc)
+    hashes = rows["content_hash"].combine_chunks()
+    known = cache.lookup(pc.unique(hashes))
+    missing = pc.unique(hashes.filter(pc.invert(pc.is_in(hashes, value_set=known["content_hash"]))))
+    first = rows.take(pc.index_in(missing, value_set=hashes))  # one image per content hash is read
+    computed, ok, failed = np.zeros(len(first), np.uint64), np.zeros(len(first), bool), 0
+    for start in range(0, len(first), HASH_BATCH):
+        for i, uri in enumerate(first["uri"].slice(start, HASH_BATCH).to_pylist(), start):
+            try:
+                computed[i], ok[i] = perceptual_hash(picture(images.read(uri))), True
+            except (DecodeError, ContainmentError, StorageError, OSError) as exc:  # that item has no hash signal
+                failed += 1
+                logging.getLogger("imgest").debug("no perceptual hash for %s: %s", uri, exc)
     if failed:
         logging.getLogger("imgest").warning("%d of %d images could not be hashed: only the embedding judges them",
-                                            failed, len(new))
-    hashed = {h: v for h, v in new.items() if v is not None}
-    if hashed:
+                                            failed, len(first))
+    hashed = pa.table({"content_hash": missing.filter(pa.array(ok)), "phash": pa.array(computed[ok], pa.uint64())})
+    if len(hashed):
         if fence is not None:
             fence.check(store)
         cache.write(hashed, live.ordered, run)
-    known.update(hashed)
+    every = pa.concat_tables([known, hashed.cast(known.schema)])
+    at = pc.index_in(hashes, value_set=every["content_hash"])  # each band item's row of `every` (null: none)
+    has_row = pc.is_valid(at).to_numpy(zero_copy_only=False)
     phash, has = np.zeros(len(found), np.uint64), np.zeros(len(found), bool)
-    for code, content_hash in zip(rows["code"].to_numpy(), rows["content_hash"].to_pylist()):
-        if content_hash in known:
-            phash[code], has[code] = known[content_hash], True
+    row_codes = rows["code"].to_numpy()
+    phash[row_codes[has_row]] = every["phash"].to_numpy()[at.drop_null().to_numpy()]
+    has[row_codes[has_row]] = True
     a, b = found.a[band], found.b[band]
     return has[a] & has[b] & (np.bitwise_count(phash[a] ^ phash[b]) <= signal["hash_distance"])
+
+
+HASH_BATCH = 1_024  # uris of images to hash, turned into Python strings at a time
 
 
 def confirmed(found: Candidates, pairs: np.ndarray, check: PictureCheck, folder: str) -> np.ndarray:

@@ -91,22 +91,22 @@ class HashCache:
     def _sources(self) -> str:
         return "[" + ", ".join(sql_string(f) for f in self.files) + "]"
 
-    def lookup(self, content_hashes: pa.Array) -> dict[str, int]:
-        """The stored hash of each of `content_hashes` that has one (a run's candidates: a few per pair)."""
+    def lookup(self, content_hashes: pa.Array) -> pa.Table:
+        """The stored hash of each of `content_hashes` that has one (a run's candidates: a few per pair), as a
+        table (content_hash, phash): one row per content hash found, in no set order."""
         if not self.files or not len(content_hashes):
-            return {}
+            return _SCHEMA.empty_table()
         with scratch_sql(self.folder) as con:
             con.register("wanted", pa.table({"content_hash": pa.array(content_hashes, pa.string())}))
             found = con.sql(f"""SELECT content_hash, any_value(phash) AS phash FROM read_parquet({self._sources()})
                                 SEMI JOIN wanted USING (content_hash) GROUP BY content_hash""").to_arrow_table()
-        return dict(zip(found["content_hash"].to_pylist(), found["phash"].to_pylist()))
+        return found.cast(_SCHEMA)
 
-    def write(self, new: dict[str, int], live: str, run: str) -> None:
-        """Every hash so far and `new`, kept for the content hashes in `live` (a Parquet file with a content_hash
-        column: the images live now), in one new file; then the older files go (a kill between leaves both,
-        which read as their union)."""
-        added = pa.table({"content_hash": pa.array(list(new), pa.string()),
-                          "phash": pa.array(list(new.values()), pa.uint64())}, schema=_SCHEMA)
+    def write(self, new: pa.Table, live: str, run: str) -> None:
+        """Every hash so far and `new` (content_hash, phash), kept for the content hashes in `live` (a Parquet
+        file with a content_hash column: the images live now), in one new file; then the older files go (a kill
+        between leaves both, which read as their union)."""
+        added = new.select(["content_hash", "phash"]).cast(_SCHEMA)
         stored = f"SELECT content_hash, phash FROM read_parquet({self._sources()}) UNION ALL " if self.files else ""
         path = os.path.join(self.folder, f"{run}.parquet")
         with scratch_sql(self.folder) as con:

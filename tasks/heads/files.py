@@ -108,7 +108,7 @@ def augment_task(live: LiveVectors, base_name: str, views: int, seed: int, max_i
                                                           progress=ViewProgress(f"{base_name} views"))
     return TrainingSet(
         vectors=vectors, item_ids=item_ids, labels=labels,
-        source={"file": None, "augmented_views": views, "items": len(rows), "seed": seed,
+        source={"file": None, "augmented_views": views, "items": len(rows), "max_items": max_items, "seed": seed,
                 "augmentations": list(names), "transforms": DESCRIPTION},
         counts={"labelled_live_items": 0, "unlabelled_live_items": live.total or len(live), "labels_not_in_store": 0},
         rows=rows, encoded_by=dict(live.encoded_by or {}))
