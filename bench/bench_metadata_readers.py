@@ -112,7 +112,9 @@ def service(store: str, env: dict, queries: int) -> dict:
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
             time.sleep(0.2)
         out = {"warm_seconds": round(time.perf_counter() - started, 1),
-               "warm_rss_mb": round(status_mb(proc.pid, "VmRSS")), "warm_peak_mb": round(status_mb(proc.pid, "VmHWM"))}
+               "warm_rss_mb": round(status_mb(proc.pid, "VmRSS")), "warm_peak_mb": round(status_mb(proc.pid, "VmHWM")),
+               "warm_anon_mb": round(status_mb(proc.pid, "RssAnon")),
+               "warm_file_mb": round(status_mb(proc.pid, "RssFile"))}
         conn.request("GET", "/columns")
         columns = json.loads(conn.getresponse().read())
         out["columns"] = len(columns if isinstance(columns, list) else columns.get("columns", []))
@@ -127,7 +129,10 @@ def service(store: str, env: dict, queries: int) -> dict:
                 ms.append(took)
                 hits += len(answer.get("hits", answer.get("results", [])))
             out[kind] = {"p50_ms": round(float(np.percentile(ms, 50)), 2),
-                         "p99_ms": round(float(np.percentile(ms, 99)), 2), "queries": len(ms), "hits": hits}
+                         "p99_ms": round(float(np.percentile(ms, 99)), 2), "queries": len(ms), "hits": hits,
+                         "rss_mb": round(status_mb(proc.pid, "VmRSS")),
+                         "anon_mb": round(status_mb(proc.pid, "RssAnon")),
+                         "file_mb": round(status_mb(proc.pid, "RssFile"))}
         out["rss_after_mb"] = round(status_mb(proc.pid, "VmRSS"))
         out["peak_mb"] = round(status_mb(proc.pid, "VmHWM"))
         return out

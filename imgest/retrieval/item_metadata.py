@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from imgest.retrieval.idmap import IdMap, take_rows
 from imgest.state.metadata import latest_seq, snapshot_key
+from imgest.state.rows import unsorted_join
 from imgest.storage import Location
 from imgest.storage.cache import local_copy
 
@@ -31,7 +32,7 @@ INTERNAL = frozenset({FAISS_ID, PRESENT, "row_hash"})
 COLUMNS_KEY = b"imgest.columns"  # the schema metadata: the columns a search page offers (describe_columns)
 FORMAT = "1"  # the file's layout: a change makes a new file beside the old ones
 BUILD_MEMORY = "256MB"  # DuckDB's cap while it joins and sorts; past it, it spills to the file's folder
-BATCH = 8_192  # rows per record batch of the file (a batch is as wide as the catalogue's metadata)
+BATCH = 2_048  # rows per record batch of the file: what a hit's row costs to read (~1 MB of product text)
 MAX_CHOICES = 50  # a text column with at most this many values is a choice on the search page
 
 
@@ -50,13 +51,14 @@ class VersionMetadata:
                                   suffix=".parquet")
             _write(ids.parquet, snapshot, path)
         self.seq, self.path = seq, path
-        reader = pa.ipc.open_file(pa.memory_map(path))
+        reader = pa.ipc.open_file(pa.BufferReader(mapped(path)))
         self.table = reader.read_all()
         if self.table.num_rows != len(ids):
             raise ValueError(f"{path}: {self.table.num_rows} metadata rows for the version's {len(ids)} items")
         self.columns: list[dict] = json.loads((reader.schema.metadata or {}).get(COLUMNS_KEY, b"[]"))
         self.names = [n for n in self.table.column_names if n not in INTERNAL]
         self._starts = np.cumsum([0] + [batch.num_rows for batch in self.table.to_batches()])
+        self._file = pa.ipc.open_file(pa.OSFile(path))  # the rows of hits: read, not mapped (`rows`)
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -65,11 +67,20 @@ class VersionMetadata:
         return self.table.column(name)
 
     def rows(self, faiss_ids: np.ndarray) -> list[dict | None]:
-        """Each faiss id's metadata row as a dict (None where its item has none), in the order asked."""
+        """Each faiss id's metadata row as a dict (None where its item has none), in the order asked. Read from
+        the file (pread) a record batch at a time, not through the mapping: a mapped page the OS has in its
+        cache comes with its neighbours (fault-around), so reading a few rows of every column through the
+        mapping left ~1.5 MB resident per row read, and a served version's resident pages grew to the whole file
+        within a few hundred queries. Here what a query reads is its hits' batches, and it is freed after."""
         faiss_ids = np.asarray(faiss_ids, np.int64)
-        present = take_rows(self.table.column(PRESENT), self._starts, faiss_ids).to_pylist()
-        taken = pa.table({name: take_rows(self.table.column(name), self._starts, faiss_ids) for name in self.names})
-        return [row if has else None for row, has in zip(taken.to_pylist(), present)]
+        batch_of = np.searchsorted(self._starts, faiss_ids, side="right") - 1
+        found: dict[int, dict | None] = {}
+        for batch in np.unique(batch_of):
+            table = pa.Table.from_batches([self._file.get_batch(int(batch))]).select([PRESENT, *self.names])
+            for at in faiss_ids[batch_of == batch]:
+                row = table.slice(int(at - self._starts[batch]), 1).to_pylist()[0]
+                found[int(at)] = row if row.pop(PRESENT) else None
+        return [found[int(at)] for at in faiss_ids]
 
     def with_rows(self, faiss_ids: np.ndarray) -> np.ndarray:
         """Those of `faiss_ids` whose items have a metadata row (a filter matches rows, as it did over the
@@ -80,6 +91,19 @@ class VersionMetadata:
     def value(self, name: str, faiss_id: int):
         """One row's value of one column (None for none)."""
         return self.table.column(name)[int(faiss_id)].as_py()
+
+
+def mapped(path: str) -> pa.Buffer:
+    """The file memory-mapped read-only, for random reads: the kernel reads the pages a lookup touches and no
+    more (MADV_RANDOM; its default readahead brought ~200 kB per cell read, so a served version's resident pages
+    grew to the whole file within a few hundred queries)."""
+    import mmap
+
+    with open(path, "rb") as fh:
+        view = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+    if hasattr(view, "madvise"):
+        view.madvise(mmap.MADV_RANDOM)
+    return pa.py_buffer(view)
 
 
 def _quoted(name: str) -> str:
@@ -107,11 +131,14 @@ def _write(ids_parquet: str, snapshot: str, path: str) -> None:
         con.execute(f"CREATE VIEW snapshot AS SELECT * FROM read_parquet({_sql_string(snapshot)})")
         columns = describe(con, names)
         picked = ", ".join(f"m.{_quoted(n)}" for n in names)
-        reader = con.execute(f"""SELECT i.faiss_id AS {FAISS_ID}, m.item_id IS NOT NULL AS {PRESENT}
-                                        {", " + picked if picked else ""}
-                                 FROM read_parquet({_sql_string(ids_parquet)}) i
-                                 LEFT JOIN snapshot m ON m.item_id = i.item_id
-                                 ORDER BY i.faiss_id, m.row_hash""").to_arrow_reader(BATCH)
+        # the narrow side (the id map) is the join's build side, the snapshot's rows stream past it; the sort by
+        # faiss id apart (`unsorted_join`)
+        unsorted = unsorted_join(con, f"""SELECT i.faiss_id AS {FAISS_ID}, m.item_id IS NOT NULL AS {PRESENT}
+                                                 {", " + picked if picked else ""}, m.row_hash AS _row_hash
+                                          FROM snapshot m RIGHT JOIN read_parquet({_sql_string(ids_parquet)}) i
+                                          ON m.item_id = i.item_id""", folder, BATCH)
+        reader = con.sql(f"""SELECT * EXCLUDE (_row_hash) FROM read_parquet({_sql_string(unsorted)})
+                             ORDER BY {FAISS_ID}, _row_hash""").to_arrow_reader(BATCH)
         schema = reader.schema.with_metadata({COLUMNS_KEY: json.dumps(columns).encode(), b"imgest.format": FORMAT})
         last = -1
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:

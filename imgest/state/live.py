@@ -112,16 +112,22 @@ class LiveShards:
         row for row as the shard's live ids come (null where an item has no row): joined with `snapshot` (a
         metadata snapshot's local Parquet file) by DuckDB on disk, capped and spilling, then read a batch at a
         time; no whole snapshot, no lookup among every key."""
-        from imgest.state.rows import sql_string
+        from imgest.state.rows import SORT_MEMORY, one_thread, sql_string, unsorted_join
 
         joined = os.path.join(self.folder, "metadata.parquet")
         names = [n for n in pq.read_schema(snapshot).names if n not in ("item_id", "row_hash")]
         picked = "".join(f', m."{n.replace(chr(34), chr(34) * 2)}"' for n in names)
-        with self.connect() as con:
-            con.execute(f"""COPY (SELECT b.shard, b.item_id{picked} FROM read_parquet({sql_string(self.by_shard)}) b
-                                  LEFT JOIN read_parquet({sql_string(snapshot)}) m ON m.item_id = b.item_id
-                                  ORDER BY b.shard, b.item_id, m.row_hash) TO {sql_string(joined)}
+        with self.connect() as con, one_thread(con, SORT_MEMORY):  # rows as wide as the metadata: one sort's buffers
+            # the narrow side (the live ids) is the join's build side, the snapshot's wide rows stream past it;
+            # then the sort, apart (`unsorted_join`)
+            unsorted = unsorted_join(con, f"""SELECT b.shard, b.item_id{picked}, m.row_hash
+                                              FROM read_parquet({sql_string(snapshot)}) m
+                                              RIGHT JOIN read_parquet({sql_string(self.by_shard)}) b
+                                              ON m.item_id = b.item_id""", self.folder, METADATA_BATCH)
+            con.execute(f"""COPY (SELECT * EXCLUDE (row_hash) FROM read_parquet({sql_string(unsorted)})
+                                  ORDER BY shard, item_id, row_hash) TO {sql_string(joined)}
                             (FORMAT parquet, ROW_GROUP_SIZE {METADATA_BATCH})""")
+        os.remove(unsorted)
         for group in shard_groups(joined, METADATA_BATCH):
             yield first_of_each(group, "item_id").drop_columns(["shard", "item_id"])
 

@@ -26,7 +26,7 @@ from imgest.state.committed import LIVE, load_state, shard_key
 from imgest.state.live import LIVE_BATCH, METADATA_BATCH, first_of_each, live_fingerprint, shard_groups
 from imgest.state.metadata import snapshot_file
 from imgest.state.models import find_model
-from imgest.state.rows import sql_string
+from imgest.state.rows import SORT_MEMORY, one_thread, scratch_sql, sql_string, unsorted_join
 from imgest.state.shards import embedding_matrix
 from imgest.storage import Location, RecordError, open_location
 from imgest.tasks.sync import watermark
@@ -78,7 +78,8 @@ def plan(state, metadata: str | None, before: str | None, maybe_there: pa.Array)
     and `metadata`, the snapshot's local Parquet file (None: the store holds none): the rows to upsert carry
     their metadata columns, read a shard at a time by `rows_for`."""
     folder = state.base.folder
-    now, upsert, manifest = (os.path.join(folder, f"sync-{name}.parquet") for name in ("now", "upsert", "manifest"))
+    now, upsert, manifest, narrow = (os.path.join(folder, f"sync-{name}.parquet")
+                                     for name in ("now", "upsert", "manifest", "narrow"))
     snapshot = f"read_parquet({sql_string(metadata)})" if metadata else \
         "(SELECT NULL::VARCHAR AS item_id, NULL::VARCHAR AS row_hash WHERE false)"
     names = [n for n in pq.read_schema(metadata).names if n not in ("item_id", "row_hash")] if metadata else []
@@ -96,13 +97,11 @@ def plan(state, metadata: str | None, before: str | None, maybe_there: pa.Array)
         cur.execute(f"""CREATE TEMP VIEW sent AS SELECT CAST(item_id AS VARCHAR) AS item_id,
                         CAST(content_hash AS VARCHAR) AS content_hash, CAST(meta_hash AS VARCHAR) AS meta_hash
                         FROM {sent}""")
-        cur.execute(f"""COPY (SELECT n.item_id, n.shard{picked} FROM read_parquet({sql_string(now)}) n
+        cur.execute(f"""COPY (SELECT n.item_id, n.shard, n.meta_hash FROM read_parquet({sql_string(now)}) n
                               LEFT JOIN sent b ON b.item_id = n.item_id
-                              LEFT JOIN {snapshot} m ON m.item_id = n.item_id AND m.row_hash = n.meta_hash
                               WHERE b.item_id IS NULL OR b.content_hash IS DISTINCT FROM n.content_hash
                                  OR b.meta_hash IS DISTINCT FROM n.meta_hash
-                              ORDER BY n.shard, n.item_id) TO {sql_string(upsert)}
-                        (FORMAT parquet, ROW_GROUP_SIZE {METADATA_BATCH if names else LIVE_BATCH})""")
+                              ORDER BY n.shard, n.item_id) TO {sql_string(narrow)} (FORMAT parquet)""")
         delete = cur.sql(f"""SELECT DISTINCT g.item_id FROM (SELECT item_id FROM sent UNION ALL
                                                                SELECT item_id FROM maybe) g
                              WHERE NOT EXISTS (SELECT 1 FROM read_parquet({sql_string(now)}) n
@@ -110,6 +109,19 @@ def plan(state, metadata: str | None, before: str | None, maybe_there: pa.Array)
                              ORDER BY g.item_id""").to_arrow_table()["item_id"].combine_chunks()
         cur.execute(f"""COPY (SELECT item_id, content_hash, meta_hash FROM read_parquet({sql_string(now)}))
                         TO {sql_string(manifest)} (FORMAT parquet)""")
+    # the rows to send with their metadata: the wide join apart, in a connection of its own on one thread, the
+    # narrow side (the ids to send) its build side and the snapshot's rows streaming past it, then sorted apart
+    # (`unsorted_join`); beside the state's views, in one statement, it ran out of memory at 1M items
+    with scratch_sql(folder) as con, one_thread(con, SORT_MEMORY):
+        unsorted = unsorted_join(con, f"""SELECT u.item_id, u.shard{picked} FROM {snapshot} m
+                                          RIGHT JOIN read_parquet({sql_string(narrow)}) u
+                                          ON m.item_id = u.item_id AND m.row_hash = u.meta_hash""", folder,
+                                 METADATA_BATCH)
+        group = METADATA_BATCH if names else LIVE_BATCH
+        con.execute(f"""COPY (SELECT * FROM read_parquet({sql_string(unsorted)}) ORDER BY shard, item_id)
+                        TO {sql_string(upsert)} (FORMAT parquet, ROW_GROUP_SIZE {group})""")
+    os.remove(unsorted)
+    os.remove(narrow)
     upserts = pq.read_metadata(upsert).num_rows
     return Plan(manifest, upsert, upserts, delete, pq.read_metadata(manifest).num_rows)
 
