@@ -160,3 +160,22 @@ out = {{"sent": sent, "upserts": todo.upserts, "sample": sample}}
     for row in got["sample"]:
         at = row_of.get(row["item_id"])
         assert (row["brand"], row["price"]) == ((None, None) if at is None else (f"brand-{at % 13}", at / 10))
+
+
+def test_metadata_files_not_opened_for_a_week_go_when_another_is_made(tmp_path):
+    import os
+    import time
+
+    from imgest.retrieval.item_metadata import UNUSED_DAYS, _sweep
+
+    (tmp_path / "snapshots").mkdir()
+    old, recent, kept = (tmp_path / f"metadata-{n}.arrow" for n in ("old", "recent", "new"))
+    copy, unrelated = tmp_path / "snapshots" / "a.parquet", tmp_path / "ids-abc.arrow"
+    for path in (old, recent, kept, copy, unrelated):
+        path.write_bytes(b"x")
+    week_ago = time.time() - (UNUSED_DAYS + 1) * 86400
+    for path in (old, copy, unrelated, kept):
+        os.utime(path, (week_ago, week_ago))
+    _sweep(str(tmp_path), keep=str(kept))
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == \
+        ["ids-abc.arrow", "metadata-new.arrow", "metadata-recent.arrow"]

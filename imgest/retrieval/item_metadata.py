@@ -50,6 +50,9 @@ class VersionMetadata:
             snapshot = local_copy(store, snapshot_key(seq), os.path.join(cache_dir, "snapshots"), checksum=str(seq),
                                   suffix=".parquet")
             _write(ids.parquet, snapshot, path)
+            _sweep(cache_dir, keep=path)
+        else:
+            os.utime(path)  # opened: kept by `_sweep`
         self.seq, self.path = seq, path
         reader = pa.ipc.open_file(pa.BufferReader(mapped(path)))
         self.table = reader.read_all()
@@ -91,6 +94,25 @@ class VersionMetadata:
     def value(self, name: str, faiss_id: int):
         """One row's value of one column (None for none)."""
         return self.table.column(name)[int(faiss_id)].as_py()
+
+
+UNUSED_DAYS = 7  # a metadata file no searcher has opened for this long is removed when another is made
+
+
+def _sweep(cache_dir: str, keep: str) -> None:
+    """Remove the metadata files (and the snapshot copies they were made from) not opened for UNUSED_DAYS: each
+    served version and snapshot makes one as large as the snapshot's rows, and a nightly makes a version a day.
+    A process still mapping a removed file keeps reading it (the OS frees it when unmapped)."""
+    import contextlib
+    import glob
+    import time
+
+    cutoff = time.time() - UNUSED_DAYS * 86400
+    for old in glob.glob(os.path.join(cache_dir, "metadata-*.arrow")) + \
+            glob.glob(os.path.join(cache_dir, "snapshots", "*.parquet")):
+        with contextlib.suppress(OSError):
+            if old != keep and os.path.getmtime(old) < cutoff:
+                os.remove(old)
 
 
 def mapped(path: str) -> pa.Buffer:
