@@ -105,6 +105,30 @@ def test_a_duplicates_run_holds_the_duplicates_as_columns_not_the_catalogue(tmp_
     assert [(g["kind"], g["items"]) for g in report.groups] == expected[:GROUPS_SHOWN]
     assert held < cap, f"the run allocated {held / 1e6:.1f} MB of Python objects and arrays"
 
+    # the hash band: every pair in it, every image's perceptual hash cached: its items, content hashes and hashes
+    # stay columns (a dict per content hash held 20 MB here)
+    import pyarrow as pa
+
+    from imgest.tasks.duplicates.find import hash_pairs
+    from imgest.tasks.duplicates.hashes import HashCache
+
+    everything = pq.read_table(found.items, columns=["content_hash"])["content_hash"]
+    phashes = np.zeros(len(everything), np.uint64)  # one picture, as far as the hashes go: every pair is within 0
+    HashCache(store, max_rows=4 * len(live)).write(
+        pa.table({"content_hash": everything, "phash": phashes}), live.ordered, "20261205T000000000001")
+
+    class Unread:
+        def read(self, uri):
+            raise AssertionError(f"{uri} read: its hash is in the cache")
+
+    band = np.arange(len(found.a))
+    tracemalloc.start()
+    hashed = hash_pairs(store, live, found, band, Unread(), {"hash_distance": 0}, "20261205T000000000002")
+    banded = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert banded < cap, f"the hash band allocated {banded / 1e6:.1f} MB of Python objects and arrays"
+    assert len(hashed) == len(band) and hashed.all()  # each item's hash found in the cache, none read
+
     tracemalloc.start()
     assert grouped_with_dicts(found.items, found.a, found.b, found.score) == expected
     with_dicts = tracemalloc.get_traced_memory()[1]

@@ -217,14 +217,15 @@ def test_a_planted_shift_of_new_images_emits_drift_and_more_of_the_same_does_not
     assert "imgest.drift.high" in shifted["events"]
     rows = read_history(Location(str(store)))
     assert [r["drift"] is not None and r["drift"]["high"] for r in rows] == [False, False, True]
-    # a night larger than the sample (a model change's cold start) is measured on a seeded sample of it
+    # a night larger than the sample (a model change's cold start) is measured on a seeded sample of it (against
+    # the version serving now, which the third night built: what it measures is not the test here)
     from imgest.state.models import find_model
     from imgest.tasks.watch import drift
 
     slug, run_id = find_model(Location(str(store)), "raw-pixels")["slug"], rows[2]["run_id"]
     monkeypatch.setattr(drift, "SAMPLE", 12)
     sampled = drift.night_drift(Location(str(store)), slug, run_id)
-    assert (sampled["new"], sampled["tonight"]) == (12, 24) and sampled["high"], sampled
+    assert (sampled["new"], sampled["tonight"]) == (12, 24), sampled
 
 
 def test_a_drift_reference_that_is_not_one_is_refused_and_the_night_goes_on(tmp_path, caplog):

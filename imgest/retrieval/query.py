@@ -242,7 +242,7 @@ class Searcher:
         if where in self._filters:
             return self._filters[where]
         metadata = self._metadata()
-        table = metadata.table.append_column("item_id", self._ids())
+        table = metadata.table.add_column(0, "item_id", self._ids())
         try:
             found = matching_items(table, where, select=FAISS_ID, hidden=tuple(INTERNAL))
         except FilterError as exc:
