@@ -179,3 +179,28 @@ def test_metadata_files_not_opened_for_a_week_go_when_another_is_made(tmp_path):
     _sweep(str(tmp_path), keep=str(kept))
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == \
         ["ids-abc.arrow", "metadata-new.arrow", "metadata-recent.arrow"]
+
+
+def test_a_damaged_metadata_file_is_made_again(tmp_path):
+    import hashlib
+
+    from imgest.retrieval.idmap import IdMap
+    from imgest.retrieval.item_metadata import VersionMetadata
+    from imgest.storage import Location
+
+    store = Location(str(tmp_path / "store"))
+    keys = [f"k/{i:03d}.jpg" for i in range(20)]
+    ids = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"faiss_id": pa.array(range(20), pa.int64()), "item_id": keys, "uri": keys,
+                             "content_hash": keys, "shard": ["s"] * 20}), ids)
+    snapshot = tmp_path / "store" / snapshot_key(1)
+    snapshot.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"item_id": keys[::2], "brand": ["b"] * 10, "_has_row": ["theirs"] * 10,
+                             "row_hash": ["h"] * 10}), snapshot)
+    idmap = IdMap(str(ids), hashlib.sha256(ids.read_bytes()).hexdigest(), str(tmp_path / "cache"))
+    first = VersionMetadata(store, idmap, str(tmp_path / "cache"))
+    assert first.rows(np.array([0, 1])) == [{"brand": "b"}, None]  # a column named as ours is not served
+    with open(first.path, "r+b") as fh:
+        fh.truncate(100)
+    again = VersionMetadata(store, idmap, str(tmp_path / "cache"))
+    assert again.path == first.path and again.rows(np.array([2, 3])) == [{"brand": "b"}, None]

@@ -11,8 +11,10 @@ file (clean pages, given back under pressure), not the snapshot's width times th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import uuid
 
@@ -45,20 +47,24 @@ class VersionMetadata:
             raise LookupError(f"{store.url} holds no catalogue metadata")
         key = f"{ids.sha256}\n{store.uri(snapshot_key(seq))}\n{seq}\n{FORMAT}"
         path = os.path.join(cache_dir, f"metadata-{hashlib.sha256(key.encode()).hexdigest()[:32]}.arrow")
-        if not os.path.exists(path):
+        self.seq, self.path = seq, path
+        opened = None
+        if os.path.exists(path):
+            with contextlib.suppress(OSError):  # opened: kept by `_sweep` (a read-only cache keeps everything)
+                os.utime(path)
+            try:
+                opened = _open(path, len(ids))
+            except (OSError, ValueError, pa.ArrowException) as exc:  # damaged: made again
+                logging.getLogger("imgest").warning("%s is not a whole metadata file (%s): made again", path, exc)
+        if opened is None:
             os.makedirs(cache_dir, exist_ok=True)
             snapshot = local_copy(store, snapshot_key(seq), os.path.join(cache_dir, "snapshots"), checksum=str(seq),
                                   suffix=".parquet")
             _write(ids.parquet, snapshot, path)
             _sweep(cache_dir, keep=path)
-        else:
-            os.utime(path)  # opened: kept by `_sweep`
-        self.seq, self.path = seq, path
-        reader = pa.ipc.open_file(pa.BufferReader(mapped(path)))
-        self.table = reader.read_all()
-        if self.table.num_rows != len(ids):
-            raise ValueError(f"{path}: {self.table.num_rows} metadata rows for the version's {len(ids)} items")
-        self.columns: list[dict] = json.loads((reader.schema.metadata or {}).get(COLUMNS_KEY, b"[]"))
+            opened = _open(path, len(ids))
+        self.table, schema = opened
+        self.columns: list[dict] = json.loads((schema.metadata or {}).get(COLUMNS_KEY, b"[]"))
         self.names = [n for n in self.table.column_names if n not in INTERNAL]
         self._starts = np.cumsum([0] + [batch.num_rows for batch in self.table.to_batches()])
         self._file = pa.ipc.open_file(pa.OSFile(path))  # the rows of hits: read, not mapped (`rows`)
@@ -96,6 +102,15 @@ class VersionMetadata:
         return self.table.column(name)[int(faiss_id)].as_py()
 
 
+def _open(path: str, rows: int) -> tuple[pa.Table, pa.Schema]:
+    """The file's table (mapped) and schema; ValueError when it does not hold `rows` rows."""
+    reader = pa.ipc.open_file(pa.BufferReader(mapped(path)))
+    table = reader.read_all()
+    if table.num_rows != rows or FAISS_ID not in table.column_names or PRESENT not in table.column_names:
+        raise ValueError(f"{table.num_rows} rows of {table.column_names}, for the version's {rows} items")
+    return table, reader.schema
+
+
 UNUSED_DAYS = 7  # a metadata file no searcher has opened for this long is removed when another is made
 
 
@@ -103,7 +118,6 @@ def _sweep(cache_dir: str, keep: str) -> None:
     """Remove the metadata files (and the snapshot copies they were made from) not opened for UNUSED_DAYS: each
     served version and snapshot makes one as large as the snapshot's rows, and a nightly makes a version a day.
     A process still mapping a removed file keeps reading it (the OS frees it when unmapped)."""
-    import contextlib
     import glob
     import time
 
@@ -143,7 +157,7 @@ def _write(ids_parquet: str, snapshot: str, path: str) -> None:
 
     from imgest.scratch import scratch_folder
 
-    names = [n for n in pq.read_schema(snapshot).names if n not in ("item_id", "row_hash")]
+    names = [n for n in pq.read_schema(snapshot).names if n not in ("item_id", *INTERNAL)]  # ours are reserved
     holder = _Holder()
     folder = scratch_folder(holder, "metadata")
     con = duckdb.connect(config={"memory_limit": BUILD_MEMORY, "threads": 1, "preserve_insertion_order": True,
