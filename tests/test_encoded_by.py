@@ -167,3 +167,27 @@ def test_the_card_and_status_show_the_mix_and_a_nightly_update_keeps_it_right(tm
     # 394 / 1022 = 38.55%, 398 / 1022 = 38.94%, 200 / 1022 = 19.57%, 30 / 1022 = 2.94%
     assert "v0002, 1,022 vectors, encoded by: torch bf16 38.9%, openvino fp32 38.6%, unrecorded 19.6%, " \
            "torch fp32 2.9%\n" in result.output
+
+
+def test_an_update_reads_two_footers_per_run_and_every_footer_of_a_run_that_differs(tmp_path, monkeypatch):
+    from imgest.tasks.index.update import made_by_shards
+
+    store = Location(str(tmp_path))
+    labels = {"part-r00000001-a-00000": "openvino bf16", "part-r00000001-a-00001": "openvino bf16",
+              "part-r00000001-a-00002": "openvino bf16", "part-r00000001-a-00003": "openvino bf16",
+              "part-r00000002-b-00000": "torch fp32", "part-r00000002-b-00001": "openvino fp32",
+              "part-r00000002-b-00002": "openvino fp32"}
+    for shard, label in labels.items():
+        runtime, precision = label.split()
+        path = tmp_path / shard_key(SPEC.slug, shard)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"item_id": ["x"]}).replace_schema_metadata(
+            {"imgest.runtime": runtime, "imgest.precision": precision, "imgest.decoder": "pillow"}), path)
+    read = []
+    footer = store.read_parquet_metadata
+    monkeypatch.setattr(store, "read_parquet_metadata", lambda key: read.append(key) or footer(key))
+    by_shard = pa.table({"shard": [*labels, None], "rows": [10, 20, 30, 40, 1, 2, 4, 7]})
+    encoded, decoded = made_by_shards(store, SPEC.slug, by_shard)
+    assert encoded == {"openvino bf16": 100, "torch fp32": 1, "openvino fp32": 6, "unrecorded": 7}
+    assert decoded == {"pillow": 107, "unrecorded": 7}
+    assert len(read) == 2 + 3  # the first run's two ends; every shard of the run whose ends differ
