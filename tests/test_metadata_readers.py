@@ -1,6 +1,6 @@
 """The readers of the catalogue metadata at catalogue size: the search service's metadata file per index version
 (mapped, never loaded), export and sync joined with the snapshot on disk, a shard at a time. The mechanism at
-100,000 items with a wide metadata row: what Arrow allocates while each runs (its pool's peak, in a process of its
+200,000 items with a wide metadata row: what Arrow allocates while each runs (its pool's peak, in a process of its
 own) stays under a cap that the snapshot alone, loaded as a table the way these readers did, exceeds several
 times over."""
 
