@@ -298,7 +298,8 @@ def snapshot_file(store: Location, cache_dir: str) -> str | None:
 
 
 def load_metadata(store: Location) -> pa.Table | None:
-    """The latest stored metadata snapshot, or None when the store has none."""
+    """The latest stored metadata snapshot as one table in memory, or None when the store has none: for tests
+    and small stores; the service, export and sync read it on disk (`snapshot_file`)."""
     seq = latest_seq(store)
     return store.read_table(snapshot_key(seq)) if seq else None
 
