@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 
 from imgest.retrieval.idmap import IdMap, take_rows
 from imgest.state.metadata import latest_seq, snapshot_key
-from imgest.state.rows import unsorted_join
+from imgest.state.rows import sql_name, sql_string, unsorted_join
 from imgest.storage import Location
 from imgest.storage.cache import local_copy
 
@@ -71,9 +71,6 @@ class VersionMetadata:
 
     def __len__(self) -> int:
         return self.table.num_rows
-
-    def column(self, name: str) -> pa.ChunkedArray:
-        return self.table.column(name)
 
     def rows(self, faiss_ids: np.ndarray) -> list[dict | None]:
         """Each faiss id's metadata row as a dict (None where its item has none), in the order asked. Read from
@@ -142,14 +139,6 @@ def mapped(path: str) -> pa.Buffer:
     return pa.py_buffer(view)
 
 
-def _quoted(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
-
-
-def _sql_string(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
 def _write(ids_parquet: str, snapshot: str, path: str) -> None:
     """Join the id map (faiss_id, item_id) with the snapshot in faiss id order, stream the rows into an Arrow file
     beside `path` and rename it into place (a reader never maps half a file)."""
@@ -164,16 +153,16 @@ def _write(ids_parquet: str, snapshot: str, path: str) -> None:
                                  "temp_directory": os.path.join(folder, "spill")})
     tmp = f"{path}.{uuid.uuid4().hex}.part"
     try:
-        con.execute(f"CREATE VIEW snapshot AS SELECT * FROM read_parquet({_sql_string(snapshot)})")
+        con.execute(f"CREATE VIEW snapshot AS SELECT * FROM read_parquet({sql_string(snapshot)})")
         columns = describe(con, names)
-        picked = ", ".join(f"m.{_quoted(n)}" for n in names)
+        picked = ", ".join(f"m.{sql_name(n)}" for n in names)
         # the narrow side (the id map) is the join's build side, the snapshot's rows stream past it; the sort by
         # faiss id apart (`unsorted_join`)
         unsorted = unsorted_join(con, f"""SELECT i.faiss_id AS {FAISS_ID}, m.item_id IS NOT NULL AS {PRESENT}
                                                  {", " + picked if picked else ""}, m.row_hash AS _row_hash
-                                          FROM snapshot m RIGHT JOIN read_parquet({_sql_string(ids_parquet)}) i
+                                          FROM snapshot m RIGHT JOIN read_parquet({sql_string(ids_parquet)}) i
                                           ON m.item_id = i.item_id""", folder, BATCH)
-        reader = con.sql(f"""SELECT * EXCLUDE (_row_hash) FROM read_parquet({_sql_string(unsorted)})
+        reader = con.sql(f"""SELECT * EXCLUDE (_row_hash) FROM read_parquet({sql_string(unsorted)})
                              ORDER BY {FAISS_ID}, _row_hash""").to_arrow_reader(BATCH)
         schema = reader.schema.with_metadata({COLUMNS_KEY: json.dumps(columns).encode(), b"imgest.format": FORMAT})
         last = -1
@@ -207,7 +196,7 @@ def describe(con, names: list[str], max_values: int = MAX_CHOICES) -> list[dict]
     kinds = dict(con.execute("SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM snapshot)").fetchall())
     columns = []
     for name in names:
-        kind, q = kinds[name].upper(), _quoted(name)
+        kind, q = kinds[name].upper(), sql_name(name)
         if kind.startswith(NUMBER_TYPES):
             count, low, high = con.execute(f"SELECT count({q}), min({q}), max({q}) FROM snapshot").fetchone()
             if count:

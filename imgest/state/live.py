@@ -112,11 +112,11 @@ class LiveShards:
         row for row as the shard's live ids come (null where an item has no row): joined with `snapshot` (a
         metadata snapshot's local Parquet file) by DuckDB on disk, capped and spilling, then read a batch at a
         time; no whole snapshot, no lookup among every key."""
-        from imgest.state.rows import SORT_MEMORY, one_thread, sql_string, unsorted_join
+        from imgest.state.rows import SORT_MEMORY, one_thread, sql_name, sql_string, unsorted_join
 
         joined = os.path.join(self.folder, "metadata.parquet")
         names = [n for n in pq.read_schema(snapshot).names if n not in ("item_id", "row_hash")]
-        picked = "".join(f', m."{n.replace(chr(34), chr(34) * 2)}"' for n in names)
+        picked = "".join(f", m.{sql_name(n)}" for n in names)
         with self.connect() as con, one_thread(con, SORT_MEMORY):  # rows as wide as the metadata: one sort's buffers
             # the narrow side (the live ids) is the join's build side, the snapshot's wide rows stream past it;
             # then the sort, apart (`unsorted_join`)

@@ -33,7 +33,7 @@ from imgest.state.metadata_file import (
     Parts,
     read_parts,
 )
-from imgest.state.rows import ALLOCATOR_FLUSH, one_thread, sql_string
+from imgest.state.rows import ALLOCATOR_FLUSH, one_thread, sql_name, sql_string
 from imgest.storage import Location, redact
 from imgest.storage.cache import local_copy
 
@@ -72,8 +72,7 @@ class MetadataReport:
         return asdict(self)
 
 
-def _quoted(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
+_quoted = sql_name  # a metadata column's name as a DuckDB identifier
 
 
 def _kind(sql_type: str) -> str:

@@ -42,6 +42,11 @@ def sql_string(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def sql_name(name: str) -> str:
+    """A column name quoted as a DuckDB identifier (a catalogue's metadata names any column)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
 class StateBase:
     """Rows in STATE_SCHEMA, newest per item, as the DuckDB table or view `base`: a snapshot file read in place,
     or a full snapshot and the deltas after it folded once into a table (which DuckDB keeps on disk).

@@ -26,7 +26,7 @@ from imgest.state.committed import LIVE, load_state, shard_key
 from imgest.state.live import LIVE_BATCH, METADATA_BATCH, first_of_each, live_fingerprint, shard_groups
 from imgest.state.metadata import snapshot_file
 from imgest.state.models import find_model
-from imgest.state.rows import SORT_MEMORY, one_thread, scratch_sql, sql_string, unsorted_join
+from imgest.state.rows import SORT_MEMORY, one_thread, scratch_sql, sql_name, sql_string, unsorted_join
 from imgest.state.shards import embedding_matrix
 from imgest.storage import Location, RecordError, open_location
 from imgest.tasks.sync import watermark
@@ -83,7 +83,7 @@ def plan(state, metadata: str | None, before: str | None, maybe_there: pa.Array)
     snapshot = f"read_parquet({sql_string(metadata)})" if metadata else \
         "(SELECT NULL::VARCHAR AS item_id, NULL::VARCHAR AS row_hash WHERE false)"
     names = [n for n in pq.read_schema(metadata).names if n not in ("item_id", "row_hash")] if metadata else []
-    picked = "".join(f', m."{n.replace(chr(34), chr(34) * 2)}"' for n in names)
+    picked = "".join(f", m.{sql_name(n)}" for n in names)
     sent = f"read_parquet({sql_string(before)})" if before else \
         "(SELECT NULL::VARCHAR AS item_id, NULL::VARCHAR AS content_hash, NULL::VARCHAR AS meta_hash WHERE false)"
     with state.sql() as cur:
