@@ -183,3 +183,50 @@ def test_a_listing_is_written_to_local_parquet_as_listed_and_its_folder_goes_wit
     del merged
     gc.collect()
     assert not any(os.path.exists(f) for f in folders)
+
+
+def test_the_parts_of_a_listing_are_listed_side_by_side_and_each_retried_on_its_own(tmp_path, monkeypatch):
+    """Each top-level folder is listed in its own thread at once with the others (their first tries meet at a
+    barrier, which one thread at a time would never reach), a part that fails once is listed again alone, and a
+    final fault is not tried again."""
+    import logging
+    import threading
+
+    import pytest
+
+    from imgest import policy
+    from imgest.errors import FinalError
+    from imgest.tasks.ingest import steps
+
+    monkeypatch.setattr(policy, "_BASE", 0.0)  # the retry's wait, not its length, is under test elsewhere
+    write_files(str(tmp_path / "cat"), {"a/1.jpg": b"1", "b/2.jpg": b"22", "c/3.jpg": b"333", "top.jpg": b"4"})
+    together, calls, real = threading.Barrier(3), [], steps.list_catalogue
+
+    def listing(url, folder, depth):
+        calls.append(folder)
+        if folder and calls.count(folder) == 1:
+            together.wait(timeout=60)
+            if folder == "b":
+                raise OSError("connection reset")
+        return real(url, folder, depth)
+
+    monkeypatch.setattr(steps, "list_catalogue", listing)
+    logger, said = logging.getLogger("test-listing"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger.addHandler(handler)
+    merged = steps.list_side_by_side(str(tmp_path / "cat"), logger)
+    assert merged.keys == ["a/1.jpg", "b/2.jpg", "c/3.jpg", "top.jpg"]
+    assert sorted(calls) == ["", "a", "b", "b", "c"]
+    assert said == ["listing b/ of the catalogue failed (OSError: connection reset); try 2 of 4 in 0.0 s"]
+
+    def final(url, folder, depth):
+        calls.append(folder)
+        raise FinalError("the catalogue says stop")
+
+    calls.clear()
+    monkeypatch.setattr(steps, "list_catalogue", final)
+    with pytest.raises(FinalError):
+        steps.list_side_by_side(str(tmp_path / "cat"), logger)
+    assert calls and len(calls) == len(set(calls)), calls  # no part tried twice
+    logger.removeHandler(handler)

@@ -5,9 +5,10 @@ Prefect, so the encode path runs (and is checked on a GPU machine) without it.""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from prefect import get_run_logger, task, unmapped
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from imgest import encoders
@@ -17,7 +18,7 @@ from imgest.images import decoders
 from imgest.images.listing import Listing, catalogue_parts, list_catalogue, merge_listings
 from imgest.lock import Fence
 from imgest.names import DEFAULT_MAX_PIXELS
-from imgest.policy import COMMIT_TIMEOUT_S, IO_RETRIES, LIST_TIMEOUT_S, SHARD_RETRIES
+from imgest.policy import COMMIT_TIMEOUT_S, IO_RETRIES, LIST_TIMEOUT_S, SHARD_RETRIES, io_retrying
 from imgest.state import pixels
 from imgest.state.catalogue_images import record_root
 from imgest.state.committed import CatalogueState, load_state, prepare_state
@@ -117,24 +118,40 @@ def prepare_state_task(store_url: str, spec_description: dict, catalogue_url: st
     return prepared
 
 
-@task(name="list-catalogue", cache_policy=NO_CACHE, **IO_RETRIES, task_run_name="list-{folder}")
-def list_part_task(catalogue_url: str, folder: str, maxdepth: int | None = None) -> Listing:
-    return list_catalogue(catalogue_url, folder, maxdepth)
+LIST_PARALLEL = 16  # parts of a listing in flight at once
+
+
+@task(name="list-catalogue", cache_policy=NO_CACHE)
+def list_catalogue_task(catalogue_url: str) -> Listing:
+    return list_side_by_side(catalogue_url, get_run_logger())
+
+
+def list_side_by_side(catalogue_url: str, logger) -> Listing:
+    """The catalogue's listing: the objects at the top and each top-level folder listed side by side, in
+    LIST_PARALLEL threads (a LIST waits on the store, not on this host's cores), each part retried on its own as
+    IO_RETRIES retries a task (its retries logged to `logger`); merged in key order. A catalogue without folders
+    is one part."""
+    folders = io_retrying("listing the catalogue's top-level folders", logger)(catalogue_parts, catalogue_url)
+    parts = [("", 1)] + [(folder, None) for folder in folders] if folders else [("", None)]
+
+    def listed(part: tuple[str, int | None]) -> Listing:
+        folder, depth = part
+        what = f"listing {folder}/ of the catalogue" if folder else "listing the catalogue's top"
+        return io_retrying(what, logger)(list_catalogue, catalogue_url, folder, depth)
+
+    with ThreadPoolExecutor(min(LIST_PARALLEL, len(parts)), thread_name_prefix="list") as pool:
+        futures = [pool.submit(listed, part) for part in parts]
+        try:
+            listings = [future.result() for future in futures]
+        except BaseException:  # the run stops: the parts not yet started are not
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    return merge_listings(listings)
 
 
 @task(name="read-inventory", cache_policy=NO_CACHE, timeout_seconds=LIST_TIMEOUT_S, **IO_RETRIES)
 def read_inventory_task(manifest_url: str, catalogue_url: str) -> Listing:
     return read_inventory(manifest_url, catalogue_url)
-
-
-def list_catalogue_fanned(catalogue_url: str) -> Listing:
-    """One listing task per top-level folder, side by side, and one for the objects at the top; merged in key
-    order. A catalogue without folders is one task."""
-    folders = catalogue_parts(catalogue_url)
-    if not folders:
-        return list_part_task(catalogue_url, "")
-    futures = list_part_task.map(unmapped(catalogue_url), [""] + folders, [1] + [None] * len(folders))
-    return merge_listings([f.result() for f in futures])
 
 
 @task(name="store-metadata", cache_policy=NO_CACHE, **IO_RETRIES)
