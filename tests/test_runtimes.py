@@ -34,7 +34,7 @@ def test_openvino_fp32_gives_torch_fp32_embeddings_on_photos(name):
     spec = encoders.resolve(name)
     reference, compiled_ = encoders.load(spec, "cpu"), encoders.load(spec, "cpu", "openvino", "fp32")
     assert (compiled_.runtime, compiled_.precision) == ("openvino", "fp32")
-    batch = parity.sample_batch(reference)[::8]  # 32 of the 256 photos, every kind the sample holds
+    batch = parity.sample_batch(reference, slice(None, None, 8))  # 32 of the 256 photos, every kind it holds
     assert _cosine(reference.encode_images(batch), compiled_.encode_images(batch)).min() >= parity.FP32_MIN_COSINE
     entry = compiled.entry(spec.model_id, reference.graphs()["image"], "openvino", runtimes.get("openvino").version())
     record = compiled.read_record(entry, f"parity-fp32-{encoders.device_key('cpu', threads=False)}.json")
@@ -69,7 +69,7 @@ def test_transformers_towers_compile_with_openvino(compiled_cache, tiny_models, 
     spec = encoders.resolve(f"hf:{tiny_models[kind]}")
     reference, compiled_ = encoders.load(spec, "cpu"), encoders.load(spec, "cpu", "openvino", "fp32")
     assert set(compiled_.runners) == ({"image", "text"} if kind != "dinov2" else {"image"})
-    batch = parity.sample_batch(reference)
+    batch = parity.sample_batch(reference, slice(None, None, 8))  # 32 of the 256 photos, every kind it holds
     assert _cosine(reference.encode_images(batch), compiled_.encode_images(batch)).min() >= 0.99999
     if kind != "dinov2":  # texts of another length than the traced example: the sequence axis is dynamic
         texts = ["a shoe", "a much longer description of a pair of red leather ankle boots with a zip"]
@@ -331,7 +331,7 @@ def test_a_damaged_cached_model_is_converted_again(compiled_cache):
     xml.write_text("<net>not a model")  # damaged on disk after it was written whole
     encoders._loaded.clear()
     again = encoders.load(spec, "cpu", "openvino", "fp32")
-    batch = parity.sample_batch(first)
+    batch = parity.sample_batch(first, slice(None, None, 8))
     assert _cosine(first.encode_images(batch), again.encode_images(batch)).min() >= 0.99999
     assert "not a model" not in xml.read_text()
 
@@ -387,3 +387,27 @@ def test_a_run_records_its_runtime_and_precision(prefect_harness, tmp_path):
     assert list(summary["encoding"]["decoders"]) == [chosen] and summary["encoding"]["decoders"][chosen] > 0
     assert f"JPEGs decoded by {chosen}" in render_summary(RunSummary(**summary))
     assert {pq.read_schema(path).metadata[b"imgest.decoder"] for path in shards} == {chosen.encode()}
+
+
+def test_the_candidates_of_a_choice_preprocess_the_sample_once_and_let_it_go_after(monkeypatch):
+    """A run's choice checks each runtime at each precision against the same preprocessed sample: made once
+    within `parity.shared()`, and not held after it."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    monkeypatch.setattr(parity, "_photos", lambda: tuple(Image.new("RGB", (8, 8), (i, 0, 0)) for i in range(4)))
+    calls = []
+
+    class Model:
+        spec = SimpleNamespace(model_id="m@1")
+
+        def preprocess(self, image):
+            calls.append(image.getpixel((0, 0))[0])
+            return np.full(3, calls[-1], np.float32)
+
+    with parity.shared():
+        first = parity.sample_batch(Model())
+        assert parity.sample_batch(Model()) is first and calls == [0, 1, 2, 3]
+        assert parity.sample_batch(Model(), slice(2)).tolist() == [[0.0] * 3, [1.0] * 3]  # a slice is its own
+    assert parity.sample_batch(Model()) is not first and len(calls) == 10

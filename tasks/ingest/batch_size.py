@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from imgest import encoders
-from imgest.encoders import Encoder, EncoderError, compiled, device_key, runtimes
+from imgest.encoders import Encoder, EncoderError, compiled, device_key, parity, runtimes
 from imgest.encoders import precision as precisions
 from imgest.state.clock import now_iso
 from imgest.storage import Location
@@ -214,14 +214,15 @@ def candidates(spec, device: str, runtime: str, precision: str) -> tuple[list[En
     """The encoders a run may use, each loaded and past its parity check, and the refused ones with why."""
     usable: dict[str, Encoder] = {}
     refused = []
-    for name in runtimes.runtime_candidates(runtime, device):
-        for prec in precisions.precision_candidates(precision, device):
-            try:
-                encoder = encoders.load(spec, device, name, prec)
-            except EncoderError as exc:  # parity, a precision the device lacks, a model it cannot convert
-                refused.append(f"{name} {prec}: {exc}")
-                continue
-            usable.setdefault(_label(encoder), encoder)  # one that runs as it is appears once
+    with parity.shared():  # the candidates' checks preprocess the sample once
+        for name in runtimes.runtime_candidates(runtime, device):
+            for prec in precisions.precision_candidates(precision, device):
+                try:
+                    encoder = encoders.load(spec, device, name, prec)
+                except EncoderError as exc:  # parity, a precision the device lacks, a model it cannot convert
+                    refused.append(f"{name} {prec}: {exc}")
+                    continue
+                usable.setdefault(_label(encoder), encoder)  # one that runs as it is appears once
     return list(usable.values()), refused
 
 
