@@ -295,7 +295,7 @@ def test_derived_shards_equal_base_then_head_on_the_same_images(labelled, tmp_pa
     assert derived["derived"] == derived["encoded"] == 36 and derived["batch_size_source"].startswith("every item")
     monkeypatch.setenv("IMGEST_MODEL_DIRS", str(labelled / "store" / "heads"))  # a head trained in another store
     decoded = ingest(IngestConfig(catalogue=str(cat), store=str(tmp_path / "fresh"), model=head, batch_size="8",
-                                  shard_size=10, precision="fp32"))  # fp32: auto may pass a head in bf16
+                                  shard_size=10, runtime="torch", precision="fp32"))  # as the base was
     assert decoded["derived"] == 0 and decoded["encoded"] == 36, "no base embeddings there: base then head"
 
     def vectors(store, out):

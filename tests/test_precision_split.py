@@ -68,7 +68,7 @@ def test_openvino_bf16_runs_the_first_block_in_fp32_and_passes_the_gate(compiled
 
 @pytest.mark.slow("real weights")
 @bf16_only
-def test_torch_bf16_runs_the_head_outside_autocast(compiled_cache):
+def test_torch_bf16_runs_the_head_outside_autocast():
     encoder = encoders.load(encoders.resolve(LITE0), "cpu", "torch", "bf16")
     split = encoder.graphs()["image"].split
     seen = {}
