@@ -376,11 +376,14 @@ def host_measured_nothing(tmp_path, monkeypatch) -> pathlib.Path:
 @pytest.fixture
 def compiled_cache(tmp_path, monkeypatch) -> pathlib.Path:
     """A compiled-model cache of the test's own (and no encoder loaded before it), so conversions and parity
-    records are seen happening."""
+    records are seen happening; it starts with the run's parity sample (its photos), if made, as a host's does."""
     from imgest import encoders
     from imgest.encoders import compiled
 
     folder = tmp_path / "compiled"
+    sample = pathlib.Path(compiled.root()) / "parity-sample"  # the run's photos (made once, ~20 s): not watched here
+    if sample.is_dir():
+        shutil.copytree(sample, folder / "parity-sample", copy_function=os.link)
     monkeypatch.setenv(compiled.CACHE_ENV, str(folder))
     monkeypatch.setattr(encoders, "_loaded", {})
     return folder
