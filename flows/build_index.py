@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import faiss
+from prefect import tags
 from prefect.artifacts import create_markdown_artifact
 from prefect.utilities.annotations import quote
 
 from imgest.config import IndexConfig
-from imgest.flow_params import configured_flow, tag_run
+from imgest.flow_params import configured_flow
 from imgest.flows.build_version import build_version
 from imgest.lock import StoreLock, run_owner
 from imgest.names import VERSION
@@ -32,8 +33,8 @@ def build_index(config: IndexConfig) -> dict:
     store_loc = open_location(config.store, must_exist=True, what="store")
     card_model = find_model(store_loc, default_model(store_loc, config.model))
     config = config.model_copy(update={"model": card_model["slug"]})
-    tag_run(f"model:{card_model['slug']}")
-    with StoreLock(store_loc, owner=run_owner("build-index")) as lock:
+    with tags(f"model:{card_model['slug']}"), \
+            StoreLock(store_loc, owner=run_owner("build-index")) as lock:
         inputs = {"model_id": card_model["model_id"], "live_state": live_fingerprint(store_loc, card_model["slug"]),
                   "kind": config.kind, "memory": config.memory, "disk": config.disk,
                   "target_recall": config.target_recall, "k": config.k, "queries": config.queries,

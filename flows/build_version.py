@@ -6,7 +6,6 @@ from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
 from imgest.config import IndexConfig
-from imgest.flow_params import tag_run
 from imgest.reports.run_names import run_name
 from imgest.tasks.index.steps import (
     card_task,
@@ -25,7 +24,6 @@ def build_version(config: IndexConfig, model: dict) -> dict:
     otherwise train a new one (in this process, or in parts on the runner) and tune it to the target recall.
     Returns the version to write: the caller writes it under its lock (no lock token crosses into a run's
     parameters), after reuse was decided from the store's build records."""
-    tag_run(f"model:{model['slug']}")
     why, previous = "asked to build from scratch (--rebuild)", None
     if not config.rebuild:
         previous = previous_version_task(config.store, model["slug"])

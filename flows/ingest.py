@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from prefect import get_run_logger
+from prefect import get_run_logger, tags
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
 from imgest import encoders
 from imgest.config import IngestConfig
-from imgest.flow_params import configured_flow, tag_run
+from imgest.flow_params import configured_flow
 from imgest.images import decoders
 from imgest.images.listing import check_apart
 from imgest.lock import StoreLock, run_owner
@@ -62,8 +62,7 @@ def ingest(config: IngestConfig) -> dict:
     catalogue_loc = open_location(config.catalogue, must_exist=True, what="catalogue", follow_links=True)
     check_apart(catalogue_loc, store_loc)
     catalogue_url = catalogue_loc.url
-    tag_run(f"model:{spec.slug}")
-    with StoreLock(store_loc, owner=run_owner("ingest")) as lock:
+    with tags(f"model:{spec.slug}"), StoreLock(store_loc, owner=run_owner("ingest")) as lock:
         state, orphans = prepare_state_task(store_loc.url, spec.describe(), catalogue_loc.url)
         run_id = new_run_id(state.seq + 1)
         summary = new_summary(spec, run_id, catalogue_url, store_loc.url, config.to_dict())
@@ -114,8 +113,7 @@ def ingest(config: IngestConfig) -> dict:
                                   dtype=config.dtype, metadata_seq=metadata_seq,
                                   keep_side=kept_report.side if kept_report else 0,
                                   kept_source=kept_report.source if kept_report else None)
-                encode = encode_shard_task.with_options(tags=[f"model:{spec.slug}"])  # a limit by model, if one is set
-                running = submit_in_order(shard_tasks, encode, plan.shards, {"job": job},
+                running = submit_in_order(shard_tasks, encode_shard_task, plan.shards, {"job": job},
                                           ahead=SHARDS_AHEAD * max(config.workers, 1))
                 for shard, future in running:  # in order: progress moves as shards commit
                     try:

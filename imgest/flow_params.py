@@ -66,22 +66,6 @@ class ConfiguredFlow(Flow):
         return super().validate_parameters(parameters)
 
 
-def tag_run(tag: str) -> None:
-    """Tag the flow run in progress (`model:<slug>`: the UI's filter by model). Prefect's `tags` context tags what
-    a run creates, not the run itself, and every task created inside it would ask the server for its tag's
-    concurrency slots at each start; the few tasks worth a limit by model carry the tag themselves (encode-shard).
-    A run outside a flow (a step called as a function) has nothing to tag."""
-    from prefect.client.orchestration import SyncPrefectClient
-    from prefect.context import FlowRunContext
-
-    context = FlowRunContext.get()
-    if context is None or context.flow_run is None or tag in context.flow_run.tags:
-        return
-    if isinstance(context.client, SyncPrefectClient):  # imgest's flows are synchronous
-        context.client.update_flow_run(context.flow_run.id, tags=[*context.flow_run.tags, tag])
-        context.flow_run.tags.append(tag)
-
-
 def configured_flow(**options):
     """`@configured_flow(name=...)`: prefect's `@flow(...)` for a function taking its configuration model."""
     def wrap(fn) -> ConfiguredFlow:

@@ -363,6 +363,15 @@ def clock() -> Clock:
     return Clock()
 
 
+@pytest.fixture(scope="session")
+def lite0():
+    """The packaged EfficientNet-Lite0 in eager torch fp32 on the CPU (the parity reference): loaded once per test
+    process, for tests of what the model computes rather than of the runtime that computes it."""
+    from imgest import encoders
+
+    return encoders.load(encoders.resolve("efficientnet-lite0"), "cpu", "torch", "fp32")
+
+
 @pytest.fixture
 def host_measured_nothing(tmp_path, monkeypatch) -> pathlib.Path:
     """A host that has measured no batch size yet (its compiled models kept): a run measures, as on a new host."""

@@ -416,3 +416,34 @@ def heap_in_use() -> int:
     """Bytes malloc has handed out and not had back (glibc's mallinfo2: the heap's and the mapped blocks')."""
     info = mallinfo()
     return info.uordblks + info.hblkhd
+
+
+def live_rows(store_url: str, model: str) -> dict[str, tuple[str, bytes]]:
+    """item_id -> (content hash, embedding bytes) of every live item of `model` in the store, read back from its
+    shard as a reader reaches it (its live row's shard, the row of its item id); no item twice in a shard."""
+    import numpy as np
+
+    from imgest.encoders import resolve
+    from imgest.state.committed import load_state
+    from imgest.storage import Location
+
+    store = Location(str(store_url))
+    slug = resolve(model).slug
+    by_shard: dict[str, list] = {}
+    state = load_state(store, slug)
+    try:
+        for item in state.live():
+            by_shard.setdefault(item.shard, []).append(item)
+    finally:
+        state.close()
+    out: dict[str, tuple[str, bytes]] = {}
+    for shard, items in by_shard.items():
+        table = store.read_table(f"embeddings/model={slug}/{shard}.parquet")
+        ids = table.column("item_id").to_pylist()
+        assert len(ids) == len(set(ids)), f"{shard} holds an item twice"
+        for item in items:
+            row = ids.index(item.item_id)
+            assert table.column("content_hash")[row].as_py() == item.content_hash
+            vector = np.asarray(table.column("embedding")[row].as_py(), np.float32)
+            out[item.item_id] = (item.content_hash, vector.tobytes())
+    return out

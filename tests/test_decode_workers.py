@@ -13,7 +13,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from imgest import encoders
 from imgest.state.committed import shard_key
 from imgest.state.shards import embedding_matrix
 from imgest.storage import Location
@@ -24,10 +23,6 @@ from tests.helpers import gradient, jpeg_bytes, write_files
 
 RUN = "r00000001-20261205T000000-abcdef"
 
-
-@pytest.fixture(scope="module")
-def lite0():
-    return encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
 
 
 def _catalogue(root, n: int = 70) -> tuple[Location, tuple[WorkItem, ...]]:

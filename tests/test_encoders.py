@@ -44,10 +44,6 @@ def test_raw_pixels_at_another_side_is_a_model_of_its_own(tmp_path):
             encoders.resolve(name)
 
 
-@pytest.fixture(scope="module")
-def lite0():
-    return encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
-
 
 def _embed(encoder, images):
     return encoder.encode_images(np.stack([encoder.preprocess(to_rgb(im)) for im in images]))

@@ -9,8 +9,6 @@ import shutil
 import subprocess
 import sys
 
-import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
 from imgest.config import IngestConfig, MigrateConfig, NightlyConfig
@@ -19,7 +17,7 @@ from imgest.state.committed import FAILED, LIVE, REJECTED, CatalogueState, ItemS
 from imgest.storage import Location, StorageError, is_transient
 from imgest.tasks.ingest.encode import prepare
 from imgest.tasks.ingest.plan import MassDeleteError, WorkItem, item_key, plan_ingest
-from tests.helpers import gradient, png_bytes, write_files
+from tests.helpers import gradient, live_rows, png_bytes, write_files
 
 MODEL = "raw-pixels"
 
@@ -27,22 +25,6 @@ MODEL = "raw-pixels"
 def _ingest(cat, store, **kw):
     kw.setdefault("batch_size", "4")
     return ingest(IngestConfig(catalogue=str(cat), store=str(store), model=MODEL, **kw))
-
-
-def _live(store) -> dict[str, tuple[str, bytes]]:
-    """item_id -> (content hash, embedding bytes) of every live row, read back from the shards."""
-    from imgest.encoders import resolve
-
-    slug = resolve(MODEL).slug
-    state = load_state(Location(str(store)), slug)
-    out = {}
-    for item in state.live():
-        table = pq.read_table(os.path.join(store, "embeddings", f"model={slug}", f"{item.shard}.parquet"))
-        row = table.column("item_id").to_pylist().index(item.item_id)
-        assert table.column("content_hash")[row].as_py() == item.content_hash
-        vector = np.asarray(table.column("embedding")[row].as_py(), np.float32)
-        out[item.item_id] = (item.content_hash, vector.tobytes())
-    return out
 
 
 def _images(n: int, offset: int = 0) -> dict[str, bytes]:
@@ -184,7 +166,7 @@ def test_a_mass_deletion_stops_before_writing_and_returning_items_are_revived(tm
     cat, store, away = tmp_path / "cat", tmp_path / "store", tmp_path / "away"
     write_files(str(cat), _images(10))
     _ingest(cat, store)
-    before, runs = _live(store), sorted(os.listdir(store / "runs"))
+    before, runs = live_rows(store, MODEL), sorted(os.listdir(store / "runs"))
     snapshots = sorted(os.listdir(store / "state" / f"model={_slug()}" / "snapshots"))
     away.mkdir()
     for i in range(2, 10):  # 8 of 10 vanish: a half-synced bucket
@@ -192,17 +174,17 @@ def test_a_mass_deletion_stops_before_writing_and_returning_items_are_revived(tm
 
     with pytest.raises(MassDeleteError, match=r"would tombstone 8 of 10 live items \(80%, over the allowed 20%\)"):
         _ingest(cat, store)
-    assert _live(store) == before and sorted(os.listdir(store / "runs")) == runs  # nothing changed
+    assert live_rows(store, MODEL) == before and sorted(os.listdir(store / "runs")) == runs  # nothing changed
     assert sorted(os.listdir(store / "state" / f"model={_slug()}" / "snapshots")) == snapshots
 
     deleted = _ingest(cat, store, allow_mass_delete=True)  # the operator confirms
-    assert deleted["deleted"] == 8 and set(_live(store)) == {"p/000.png", "p/001.png"}
+    assert deleted["deleted"] == 8 and set(live_rows(store, MODEL)) == {"p/000.png", "p/001.png"}
 
     for name in os.listdir(away):  # they come back, same bytes
         shutil.move(away / name, cat / "p" / name)
     back = _ingest(cat, store)
     assert (back["new"], back["revived"], back["encoded"]) == (8, 8, 0)  # no image decoded or encoded
-    assert _live(store) == before  # same ids, hashes and embeddings as before the deletion
+    assert live_rows(store, MODEL) == before  # same ids, hashes and embeddings as before the deletion
 
 
 @pytest.mark.usefixtures("prefect_harness")
@@ -214,7 +196,7 @@ def test_an_empty_listing_over_live_items_stops(tmp_path):
         os.remove(cat / "p" / name)
     with pytest.raises(MassDeleteError, match="from an empty listing"):
         _ingest(cat, store)
-    assert len(_live(store)) == 3
+    assert len(live_rows(store, MODEL)) == 3
 
 
 def _slug() -> str:

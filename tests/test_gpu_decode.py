@@ -156,10 +156,6 @@ def test_a_processor_the_tensor_path_cannot_follow_sends_its_images_to_the_cpu_p
     assert np.array_equal(out[0], hf._pixels(processor, decode_image(data)))
 
 
-@pytest.fixture(scope="module")
-def lite0():
-    return encoders.load(encoders.resolve("efficientnet-lite0"), "cpu", "torch", "fp32")
-
 
 def _gate(encoder, files: list[bytes]) -> dict:
     """The decoder gate's figures of the tensor path (a whole decode, made ready on the device) against the

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from imgest.config import IndexConfig, IngestConfig, MigrateConfig, NightlyConfig
@@ -26,7 +25,7 @@ from imgest.lock import generations
 from imgest.retrieval.query import Query, Searcher
 from imgest.state.committed import load_state
 from imgest.storage import Location
-from tests.helpers import TcpProxy, gradient, png_bytes
+from tests.helpers import TcpProxy, gradient, live_rows, png_bytes
 from tests.s3servers import SECRET
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -85,30 +84,10 @@ def _put_images(s3, bucket: str, keys: range | list[int], seed: int = 0) -> None
         s3.pipe(f"{bucket}/cat/p/{i:03d}.png", png_bytes(gradient(seed * 1000 + i, (48, 48))))
 
 
-def _live(store_url: str) -> dict[str, tuple[str, bytes]]:
-    """item_id -> (content hash, embedding) of every live row, read back from the shards; no item twice."""
-    store = Location(store_url)
-    slug = resolve(MODEL).slug
-    out: dict[str, tuple[str, bytes]] = {}
-    by_shard: dict[str, list] = {}
-    for item in load_state(store, slug).live():
-        by_shard.setdefault(item.shard, []).append(item)
-    for shard, items in by_shard.items():
-        table = store.read_table(f"embeddings/model={slug}/{shard}.parquet")
-        ids = table.column("item_id").to_pylist()
-        assert len(ids) == len(set(ids)), f"{shard} holds an item twice"
-        for item in items:
-            row = ids.index(item.item_id)
-            assert table.column("content_hash")[row].as_py() == item.content_hash
-            vector = np.asarray(table.column("embedding")[row].as_py(), np.float32)
-            out[item.item_id] = (item.content_hash, vector.tobytes())
-    return out
-
-
 def _reference(s3, catalogue: str) -> dict:
     store = f"s3://{_bucket(s3, 'ref')}/store"
     ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
-    return _live(store)
+    return live_rows(store, MODEL)
 
 
 def _spawn(script: str, *args: str, env: dict | None = None, log=None) -> subprocess.Popen:
@@ -168,7 +147,7 @@ def test_kill_9_at_random_moments_then_a_clean_rerun(s3, figures, tmp_path):
         assert started or proc.returncode == 0
         ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4",
                             shard_size=10))  # the clean rerun
-        live, expected = _live(store), _reference(s3, catalogue)
+        live, expected = live_rows(store, MODEL), _reference(s3, catalogue)
         lost += len(set(expected) - set(live))
         assert live == expected
     _no_secret(*logs)
@@ -197,7 +176,7 @@ def test_the_endpoint_cut_for_20_seconds_mid_run(s3, figures, s3_endpoint, tmp_p
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
-    assert _live(store) == _reference(s3, catalogue)
+    assert live_rows(store, MODEL) == _reference(s3, catalogue)
     _no_secret(log)
     log.seek(0)
     figures["endpoint cut 20 s mid-ingest"] = {
@@ -228,7 +207,7 @@ def test_a_paused_lock_holder_cannot_commit_over_its_successor(s3, figures, tmp_
     output = log.read().decode(errors="replace")
     assert proc.returncode != 0 and "lost the writer lock" in output, output[-3000:]
     ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
-    assert _live(store) == _reference(s3, catalogue)
+    assert live_rows(store, MODEL) == _reference(s3, catalogue)
     _no_secret(log)
     figures["lock holder paused past the heartbeat window"] = {
         "faults": 1, "paused run": "stopped at its next commit (LockLostError)", "items lost": 0, "duplicates": 0}
@@ -259,7 +238,7 @@ def test_two_ingests_started_together(s3, figures, tmp_path):
                       key=lambda r: r["started"])
         assert len(runs) == 2 and runs[0]["finished"] <= runs[1]["started"], "two holders at once"
         assert runs[1]["encoded"] == 0, "the second found nothing left to do"
-    assert _live(store) == _reference(s3, catalogue)
+    assert live_rows(store, MODEL) == _reference(s3, catalogue)
     _no_secret(*logs)
     figures["two ingests started together"] = {"faults": 1, "finished": codes.count(0),
                                                "refused (store locked)": len(refused),

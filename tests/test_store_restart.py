@@ -29,6 +29,7 @@ from imgest.retrieval.following import FollowingSearcher
 from imgest.retrieval.query import Query
 from imgest.state.committed import load_state
 from imgest.storage import Location
+from tests.helpers import live_rows
 from tests.s3servers import SECRET, SeaweedServer
 from tests.test_reliability import (
     BUILD,
@@ -36,7 +37,6 @@ from tests.test_reliability import (
     MODEL,
     PROMOTE,
     _bucket,
-    _live,
     _markers,
     _no_secret,
     _put_images,
@@ -123,7 +123,7 @@ def test_an_ingest_rides_out_a_restart_of_the_store_and_a_rerun_gives_the_refere
             os.killpg(proc.pid, signal.SIGKILL)
     log.seek(0)
     assert proc.returncode == 0, f"the run did not ride out a {outage:.1f} s restart:\n{log.read().decode()[-3000:]}"
-    assert _live(store) == _reference(s3, catalogue)
+    assert live_rows(store, MODEL) == _reference(s3, catalogue)
     ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))  # next run
     referenced = {item.shard for item in load_state(Location(store), resolve(MODEL).slug).live()}
     assert _shards(s3, store) == referenced, "a shard no state refers to outlived the next run"
@@ -164,7 +164,7 @@ def test_ingests_killed_with_the_store_at_random_moments_then_a_rerun_gives_the_
             assert proc.returncode == 2 and last.startswith("imgest: error:") and endpoint in last, err[-3000:]
             assert "did not answer" in last and "run again" in last, last
         ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
-        assert _live(store) == _reference(s3, catalogue), f"round {round_}"
+        assert live_rows(store, MODEL) == _reference(s3, catalogue), f"round {round_}"
     assert any(outcomes), "no run met the store down: the kills all came after the runs ended"
 
 
