@@ -202,3 +202,22 @@ def test_exact_search_a_shard_at_a_time_equals_one_search_over_every_vector():
     scores, ids = faiss.knn(queries, vectors, 30, metric=faiss.METRIC_INNER_PRODUCT)
     np.testing.assert_allclose(scan.scores, scores, rtol=1e-6)
     assert (scan.names == names[ids]).all()
+
+
+def test_a_class_query_set_holds_one_class_at_a_time_not_the_listing(tmp_path, monkeypatch):
+    """The builder counts the classes and reads one class's keys at a time from the listing's files; the listing
+    is never read whole. Labels are parent folders (a key at the top is `_root`), a class of one gives no query."""
+    from imgest.images.listing import Listing
+    from tests.helpers import write_files
+
+    monkeypatch.setattr(Listing, "read", lambda self: pytest.fail("the whole listing was read"))
+    keys = [f"shop/{c}/{i}.png" for c in ("boots", "cups") for i in range(4)] + ["shop/solo/1.png", "top.png",
+                                                                                    "deep/a/boots/9.png"]
+    write_files(str(tmp_path / "cat"), {key: b"\x89PNG" for key in keys})
+    meta = build_class_queries(str(tmp_path / "cat"), str(tmp_path / "q.jsonl"), per_class=2, seed=3)
+    assert meta["classes"] == ["_root", "boots", "cups", "solo"] and meta["queries"] == 4
+    queries = read_query_set(str(tmp_path / "q.jsonl"))
+    boots = [q for q in queries if q.cls == "boots"]
+    assert len(boots) == 2 and all(len(q.relevant) == 4 and q.exclude[0] not in q.relevant for q in boots)
+    every_boot = {key for key in keys if key.endswith(".png") and "/boots/" in key}  # its parent folder, anywhere
+    assert all(set(q.relevant) | set(q.exclude) == every_boot for q in boots)

@@ -84,26 +84,37 @@ def build_class_queries(catalogue_url: str, out: str, per_class: int = 10, seed:
 
     ``catalogue_url`` must be the root the store was ingested from (item ids are keys below it);
     ``prefix`` keeps only the keys under it (e.g. ``fashion/``)."""
+    import duckdb
+
+    from imgest.state.rows import sql_string
+
     listing = list_catalogue(catalogue_url)
     catalogue = Location(listing.catalogue, follow_links=True)
-    by_class: dict[str, list[str]] = {}
-    for obj in listing.objects:
-        if not obj.key.startswith(prefix):
-            continue
-        label = posixpath.basename(posixpath.dirname(obj.key)) or "_root"
-        by_class.setdefault(label, []).append(obj.key)
     rng = np.random.default_rng(seed)
-    queries = []
-    for label, items in sorted(by_class.items()):
-        if len(items) < 2:
-            continue
-        picks = rng.choice(len(items), size=min(per_class, len(items) - 1), replace=False)
-        for i in sorted(picks):
-            item = items[i]
-            queries.append(LabelledQuery(f"{label}/{posixpath.basename(item)}", [x for x in items if x != item],
-                                         image=catalogue.uri(item), cls=label, exclude=[item]))
+    queries, classes = [], []
+    # the listing stays in its Parquet files: DuckDB counts each class, then hands back one class's keys at a time
+    with duckdb.connect(config={"memory_limit": "256MB", "threads": 1}) as con:
+        if listing.table is not None:
+            con.register("listed", listing.table)
+        else:
+            con.read_parquet(listing.files).create_view("listed")
+        con.execute(f"""CREATE VIEW items AS SELECT key, coalesce(nullif(
+            regexp_extract(rtrim(regexp_extract(key, '^(.*)/[^/]*$', 1), '/'), '([^/]*)$', 1), ''), '_root') AS label
+            FROM listed WHERE starts_with(key, {sql_string(prefix)})""")
+        counts = dict(con.execute("SELECT label, count(*) FROM items GROUP BY label").fetchall())
+        for label in sorted(counts):
+            classes.append(label)
+            if counts[label] < 2:
+                continue
+            picks = rng.choice(counts[label], size=min(per_class, counts[label] - 1), replace=False)
+            items = con.sql("SELECT key FROM items WHERE label = $label ORDER BY key", params={"label": label}) \
+                .to_arrow_table().column("key").to_pylist()
+            for i in sorted(picks):
+                item = items[i]
+                queries.append(LabelledQuery(f"{label}/{posixpath.basename(item)}", [x for x in items if x != item],
+                                             image=catalogue.uri(item), cls=label, exclude=[item]))
     meta = {"kind": "class", "catalogue": listing.catalogue, "prefix": prefix, "seed": seed, "per_class": per_class,
-            "classes": sorted(by_class), "label": "parent folder", "self_match": "excluded"}
+            "classes": classes, "label": "parent folder", "self_match": "excluded"}
     write_query_set(out, queries, meta)
     return meta | {"queries": len(queries)}
 
