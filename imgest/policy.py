@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 
 from prefect.tasks import exponential_backoff
 
@@ -54,8 +53,11 @@ def io_retrying(what: str, logger):
     three more times after the same waits, with the same jitter, unless the fault is final; each wait logged to
     `logger` (the task's run logger) in one redacted line."""
     import tenacity
+    from prefect.utilities.math import clamped_poisson_interval
 
     from imgest.redact import one_line
+
+    delays = IO_RETRIES["retry_delay_seconds"](IO_RETRIES["retries"])  # Prefect's own waits and jitter, as a task's
 
     def log(state: tenacity.RetryCallState) -> None:
         logger.warning("%s failed (%s); try %d of %d in %.1f s", what, one_line(state.outcome.exception()),
@@ -63,7 +65,8 @@ def io_retrying(what: str, logger):
 
     return tenacity.Retrying(
         stop=tenacity.stop_after_attempt(1 + IO_RETRIES["retries"]),
-        wait=lambda state: _BASE * 2 ** (state.attempt_number - 1) * (1 + 0.5 * (2 * random.random() - 1)),
+        wait=lambda state: clamped_poisson_interval(delays[state.attempt_number - 1],
+                                                    IO_RETRIES["retry_jitter_factor"]),
         retry=tenacity.retry_if_exception(lambda exc: not is_final(exc)),
         before_sleep=log, reraise=True)
 

@@ -198,7 +198,8 @@ def test_the_parts_of_a_listing_are_listed_side_by_side_and_each_retried_on_its_
     from imgest.errors import FinalError
     from imgest.tasks.ingest import steps
 
-    monkeypatch.setattr(policy, "_BASE", 0.0)  # the retry's wait, not its length, is under test elsewhere
+    # the retry's wait, not its length, is under test here
+    monkeypatch.setitem(policy.IO_RETRIES, "retry_delay_seconds", lambda retries: [0.0] * retries)
     write_files(str(tmp_path / "cat"), {"a/1.jpg": b"1", "b/2.jpg": b"22", "c/3.jpg": b"333", "top.jpg": b"4"})
     together, calls, real = threading.Barrier(3), [], steps.list_catalogue
 
