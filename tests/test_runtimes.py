@@ -187,6 +187,29 @@ def test_auto_measures_the_runtimes_that_pass_and_caches_each(compiled_cache, mo
     assert again.measured == chosen.measured  # read back, not measured again
 
 
+@pytest.mark.slow("a compile")
+def test_an_automatic_batch_compares_the_runtimes_at_one_probe_and_tunes_the_winner_alone(
+        tiny_models, compiled_cache, monkeypatch, tmp_path):
+    from imgest.tasks.ingest import batch_size
+
+    monkeypatch.setattr(precision, "precision_candidates", lambda p, d: ("fp32",))
+    monkeypatch.setattr(batch_size, "CPU_CANDIDATES", (1, 2, 4))  # how long a sweep is: not what is tested
+    monkeypatch.setattr(batch_size, "MIN_SECONDS", 0.05)
+    spec = encoders.resolve(f"hf:{tiny_models['dinov2']}")
+    store = tmp_path / "store"
+    chosen = batch_size.choose_encoding(str(store), spec, "cpu", "auto", "auto")
+    assert set(chosen.measured) == {"torch fp32", "openvino fp32"} and chosen.measured_at == 8
+    label = f"{chosen.runtime} {chosen.precision}"
+    assert label == max(chosen.measured, key=chosen.measured.get)
+    keys = sorted(p.name.split("threads-")[1] for p in (store / "tuning" / f"model={spec.slug}").glob("*.json"))
+    assert keys == sorted(["torch-fp32-batch-8.json", "openvino-fp32-batch-8.json",
+                           f"{chosen.runtime}-fp32-batch-auto.json"])  # the loser is never swept
+    assert chosen.batch_size in (1, 2, 4) and chosen.source.startswith("auto, measured img/s by batch {1: ")
+    again = batch_size.choose_encoding(str(store), spec, "cpu", "auto", "auto")
+    assert (again.measured, again.batch_size) == (chosen.measured, chosen.batch_size)
+    assert again.source.startswith("auto, cached")
+
+
 @pytest.mark.slow("real weights")
 def test_converting_sends_no_telemetry(compiled_cache, monkeypatch):
     """OpenVINO's converter would fork a process to report usage; from a worker holding threads that fork can

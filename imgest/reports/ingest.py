@@ -58,7 +58,8 @@ def _encoding_line(summary: RunSummary) -> str:
     if encoding.get("parity") is not None:
         line += f", min cosine {encoding['parity']} against torch fp32 on the parity sample"
     if encoding.get("measured"):
-        line += "; measured img/s: " + ", ".join(f"{k} {v}" for k, v in sorted(encoding["measured"].items()))
+        at = f" at batch {encoding['measured_at']}" if encoding.get("measured_at") else ""
+        line += f"; measured img/s{at}: " + ", ".join(f"{k} {v}" for k, v in sorted(encoding["measured"].items()))
     if encoding.get("refused"):
         line += "; not used: " + "; ".join(r.replace("|", "/") for r in encoding["refused"])
     if encoding.get("decode_seconds") and encoding.get("encode_seconds") and summary.work_bound:

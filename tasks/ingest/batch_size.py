@@ -2,8 +2,9 @@
 
 The candidates are every installed runtime that runs on the device (`--runtime auto`) at every precision the
 device computes in natively (`--precision auto`), or the ones named. Each must pass the parity check against
-torch fp32 before it is measured (imgest/encoders/parity.py); each one kept is measured at the candidate batch
-sizes, and the fastest (runtime, precision, batch) wins. A measurement is cached per (model, device,
+torch fp32 before it is measured (imgest/encoders/parity.py). Each one kept is measured at the run's batch size
+when it is fixed, else at one probe batch (PROBE_BATCH); the fastest wins, and with `--batch-size auto` only the
+winner's batch size is then tuned over the candidate sizes (a sweep costs about ten probes). A measurement is cached per (model, device,
 runtime, precision) in the store and in this host's cache beside its compiled models (imgest/encoders/compiled.py),
 so a later run, or a run into another store on the same host, reads it instead of measuring. When nothing
 that was asked for can run, the run encodes with torch fp32 (the reference) and says why in one warning.
@@ -27,6 +28,7 @@ from imgest.timing import Stopwatch
 CPU_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 CUDA_CANDIDATES = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
 MIN_SECONDS = 1.0  # each batch size is timed for at least this long
+PROBE_BATCH = {"cpu": 8, "cuda": 64}  # the batch the runtimes are compared at when the batch is tuned after
 
 
 @dataclass
@@ -50,7 +52,8 @@ class Encoding:
     precision: str
     batch_size: int
     source: str  # how the batch size was chosen, with the figures: the run summary's batch_size_source
-    measured: dict[str, float] = field(default_factory=dict)  # "openvino fp32" -> images/s at its best batch
+    measured: dict[str, float] = field(default_factory=dict)  # "openvino fp32" -> images/s at `measured_at`
+    measured_at: int | None = None  # the batch size the candidates were compared at
     refused: list[str] = field(default_factory=list)  # candidates not used, each with its reason
     parity: float | None = None  # the min cosine against torch fp32 of the one chosen (1.0: it is torch fp32)
     warning: str | None = None  # what was asked for could not run: why, and what runs instead
@@ -237,22 +240,29 @@ def choose_encoding(store_url: str, spec, device: str, runtime: str = "auto", pr
         logging.getLogger("imgest").warning(warning)
         usable = [encoders.load(spec, device, "torch", "fp32")]
     store = Location(store_url)
-    # label -> (tuning, whether cached); nothing to measure when a fixed batch leaves one candidate
-    tunings = {} if len(usable) == 1 and fixed is not None else \
-        {_label(e): cached_or_tuned(store, e, fixed) for e in usable}
-    best = {label: t.measured[t.batch_size] for label, (t, _) in tunings.items()}
-    chosen = max(usable, key=lambda e: best.get(_label(e), 0.0))
+    compared_at = fixed if fixed is not None or len(usable) == 1 else probe_batch(device)
+    # label -> (tuning at `compared_at`, whether cached); nothing to measure when one candidate is left with a
+    # fixed batch, and the sweep alone when one is left with an automatic one
+    tunings = {} if len(usable) == 1 else {_label(e): cached_or_tuned(store, e, compared_at) for e in usable}
+    measured = {label: t.measured[t.batch_size] for label, (t, _) in tunings.items()}
+    chosen = max(usable, key=lambda e: measured.get(_label(e), 0.0))
     if fixed is not None:
         batch, source = fixed, "fixed"
+        rate = measured.get(_label(chosen))
     else:
-        tuning, cached = tunings[_label(chosen)]
+        tuning, cached = cached_or_tuned(store, chosen)
         rates = ", ".join(f"{b}: {r}" for b, r in sorted(tuning.measured.items()))
         batch, source = tuning.batch_size, f"auto, {'cached' if cached else 'measured'} img/s by batch {{{rates}}}"
-    rate = tunings[_label(chosen)][0].measured.get(batch) if _label(chosen) in tunings else None
+        rate = tuning.measured[batch]
     cost = _threads(device) / rate if rate else None
     figure = getattr(chosen, "parity", 1.0)  # set when it was compiled (1.0: it is torch fp32, or runs as it is)
-    return Encoding(chosen.runtime, chosen.precision, batch, source, best, refused, figure, warning,
-                    round(cost, 6) if cost else None)
+    return Encoding(chosen.runtime, chosen.precision, batch, source, measured=measured,
+                    measured_at=compared_at if measured else None, refused=refused, parity=figure, warning=warning,
+                    encode_seconds=round(cost, 6) if cost else None)
+
+
+def probe_batch(device: str) -> int:
+    return PROBE_BATCH["cuda" if device.startswith("cuda") else "cpu"]
 
 
 def _threads(device: str) -> int:

@@ -71,8 +71,9 @@ def choose_encoding_task(store_url: str, spec: EncoderSpec, device: str, runtime
     logger = get_run_logger()
     if encoding.warning:
         logger.warning(encoding.warning)
-    logger.info("encoding with %s %s at batch %d (%s); measured img/s: %s; not used: %s; JPEGs decoded by %s, %s "
+    logger.info("encoding with %s %s at batch %d (%s); measured img/s%s: %s; not used: %s; JPEGs decoded by %s, %s "
                 "(core-ms per image: %s)", encoding.runtime, encoding.precision, encoding.batch_size, encoding.source,
+                f" at batch {encoding.measured_at}" if encoding.measured_at else "",
                 encoding.measured or "nothing to compare", "; ".join(encoding.refused) or "none",
                 decoders.Decode(encoding.decoder, encoding.decode_side or None).describe(), encoding.decoder_source,
                 ", ".join(f"{k} {v * 1e3:.2f}" for k, v in encoding.decoders.items()) or "not measured")
