@@ -385,14 +385,16 @@ def host_measured_nothing(tmp_path, monkeypatch) -> pathlib.Path:
 @pytest.fixture
 def compiled_cache(tmp_path, monkeypatch) -> pathlib.Path:
     """A compiled-model cache of the test's own (and no encoder loaded before it), so conversions and parity
-    records are seen happening; it starts with the run's parity sample (its photos), if made, as a host's does."""
+    records are seen happening; it starts with what the run made of the parity sample, as a host's cache does:
+    the photos and torch fp32's embeddings of them (each written whole, then only read: linked, not copied)."""
     from imgest import encoders
     from imgest.encoders import compiled
 
     folder = tmp_path / "compiled"
-    sample = pathlib.Path(compiled.root()) / "parity-sample"  # the run's photos (made once, ~20 s): not watched here
-    if sample.is_dir():
-        shutil.copytree(sample, folder / "parity-sample", copy_function=os.link)
+    for made in ("parity-sample", "references"):  # the photos made once (~20 s), a model's reference once (~15 s)
+        if (pathlib.Path(compiled.root()) / made).is_dir():
+            shutil.copytree(pathlib.Path(compiled.root()) / made, folder / made, copy_function=os.link,
+                            ignore=shutil.ignore_patterns("*.npy.*"))  # not another's half-written file
     monkeypatch.setenv(compiled.CACHE_ENV, str(folder))
     monkeypatch.setattr(encoders, "_loaded", {})
     return folder

@@ -4,10 +4,11 @@ The candidates are every installed runtime that runs on the device (`--runtime a
 device computes in natively (`--precision auto`), or the ones named. Each must pass the parity check against
 torch fp32 before it is measured (imgest/encoders/parity.py). Each one kept is measured at the run's batch size
 when it is fixed, else at one probe batch (PROBE_BATCH); the fastest wins, and with `--batch-size auto` only the
-winner's batch size is then tuned over the candidate sizes (a sweep costs about ten probes). A measurement is cached per (model, device,
-runtime, precision) in the store and in this host's cache beside its compiled models (imgest/encoders/compiled.py),
-so a later run, or a run into another store on the same host, reads it instead of measuring. When nothing
-that was asked for can run, the run encodes with torch fp32 (the reference) and says why in one warning.
+winner's batch size is then tuned over the candidate sizes (a sweep costs about ten probes). A measurement is
+cached per (model, device, runtime, precision, batch) in the store and in this host's cache beside its compiled
+models (imgest/encoders/compiled.py), so a later run, or a run into another store on the same host, reads it
+instead of measuring. When nothing that was asked for can run, the run encodes with torch fp32 (the reference) and
+says why in one warning.
 """
 
 from __future__ import annotations
