@@ -351,8 +351,8 @@ def test_a_model_the_runtime_cannot_compile_falls_back_with_one_warning(compiled
     assert (chosen.runtime, chosen.precision) == ("torch", "fp32")
     assert "openvino cannot compile the image tower of efficientnet-lite0@" in chosen.warning
     assert "RuntimeError: Check 'is_conversion_supported' failed" in chosen.warning and "more" not in chosen.warning
-    # nothing half-written: the turns' lock files (and the run's parity sample it started with)
-    assert [p.name for p in compiled_cache.glob("*") if p.name != "parity-sample"] == ["locks"]
+    # nothing half-written: the turns' lock files (and the run's parity sample and references it started with)
+    assert [p.name for p in compiled_cache.glob("*") if p.name not in ("parity-sample", "references")] == ["locks"]
 
 
 @pytest.mark.slow("real weights")
