@@ -335,7 +335,7 @@ def test_a_transformers_models_reduced_decode_is_recorded_where_it_passes_its_ga
     record = decoders.read_record(store, SLUG)
     assert chosen.side == record.side == decoders.FULL and not record.side_gate["passed"]
     assert record.decode(encoder) == decoders.Decode(decoders.DEFAULT, None)
-    from imgest.state.status import model_decoder
+    from imgest.retrieval.status import model_decoder
 
     shown = model_decoder(store, SLUG)
     assert shown["side"] == 0 and "whole images: the reduced decode failed its gate" in shown["describe"]

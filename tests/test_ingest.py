@@ -18,10 +18,10 @@ from imgest.cli import app
 from imgest.config import IngestConfig
 from imgest.flows.ingest import ingest
 from imgest.images import decoders
+from imgest.retrieval.status import store_status
 from imgest.state import layout
 from imgest.state.export import export_live
 from imgest.state.shards import shard_decoder
-from imgest.state.status import store_status
 from tests.helpers import (
     HANG_AFTER_FIRST_SHARD,
     commit_markers,

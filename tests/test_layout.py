@@ -274,3 +274,27 @@ def test_the_store_page_shows_the_layout_and_the_layout_sits_below_every_floor()
     assert {path.split("/")[0] for path, _ in layout.TREE} == set(_store_folders())
     imported = {m for _, m in _imports(ROOT / "imgest" / "state" / "layout.py")}
     assert imported <= {"imgest.records"}, f"the layout leans on {imported}: images and encoders sit above it"
+
+
+# The floors below the stages, lowest first: a module of one imports only its own floor and those below it.
+FLOORS = ("storage", "layout", "images", "encoders", "lock", "state", "retrieval")
+
+
+def _floor(module: str) -> str | None:
+    if module == "imgest.state.layout":
+        return "layout"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in FLOORS else None
+
+
+def test_the_floors_import_one_way():
+    """storage < the store's layout < images < encoders < the writer lock < state < retrieval: what reads index
+    cards (status) sits on the retrieval floor, and the layout below everything that builds a key."""
+    for path in _modules():
+        own = _floor(_module_name(path))
+        if own is None:
+            continue
+        for line, imported in _imports(path):
+            floor = _floor(imported)
+            assert floor is None or FLOORS.index(floor) <= FLOORS.index(own), \
+                f"{path.relative_to(ROOT)}:{line} imports {imported}, a floor above {own}"
