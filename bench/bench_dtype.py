@@ -86,7 +86,8 @@ def main() -> None:
 
 def live_vectors(store, spec, plan):
     """The store's live vectors as the index build reads them (in float32), after folding the one marker."""
-    from imgest.state.committed import CatalogueState, commit_key, write_snapshot
+    from imgest.state.committed import CatalogueState, write_snapshot
+    from imgest.state.layout import commit_key
     from imgest.state.live import load_live_vectors
 
     state = CatalogueState(spec.slug, {})

@@ -44,7 +44,7 @@ MODEL = model_card("raw-pixels-13")  # d = 507
 
 def write_shard(store, name: str, ids: list[str], vectors: np.ndarray, hashes: list[str],
                 slug: str = MODEL["slug"]) -> None:
-    from imgest.state.committed import shard_key
+    from imgest.state.layout import shard_key
 
     d = vectors.shape[1]
     table = pa.table({"item_id": ids, "uri": [f"s3://catalogue/{i}" for i in ids], "content_hash": hashes,

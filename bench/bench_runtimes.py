@@ -99,7 +99,7 @@ def pipeline(args, spec, work: str) -> None:
 
     from imgest import encoders
     from imgest.demo import product_photos
-    from imgest.state.committed import shard_key
+    from imgest.state.layout import shard_key
     from imgest.state.shards import embedding_matrix
     from imgest.storage import Location
     from imgest.tasks.ingest.batch_size import choose_encoding, measure

@@ -81,7 +81,7 @@ def tiny(kind: str, folder: str) -> str:
 
 
 def embeddings(store, slug: str, result, dim: int) -> tuple[list[str], np.ndarray]:
-    from imgest.state.committed import shard_key
+    from imgest.state.layout import shard_key
     from imgest.state.shards import embedding_matrix
 
     table = store.read_table(shard_key(slug, result.shard))

@@ -176,7 +176,8 @@ def write_store(cat: Catalogue, store_dir: str, with_shards: bool) -> None:
     """The state the night before: the model card, the shards (ShardWriter; their markers folded into the
     snapshot, as the run that wrote them would have), one full snapshot."""
     from imgest import encoders
-    from imgest.state.committed import commit_key, snapshot_key, write_model_card
+    from imgest.state.committed import write_model_card
+    from imgest.state.layout import commit_key, snapshot_key
     from imgest.state.rows import STATE_SCHEMA, write_rows
     from imgest.storage import Location
     from imgest.tasks.ingest.plan import ShardPlan, WorkItem

@@ -14,8 +14,8 @@ from imgest.lock import LOCK_WAIT_S, StoreLock, run_owner
 from imgest.memory import give_back
 from imgest.reports.migration import render_finished, render_window
 from imgest.reports.run_names import run_name
+from imgest.retrieval.status import last_run
 from imgest.state.aliases import read_alias
-from imgest.state.status import last_run
 from imgest.storage import open_location
 from imgest.tasks.migration import window as migration
 from imgest.tasks.sync.targets import parse_target

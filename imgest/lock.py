@@ -33,9 +33,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from imgest.errors import UserError
+from imgest.state.layout import LOCK_DIR, generation_key
 from imgest.storage import Location
 
-LOCK_DIR = "locks/writer"
 LOCK_WAIT_S = 600.0  # short writes (a window record, an evaluation) wait this long for a running writer
 _GENERATION = re.compile(r"^(\d{12})\.json$")
 _MAX_PID = 2**31 - 1  # what kill(2) takes: a larger number names no process
@@ -80,10 +80,6 @@ def _iso(seconds: float) -> str:
 def run_owner(action: str) -> str:
     """The owner a run takes the lock as, which `imgest status` and a refused run show: `<action>@<host>:<pid>`."""
     return f"{action}@{socket.gethostname()}:{os.getpid()}"
-
-
-def generation_key(generation: int) -> str:
-    return f"{LOCK_DIR}/{generation:012d}.json"
 
 
 def generations(store: Location) -> list[int]:

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from imgest.images.listing import LISTING_SCHEMA, Listing
-from imgest.state.committed import LIVE, CatalogueState, load_state, snapshot_key, write_snapshot
+from imgest.state.committed import LIVE, CatalogueState, load_state, write_snapshot
+from imgest.state.layout import snapshot_key
 from imgest.state.rows import STATE_SCHEMA
 from imgest.storage import Location
 from imgest.tasks.ingest.plan import PlannedShards, attach_base, plan_ingest

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from imgest.state.committed import shard_key
+from imgest.state.layout import shard_key
 from imgest.state.shards import embedding_matrix
 from imgest.storage import Location
 from imgest.tasks.ingest import decode_workers

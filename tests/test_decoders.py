@@ -10,6 +10,7 @@ import pytest
 
 from imgest.images import decoders
 from imgest.images.decode import DecodeError, decode_image
+from imgest.state import layout
 from tests.helpers import gradient, hostile_files, jpeg_bytes
 
 OTHERS = [name for name, decoder in decoders.REGISTRY.items() if decoder is not None and not decoder.gpu]  # the CPU's
@@ -152,7 +153,7 @@ def test_a_record_from_before_the_default_keeps_its_decoder_and_gets_its_side_re
     """A store whose first run timed the decoders (or inherited one) keeps that decoder: switching stays behind the
     gate. Its side, unrecorded then, is the one its vectors were made at (`legacy`), recorded by the next run."""
     store = _store(tmp_path)
-    store.write_json(decoders.record_key(SLUG), {"decoder": "turbojpeg", "how": "measured", "run_id": "r00000001-x",
+    store.write_json(layout.decoder_key(SLUG), {"decoder": "turbojpeg", "how": "measured", "run_id": "r00000001-x",
                                                  "measured": {"pillow": 0.002, "turbojpeg": 0.001}})
     old = decoders.read_record(store, SLUG)
     assert old.side == decoders.UNRECORDED and old.decode(None) != decoders.default_decode(None)
@@ -188,7 +189,7 @@ def test_a_model_with_vectors_from_before_records_keeps_pillow_and_an_old_record
     assert (chosen.decoder, chosen.side) == (decoders.PILLOW, 256)
     assert decoders.read_record(store, SLUG).how == decoders.ASSUMED
     old = _store(tmp_path / "old")
-    old.write_json(decoders.record_key(SLUG), {"decoder": "simplejpeg", "run_id": "r00000003-x"})  # written after a run
+    old.write_json(layout.decoder_key(SLUG), {"decoder": "simplejpeg", "run_id": "r00000003-x"})  # written after a run
     assert decoders.read_record(old, SLUG).how == decoders.EARLIER
     assert _choose(old).decoder == decoders.recorded(old, SLUG).decoder == "simplejpeg"
 
@@ -204,7 +205,7 @@ def test_a_garbled_or_planted_record_is_never_trusted(tmp_path, hostile, caplog)
     import logging
 
     store = _store(tmp_path)
-    path = tmp_path / "store" / decoders.record_key(SLUG)
+    path = tmp_path / "store" / layout.decoder_key(SLUG)
     path.parent.mkdir(parents=True)
     path.write_text(hostile if isinstance(hostile, str) else json.dumps(hostile))
     with pytest.raises(decoders.DecoderError, match=r"decoder\.json does not read as a decoder record"):
@@ -334,7 +335,7 @@ def test_a_transformers_models_reduced_decode_is_recorded_where_it_passes_its_ga
     record = decoders.read_record(store, SLUG)
     assert chosen.side == record.side == decoders.FULL and not record.side_gate["passed"]
     assert record.decode(encoder) == decoders.Decode(decoders.DEFAULT, None)
-    from imgest.state.status import model_decoder
+    from imgest.retrieval.status import model_decoder
 
     shown = model_decoder(store, SLUG)
     assert shown["side"] == 0 and "whole images: the reduced decode failed its gate" in shown["describe"]

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from imgest import encoders
 from imgest.cli import app
-from imgest.state.committed import load_state, shard_key, snapshot_key, write_model_card
+from imgest.state.committed import load_state, write_model_card
+from imgest.state.layout import shard_key, snapshot_key
 from imgest.state.live import LiveShards
 from imgest.state.shards import shard_encoder
 from imgest.storage import Location

@@ -13,16 +13,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from imgest.lock import (
-    LockLostError,
-    RecordChangedError,
-    StoreLock,
-    StoreLockedError,
-    current_holder,
-    generation_key,
-    generations,
-)
+from imgest.lock import LockLostError, RecordChangedError, StoreLock, StoreLockedError, current_holder, generations
 from imgest.state.aliases import delete_alias, read_alias, set_alias
+from imgest.state.layout import generation_key
 from imgest.storage import Location, RecordError
 from imgest.tasks.migration import window as migration
 from tests.s3servers import on as on_s3
@@ -333,7 +326,7 @@ def test_a_retired_model_is_kept_until_its_retention_has_passed(tmp_path):
     collection before that date deletes nothing, after it deletes the model's data and stamps the record."""
     from datetime import UTC, datetime, timedelta
 
-    from imgest.state.committed import embeddings_prefix
+    from imgest.state.layout import embeddings_prefix
     from imgest.state.retention import collect_retired
 
     store = Location(str(tmp_path / "store"))
@@ -356,7 +349,7 @@ def test_finish_run_again_after_the_window_closed_says_so_and_resumes_the_deleti
     the window had already finished and goes on deleting what the retention allows, where the first stopped."""
     from datetime import UTC, datetime, timedelta
 
-    from imgest.state.committed import embeddings_prefix
+    from imgest.state.layout import embeddings_prefix
 
     store = Location(str(tmp_path / "store"))
     with pytest.raises(migration.MigrationError, match="no migration window is open"):

@@ -10,7 +10,7 @@ import pytest
 
 from imgest import encoders
 from imgest.images.decode import decode_image
-from imgest.state.committed import shard_key
+from imgest.state.layout import shard_key
 from imgest.state.shards import embedding_matrix
 from imgest.storage import Location
 from imgest.tasks.ingest import decode_workers, handoff

@@ -19,6 +19,7 @@ from imgest.config import NightlyConfig
 from imgest.errors import USER_ERRORS
 from imgest.flows.nightly import nightly
 from imgest.retrieval.query import Searcher
+from imgest.retrieval.status import store_status
 from imgest.retrieval.versions import IndexIntegrityError, open_index, resolve_target
 from imgest.state.aliases import list_aliases, read_alias
 from imgest.state.catalogue_images import CatalogueImages
@@ -26,7 +27,6 @@ from imgest.state.committed import load_state
 from imgest.state.live import load_live_vectors
 from imgest.state.models import list_models
 from imgest.state.retention import collect_retired
-from imgest.state.status import store_status
 from imgest.storage import ContainmentError, Location
 from imgest.tasks.migration.window import nightly_models
 from tests.helpers import gradient, jpeg_bytes, write_files

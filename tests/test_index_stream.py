@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from imgest import encoders
-from imgest.state.committed import load_state, snapshot_key, write_model_card
+from imgest.state.committed import load_state, write_model_card
+from imgest.state.layout import snapshot_key
 from imgest.state.live import LiveShards
 from imgest.state.rows import STATE_SCHEMA
 from imgest.storage import Location

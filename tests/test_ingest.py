@@ -18,9 +18,10 @@ from imgest.cli import app
 from imgest.config import IngestConfig
 from imgest.flows.ingest import ingest
 from imgest.images import decoders
+from imgest.retrieval.status import store_status
+from imgest.state import layout
 from imgest.state.export import export_live
 from imgest.state.shards import shard_decoder
-from imgest.state.status import store_status
 from tests.helpers import (
     HANG_AFTER_FIRST_SHARD,
     commit_markers,
@@ -351,7 +352,7 @@ def test_a_later_run_keeps_a_recorded_decoder_other_than_the_default_and_the_sam
     write_files(str(cat), photos)
     kept = "turbojpeg"
     slug = encoders.resolve("efficientnet-lite0").slug
-    Location(str(store)).write_json(decoders.record_key(slug), {"decoder": kept, "how": "measured",
+    Location(str(store)).write_json(layout.decoder_key(slug), {"decoder": kept, "how": "measured",
                                                                  "run_id": "r00000000-test"})
     fixed = {"runtime": "torch", "precision": "fp32", "max_pixels": 10**7}
     first = _run(cat, store, **fixed)

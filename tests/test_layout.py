@@ -218,3 +218,83 @@ def test_the_encode_path_imports_without_prefect_or_faiss():
             "imgest.images.decode")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# -- the store's layout: spelled in imgest/state/layout.py alone -------------------------------------------
+def _store_folders() -> tuple[str, ...]:
+    from imgest.state import layout
+
+    return tuple(value for name, value in vars(layout).items() if name.isupper() and isinstance(value, str)
+                 and "/" not in value and value.isalpha())
+
+
+def _spelled_keys(source: str) -> list[tuple[int, str]]:
+    """String literals (f-strings by their leading text) that start with one of the store's folders and a slash,
+    docstrings left out."""
+    tree = ast.parse(source)
+    starts = re.compile(rf"^({'|'.join(_store_folders())})/")
+    skipped = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value,
+                                                                                             ast.Constant):
+            skipped.add(id(body[0].value))  # a docstring describes the layout; it does not build a key
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            skipped.update(id(v) for v in node.values)
+            head = node.values[0] if node.values else None
+            if isinstance(head, ast.Constant) and isinstance(head.value, str) and starts.match(head.value):
+                found.append((node.lineno, head.value))
+    found += [(node.lineno, node.value) for node in ast.walk(tree) if isinstance(node, ast.Constant)
+              and isinstance(node.value, str) and id(node) not in skipped and starts.match(node.value)]
+    return found
+
+
+def test_the_key_finder_finds_a_spelled_key_and_passes_a_built_one():
+    assert _spelled_keys('KEY = "migration/window.json"\nkey = f"runs/{run}.json"\n') == [
+        (2, "runs/"), (1, "migration/window.json")]
+    assert _spelled_keys('"""Writes state/model=<slug>/x.json."""\nkey = layout.run_summary_key(run)\n'
+                         'msg = f"model={slug} v{version}"\n') == []
+
+
+@pytest.mark.parametrize("path", [p for p in _modules() if p.name != "layout.py"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_but_the_layout_spells_a_store_key(path):
+    spelled = _spelled_keys(path.read_text())
+    assert not spelled, (f"{path.relative_to(ROOT)} builds store keys from strings {spelled}: a key is built by "
+                         "imgest/state/layout.py")
+
+
+def test_the_store_page_shows_the_layout_and_the_layout_sits_below_every_floor():
+    from imgest.state import layout
+
+    page = (ROOT / "docs" / "store.md").read_text()
+    assert "```\n" + layout.tree_text() + "```\n" in page, "docs/store.md's tree is layout.tree_text()"
+    assert {path.split("/")[0] for path, _ in layout.TREE} == set(_store_folders())
+    imported = {m for _, m in _imports(ROOT / "imgest" / "state" / "layout.py")}
+    assert imported <= {"imgest.records"}, f"the layout leans on {imported}: images and encoders sit above it"
+
+
+# The floors below the stages, lowest first: a module of one imports only its own floor and those below it.
+FLOORS = ("storage", "layout", "images", "encoders", "lock", "state", "retrieval")
+
+
+def _floor(module: str) -> str | None:
+    if module == "imgest.state.layout":
+        return "layout"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in FLOORS else None
+
+
+def test_the_floors_import_one_way():
+    """storage < the store's layout < images < encoders < the writer lock < state < retrieval: what reads index
+    cards (status) sits on the retrieval floor, and the layout below everything that builds a key."""
+    for path in _modules():
+        own = _floor(_module_name(path))
+        if own is None:
+            continue
+        for line, imported in _imports(path):
+            floor = _floor(imported)
+            assert floor is None or FLOORS.index(floor) <= FLOORS.index(own), \
+                f"{path.relative_to(ROOT)}:{line} imports {imported}, a floor above {own}"

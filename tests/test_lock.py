@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from imgest.lock import LockLostError, StoreLock, StoreLockedError, current_holder, generation_key, generations
+from imgest.lock import LockLostError, StoreLock, StoreLockedError, current_holder, generations
+from imgest.state.layout import generation_key
 from imgest.storage import Location
 from tests.s3servers import on as on_s3
 from tests.s3servers import use as use_s3
@@ -159,7 +160,7 @@ def test_an_empty_lock_file_is_stale_after_the_heartbeat_window(tmp_path, clock)
 
 def test_a_writer_that_lost_the_lock_leaves_no_marker(tmp_path, clock):
     from imgest import encoders
-    from imgest.state.committed import commit_key
+    from imgest.state.layout import commit_key
     from imgest.tasks.ingest.plan import ShardPlan, WorkItem
     from imgest.tasks.ingest.writer import ShardWriter
 

@@ -14,16 +14,8 @@ import pytest
 
 from imgest import encoders
 from imgest.images.decode import decode_image
-from imgest.state.committed import (
-    LIVE,
-    REJECTED,
-    CatalogueState,
-    ItemState,
-    commit_key,
-    load_state,
-    prepare_state,
-    shard_key,
-)
+from imgest.state.committed import LIVE, REJECTED, CatalogueState, ItemState, load_state, prepare_state
+from imgest.state.layout import commit_key, shard_key
 from imgest.state.shards import embedding_matrix
 from imgest.storage import TEMP_PREFIX, Location
 from imgest.tasks.ingest.commit import commit_run, new_summary

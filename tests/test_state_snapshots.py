@@ -10,14 +10,8 @@ from datetime import UTC, datetime, timedelta
 import pyarrow.parquet as pq
 import pytest
 
-from imgest.state.committed import (
-    DELETED,
-    LIVE,
-    CatalogueState,
-    ItemState,
-    commit_key,
-    load_state,
-)
+from imgest.state.committed import DELETED, LIVE, CatalogueState, ItemState, load_state
+from imgest.state.layout import commit_key
 from imgest.storage import Location
 
 
@@ -73,7 +67,8 @@ def test_a_tombstone_keeps_its_shard_for_its_days_then_the_shard_goes(tmp_path):
     """An item deleted from the catalogue can come back (revived from its old row) for TOMBSTONE_DAYS, so its
     shard file stays that long; from then on the tombstone lets go of it, and the file goes unless a live item
     is in it. A shard nothing refers to goes at once. Judged at the `now` passed, never the wall clock."""
-    from imgest.state.committed import TOMBSTONE_DAYS, prepare_state, revivable, shard_key, write_snapshot
+    from imgest.state.committed import TOMBSTONE_DAYS, prepare_state, revivable, write_snapshot
+    from imgest.state.layout import shard_key
 
     store = Location(str(tmp_path))
     deleted_at = datetime(2031, 3, 1, tzinfo=UTC)

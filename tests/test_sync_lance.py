@@ -8,7 +8,7 @@ import lancedb
 from typer.testing import CliRunner
 
 from imgest.cli import app
-from imgest.state.committed import embeddings_prefix
+from imgest.state.layout import embeddings_prefix
 from imgest.state.models import find_model
 from imgest.storage import Location
 from imgest.tasks.sync import lance

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from imgest.state.committed import LIVE, snapshot_key
+from imgest.state.committed import LIVE
+from imgest.state.layout import snapshot_key
 from imgest.state.rows import STATE_SCHEMA
 
 N = 400_000

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from imgest import encoders
-from imgest.state.committed import shard_key, snapshot_key
+from imgest.state.layout import shard_key, snapshot_key
 from imgest.state.live import load_live_sample, load_live_vectors
 from imgest.state.rows import STATE_SCHEMA
 from imgest.state.shards import shard_schema

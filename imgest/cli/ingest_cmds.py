@@ -61,7 +61,7 @@ def status(
 ) -> None:
     """Per model: live items, shards, rejected items with reasons, tombstones, its JPEG decoder, last run; the
     serving index and the runtimes, precisions and JPEG decoders that made its vectors."""
-    from imgest.state.status import store_status
+    from imgest.retrieval.status import store_status
 
     if history:
         _history(store, nights, as_json)

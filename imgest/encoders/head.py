@@ -22,6 +22,7 @@ from imgest.encoders.base import EncoderError, EncoderSpec, l2_normalise
 from imgest.encoders.graph_encoder import GraphEncoder, torch_module
 from imgest.encoders.graphs import Graph, Split
 from imgest.encoders.precision import default_precision
+from imgest.state import layout
 
 PREFIX = "head:"
 # A head's folder: head.json (written last: a folder without it is not a head), the weights, and what
@@ -306,7 +307,7 @@ def write_head(store, weights: bytes, config: dict, queries: Iterable[dict], vie
     uploaded whole: its relevant lists may name every labelled item), loss curves, then head.json. Returns the
     head's name."""
     head_id = "head-" + hashlib.sha256(weights).hexdigest()[:12]
-    folder = f"heads/{head_id}"
+    folder = layout.head_folder(head_id)
     store.write_bytes(f"{folder}/{WEIGHTS}", weights)
     for key, data in views.items():
         store.write_bytes(f"{folder}/{key}", data)

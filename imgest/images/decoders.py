@@ -32,6 +32,7 @@ from typing import Protocol
 import numpy as np
 
 from imgest.errors import UserError
+from imgest.state.layout import decoder_key
 
 PILLOW = "pillow"
 NVJPEG = "nvjpeg"
@@ -200,12 +201,6 @@ def fastest(datas: Sequence[bytes], work: Callable[[bytes, str], object],
     return best, {name: round(cost, 6) for name, cost in costs.items()}
 
 
-def record_key(slug: str) -> str:
-    from imgest.state.committed import state_prefix
-
-    return f"{state_prefix(slug)}/decoder.json"
-
-
 DEFAULTED = "default"  # the model's first run in the store: DEFAULT, at the model's decode side
 MEASURED = "measured"  # timed on the model's first run in the store (records made before the decoder was fixed)
 EXPLICIT = "explicit"  # a run chose it (--decoder): the first in the store, or past the gate against the one before
@@ -321,7 +316,7 @@ def read_record(store, slug: str) -> Record | None:
     store's failure, not on the record's."""
     from imgest.storage import RecordError
 
-    key = record_key(slug)
+    key = decoder_key(slug)
     try:
         if not store.exists(key):
             return None
@@ -337,11 +332,11 @@ def create_record(store, slug: str, record: Record) -> Record:
     runs at once agree (the one that loses reads and returns the winner's)."""
     import json
 
-    if store.create_exclusive(record_key(slug), json.dumps(record.to_dict(), indent=2).encode()):
+    if store.create_exclusive(decoder_key(slug), json.dumps(record.to_dict(), indent=2).encode()):
         return record
     kept = read_record(store, slug)
     if kept is None:  # removed between the two calls: nothing to agree with
-        raise DecoderError(f"{record_key(slug)} was created and removed at once; run again")
+        raise DecoderError(f"{decoder_key(slug)} was created and removed at once; run again")
     return kept
 
 
@@ -350,7 +345,7 @@ def replace_record(store, slug: str, record: Record, fence=None) -> None:
     holds the store's lock."""
     if fence is not None:
         fence.check(store)
-    store.write_json(record_key(slug), record.to_dict())
+    store.write_json(decoder_key(slug), record.to_dict())
 
 
 def check(store, slug: str, asked: str | None, force: str | None, device: str) -> Record | None:

@@ -9,7 +9,8 @@ from collections import OrderedDict
 import numpy as np
 import pyarrow.compute as pc
 
-from imgest.state.committed import LIVE, CatalogueState, load_state, shard_key
+from imgest.state.committed import LIVE, CatalogueState, load_state
+from imgest.state.layout import shard_key
 from imgest.state.shards import embedding_matrix
 from imgest.storage import Location
 

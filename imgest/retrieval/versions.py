@@ -25,6 +25,7 @@ from imgest.retrieval.idmap import IdMap, IdMapFile
 from imgest.retrieval.mapped import open_mapped
 from imgest.state.aliases import list_aliases, read_alias
 from imgest.state.clock import now_iso
+from imgest.state.layout import index_prefix, version_prefix
 from imgest.storage import Location
 from imgest.storage.cache import local_copy
 
@@ -41,14 +42,6 @@ class IndexNotFoundError(UserError, LookupError):
 
 # A version's files have fixed names in its folder: a card that names another place is refused, never followed.
 FILES = {"index_file": "index.faiss", "ids_file": "ids.parquet", "truth_file": "truth.parquet"}
-
-
-def index_prefix(slug: str) -> str:
-    return f"indexes/model={records.slug(slug, 'index model')}"
-
-
-def version_prefix(slug: str, version: int) -> str:
-    return f"{index_prefix(slug)}/v{version:04d}"
 
 
 def _version_numbers(store: Location, slug: str) -> list[int]:

@@ -9,6 +9,7 @@ from imgest import records
 from imgest.errors import UserError
 from imgest.lock import Fence, fenced_delete, fenced_write
 from imgest.names import ALIAS_NAME
+from imgest.state import layout
 from imgest.state.clock import now_iso
 from imgest.storage import Location
 
@@ -21,7 +22,7 @@ def alias_key(name: str) -> str:
     if not isinstance(name, str) or not ALIAS_NAME.match(name):
         raise AliasError(f"alias names are lowercase letters, digits, '-' and '_' (start with a letter, at most 63); "
                          f"got {str(name)[:80]!r}")
-    return f"aliases/{name}.json"
+    return layout.alias_key(name)
 
 
 def _checked(store: Location, key: str) -> dict:
@@ -35,8 +36,8 @@ def read_alias(store: Location, name: str) -> dict | None:
 
 
 def list_aliases(store: Location) -> dict[str, dict]:
-    names = [n[:-5] for n in store.list_names("aliases") if n.endswith(".json") and ALIAS_NAME.match(n[:-5])]
-    return {n: _checked(store, f"aliases/{n}.json") for n in names}
+    names = [n[:-5] for n in store.list_names(layout.ALIASES) if n.endswith(".json") and ALIAS_NAME.match(n[:-5])]
+    return {n: _checked(store, layout.alias_key(n)) for n in names}
 
 
 def set_alias(store: Location, name: str, card: dict, reason: str, fence: Fence | None = None) -> dict:

@@ -12,16 +12,12 @@ from __future__ import annotations
 
 from imgest.errors import UserError
 from imgest.state.clock import now_iso
-from imgest.state.committed import state_prefix
+from imgest.state.layout import catalogue_root_key as root_key
 from imgest.storage import ContainmentError, Location, RecordError, redact
 
 
 class CatalogueRootError(UserError, RuntimeError):
     """The run's catalogue is not the one the model was ingested from, or none is known; one line says which."""
-
-
-def root_key(slug: str) -> str:
-    return f"{state_prefix(slug)}/catalogue.json"
 
 
 def record_root(store: Location, slug: str, catalogue: Location) -> None:

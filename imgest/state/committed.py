@@ -25,8 +25,17 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from imgest import records
 from imgest.state.clock import now_iso
+from imgest.state.layout import (
+    DELTA,
+    commit_key,
+    commits_prefix,
+    embeddings_prefix,
+    pixels_prefix,
+    snapshot_key,
+    snapshots_prefix,
+    state_prefix,
+)
 from imgest.state.markers import check_marker, rows_table
 from imgest.state.rows import SORT_MEMORY, STATE_SCHEMA, StateBase, one_thread, write_rows
 from imgest.storage import TEMP_PREFIX, Location, StorageError
@@ -53,22 +62,6 @@ class ItemState:
     updated_at: str | None = None
 
 
-def embeddings_prefix(slug: str) -> str:
-    return f"embeddings/model={records.slug(slug, 'model')}"
-
-
-def shard_key(slug: str, shard: str) -> str:
-    return f"{embeddings_prefix(slug)}/{shard}.parquet"
-
-
-def state_prefix(slug: str) -> str:
-    return f"state/model={records.slug(slug, 'model')}"
-
-
-def commit_key(slug: str, shard: str) -> str:
-    return f"{state_prefix(slug)}/commits/{shard}.json"
-
-
 def read_marker(store: Location, slug: str, shard: str) -> dict:
     """A shard's commit marker, checked before it changes the state: it names its own shard, and its rows are
     objects of ItemState's fields with a string item_id (a planted marker stops the run; nothing changes)."""
@@ -76,11 +69,6 @@ def read_marker(store: Location, slug: str, shard: str) -> dict:
     return check_marker(store.read_json(key), shard, f"{store.url}: {key}")
 
 
-def snapshot_key(slug: str, seq: int, delta: bool = False) -> str:
-    return f"{state_prefix(slug)}/snapshots/{seq:08d}{DELTA if delta else ''}.parquet"
-
-
-DELTA = ".delta"  # a run's changed items only, on top of the full snapshot before it (and earlier deltas)
 COMPACT_SHARE = 0.1  # a full snapshot again once the deltas since the last one would hold this share of its rows
 SNAPSHOT_RETAIN_DAYS = 7  # snapshots a newer full one replaces are kept this long (a reader may still be on one)
 
@@ -223,7 +211,7 @@ class CatalogueState:
 
 def list_snapshots(store: Location, slug: str) -> list[tuple[int, bool]]:
     """(seq, is_delta) of every snapshot, in order."""
-    names = [n for n in store.list_names(f"{state_prefix(slug)}/snapshots") if n.endswith(".parquet")]
+    names = [n for n in store.list_names(snapshots_prefix(slug)) if n.endswith(".parquet")]
     return sorted((int(n.split(".")[0]), n.endswith(f"{DELTA}.parquet")) for n in names)
 
 
@@ -237,7 +225,7 @@ def latest_snapshot_key(store: Location, slug: str) -> str | None:
 
 
 def list_commits(store: Location, slug: str) -> list[str]:
-    return [n[:-len(".json")] for n in store.list_names(f"{state_prefix(slug)}/commits") if n.endswith(".json")]
+    return [n[:-len(".json")] for n in store.list_names(commits_prefix(slug)) if n.endswith(".json")]
 
 
 def load_state(store: Location, slug: str) -> CatalogueState:
@@ -362,11 +350,6 @@ def remove_orphan_shards(store: Location, state: CatalogueState, now: datetime |
             if name.startswith(TEMP_PREFIX):
                 store.delete(f"{folder}/{name}")
     return removed
-
-
-def pixels_prefix(slug: str) -> str:
-    """Where a model's kept pixels are (imgest/state/pixels.py): a pixel file beside each shard, by side."""
-    return f"pixels/model={records.slug(slug, 'model')}"
 
 
 SIDE_FOLDER = re.compile(r"side=(\d{1,4})")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from imgest import records
+from imgest.state import layout
 from imgest.storage import Location
 
 BASE = 4096  # vectors of B
@@ -53,7 +54,7 @@ def reference(vectors: np.ndarray, seed: int = 0) -> Reference | None:
 # -- the reference in the store, one per trained index version --------------------------------------------
 def reference_key(slug: str, version: int) -> str:
     number = records.version(version, "drift version")
-    return f"history/drift/model={records.slug(slug, 'drift model')}/v{number:04d}.npz"
+    return layout.drift_reference_key(slug, number)
 
 
 def write_reference(store: Location, slug: str, version: int, ref: Reference) -> None:

@@ -24,9 +24,9 @@ from imgest.state.committed import (
     list_commits,
     load_state,
     run_seq,
-    shard_key,
     shard_run_id,
 )
+from imgest.state.layout import shard_key
 from imgest.state.shards import embedding_matrix, shard_decoder, shard_encoder
 from imgest.storage import Location, parquet_reader
 

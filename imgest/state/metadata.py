@@ -21,6 +21,8 @@ import pyarrow as pa
 
 from imgest.scratch import scratch_folder
 from imgest.state.clock import now_iso
+from imgest.state.layout import METADATA_SNAPSHOTS as SNAPSHOTS
+from imgest.state.layout import metadata_snapshot_key
 from imgest.state.metadata_file import (
     ID_COLUMNS,
     MAX_BLOCK_BYTES,
@@ -41,7 +43,6 @@ __all__ = ["MAX_BLOCK_BYTES", "MAX_CELL_CHARS", "MAX_JSON_DEPTH", "MAX_LINE_CHAR
            "MetadataError", "MetadataReport", "NoMetadataError", "StagedMetadata", "latest_seq", "load_metadata",
            "read_metadata", "snapshot_file", "snapshot_key", "stage_metadata", "store_metadata"]
 
-SNAPSHOTS = "metadata/snapshots"
 HASH_SCHEME = "sha256-json-v2"  # row_hash: sha256 of the row's non-null cells as `"name":json`, by column name
 METADATA_MEMORY = "256MB"  # DuckDB's cap while it assembles, compares and sorts; past it, it spills to disk. It runs
 # inside the ingest flow (~0.7 GB of its own at 1M items), which must stay under 1 GB at 1M (BENCHMARKS.md)
@@ -279,7 +280,7 @@ def read_metadata(url: str) -> pa.Table:
 
 
 def snapshot_key(seq: int) -> str:
-    return f"{SNAPSHOTS}/{seq:08d}.parquet"
+    return metadata_snapshot_key(seq)
 
 
 def latest_seq(store: Location) -> int:

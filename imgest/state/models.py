@@ -8,6 +8,7 @@ import logging
 from imgest import encoders, records
 from imgest.errors import UserError
 from imgest.names import DEFAULT_MODEL
+from imgest.state import layout
 from imgest.state.aliases import read_alias
 from imgest.storage import Location, RecordError
 
@@ -65,22 +66,23 @@ def list_models(store: Location, left_out: dict[str, str] | None = None) -> list
     installation has (`encoders.recorded`). Any other is left out with a warning (and its reason in
     `left_out`, by slug, when given): never a URL to open."""
     models = []
-    for name in store.list_names("state"):
-        if name.startswith("model="):
-            key = f"state/{name}/model.json"
+    for name in store.list_names(layout.STATE):
+        if name.startswith(layout.MODEL):
+            slug = name.removeprefix(layout.MODEL)
+            key = layout.file_in(layout.file_in(layout.STATE, name), layout.MODEL_RECORD)
             if store.exists(key):
                 try:
-                    models.append(checked_model(store, key, name.removeprefix("model=")))
+                    models.append(checked_model(store, key, slug))
                 except (RecordError, encoders.EncoderError) as exc:
                     logging.getLogger("imgest").warning("model %s left out: %s", key, exc)
                     if left_out is not None:
-                        left_out[name.removeprefix("model=")] = str(exc)
+                        left_out[slug] = str(exc)
     return models
 
 
 def read_model(store: Location, slug: str) -> dict | None:
     """A model's record (None when the store has none), checked like `list_models` checks it."""
-    key = f"state/model={slug}/model.json"
+    key = layout.model_key(slug)
     return checked_model(store, key, slug) if store.exists(key) else None
 
 

@@ -27,10 +27,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from imgest.images import kept
+from imgest.state import layout
 from imgest.state.clock import now_iso
 from imgest.state.committed import SIDE_FOLDER as _SIDE_FOLDER
-from imgest.state.committed import pixels_prefix, state_prefix
 from imgest.state.committed import remove_orphan_pixels as remove_orphans  # noqa: F401 (the pixel files' sweep)
+from imgest.state.layout import kept_setting_key as setting_key
+from imgest.state.layout import pixels_key, pixels_prefix
 from imgest.storage import Location, StorageError
 
 SCHEMA = pa.schema([("item_id", pa.string()), ("content_hash", pa.string()), ("width", pa.int32()),
@@ -47,14 +49,6 @@ PLAIN_ONLY = frozenset({"PLAIN", "RLE", "BIT_PACKED"})
 
 class KeptPixelsError(ValueError):
     """A pixel file that cannot be trusted or read (damaged, planted, oversized): its items come from the catalogue."""
-
-
-def pixels_key(slug: str, side: int, shard: str) -> str:
-    return f"{pixels_prefix(slug)}/side={int(side)}/{shard}.parquet"
-
-
-def setting_key(slug: str) -> str:
-    return f"{state_prefix(slug)}/kept-pixels.json"
 
 
 def check_side(side: int) -> int:
@@ -115,7 +109,8 @@ def kept_shards(store: Location, slug: str) -> pa.Table:
 
 def models_keeping(store: Location) -> list[str]:
     """Slugs with a pixel folder in the store."""
-    return [name.split("=", 1)[1] for name in store.list_names("pixels") if name.startswith("model=")]
+    return [name.removeprefix(layout.MODEL) for name in store.list_names(layout.PIXELS)
+            if name.startswith(layout.MODEL)]
 
 
 class PixelShardWriter:

@@ -13,11 +13,10 @@ from datetime import UTC, datetime
 
 from imgest import records
 from imgest.lock import Fence
-from imgest.retrieval.versions import index_prefix
+from imgest.state import layout
 from imgest.state.aliases import list_aliases
-from imgest.state.committed import embeddings_prefix, state_prefix
+from imgest.state.layout import embeddings_prefix, index_prefix, pixels_prefix, state_prefix
 from imgest.state.models import read_model
-from imgest.state.pixels import pixels_prefix
 from imgest.storage import Location, RecordError
 
 
@@ -36,7 +35,7 @@ def needed_slugs(store: Location) -> set[str]:
 def retirement(store: Location, name: str) -> dict:
     """A retirement record checked before it can delete anything: its slug is the one its key names (a model
     slug, so never a path), its date a date with a timezone."""
-    key = f"migration/retire/{name}"
+    key = layout.file_in(layout.RETIRED, name)
     where = f"{store.url}: {key}"
     entry = store.read_json(key)
     slug = records.slug(records.field(entry, "slug", str, where), f"{where}: slug")
@@ -66,17 +65,18 @@ def collect_retired(store: Location, fence: Fence | None = None, now: datetime |
         if fence is not None:
             fence.check(store)
         for prefix in (embeddings_prefix(entry["slug"]), index_prefix(entry["slug"]), state_prefix(entry["slug"]),
-                       f"tuning/model={entry['slug']}", pixels_prefix(entry["slug"])):
+                       layout.tuning_prefix(entry['slug']), pixels_prefix(entry["slug"])):
             store.delete_tree(prefix)
         # the record stays: a retired model is never ingested again unless a new window migrates to it
         entry.pop("due")
-        store.write_json(f"migration/retire/{name}", {**entry, "deleted_at": now.isoformat(timespec="seconds")})
+        deleted_at = now.isoformat(timespec="seconds")
+        store.write_json(layout.file_in(layout.RETIRED, name), {**entry, "deleted_at": deleted_at})
         deleted.append(entry["slug"])
     return deleted
 
 
 def retired_names(store: Location) -> list[str]:
-    return [n for n in store.list_names("migration/retire") if n.endswith(".json") and records.SLUG.match(n[:-5])]
+    return [n for n in store.list_names(layout.RETIRED) if n.endswith(".json") and records.SLUG.match(n[:-5])]
 
 
 def retired_slugs(store: Location) -> set[str]:

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from imgest.state import layout
 from imgest.storage import Location, RecordError
 
 SCHEMA = pa.schema([
@@ -41,7 +42,7 @@ MIN_QUERIES = 30  # fewer recorded queries than this prove no agreement
 def shadow_prefix(window_id: str) -> str:
     if not isinstance(window_id, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", window_id):
         raise RecordError(f"window id {str(window_id)[:120]!r} is not a window id (letters, digits, . _ -)")
-    return f"migration/shadow/{window_id}"
+    return layout.shadow_prefix(window_id)
 
 
 def overlap(served: list[str], shadow: list[str]) -> float:

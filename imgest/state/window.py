@@ -6,9 +6,8 @@
 from __future__ import annotations
 
 from imgest import records
+from imgest.state.layout import WINDOW_KEY
 from imgest.storage import Location
-
-WINDOW_KEY = "migration/window.json"
 
 
 def read_window(store: Location) -> dict | None:

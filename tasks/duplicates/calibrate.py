@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 
 from imgest.images.decode import DecodeError
+from imgest.state.layout import calibration_prefix
 from imgest.storage import Location, RecordError, StorageError
 from imgest.tasks.duplicates.hashes import hamming, perceptual_hash, picture
 from imgest.tasks.duplicates.variants import KINDS, make_variant
@@ -250,10 +251,6 @@ def _nearest_others(originals, live, opened, picked: list[tuple]) -> tuple[list[
 
 class CalibrationError(RuntimeError):
     """No calibration could be measured (too few readable images); one line says why."""
-
-
-def calibration_prefix(slug: str) -> str:
-    return f"duplicates/calibration/model={slug}"
 
 
 def write_calibration(store: Location, calibration: Calibration, run: str) -> str:

@@ -15,10 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from imgest.scratch import scratch_folder
+from imgest.state.layout import DUPLICATE_HASHES as PREFIX
 from imgest.state.rows import scratch_sql, sql_string
 from imgest.storage import Location, RecordError, StorageError
 
-PREFIX = "duplicates/hashes"
 _SCHEMA = pa.schema([("content_hash", pa.string()), ("phash", pa.uint64())])
 
 

@@ -19,7 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from imgest.state import layout
 from imgest.state.clock import now_iso
+from imgest.state.layout import duplicate_pairs_key as pairs_key
+from imgest.state.layout import duplicates_prefix
+from imgest.state.layout import duplicates_report_key as report_key
 from imgest.state.rows import scratch_sql, sql_string
 from imgest.storage import Location, StorageError
 from imgest.tasks.duplicates.groups import SIGNALS, Groups, found_by
@@ -60,14 +64,6 @@ class DuplicateReport:
                 "groups_shown": len(self.groups), "groups": self.groups}
 
 
-def report_key(slug: str, run: str) -> str:
-    return f"duplicates/model={slug}/{run}.parquet"
-
-
-def pairs_key(slug: str, run: str) -> str:
-    return f"duplicates/pairs/model={slug}/{run}.parquet"
-
-
 def _cases(column: str, names: dict[int, str]) -> str:
     return f"CASE {column} " + " ".join(f"WHEN {k} THEN {sql_string(v)}" for k, v in names.items()) + " END"
 
@@ -105,13 +101,13 @@ def new_groups(store: Location, slug: str, report: str, folder: str) -> int:
     report; all of them when there is none, or it is not one imgest wrote."""
     from imgest.storage.cache import local_copy
 
-    names = sorted(n for n in store.list_names(f"duplicates/model={slug}") if n.endswith(".parquet"))
+    names = sorted(n for n in store.list_names(duplicates_prefix(slug)) if n.endswith(".parquet"))
     members = "SELECT list(item_id ORDER BY item_id) AS members FROM read_parquet({}) GROUP BY \"group\""
     with scratch_sql(folder) as con:
         if names:
             import duckdb
 
-            key = f"duplicates/model={slug}/{names[-1]}"
+            key = layout.file_in(duplicates_prefix(slug), names[-1])
             try:
                 before = local_copy(store, key, os.path.join(folder, "before"), checksum=names[-1], suffix=".parquet")
                 return con.execute(f"SELECT count(*) FROM ({members.format(sql_string(report))}) ANTI JOIN "

@@ -27,7 +27,6 @@ from imgest.retrieval.versions import (
     IdMapFile,
     IndexIntegrityError,
     ids_file,
-    index_prefix,
     previous_version,
     read_card,
     read_index_for_update,
@@ -40,6 +39,7 @@ from imgest.runners import shard_runner
 from imgest.state.aliases import aliases_to_move, set_alias
 from imgest.state.committed import LIVE, load_state
 from imgest.state.drift import Reference, reference, write_reference
+from imgest.state.layout import build_record_key
 from imgest.state.live import LiveShards, live_set
 from imgest.storage import Location
 from imgest.tasks.index.build import (
@@ -357,10 +357,6 @@ def fallback_task(choice: IndexChoice, n: int, d: int, memory: str, disk: str, t
 def build_key(inputs: dict) -> str:
     """What determines an index: the model's live state, the choice and tuning parameters, the code."""
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def build_record_key(slug: str, key: str) -> str:
-    return f"{index_prefix(slug)}/builds/{key}.json"
 
 
 def reusable_version(store: Location, slug: str, key: str) -> dict | None:

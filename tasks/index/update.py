@@ -27,7 +27,8 @@ import pyarrow.parquet as pq
 
 from imgest.retrieval.params import refine_of
 from imgest.retrieval.versions import IdMapFile, IndexIntegrityError
-from imgest.state.committed import LIVE, CatalogueState, shard_key, shard_run_id
+from imgest.state.committed import LIVE, CatalogueState, shard_run_id
+from imgest.state.layout import shard_key
 from imgest.state.live import read_vectors
 from imgest.state.rows import SORT_MEMORY, one_thread, sql_string
 from imgest.state.shards import UNRECORDED, shard_decoder, shard_encoder

@@ -23,6 +23,7 @@ from imgest import encoders
 from imgest.encoders import Encoder, EncoderError, compiled, device_key, parity, runtimes
 from imgest.encoders import precision as precisions
 from imgest.state.clock import now_iso
+from imgest.state.layout import tuning_key
 from imgest.storage import Location
 from imgest.timing import Stopwatch
 
@@ -143,11 +144,6 @@ def tune_batch_size(encoder: Encoder, candidates: tuple[int, ...] | None = None,
     best_size = max(measured, key=measured.get)
     return Tuning(best_size, device, device_key(device), encoder.spec.model_id, measured, stopped, now_iso(),
                   encoder.runtime, encoder.precision)
-
-
-def tuning_key(slug: str, key: str, runtime: str = "torch", precision: str = "fp32",
-               batch: int | None = None) -> str:
-    return f"tuning/model={slug}/{key}-{runtime}-{precision}-batch-{batch or 'auto'}.json"
 
 
 def _read_tuning(cached: object, key: str, encoder: Encoder) -> Tuning | None:

@@ -11,6 +11,7 @@ import pyarrow as pa
 from imgest.encoders import EncoderSpec
 from imgest.lock import Fence
 from imgest.names import VERSION
+from imgest.state import layout
 from imgest.state.clock import now_iso
 from imgest.state.committed import CatalogueState, read_marker, write_snapshot
 from imgest.storage import Location
@@ -97,11 +98,11 @@ class RunSummary:
 
 
 def summary_key(run_id: str) -> str:
-    return f"runs/{run_id}.json"
+    return layout.run_summary_key(run_id)
 
 
 def timeline_key(run_id: str) -> str:
-    return f"runs/{run_id}.shards.parquet"
+    return layout.run_timeline_key(run_id)
 
 
 def shard_timeline(results: list[ShardResult]) -> pa.Table:

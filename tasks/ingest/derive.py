@@ -8,7 +8,7 @@ read and decoded.
 from __future__ import annotations
 
 from imgest.encoders import Encoder
-from imgest.state.committed import shard_key
+from imgest.state.layout import shard_key
 from imgest.state.shards import embedding_matrix
 from imgest.storage import Location
 from imgest.tasks.ingest.plan import WorkItem

@@ -18,7 +18,8 @@ from imgest.records import RecordError
 from imgest.state import pixels
 from imgest.state.aliases import read_alias
 from imgest.state.clock import now_iso
-from imgest.state.committed import load_state, state_prefix
+from imgest.state.committed import load_state
+from imgest.state.layout import kept_gate_key as gate_key
 from imgest.state.models import list_models
 from imgest.storage import Location, StorageError
 from imgest.tasks.ingest.plan import Plan, attach_kept
@@ -60,10 +61,6 @@ def source_model(store: Location, slug: str) -> str | None:
         return serving["slug"]
     known = {m["slug"] for m in list_models(store)}
     return next((s for s in sorted(keeping) if s in known), None)
-
-
-def gate_key(slug: str) -> str:
-    return f"{state_prefix(slug)}/kept-gate.json"
 
 
 def kept_gate(store: Location, slug: str, encoder, reference: decoders.Decode, source_decoder: str, side: int,

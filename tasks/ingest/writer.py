@@ -12,7 +12,7 @@ import pyarrow as pa
 from imgest.encoders import EncoderSpec
 from imgest.lock import Fence
 from imgest.state.clock import now_iso
-from imgest.state.committed import commit_key, shard_key
+from imgest.state.layout import commit_key, shard_key
 from imgest.state.pixels import PixelShardWriter
 from imgest.state.shards import DTYPES, shard_schema
 from imgest.storage import Location

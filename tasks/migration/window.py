@@ -17,16 +17,17 @@ from imgest.encoders import EncoderSpec
 from imgest.errors import UserError
 from imgest.events import emit
 from imgest.lock import Fence, RecordChangedError, fenced_delete, fenced_write
-from imgest.retrieval.versions import index_prefix, list_versions, open_index, read_card
+from imgest.retrieval.versions import list_versions, open_index, read_card
+from imgest.state import layout
 from imgest.state.aliases import delete_alias, list_aliases, read_alias, set_alias
 from imgest.state.clock import now_iso
-from imgest.state.committed import embeddings_prefix, latest_snapshot_seq, state_prefix
+from imgest.state.committed import latest_snapshot_seq
+from imgest.state.layout import WINDOW_KEY, embeddings_prefix, index_prefix, pixels_prefix, state_prefix
 from imgest.state.models import find_model, read_model
-from imgest.state.pixels import pixels_prefix
 from imgest.state.retention import collect_retired, retired_slugs
 from imgest.state.shadow import check_agreement
 from imgest.state.shadow import summary as shadow_summary
-from imgest.state.window import WINDOW_KEY, read_window
+from imgest.state.window import read_window
 from imgest.storage import Location
 from imgest.tasks.migration.coverage import coverage
 
@@ -95,7 +96,7 @@ def open_window(store: Location, serving_slug: str, target: dict, catalogue: str
     except RecordChangedError:
         _check(store, fence)
         return open_window(store, serving_slug, target, catalogue, fence)  # another start won the race
-    store.delete(f"migration/retire/{target['slug']}.json")  # migrating back to a retired model revives it
+    store.delete(layout.retired_key(target['slug']))  # migrating back to a retired model revives it
     _announce("imgest.migration.opened", store, window, window["to"]["slug"])
     return window
 
@@ -320,9 +321,9 @@ def finish(store: Location, retain_days: float = 7.0, fence: Fence | None = None
     record(store, window, "finished", fence, keep=keep, retire=drop["slug"], retire_after=retire_at)
     for name in ("previous", "shadow"):  # window-only aliases: rollback is no longer possible after finish
         delete_alias(store, name, fence)
-    store.write_json(f"migration/retire/{drop['slug']}.json", {**drop, "retire_after": retire_at,
+    store.write_json(layout.retired_key(drop['slug']), {**drop, "retire_after": retire_at,
                                                                "window": window["id"]})
-    store.write_json(f"migration/history/{window['id']}.json", window)
+    store.write_json(layout.closed_window_key(window['id']), window)
     fenced_delete(store, WINDOW_KEY, _stored_version(store, window, fence), fence)
     _announce("imgest.migration.finished", store, window, drop["slug"], retire_after=retire_at)
     return {"window": window, "deleted": collect_retired(store, fence, now)}
@@ -330,8 +331,8 @@ def finish(store: Location, retain_days: float = 7.0, fence: Fence | None = None
 
 def last_closed(store: Location) -> dict | None:
     """The window closed last (migration/history/), or None."""
-    closed = [store.read_json(f"migration/history/{name}") for name in store.list_names("migration/history")
-              if name.endswith(".json")]
+    closed = [store.read_json(layout.file_in(layout.CLOSED_WINDOWS, name))
+              for name in store.list_names(layout.CLOSED_WINDOWS) if name.endswith(".json")]
     closed = [w for w in closed if isinstance(w, dict) and w.get("status") == "finished"]
     return max(closed, key=lambda w: str(w.get("closed_at", "")), default=None)
 

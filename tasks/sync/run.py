@@ -22,7 +22,8 @@ from imgest.lock import StoreLock, StoreLockedError
 from imgest.progress import report
 from imgest.scratch import scratch_folder
 from imgest.state.clock import now_iso
-from imgest.state.committed import LIVE, load_state, shard_key
+from imgest.state.committed import LIVE, load_state
+from imgest.state.layout import shard_key
 from imgest.state.live import LIVE_BATCH, METADATA_BATCH, first_of_each, live_fingerprint, shard_groups
 from imgest.state.metadata import snapshot_file
 from imgest.state.models import find_model

@@ -21,10 +21,10 @@ import pyarrow.parquet as pq
 
 from imgest import records
 from imgest.lock import Fence
+from imgest.state.layout import sync_target_prefix
 from imgest.storage import Location
 from imgest.storage.cache import local_copy
 
-SYNC_DIR = "sync"
 _NAME = re.compile(r"^(\d{8})(\.json|\.intent\.parquet|\.manifest\.parquet)$")
 MANIFEST_SCHEMA = pa.schema([("item_id", pa.string()), ("content_hash", pa.string()), ("meta_hash", pa.string())])
 
@@ -34,7 +34,7 @@ class WatermarkError(RuntimeError):
 
 
 def target_dir(target_slug: str) -> str:
-    return f"{SYNC_DIR}/{target_slug}"
+    return sync_target_prefix(target_slug)
 
 
 def model_dir(target_slug: str, model_slug: str) -> str:

@@ -14,15 +14,15 @@ import re
 from collections import Counter
 
 from imgest import records
-from imgest.state.committed import embeddings_prefix
+from imgest.state.layout import MODEL, embeddings_prefix, nightly_history_prefix
+from imgest.state.layout import NIGHTLY_HISTORY as HISTORY
 from imgest.storage import Location
 
-HISTORY = "history/nightly"
 ROW_VERSION = 1
 
 
 def history_prefix(slug: str) -> str:
-    return f"{HISTORY}/model={records.slug(slug, 'history model')}"
+    return nightly_history_prefix(slug)
 
 
 def reason_of(message: str) -> str:
@@ -81,7 +81,7 @@ def record_night(store: Location, row: dict) -> str:
 def read_history(store: Location, slug: str | None = None, nights: int = 30) -> list[dict]:
     """The newest `nights` rows of one model (every model's when None), oldest first. A row that does not
     read as a history row is skipped with its name in a warning, never trusted."""
-    slugs = [slug] if slug else [f.removeprefix("model=") for f in store.folders(HISTORY) if f.startswith("model=")]
+    slugs = [slug] if slug else [f.removeprefix(MODEL) for f in store.folders(HISTORY) if f.startswith(MODEL)]
     rows = []
     for one in slugs:
         try:

@@ -7,7 +7,7 @@ from imgest.images import decoders
 from imgest.lock import current_holder
 from imgest.records import RecordError
 from imgest.retrieval.versions import IndexIntegrityError, IndexNotFoundError, read_card
-from imgest.state import pixels
+from imgest.state import layout, pixels
 from imgest.state.aliases import read_alias
 from imgest.state.committed import DELETED, FAILED, LIVE, REJECTED, latest_snapshot_seq, load_state
 from imgest.state.models import list_models
@@ -15,9 +15,9 @@ from imgest.storage import Location, open_location
 
 
 def last_run(store: Location, slug: str) -> dict | None:
-    runs = [n for n in store.list_names("runs") if n.endswith(".json")]
+    runs = [n for n in store.list_names(layout.RUNS) if n.endswith(".json")]
     for name in sorted(runs, reverse=True):
-        summary = store.read_json(f"runs/{name}")
+        summary = store.read_json(layout.file_in(layout.RUNS, name))
         if summary.get("slug") == slug:
             return {k: v for k, v in summary.items() if k not in ("rejected_items", "removed_orphans", "parameters")}
     return None
