@@ -258,12 +258,10 @@ def test_the_key_finder_finds_a_spelled_key_and_passes_a_built_one():
                          'msg = f"model={slug} v{version}"\n') == []
 
 
-@pytest.mark.parametrize("path", [p for p in _modules() if p.name != "layout.py"],
-                         ids=lambda p: str(p.relative_to(ROOT)))
-def test_no_module_but_the_layout_spells_a_store_key(path):
-    spelled = _spelled_keys(path.read_text())
-    assert not spelled, (f"{path.relative_to(ROOT)} builds store keys from strings {spelled}: a key is built by "
-                         "imgest/state/layout.py")
+def test_no_module_but_the_layout_spells_a_store_key():
+    spelled = {str(path.relative_to(ROOT)): found for path in _modules() if path.name != "layout.py"
+               if (found := _spelled_keys(path.read_text()))}
+    assert not spelled, f"store keys built from strings (a key is built by imgest/state/layout.py): {spelled}"
 
 
 def test_the_store_page_shows_the_layout_and_the_layout_sits_below_every_floor():
