@@ -15,7 +15,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,13 +24,13 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from imgest.state import pixels
 from imgest.state.clock import now_iso
 from imgest.state.layout import (
     DELTA,
     commit_key,
     commits_prefix,
     embeddings_prefix,
-    pixels_prefix,
     snapshot_key,
     snapshots_prefix,
     state_prefix,
@@ -344,28 +343,11 @@ def remove_orphan_shards(store: Location, state: CatalogueState, now: datetime |
         if name.startswith(TEMP_PREFIX) or (stem and stem not in needed):
             store.delete(f"{embeddings_prefix(state.slug)}/{name}")
             removed.append(name)
-    removed += remove_orphan_pixels(store, state.slug, needed)  # the shards' kept pixels follow them
-    for folder in (f"{state_prefix(state.slug)}/commits", f"{state_prefix(state.slug)}/snapshots"):
+    removed += pixels.remove_orphans(store, state.slug, needed)  # the shards' kept pixels follow them
+    for folder in (commits_prefix(state.slug), snapshots_prefix(state.slug)):
         for name in store.list_names(folder, temp=True):  # a marker or snapshot killed before its rename
             if name.startswith(TEMP_PREFIX):
                 store.delete(f"{folder}/{name}")
-    return removed
-
-
-SIDE_FOLDER = re.compile(r"side=(\d{1,4})")
-
-
-def remove_orphan_pixels(store: Location, slug: str, needed: set[str]) -> list[str]:
-    """Delete pixel files whose shard no committed state refers to (`needed`), and temp files of a killed write."""
-    removed = []
-    for folder in store.list_names(pixels_prefix(slug), temp=True):
-        if not SIDE_FOLDER.fullmatch(folder):
-            continue
-        for name in store.list_names(f"{pixels_prefix(slug)}/{folder}", temp=True):
-            stem = name[:-len(".parquet")] if name.endswith(".parquet") else None
-            if name.startswith(TEMP_PREFIX) or (stem and stem not in needed):
-                store.delete(f"{pixels_prefix(slug)}/{folder}/{name}")
-                removed.append(f"{folder}/{name}")
     return removed
 
 

@@ -19,6 +19,7 @@ with a warning and its items read from the catalogue (`KeptPixelsError`).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -29,11 +30,10 @@ import pyarrow.parquet as pq
 from imgest.images import kept
 from imgest.state import layout
 from imgest.state.clock import now_iso
-from imgest.state.committed import SIDE_FOLDER as _SIDE_FOLDER
-from imgest.state.committed import remove_orphan_pixels as remove_orphans  # noqa: F401 (the pixel files' sweep)
 from imgest.state.layout import kept_setting_key as setting_key
 from imgest.state.layout import pixels_key, pixels_prefix
 from imgest.storage import Location, StorageError
+from imgest.storage.conditional import TEMP_PREFIX
 
 SCHEMA = pa.schema([("item_id", pa.string()), ("content_hash", pa.string()), ("width", pa.int32()),
                     ("height", pa.int32()), ("codec", pa.string()), ("bytes", pa.binary())])
@@ -98,7 +98,7 @@ def kept_shards(store: Location, slug: str) -> pa.Table:
     one of ours is left out)."""
     shards, sides = [], []
     for folder in store.list_names(pixels_prefix(slug)):
-        if not (m := _SIDE_FOLDER.fullmatch(folder)) or not MIN_SIDE <= int(m.group(1)) <= MAX_SIDE:
+        if not (m := SIDE_FOLDER.fullmatch(folder)) or not MIN_SIDE <= int(m.group(1)) <= MAX_SIDE:
             continue
         for name in store.list_names(f"{pixels_prefix(slug)}/{folder}"):
             if name.endswith(".parquet"):
@@ -215,3 +215,20 @@ def coverage(store: Location, slug: str, state) -> dict:
     sides = sorted(set(kept_table["side"].to_pylist()))
     return {"side": read_setting(store, slug), "live_items": covered, "files": len(files),
             "bytes": sum(size for _, size in files), "sides": sides}
+
+
+SIDE_FOLDER = re.compile(r"side=(\d{1,4})")
+
+
+def remove_orphans(store: Location, slug: str, needed: set[str]) -> list[str]:
+    """Delete pixel files whose shard no committed state refers to (`needed`), and temp files of a killed write."""
+    removed = []
+    for folder in store.list_names(pixels_prefix(slug), temp=True):
+        if not SIDE_FOLDER.fullmatch(folder):
+            continue
+        for name in store.list_names(f"{pixels_prefix(slug)}/{folder}", temp=True):
+            stem = name[:-len(".parquet")] if name.endswith(".parquet") else None
+            if name.startswith(TEMP_PREFIX) or (stem and stem not in needed):
+                store.delete(f"{pixels_prefix(slug)}/{folder}/{name}")
+                removed.append(f"{folder}/{name}")
+    return removed
