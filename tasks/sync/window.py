@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from imgest.config import SyncConfig
+from imgest.state import layout
 from imgest.state.aliases import read_alias
 from imgest.state.window import read_window
 from imgest.storage import Location
@@ -28,6 +29,6 @@ def switch_targets(store: Location, targets: tuple[str, ...]) -> dict:
     are listed by their folder, never contacted (a URL read from a store is not trusted to connect to)."""
     switched = [sync_task(SyncConfig(store=store.url, to=target, alias="serving")) for target in targets]
     named = {parse_target(target).slug for target in targets}
-    others = [slug for slug in store.list_names(watermark.SYNC_DIR) if slug not in named and
+    others = [slug for slug in store.list_names(layout.SYNC) if slug not in named and
               watermark.synced_models(store, slug)]
     return {"switched": switched, "not_switched": sorted(others)}
