@@ -296,3 +296,39 @@ def test_the_floors_import_one_way():
             floor = _floor(imported)
             assert floor is None or FLOORS.index(floor) <= FLOORS.index(own), \
                 f"{path.relative_to(ROOT)}:{line} imports {imported}, a floor above {own}"
+
+
+def _module_attributes(path: pathlib.Path) -> list[tuple[int, str, str]]:
+    """(line, module, attribute) for each `alias.attribute` read where `alias` is an imgest module the file imports
+    and no function there binds the name to something else (a parameter or an assignment)."""
+    tree = ast.parse(path.read_text())
+    modules = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("imgest"):
+            for alias in node.names:
+                if _resolves(f"{node.module}.{alias.name}"):
+                    modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            modules.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("imgest")})
+    shadowed: set[int] = set()
+    for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)):
+        bound = {a.arg for a in function.args.args + function.args.kwonlyargs + function.args.posonlyargs}
+        bound |= {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        shadowed |= {id(n) for n in ast.walk(function) if isinstance(n, ast.Attribute)
+                     and isinstance(n.value, ast.Name) and n.value.id in bound}
+    return [(n.lineno, modules[n.value.id], n.attr) for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and isinstance(n.value, ast.Name)
+            and n.value.id in modules and id(n) not in shadowed]
+
+
+def test_every_module_attribute_read_exists():
+    """A name read from an imported imgest module (`watermark.SYNC_DIR`) exists there: a rename or a removed
+    re-export fails here, not in the one flow that reads it."""
+    import importlib
+
+    missing = []
+    for path in [*_modules(), *sorted((ROOT / "tests").glob("*.py"))]:
+        for line, module, attribute in _module_attributes(path):
+            if not hasattr(importlib.import_module(module), attribute):
+                missing.append(f"{path.relative_to(ROOT)}:{line} {module}.{attribute}")
+    assert not missing, missing
