@@ -31,6 +31,7 @@ from imgest.state.layout import (
     commit_key,
     commits_prefix,
     embeddings_prefix,
+    file_in,
     snapshot_key,
     snapshots_prefix,
     state_prefix,
@@ -341,13 +342,13 @@ def remove_orphan_shards(store: Location, state: CatalogueState, now: datetime |
     for name in store.list_names(embeddings_prefix(state.slug), temp=True):
         stem = name[:-len(".parquet")] if name.endswith(".parquet") else None
         if name.startswith(TEMP_PREFIX) or (stem and stem not in needed):
-            store.delete(f"{embeddings_prefix(state.slug)}/{name}")
+            store.delete(file_in(embeddings_prefix(state.slug), name))
             removed.append(name)
     removed += pixels.remove_orphans(store, state.slug, needed)  # the shards' kept pixels follow them
     for folder in (commits_prefix(state.slug), snapshots_prefix(state.slug)):
         for name in store.list_names(folder, temp=True):  # a marker or snapshot killed before its rename
             if name.startswith(TEMP_PREFIX):
-                store.delete(f"{folder}/{name}")
+                store.delete(file_in(folder, name))
     return removed
 
 

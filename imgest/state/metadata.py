@@ -22,7 +22,7 @@ import pyarrow as pa
 from imgest.scratch import scratch_folder
 from imgest.state.clock import now_iso
 from imgest.state.layout import METADATA_SNAPSHOTS as SNAPSHOTS
-from imgest.state.layout import metadata_snapshot_key
+from imgest.state.layout import metadata_snapshot_key as snapshot_key
 from imgest.state.metadata_file import (
     ID_COLUMNS,
     MAX_BLOCK_BYTES,
@@ -277,10 +277,6 @@ def read_metadata(url: str) -> pa.Table:
         return staged.table()
     finally:
         staged.close()
-
-
-def snapshot_key(seq: int) -> str:
-    return metadata_snapshot_key(seq)
 
 
 def latest_seq(store: Location) -> int:

@@ -100,7 +100,7 @@ def kept_shards(store: Location, slug: str) -> pa.Table:
     for folder in store.list_names(pixels_prefix(slug)):
         if not (m := SIDE_FOLDER.fullmatch(folder)) or not MIN_SIDE <= int(m.group(1)) <= MAX_SIDE:
             continue
-        for name in store.list_names(f"{pixels_prefix(slug)}/{folder}"):
+        for name in store.list_names(layout.file_in(pixels_prefix(slug), folder)):
             if name.endswith(".parquet"):
                 shards.append(name[:-len(".parquet")])
                 sides.append(int(m.group(1)))
@@ -226,9 +226,10 @@ def remove_orphans(store: Location, slug: str, needed: set[str]) -> list[str]:
     for folder in store.list_names(pixels_prefix(slug), temp=True):
         if not SIDE_FOLDER.fullmatch(folder):
             continue
-        for name in store.list_names(f"{pixels_prefix(slug)}/{folder}", temp=True):
+        side = layout.file_in(pixels_prefix(slug), folder)
+        for name in store.list_names(side, temp=True):
             stem = name[:-len(".parquet")] if name.endswith(".parquet") else None
             if name.startswith(TEMP_PREFIX) or (stem and stem not in needed):
-                store.delete(f"{pixels_prefix(slug)}/{folder}/{name}")
+                store.delete(layout.file_in(side, name))
                 removed.append(f"{folder}/{name}")
     return removed

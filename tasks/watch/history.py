@@ -14,15 +14,12 @@ import re
 from collections import Counter
 
 from imgest import records
-from imgest.state.layout import MODEL, embeddings_prefix, nightly_history_prefix
+from imgest.state.layout import MODEL, embeddings_prefix
 from imgest.state.layout import NIGHTLY_HISTORY as HISTORY
+from imgest.state.layout import nightly_history_prefix as history_prefix
 from imgest.storage import Location
 
 ROW_VERSION = 1
-
-
-def history_prefix(slug: str) -> str:
-    return nightly_history_prefix(slug)
 
 
 def reason_of(message: str) -> str:
