@@ -307,6 +307,33 @@ def test_a_turn_held_too_long_is_passed_by_with_a_warning(compiled_cache, monkey
         waiting.join(30)
     assert done == [os.path.join(entry.folder, compiled.MODEL_FILE)]
     assert "another process has held it for 0.3 s; done here too" in caplog.text
+
+
+@pytest.mark.slow("an OpenVINO compile")
+def test_a_compile_waits_for_the_one_under_way_and_loads_its_blob(compiled_cache):
+    """OpenVINO writes its compiled blob in place: a second process compiling the same entry beside the first
+    would rewrite the file under any process that had mapped it (SIGBUS at its next inference, seen in a run of
+    this suite). The second compile waits its turn, then loads the blob the first wrote."""
+    import torch
+
+    graph = graphs.Graph("image", torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4)),
+                         (np.zeros((2, 3, 2, 2), np.float32),), ((0,),))
+    runtime = runtimes.get("openvino")
+    first = runtime.compile(graph, "fp32", "cpu", "tiny@1")
+    blobs = compiled_cache.glob("*/blobs/*.blob")
+    (blob,) = blobs
+    written = blob.stat().st_ino, blob.stat().st_mtime_ns
+    done = []
+    second = openvino_runtime._OpenVINORunner(first.xml, first.blobs, first.precision)
+    with compiled.one_at_a_time(openvino_runtime.compile_job(first.blobs)):
+        waiting = threading.Thread(target=lambda: done.append(second.request(max(1, torch.get_num_threads()))))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and not done, "the second compile did not wait its turn"
+    waiting.join(30)
+    assert done and (blob.stat().st_ino, blob.stat().st_mtime_ns) == written  # loaded, not written again
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 2, 2)
+    np.testing.assert_allclose(second(x), first(x), rtol=1e-6)
 def test_precisions_follow_the_cpu(monkeypatch):
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
     assert precision.native_precisions("cpu") == ("fp32",)

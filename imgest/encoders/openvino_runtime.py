@@ -112,6 +112,11 @@ def _core():
     return ov.Core()
 
 
+def compile_job(blobs: str) -> str:
+    """The host-wide turn (`compiled.one_at_a_time`) for compiling into the blob folder `blobs`."""
+    return f"compile {blobs}"
+
+
 class _OpenVINORunner:
     def __init__(self, xml: str, blobs: str, precision: str):
         self.xml, self.blobs, self.precision = xml, blobs, precision
@@ -124,13 +129,23 @@ class _OpenVINORunner:
         if threads not in requests:
             with self._lock:
                 if threads not in self._compiled:
-                    # CACHE_DIR: OpenVINO keeps the compiled blob (per precision and threads) and reloads it
-                    # instead of compiling again; pinning off, so decode processes share the cores fairly
-                    self._compiled[threads] = _core().compile_model(self.xml, "CPU", {
-                        "INFERENCE_PRECISION_HINT": self.precision, "INFERENCE_NUM_THREADS": threads,
-                        "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": False, "CACHE_DIR": self.blobs})
+                    self._compiled[threads] = self._compile(threads)
                 requests[threads] = self._compiled[threads].create_infer_request()
         return requests[threads]
+
+    def _compile(self, threads: int):
+        """CACHE_DIR: OpenVINO keeps the compiled blob (per precision and threads) and maps it from the file when
+        it loads it again instead of compiling; pinning off, so decode processes share the cores fairly.
+        OpenVINO writes a blob in place, not through a rename, so two processes compiling one model at once (two
+        ingests, two workers of a host) could rewrite the file under a third that had mapped it: that process
+        dies of SIGBUS at its next inference. One process of the host compiles an entry at a time; the next
+        loads the blob the first wrote."""
+        from imgest.encoders import compiled
+
+        with compiled.one_at_a_time(compile_job(self.blobs)):
+            return _core().compile_model(self.xml, "CPU", {
+                "INFERENCE_PRECISION_HINT": self.precision, "INFERENCE_NUM_THREADS": threads,
+                "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": False, "CACHE_DIR": self.blobs})
 
     def __call__(self, *inputs):
         import torch
