@@ -7,6 +7,7 @@ everything else is reached through `imgest.flows` (Prefect flows), `imgest.tasks
 
 from __future__ import annotations
 
+from imgest.memory import prefer_huge_pages
 from imgest.names import VERSION
 from imgest.redact import redact_logging
 
@@ -16,6 +17,8 @@ __all__ = ["FollowingSearcher", "Query", "Searcher", "__version__", "search"]
 # Every process that imports imgest (the CLI, workers, Dask) masks secrets in Prefect's log records, tracebacks
 # included, before they reach its database.
 redact_logging()
+# Before torch is imported: its large CPU tensors on huge pages (imgest/memory.py).
+prefer_huge_pages()
 
 
 def __getattr__(name: str):

@@ -28,6 +28,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
+from imgest import memory  # noqa: E402
 from tests.helpers import make_tiny_hf_model  # noqa: E402
 from tests.s3servers import DEFAULT as S3_DEFAULT  # noqa: E402
 from tests.s3servers import SERVERS as S3_SERVERS  # noqa: E402
@@ -53,12 +54,27 @@ def pytest_configure(config):
     `-n N`, whose environment its workers start with (a worker's own count of workers comes too late: this file
     was read and its environment copied before), else by the single test process. Subprocesses of a test
     inherit it. A count set in the environment is kept (OMP_NUM_THREADS=2 is every core here, as before the
-    budget: docs/development.md)."""
+    budget: docs/development.md). Huge pages likewise, for glibc (`_with_huge_pages`) and for torch, whichever
+    a worker imports first (imgest sets torch's when it is imported first: tests/test_memory.py)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
     workers = getattr(config.option, "numprocesses", None)
     for name in THREAD_VARIABLES:
         os.environ.setdefault(name, str(_thread_budget(workers if isinstance(workers, int) else 1)))
+    os.environ["GLIBC_TUNABLES"] = _with_huge_pages(os.environ.get("GLIBC_TUNABLES", ""))
+    os.environ.setdefault(memory.TORCH_HUGE_PAGES, "1")
+
+
+def _with_huge_pages(tunables: str) -> str:
+    """glibc's heap and its large blocks on transparent huge pages (the deployment image sets the same,
+    infra/Dockerfile) in the workers and every process a test starts: read when a process starts, so the
+    controlling process sets it for those it starts. The suite's processes allocate and free a great deal (torch
+    activations, decoded photos, Arrow buffers), each page faulted in by the kernel: a run of
+    tests/test_multiscale.py took 13.4 million page faults and 119 s without, 0.9 million and 86 s with this
+    and imgest's own setting for torch (imgest/memory.py). A tunable already set is kept."""
+    if "glibc.malloc.hugetlb" in tunables:
+        return tunables
+    return ":".join(filter(None, (tunables, "glibc.malloc.hugetlb=1")))
 
 
 SLOW_CAUSES = {"prefect_harness": "a Prefect server", "installed_imgest": "a fresh install",

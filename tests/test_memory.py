@@ -36,3 +36,37 @@ def test_memory_a_step_freed_goes_back_to_the_system():
                                                    text=True).stdout.split())
     assert freed - before > 100, (before, freed)  # Arrow's pool kept the freed strings...
     assert after - before < 0.25 * (freed - before), (before, freed, after)  # ...until given back
+
+
+HUGE = """
+import imgest, torch
+tensor = torch.ones(64 << 20, dtype=torch.uint8)  # a 64 MB activation's worth, every page touched
+address = tensor.data_ptr()
+huge_kb, inside = 0, False
+for line in open("/proc/self/smaps"):
+    if "-" in line.split(" ", 1)[0]:
+        start, end = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+        inside = start <= address < end
+    elif inside and line.startswith("AnonHugePages:"):
+        huge_kb = int(line.split()[1])
+print(huge_kb)
+"""
+
+
+def _huge_kb(**env: str) -> int:
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES")}
+    return int(subprocess.run([sys.executable, "-c", HUGE], check=True, capture_output=True, text=True,
+                              env={**clean, **env}).stdout)
+
+
+@pytest.mark.slow("a subprocess")
+def test_a_process_that_imports_imgest_puts_torchs_large_tensors_on_huge_pages():
+    """Eager torch's activations are faulted in page by page otherwise (imgest/memory.py): half of its time on
+    a CPU here. A user's own choice in the environment is kept."""
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as fh:
+        if "[never]" in fh.read():
+            pytest.skip("this kernel's transparent huge pages are off")
+    assert _huge_kb() >= 32 << 10  # most of the 64 MB on 2 MB pages
+    assert _huge_kb(THP_MEM_ALLOC_ENABLE="0") == 0
