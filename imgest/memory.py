@@ -44,8 +44,9 @@ def prefer_huge_pages() -> None:
     """torch's CPU tensors of 2 MB and more on transparent huge pages, unless the environment says otherwise.
 
     Eager torch allocates a forward pass's activations afresh at every batch (tens of MB each, mapped and
-    unmapped by glibc), and the kernel faults them in 4 KB at a time: Lite0-GeM at batch 32 on one core took 4.5
-    million page faults for 192 images, 14.6 s with 9 s of it in the kernel; on huge pages, 0.1 million and 7.2 s
-    (BENCHMARKS.md). torch reads its switch once, at its first allocation, so this runs before torch is imported
-    (`import imgest` does it). OpenVINO keeps its buffers between requests and is not affected."""
+    unmapped by glibc), and the kernel faults them in 4 KB at a time: Lite0-GeM at batch 32 on one core, 14.1
+    img/s with 6 million page faults for 256 photos, most of its time the kernel's; on huge pages 27.5 img/s and
+    0.16 million (BENCHMARKS.md, "Eager torch on huge pages"). torch reads its switch once, at its first
+    allocation, so this runs before torch is imported (`import imgest` does it). OpenVINO keeps its buffers
+    between requests and is not affected."""
     os.environ.setdefault(TORCH_HUGE_PAGES, "1")
