@@ -90,6 +90,15 @@ def small_catalogue(n: int, seed: int = 0, prefix: str = "img") -> dict[str, byt
     return {f"{prefix}/{i:04d}.jpg": jpeg_bytes(gradient(seed * 10_000 + i)) for i in range(n)}
 
 
+def ingest_into(catalogue, store, **options) -> dict:
+    """One ingest flow run of `catalogue` into `store` (folders or URLs), `options` as IngestConfig's fields: what
+    `imgest ingest` runs, called as the Python API is. Returns the run's summary."""
+    from imgest.config import IngestConfig
+    from imgest.flows.ingest import ingest
+
+    return ingest(IngestConfig(catalogue=str(catalogue), store=str(store), **options))
+
+
 SENTENCEPIECE_VOCAB = 100  # the phrases below make 111 pieces at most
 
 

@@ -14,9 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from imgest.cli import app
-from imgest.config import IndexConfig, IngestConfig
+from imgest.config import IndexConfig
 from imgest.flows.build_index import build_index
-from imgest.flows.ingest import ingest
 from imgest.retrieval.combined import read_route
 from imgest.retrieval.following import FollowingSearcher
 from imgest.retrieval.items import ItemNotFound, StoredVectors
@@ -25,7 +24,7 @@ from imgest.retrieval.versions import read_card
 from imgest.state.aliases import set_alias
 from imgest.storage import Location
 from imgest.tasks.search.service import create_app
-from tests.helpers import gradient, png_bytes, served_app, write_files
+from tests.helpers import gradient, ingest_into, png_bytes, served_app, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 MODEL, TOKEN = "raw-pixels", "test-token-not-a-secret"
@@ -37,7 +36,7 @@ def served(tmp_path):
     write_files(str(cat), {f"{i:03d}.png": png_bytes(gradient(i)) for i in range(30)})
     meta = tmp_path / "meta.csv"
     meta.write_text("item_id,title,price\n" + "".join(f"{i:03d}.png,gradient {i},{i}.5\n" for i in range(30)))
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model=MODEL, batch_size="8", metadata=str(meta)))
+    ingest_into(cat, store, model=MODEL, batch_size="8", metadata=str(meta))
     for _ in range(2):
         build_index(IndexConfig(store=str(store), model=MODEL, alias="serving", rebuild=True))
     location = Location(str(store))

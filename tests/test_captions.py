@@ -10,13 +10,14 @@ import pyarrow as pa
 import pytest
 
 from imgest import encoders
-from imgest.config import IndexConfig, IngestConfig, NightlyConfig
+from imgest.config import IndexConfig, NightlyConfig
 from imgest.encoders import EncoderError
 from imgest.encoders.text import compose
 from imgest.images.listing import Listing, listing_table
 from imgest.storage import Location, ObjectInfo
 from imgest.tasks.ingest.encode_text import encode_text_shard, shard_texts, text_listing
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
+from tests.helpers import ingest_into
 
 RUN = "r00000001-20261130T000000-abcdef"
 
@@ -114,7 +115,6 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     from imgest.cli import app
     from imgest.demo import FASHION_CLASSES, product_metadata, read_fashion_mnist
     from imgest.flows.build_index import build_index
-    from imgest.flows.ingest import ingest
     from imgest.retrieval.query import search
 
     images, labels = read_fashion_mnist()
@@ -132,13 +132,12 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     metadata = tmp_path / "meta.jsonl"
     metadata.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    image_run = ingest(IngestConfig(catalogue=str(cat), store=str(store), model=f"hf:{tiny_models['clip']}",
-                                    metadata=str(metadata), batch_size="8"))
+    image_run = ingest_into(cat, store, model=f"hf:{tiny_models['clip']}", metadata=str(metadata), batch_size="8")
     assert image_run["metadata"]["rows"] == 40 and image_run["metadata"]["written"]
     assert (image_run["metadata"]["unknown_items"], image_run["metadata"]["without_row"]) == (1, 1)
     build_index(IndexConfig(store=str(store), model=f"hf:{tiny_models['clip']}", alias="serving"))
 
-    text_run = ingest(IngestConfig(catalogue=str(cat), store=str(store), model="minilm-l6", shard_size=16))
+    text_run = ingest_into(cat, store, model="minilm-l6", shard_size=16)
     assert text_run["encoded"] == 39 and text_run["texts"]["rows_for_unlisted_items"] == 1
     assert text_run["texts"]["images_without_text"] == 1 and text_run["metadata"] is None
     card = build_index(IndexConfig(store=str(store), model="minilm-l6", alias="captions"))["card"]
@@ -152,7 +151,7 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     rows = [dict(r, title="crimson leather tote") if r["item_id"] == "bag/0.png" else r for r in rows
             if r["item_id"] != "coat/1.png"]
     metadata.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    again = ingest(IngestConfig(catalogue=str(cat), store=str(store), model="minilm-l6", metadata=str(metadata)))
+    again = ingest_into(cat, store, model="minilm-l6", metadata=str(metadata))
     assert (again["new"], again["changed"], again["deleted"], again["encoded"]) == (0, 1, 1, 1)
     assert (again["metadata"]["changed"], again["metadata"]["removed"]) == (1, 1)
     build_index(IndexConfig(store=str(store), model="minilm-l6", alias="captions"))

@@ -19,7 +19,7 @@ from imgest.storage import Location
 from imgest.tasks.ingest import decode_workers
 from imgest.tasks.ingest.encode import encode_shard
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem
-from tests.helpers import gradient, jpeg_bytes, write_files
+from tests.helpers import gradient, ingest_into, jpeg_bytes, write_files
 
 RUN = "r00000001-20261205T000000-abcdef"
 
@@ -128,14 +128,12 @@ def test_a_kept_process_killed_while_idle_costs_no_object(tmp_path, lite0):
 def test_an_ingest_runs_its_shards_on_the_same_decode_processes(prefect_harness, tmp_path):
     """Through Prefect (the shards are tasks of one flow run): every shard after the first decodes on the
     processes the one before left, the run's shard timeline says so, and they end with the run's last shard."""
-    from imgest.config import IngestConfig
-    from imgest.flows.ingest import ingest
     from tests.helpers import small_catalogue
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     write_files(str(cat), small_catalogue(210))
-    summary = ingest(IngestConfig(catalogue=str(cat), store=str(store), runtime="torch", precision="fp32",
-                                  batch_size="8", shard_size=70, decode_workers=2))
+    summary = ingest_into(cat, store, runtime="torch", precision="fp32", batch_size="8", shard_size=70,
+                          decode_workers=2)
     assert summary["encoded"] == 210
     timeline = pq.read_table(store / "runs" / f"{summary['run_id']}.shards.parquet").sort_by("started")
     assert timeline.column("decode").to_pylist() == ["2 decode processes"] + \

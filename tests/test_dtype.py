@@ -10,12 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from imgest.config import IndexConfig, IngestConfig
+from imgest.config import IndexConfig
 from imgest.flows.build_index import build_index
-from imgest.flows.ingest import ingest
 from imgest.retrieval.query import search
 from imgest.state.export import export_live
-from tests.helpers import gradient, png_bytes, write_files
+from tests.helpers import gradient, ingest_into, png_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 MODEL = "raw-pixels"
@@ -31,8 +30,7 @@ def test_float16_shards_are_half_the_vectors_and_read_everywhere(tmp_path):
     runs = {}
     for dtype in ("float32", "float16"):
         store = tmp_path / dtype
-        runs[dtype] = ingest(IngestConfig(catalogue=str(cat), store=str(store), model=MODEL, batch_size="8",
-                                          shard_size=24, dtype=dtype))
+        runs[dtype] = ingest_into(cat, store, model=MODEL, batch_size="8", shard_size=24, dtype=dtype)
         (shard,) = _shards(store)
         table = pq.read_table(shard)
         assert table.schema.field("embedding").type.value_type == (pa.float16() if dtype == "float16" else pa.float32())
@@ -55,8 +53,7 @@ def test_float16_shards_are_half_the_vectors_and_read_everywhere(tmp_path):
 
     store = tmp_path / "float16"
     write_files(str(cat), {f"p/{i:03d}.png": png_bytes(gradient(i, (40, 40))) for i in range(24, 30)})
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model=MODEL, batch_size="8",
-                        dtype="float32"))  # mixed store
+    ingest_into(cat, store, model=MODEL, batch_size="8", dtype="float32")  # mixed store
     built = build_index(IndexConfig(store=str(store), model=MODEL))
     assert built["card"]["n"] == 30
     query = os.path.join(cat, "p", "027.png")

@@ -8,14 +8,14 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from imgest.cli import app
-from imgest.config import EvalConfig, IndexConfig, IngestConfig, NightlyConfig
+from imgest.config import EvalConfig, IndexConfig, NightlyConfig
 from imgest.demo import FASHION_CLASSES, photo, read_fashion_mnist
 from imgest.flows.build_index import build_index
 from imgest.flows.evaluate import evaluate
-from imgest.flows.ingest import ingest
 from imgest.flows.nightly import nightly
 from imgest.retrieval.querysets import build_class_queries, build_instance_queries, read_query_set
 from imgest.tasks.migration.window import check_gate
+from tests.helpers import ingest_into
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera", "coins", "horse", "hubble_deep_field",
@@ -36,7 +36,7 @@ def evaluated(tmp_path_factory):
     for name in PHOTOS:
         photo(name).convert("RGB").save(cat / "photos" / f"{name}.jpg", quality=92)
     nightly(NightlyConfig(catalogue=str(cat), store=str(store), batch_size="4", kind="hnsw"))
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="16"))
+    ingest_into(cat, store, model="raw-pixels", batch_size="16")
     build_index(IndexConfig(store=str(store), model="raw-pixels", alias="pixels"))
     class_file = root / "class.jsonl"
     meta = build_class_queries(str(cat), str(class_file), per_class=2, seed=1, prefix="fashion/")

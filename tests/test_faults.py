@@ -11,20 +11,20 @@ import sys
 
 import pytest
 
-from imgest.config import IngestConfig, MigrateConfig, NightlyConfig
+from imgest.config import MigrateConfig, NightlyConfig
 from imgest.flows.ingest import ingest
 from imgest.state.committed import FAILED, LIVE, REJECTED, CatalogueState, ItemState, load_state
 from imgest.storage import Location, StorageError, is_transient
 from imgest.tasks.ingest.encode import prepare
 from imgest.tasks.ingest.plan import MassDeleteError, WorkItem, item_key, plan_ingest
-from tests.helpers import gradient, live_rows, png_bytes, write_files
+from tests.helpers import gradient, ingest_into, live_rows, png_bytes, write_files
 
 MODEL = "raw-pixels"
 
 
 def _ingest(cat, store, **kw):
     kw.setdefault("batch_size", "4")
-    return ingest(IngestConfig(catalogue=str(cat), store=str(store), model=MODEL, **kw))
+    return ingest_into(cat, store, model=MODEL, **kw)
 
 
 def _images(n: int, offset: int = 0) -> dict[str, bytes]:

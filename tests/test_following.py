@@ -9,15 +9,14 @@ import time
 import numpy as np
 import pytest
 
-from imgest.config import IndexConfig, IngestConfig
+from imgest.config import IndexConfig
 from imgest.flows.build_index import build_index
-from imgest.flows.ingest import ingest
 from imgest.retrieval.following import FollowingSearcher
 from imgest.retrieval.query import SearchError
 from imgest.retrieval.versions import read_card
 from imgest.state.aliases import set_alias
 from imgest.storage import Location
-from tests.helpers import gradient, png_bytes, write_files
+from tests.helpers import gradient, ingest_into, png_bytes, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 MODEL = "raw-pixels"
@@ -26,7 +25,7 @@ MODEL = "raw-pixels"
 def test_the_alias_moves_under_concurrent_queries_and_none_fails(tmp_path):
     cat, store = tmp_path / "cat", tmp_path / "store"
     write_files(str(cat), {f"{i:03d}.png": png_bytes(gradient(i)) for i in range(30)})
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model=MODEL, batch_size="8"))
+    ingest_into(cat, store, model=MODEL, batch_size="8")
     cards = []
     for _ in range(3):  # versions 1, 2, 3 of the same vectors; serving ends on 3
         cards.append(build_index(IndexConfig(store=str(store), model=MODEL, alias="serving", rebuild=True))["card"])

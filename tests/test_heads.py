@@ -11,12 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from imgest.config import EvalConfig, HeadConfig, IngestConfig, MigrateConfig, NightlyConfig, TrainHeadConfig
+from imgest.config import EvalConfig, HeadConfig, MigrateConfig, NightlyConfig, TrainHeadConfig
 from imgest.flow_params import gather_flat
 from imgest.tasks.heads import labels as label_files
 from imgest.tasks.heads.labels import read_label_table, read_labels, stage_labels
 from imgest.tasks.heads.train import HeadError, infonce, proxynca, train_head, triplet_semihard
 from imgest.tasks.heads.views import AUGMENTATIONS
+from tests.helpers import ingest_into
 
 # -- losses, no Prefect needed --------------------------------------------------------------------------
 
@@ -202,7 +203,6 @@ def test_a_label_file_is_streamed_a_block_at_a_time_its_last_row_winning_and_bad
 
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory, prefect_harness):
-    from imgest.flows.ingest import ingest
     from tests.helpers import gradient, png_bytes, write_files
 
     root = tmp_path_factory.mktemp("heads")
@@ -223,8 +223,7 @@ def labelled(tmp_path_factory, prefect_harness):
     (root / "labels.csv").write_text("\n".join(rows) + "\n")
     # torch fp32: derived shards (the head over these vectors) are compared with the head over a fresh fp32 decode,
     # and the views of label-free heads are encoded on what the shards record: torch fp32, nothing compiled
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), batch_size="8", shard_size=10, runtime="torch",
-                        precision="fp32"))
+    ingest_into(cat, store, batch_size="8", shard_size=10, runtime="torch", precision="fp32")
     return root
 
 
@@ -284,18 +283,16 @@ def test_head_weights_are_checked_against_their_hash_at_resolve_and_at_load(labe
 
 
 def test_derived_shards_equal_base_then_head_on_the_same_images(labelled, tmp_path, monkeypatch):
-    from imgest.flows.ingest import ingest
     from imgest.state.export import export_live
     from imgest.storage import Location
 
     head = _train(labelled)["head"]
     cat = labelled / "catalogue"
-    derived = ingest(IngestConfig(catalogue=str(cat), store=str(labelled / "store"), model=head, batch_size="8",
-                                  shard_size=10))
+    derived = ingest_into(cat, labelled / "store", model=head, batch_size="8", shard_size=10)
     assert derived["derived"] == derived["encoded"] == 36 and derived["batch_size_source"].startswith("every item")
     monkeypatch.setenv("IMGEST_MODEL_DIRS", str(labelled / "store" / "heads"))  # a head trained in another store
-    decoded = ingest(IngestConfig(catalogue=str(cat), store=str(tmp_path / "fresh"), model=head, batch_size="8",
-                                  shard_size=10, runtime="torch", precision="fp32"))  # as the base was
+    decoded = ingest_into(cat, tmp_path / "fresh", model=head, batch_size="8", shard_size=10, runtime="torch",
+                          precision="fp32")  # as the base was
     assert decoded["derived"] == 0 and decoded["encoded"] == 36, "no base embeddings there: base then head"
 
     def vectors(store, out):

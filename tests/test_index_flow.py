@@ -12,10 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from imgest.cli import app
-from imgest.config import IndexConfig, IngestConfig, NightlyConfig
+from imgest.config import IndexConfig, NightlyConfig
 from imgest.demo import PHOTOS, photo
 from imgest.flows.build_index import build_index
-from imgest.flows.ingest import ingest
 from imgest.flows.nightly import nightly
 from imgest.reports.index import render_card
 from imgest.retrieval.query import Query, Searcher, SearchError, search
@@ -23,7 +22,7 @@ from imgest.retrieval.versions import IndexIntegrityError, open_index
 from imgest.state.aliases import read_alias, set_alias
 from imgest.storage import Location
 from imgest.tasks.index.rerank import on_disk
-from tests.helpers import gradient, jpeg_bytes, png_bytes, write_files
+from tests.helpers import gradient, ingest_into, jpeg_bytes, png_bytes, write_files
 from tests.s3servers import DEFAULT as S3_DEFAULT
 from tests.s3servers import on as on_s3
 from tests.s3servers import use as use_s3
@@ -158,7 +157,7 @@ def test_text_search_through_tiny_clip_and_model_mismatch(tmp_path, tiny_models,
     monkeypatch.setenv("IMGEST_MODEL_DIRS", str(tmp_path))  # the copy is the model the operator lists
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     write_files(str(cat), {f"{i:03d}.png": png_bytes(gradient(i)) for i in range(30)})
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model=f"hf:{clip}", batch_size="8"))
+    ingest_into(cat, store, model=f"hf:{clip}", batch_size="8")
     built = build_index(IndexConfig(store=str(store), model=f"hf:{clip}", kind="hnsw"))
     assert built["card"]["factory"] == "HNSW32,Flat" and built["card"]["search"]["param"] == "efSearch"
     searcher = Searcher(str(store))
@@ -301,7 +300,7 @@ def test_a_pq_index_re_ranks_from_a_memory_mapped_file_and_serves(tmp_path):
     write_files(str(cat), {f"p/{i:03d}.png": png_bytes(Image.fromarray(np.clip(a, 0, 255).astype(np.uint8)))
                            for i, a in enumerate(noisy)})
     store = str(tmp_path / "store")
-    ingest(IngestConfig(catalogue=str(cat), store=store, model="raw-pixels", batch_size="64"))
+    ingest_into(cat, store, model="raw-pixels", batch_size="64")
     built = build_index(IndexConfig(store=store, model="raw-pixels", kind="ivfpq", alias=None, target_recall=0.9))
     card = built["card"]
     assert card["factory"].endswith(",Refine(SQfp16)") and card["recall"]["met"]
@@ -333,13 +332,13 @@ def test_a_pq_index_is_carried_forward_the_next_night_with_its_re_rank_vectors(t
             for i in names}
 
     write_files(str(cat), photos(range(300)))
-    ingest(IngestConfig(catalogue=str(cat), store=store, model="raw-pixels", batch_size="64"))
+    ingest_into(cat, store, model="raw-pixels", batch_size="64")
     first = build_index(IndexConfig(store=store, model="raw-pixels", kind="ivfpq", alias=None,
                                     target_recall=0.9))["card"]
     for i in range(0, 300, 50):
         (cat / "p" / f"{i:03d}.png").unlink()
     write_files(str(cat), photos(range(300, 312)))
-    ingest(IngestConfig(catalogue=str(cat), store=store, model="raw-pixels", batch_size="64"))
+    ingest_into(cat, store, model="raw-pixels", batch_size="64")
     card = build_index(IndexConfig(store=store, model="raw-pixels", kind="ivfpq", alias=None,
                                    target_recall=0.9))["card"]
 

@@ -7,16 +7,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from imgest.config import IndexConfig, IngestConfig
+from imgest.config import IndexConfig
 from imgest.flows.build_index import build_index
-from imgest.flows.ingest import ingest
 from imgest.retrieval.versions import IdMapFile, open_index
 from imgest.state.live import load_live_vectors
 from imgest.storage import Location
 from imgest.tasks.index.build import new_index
 from imgest.tasks.index.truth import carry_truth, exact_truth
 from imgest.tasks.index.update import Delta, apply_delta
-from tests.helpers import gradient, png_bytes, write_files
+from tests.helpers import gradient, ingest_into, png_bytes, write_files
 
 
 def clustered(n: int, d: int, seed: int) -> np.ndarray:
@@ -173,7 +172,7 @@ def test_nightly_change_updates_the_ivf_version_in_place_then_retrains_past_the_
     _catalogue(cat, range(400))
     common = {"store": str(store), "model": "raw-pixels", "kind": "IVF8,SQ8", "queries": 200, "alias": None,
               "target_recall": 0.9}
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64", shard_size=100))
+    ingest_into(cat, store, model="raw-pixels", batch_size="64", shard_size=100)
     v1 = build_index(IndexConfig(**common))["card"]
     assert v1["lineage"]["method"] == "build" and v1["lineage"]["trained_in"] == 1 and v1["truth_file"]
 
@@ -181,7 +180,7 @@ def test_nightly_change_updates_the_ivf_version_in_place_then_retrains_past_the_
         (cat / "p" / f"{i:04d}.png").unlink()
     _catalogue(cat, range(10, 13), seed_shift=1000)  # changed content
     _catalogue(cat, range(400, 410))  # new
-    summary = ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
+    summary = ingest_into(cat, store, model="raw-pixels", batch_size="64")
     assert summary["deleted"] == 5 and summary["encoded"] == 13
     v2 = build_index(IndexConfig(**common))["card"]
     line = v2["lineage"]
@@ -204,7 +203,7 @@ def test_nightly_change_updates_the_ivf_version_in_place_then_retrains_past_the_
     assert fresh["lineage"]["method"] == "build" and "--rebuild" in fresh["lineage"]["why"]
 
     _catalogue(cat, range(410, 520))  # 110 new: over 20% of the 405 that v3 was trained on
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
+    ingest_into(cat, store, model="raw-pixels", batch_size="64")
     v4 = build_index(IndexConfig(**common))["card"]
     assert v4["lineage"]["method"] == "build" and "retrain share" in v4["lineage"]["why"] and v4["n"] == 515
 
@@ -216,14 +215,14 @@ def test_an_update_starts_from_the_version_an_alias_serves(tmp_path):
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     _catalogue(cat, range(200))
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
+    ingest_into(cat, store, model="raw-pixels", batch_size="64")
     common = {"store": str(store), "model": "raw-pixels", "kind": "IVF4,SQ8", "queries": 100, "alias": None,
               "target_recall": 0.9}
     v1 = build_index(IndexConfig(**common))["card"]
     build_index(IndexConfig(**common, rebuild=True))  # v2, never served
     set_alias(Location(str(store)), "serving", read_card(Location(str(store)), v1["slug"], 1), reason="rolled back")
     _catalogue(cat, range(200, 204))
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
+    ingest_into(cat, store, model="raw-pixels", batch_size="64")
     v3 = build_index(IndexConfig(**common))["card"]
     assert v3["lineage"]["method"] == "update" and v3["lineage"]["updated_from"] == 1 and v3["n"] == 204
 
@@ -233,13 +232,13 @@ def test_an_update_starts_from_the_version_an_alias_serves(tmp_path):
 def test_a_damaged_previous_version_is_not_carried_forward_but_trained_anew(tmp_path, damaged):
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     _catalogue(cat, range(120))
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
+    ingest_into(cat, store, model="raw-pixels", batch_size="64")
     common = {"store": str(store), "model": "raw-pixels", "kind": "IVF4,SQ8", "queries": 50, "alias": None}
     v1 = build_index(IndexConfig(**common))["card"]
     rotten = store / v1[damaged]
     rotten.write_bytes(rotten.read_bytes()[:-7] + b"garbage")  # bit rot in one of the old version's files
     _catalogue(cat, range(120, 123))
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
+    ingest_into(cat, store, model="raw-pixels", batch_size="64")
     v2 = build_index(IndexConfig(**common))["card"]
     assert v2["lineage"]["method"] == "build" and "v0001 cannot be carried forward" in v2["lineage"]["why"]
     assert v2["n"] == 123 and v2["recall"]["met"]
@@ -249,11 +248,11 @@ def test_a_damaged_previous_version_is_not_carried_forward_but_trained_anew(tmp_
 def test_hnsw_is_built_again_and_says_why(tmp_path):
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     _catalogue(cat, range(60))
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
+    ingest_into(cat, store, model="raw-pixels", batch_size="64")
     common = {"store": str(store), "model": "raw-pixels", "kind": "hnsw", "queries": 50, "alias": None}
     build_index(IndexConfig(**common))
     _catalogue(cat, range(60, 64))
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
+    ingest_into(cat, store, model="raw-pixels", batch_size="64")
     card = build_index(IndexConfig(**common))["card"]
     assert card["lineage"]["method"] == "build" and "HNSW graph cannot remove" in card["lineage"]["why"]
 
@@ -278,7 +277,7 @@ def small_rule(monkeypatch):
 def _ingested(tmp_path, write, names: range) -> tuple:
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     write(cat, names)
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64"))
+    ingest_into(cat, store, model="raw-pixels", batch_size="64")
     return cat, store
 
 

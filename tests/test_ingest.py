@@ -15,8 +15,6 @@ import pytest
 from typer.testing import CliRunner
 
 from imgest.cli import app
-from imgest.config import IngestConfig
-from imgest.flows.ingest import ingest
 from imgest.images import decoders
 from imgest.retrieval.status import store_status
 from imgest.state import layout
@@ -27,6 +25,7 @@ from tests.helpers import (
     commit_markers,
     gradient,
     hostile_files,
+    ingest_into,
     jpeg_bytes,
     png_bytes,
     small_catalogue,
@@ -42,7 +41,7 @@ def _run(catalogue, store, **kw):
     kw.setdefault("batch_size", "4")
     kw.setdefault("shard_size", 5)
     kw.setdefault("max_pixels", 100_000)
-    return ingest(IngestConfig(catalogue=str(catalogue), store=str(store), **kw))
+    return ingest_into(catalogue, store, **kw)
 
 
 def _export_ids(store, out, model="efficientnet-lite0"):

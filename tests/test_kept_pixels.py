@@ -23,7 +23,7 @@ from imgest.state import pixels
 from imgest.storage import Location
 from imgest.tasks.ingest.encode import with_copies
 from imgest.tasks.ingest.plan import WorkItem
-from tests.helpers import gradient
+from tests.helpers import gradient, ingest_into
 
 SLUG, SOURCE = "m-0000aaaa", "m-1111bbbb"
 
@@ -326,13 +326,10 @@ SIDE = 64  # raw-pixels' copies: the night and the kill are about copies followi
 
 
 def _ingest(catalogue, store, **kw) -> dict:
-    from imgest.config import IngestConfig
-    from imgest.flows.ingest import ingest
-
     kw.setdefault("batch_size", "4")
     kw.setdefault("shard_size", 5)
     kw.setdefault("decoder", "pillow")  # the JPEG decoder is not what is tested: none is timed
-    return ingest(IngestConfig(catalogue=str(catalogue), store=str(store), **kw))
+    return ingest_into(catalogue, store, **kw)
 
 
 def _slug(model: str) -> str:

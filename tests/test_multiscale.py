@@ -7,6 +7,7 @@ import pytest
 
 from imgest import encoders
 from imgest.encoders import efficientnet
+from tests.helpers import ingest_into
 
 MULTISCALE = ("efficientnet-lite0-gem-ms", "efficientnet-lite1-gem-ms", "efficientnet-lite2-gem-ms")
 
@@ -74,8 +75,6 @@ def test_a_run_encodes_at_every_scale_through_the_compiled_graph(prefect_harness
     largest scale's input, and each stored vector is the model's embedding of that image as the run decoded it."""
     import pyarrow.parquet as pq
 
-    from imgest.config import IngestConfig
-    from imgest.flows.ingest import ingest
     from imgest.images.decode import decode_image
     from imgest.tasks.ingest import batch_size
     from tests.helpers import small_catalogue, write_files
@@ -87,8 +86,8 @@ def test_a_run_encodes_at_every_scale_through_the_compiled_graph(prefect_harness
     name = "efficientnet-lite0-gem-ms"
     files = small_catalogue(5)
     write_files(str(tmp_path / "catalogue"), files)
-    summary = ingest(IngestConfig(catalogue=str(tmp_path / "catalogue"), store=str(tmp_path / "store"),
-                                  model=name, runtime="openvino", precision="fp32", batch_size="auto"))
+    summary = ingest_into(tmp_path / "catalogue", tmp_path / "store", model=name, runtime="openvino", precision="fp32",
+                          batch_size="auto")
     spec = encoders.resolve(name)
     assert summary["model_id"] == spec.model_id and summary["encoded"] == 5
     assert summary["encoding"]["parity"] >= 0.99999 and summary["batch_size_source"].startswith("auto, measured")

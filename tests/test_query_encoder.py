@@ -8,10 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from imgest.cli import app
-from imgest.config import IndexConfig, IngestConfig
+from imgest.config import IndexConfig
 from imgest.encoders import precision, runtimes
 from imgest.retrieval.query import Searcher, catalogue_encoding, query_encoder
-from tests.helpers import small_catalogue, write_files
+from tests.helpers import ingest_into, small_catalogue, write_files
 
 
 def test_the_catalogues_encoding_is_the_majority_of_the_cards_rows_and_never_anything_else():
@@ -46,12 +46,11 @@ def test_a_bf16_catalogue_is_searched_with_bf16_queries(prefect_harness, tmp_pat
     answer says what encoded the query."""
     from imgest import encoders
     from imgest.flows.build_index import build_index
-    from imgest.flows.ingest import ingest
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     files = small_catalogue(12)
     write_files(str(cat), files)
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), runtime="torch", precision="bf16", batch_size="4"))
+    ingest_into(cat, store, runtime="torch", precision="bf16", batch_size="4")
     build_index(IndexConfig(store=str(store), alias="serving"))
     searcher = Searcher(str(store), device="cpu")
     assert searcher.card["encoded_by"] == {"torch bf16": 12}

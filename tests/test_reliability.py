@@ -17,15 +17,14 @@ import time
 
 import pytest
 
-from imgest.config import IndexConfig, IngestConfig, MigrateConfig, NightlyConfig
+from imgest.config import IndexConfig, MigrateConfig, NightlyConfig
 from imgest.encoders import resolve
 from imgest.flows.build_index import build_index
-from imgest.flows.ingest import ingest
 from imgest.lock import generations
 from imgest.retrieval.query import Query, Searcher
 from imgest.state.committed import load_state
 from imgest.storage import Location
-from tests.helpers import TcpProxy, gradient, live_rows, png_bytes
+from tests.helpers import TcpProxy, gradient, ingest_into, live_rows, png_bytes
 from tests.s3servers import SECRET
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -86,7 +85,7 @@ def _put_images(s3, bucket: str, keys: range | list[int], seed: int = 0) -> None
 
 def _reference(s3, catalogue: str) -> dict:
     store = f"s3://{_bucket(s3, 'ref')}/store"
-    ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
+    ingest_into(catalogue, store, model=MODEL, batch_size="4", shard_size=10)
     return live_rows(store, MODEL)
 
 
@@ -145,8 +144,7 @@ def test_kill_9_at_random_moments_then_a_clean_rerun(s3, figures, tmp_path):
             survived += 1
         proc.wait()
         assert started or proc.returncode == 0
-        ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4",
-                            shard_size=10))  # the clean rerun
+        ingest_into(catalogue, store, model=MODEL, batch_size="4", shard_size=10)  # the clean rerun
         live, expected = live_rows(store, MODEL), _reference(s3, catalogue)
         lost += len(set(expected) - set(live))
         assert live == expected
@@ -175,7 +173,7 @@ def test_the_endpoint_cut_for_20_seconds_mid_run(s3, figures, s3_endpoint, tmp_p
         proxy.cut()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
+    ingest_into(catalogue, store, model=MODEL, batch_size="4", shard_size=10)
     assert live_rows(store, MODEL) == _reference(s3, catalogue)
     _no_secret(log)
     log.seek(0)
@@ -196,7 +194,7 @@ def test_a_paused_lock_holder_cannot_commit_over_its_successor(s3, figures, tmp_
         os.killpg(proc.pid, signal.SIGSTOP)  # SIGSTOP: every thread of it, the heartbeat too
         time.sleep(4.5)  # past the heartbeat window
         _put_images(s3, bucket, range(60, 64))
-        second = ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
+        second = ingest_into(catalogue, store, model=MODEL, batch_size="4", shard_size=10)
         assert second["snapshot_seq"] >= 1
         os.killpg(proc.pid, signal.SIGCONT)
         proc.wait(timeout=180)
@@ -206,7 +204,7 @@ def test_a_paused_lock_holder_cannot_commit_over_its_successor(s3, figures, tmp_
     log.seek(0)
     output = log.read().decode(errors="replace")
     assert proc.returncode != 0 and "lost the writer lock" in output, output[-3000:]
-    ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
+    ingest_into(catalogue, store, model=MODEL, batch_size="4", shard_size=10)
     assert live_rows(store, MODEL) == _reference(s3, catalogue)
     _no_secret(log)
     figures["lock holder paused past the heartbeat window"] = {

@@ -17,7 +17,7 @@ from imgest.config import ConfigError, IngestConfig, build
 from imgest.encoders import compiled, graphs, openvino_runtime, parity, precision, runtimes
 from imgest.encoders.base import EncoderError
 from imgest.encoders.parity import ParityError
-from tests.helpers import small_catalogue, write_files
+from tests.helpers import ingest_into, small_catalogue, write_files
 
 LITE0 = "efficientnet-lite0"
 
@@ -353,15 +353,13 @@ def test_a_precision_the_cpu_lacks_is_refused_in_one_line(monkeypatch):
 
 
 def test_a_run_refuses_what_this_host_cannot_run_before_any_work(prefect_harness, tmp_path, monkeypatch):
-    from imgest.flows.ingest import ingest
-
     write_files(str(tmp_path / "catalogue"), small_catalogue(3))
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2"}))
     with pytest.raises(EncoderError, match=r"^precision bf16: cpu does not compute in bf16 natively"):
-        ingest(IngestConfig(catalogue=str(tmp_path / "catalogue"), store=str(tmp_path / "store"), precision="bf16"))
+        ingest_into(tmp_path / "catalogue", tmp_path / "store", precision="bf16")
     monkeypatch.setattr(runtimes.OpenVINORuntime, "missing", lambda self: "the openvino package is not installed")
     with pytest.raises(EncoderError, match=r"^runtime openvino: the openvino package is not installed; use "):
-        ingest(IngestConfig(catalogue=str(tmp_path / "catalogue"), store=str(tmp_path / "store"), runtime="openvino"))
+        ingest_into(tmp_path / "catalogue", tmp_path / "store", runtime="openvino")
     assert not (tmp_path / "store").exists()  # nothing listed, locked or written
 
 
@@ -417,14 +415,12 @@ def test_unknown_runtime_or_precision_is_refused_naming_the_allowed(tmp_path, fi
 
 
 def test_a_run_records_its_runtime_and_precision(prefect_harness, tmp_path):
-    from imgest.flows.ingest import ingest
     from imgest.reports.ingest import render_summary
     from imgest.tasks.ingest.commit import RunSummary
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     write_files(str(cat), small_catalogue(6))
-    summary = ingest(IngestConfig(catalogue=str(cat), store=str(store), runtime="openvino", precision="fp32",
-                                  batch_size="4", shard_size=3))
+    summary = ingest_into(cat, store, runtime="openvino", precision="fp32", batch_size="4", shard_size=3)
     assert (summary["runtime"], summary["precision"]) == ("openvino", "fp32") and summary["encoded"] == 6
     assert summary["encoding"]["parity"] >= 0.99999 and summary["encoding"]["warning"] is None
     shards = list((store / "embeddings" / f"model={summary['slug']}").glob("*.parquet"))

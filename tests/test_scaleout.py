@@ -8,7 +8,7 @@ import pytest
 
 from imgest.config import IndexConfig, IngestConfig
 from imgest.flows.ingest import ingest
-from tests.helpers import gradient, jpeg_bytes, task_runs_named, write_files
+from tests.helpers import gradient, ingest_into, jpeg_bytes, task_runs_named, write_files
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -71,7 +71,7 @@ def test_index_trained_once_added_in_parallel_parts_and_merged_equals_one_build(
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     write_files(str(cat), {f"p/{i:04d}.png": png_bytes(gradient(i, (16, 16))) for i in range(600)})
-    ingest(IngestConfig(catalogue=str(cat), store=str(store), model="raw-pixels", batch_size="64", shard_size=200))
+    ingest_into(cat, store, model="raw-pixels", batch_size="64", shard_size=200)
 
     common = {"store": str(store), "model": "raw-pixels", "kind": "IVF16,SQ8", "queries": 100, "alias": None}
     one = build_index(IndexConfig(**common))["card"]
@@ -107,8 +107,8 @@ def test_the_same_flow_runs_on_an_existing_cluster_by_address(tmp_path):
     # workers are configured like any remote worker: with the Prefect API to report to.
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
                       env={"PREFECT_API_URL": _api_url()}) as cluster:
-        run = ingest(IngestConfig(catalogue=str(cat), store=str(tmp_path / "store"), model="efficientnet-lite0",
-                                  batch_size="2", shard_size=2, runner=cluster.scheduler_address))
+        run = ingest_into(cat, tmp_path / "store", model="efficientnet-lite0", batch_size="2", shard_size=2,
+                          runner=cluster.scheduler_address)
         worker_pids = {w.pid for w in cluster.workers.values() if hasattr(w, "pid")}
     assert run["encoded"] == 6 and run["shards"] == 3
     assert {int(w.rsplit(":", 1)[1]) for w in run["workers"]} <= worker_pids, "encoded by that cluster's workers"

@@ -12,6 +12,7 @@ import pytest
 
 from imgest import encoders
 from imgest.encoders import EncoderError
+from tests.helpers import ingest_into
 
 TEXTS = ["red shoe", "A vintage Leather BACKPACK, in navy!", "a photo of a beige wool coat"]
 
@@ -108,17 +109,16 @@ def test_search_by_text_answers_on_a_store_of_a_sentencepiece_siglip(tmp_path, t
     from typer.testing import CliRunner
 
     from imgest.cli import app
-    from imgest.config import IndexConfig, IngestConfig
+    from imgest.config import IndexConfig
     from imgest.flows.build_index import build_index
-    from imgest.flows.ingest import ingest
     from tests.helpers import small_catalogue, write_files
 
     model = f"hf:{tiny_siglip_sentencepiece}"
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     files = small_catalogue(12)
     write_files(str(cat), files)
-    assert ingest(IngestConfig(catalogue=str(cat), store=str(store), model=model, runtime="torch",
-                               precision="fp32", batch_size="8", decoder="pillow"))["encoded"] == 12
+    summary = ingest_into(cat, store, model=model, runtime="torch", precision="fp32", batch_size="8", decoder="pillow")
+    assert summary["encoded"] == 12
     build_index(IndexConfig(store=str(store), model=model, alias="serving"))
 
     runner = CliRunner()

@@ -18,10 +18,9 @@ import time
 
 import pytest
 
-from imgest.config import IndexConfig, IngestConfig, MigrateConfig, NightlyConfig
+from imgest.config import IndexConfig, MigrateConfig, NightlyConfig
 from imgest.encoders import resolve
 from imgest.flows.build_index import build_index
-from imgest.flows.ingest import ingest
 from imgest.flows.migrate import migrate
 from imgest.flows.nightly import nightly
 from imgest.lock import generations
@@ -29,7 +28,7 @@ from imgest.retrieval.following import FollowingSearcher
 from imgest.retrieval.query import Query
 from imgest.state.committed import load_state
 from imgest.storage import Location
-from tests.helpers import live_rows
+from tests.helpers import ingest_into, live_rows
 from tests.s3servers import SECRET, SeaweedServer
 from tests.test_reliability import (
     BUILD,
@@ -124,7 +123,7 @@ def test_an_ingest_rides_out_a_restart_of_the_store_and_a_rerun_gives_the_refere
     log.seek(0)
     assert proc.returncode == 0, f"the run did not ride out a {outage:.1f} s restart:\n{log.read().decode()[-3000:]}"
     assert live_rows(store, MODEL) == _reference(s3, catalogue)
-    ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))  # next run
+    ingest_into(catalogue, store, model=MODEL, batch_size="4", shard_size=10)  # next run
     referenced = {item.shard for item in load_state(Location(store), resolve(MODEL).slug).live()}
     assert _shards(s3, store) == referenced, "a shard no state refers to outlived the next run"
     _no_secret(log)
@@ -163,7 +162,7 @@ def test_ingests_killed_with_the_store_at_random_moments_then_a_rerun_gives_the_
             last = err.strip().splitlines()[-1]
             assert proc.returncode == 2 and last.startswith("imgest: error:") and endpoint in last, err[-3000:]
             assert "did not answer" in last and "run again" in last, last
-        ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4", shard_size=10))
+        ingest_into(catalogue, store, model=MODEL, batch_size="4", shard_size=10)
         assert live_rows(store, MODEL) == _reference(s3, catalogue), f"round {round_}"
     assert any(outcomes), "no run met the store down: the kills all came after the runs ended"
 
@@ -231,7 +230,7 @@ def test_a_store_that_stays_down_stops_the_run_in_one_line(server, s3, tmp_path)
     bucket = _bucket(s3, "down")
     _put_images(s3, bucket, range(8))
     catalogue, store = f"s3://{bucket}/cat", f"s3://{bucket}/store"
-    ingest(IngestConfig(catalogue=catalogue, store=store, model=MODEL, batch_size="4"))
+    ingest_into(catalogue, store, model=MODEL, batch_size="4")
     server.kill()
     try:
         started = time.monotonic()

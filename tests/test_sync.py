@@ -20,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from imgest.cli import app
-from imgest.config import IngestConfig, SyncConfig
+from imgest.config import SyncConfig
 from imgest.lock import StoreLock, StoreLockedError
 from imgest.state.live import load_live_vectors
 from imgest.state.models import find_model
@@ -28,7 +28,7 @@ from imgest.storage import Location
 from imgest.tasks.sync import watermark
 from imgest.tasks.sync.run import sync
 from imgest.tasks.sync.targets import Model, SyncError, credential, open_target, parse_target
-from tests.helpers import gradient, png_bytes, write_files
+from tests.helpers import gradient, ingest_into, png_bytes, write_files
 
 MODEL = "raw-pixels"
 ENGINES = ["milvus", "qdrant", "lancedb"]
@@ -48,10 +48,8 @@ def _catalogue(cat, meta, images: dict[str, int], titles: dict[str, str]) -> Non
 
 
 def _ingest(tmp_path) -> None:
-    from imgest.flows.ingest import ingest
-
-    ingest(IngestConfig(catalogue=str(tmp_path / "cat"), store=str(tmp_path / "store"), model=MODEL, batch_size="8",
-                        metadata=str(tmp_path / "meta.csv"), shard_size=8))
+    ingest_into(tmp_path / "cat", tmp_path / "store", model=MODEL, batch_size="8", metadata=str(tmp_path / "meta.csv"),
+                shard_size=8)
 
 
 def _live(tmp_path, model: str = MODEL):

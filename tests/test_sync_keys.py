@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from imgest.config import IngestConfig, SyncConfig
+from imgest.config import SyncConfig
 from imgest.tasks.sync.run import sync
 from imgest.tasks.sync.targets import open_target, parse_target
-from tests.helpers import gradient, png_bytes, write_files
+from tests.helpers import gradient, ingest_into, png_bytes, write_files
 from tests.test_sync import ENGINES, MODEL, _live, _url
 
 
@@ -69,12 +69,9 @@ def _write(tmp_path, images: dict[str, int], titles: dict[str, str]) -> None:
 
 
 def _night(tmp_path, images, titles) -> None:
-    from imgest.flows.ingest import ingest
-
     _write(tmp_path, images, titles)
-    result = ingest(IngestConfig(catalogue=str(tmp_path / "cat"), store=str(tmp_path / "store"), model=MODEL,
-                                 batch_size="8", metadata=str(tmp_path / "meta.parquet"), shard_size=8,
-                                 max_delete_fraction=0.5))
+    result = ingest_into(tmp_path / "cat", tmp_path / "store", model=MODEL, batch_size="8",
+                         metadata=str(tmp_path / "meta.parquet"), shard_size=8, max_delete_fraction=0.5)
     assert not result["rejected"], result  # every key is an image the ingest took
 
 
