@@ -3,6 +3,7 @@ glibc's trim does not reach (here: strings made and dropped in a worker thread, 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -54,8 +55,6 @@ print(huge_kb)
 
 
 def _huge_kb(**env: str) -> int:
-    import os
-
     clean = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES")}
     return int(subprocess.run([sys.executable, "-c", HUGE], check=True, capture_output=True, text=True,
                               env={**clean, **env}).stdout)

@@ -320,8 +320,7 @@ def test_a_compile_waits_for_the_one_under_way_and_loads_its_blob(compiled_cache
                          (np.zeros((2, 3, 2, 2), np.float32),), ((0,),))
     runtime = runtimes.get("openvino")
     first = runtime.compile(graph, "fp32", "cpu", "tiny@1")
-    blobs = compiled_cache.glob("*/blobs/*.blob")
-    (blob,) = blobs
+    (blob,) = compiled_cache.glob("*/blobs/*.blob")
     written = blob.stat().st_ino, blob.stat().st_mtime_ns
     done = []
     second = openvino_runtime._OpenVINORunner(first.xml, first.blobs, first.precision)
@@ -334,6 +333,8 @@ def test_a_compile_waits_for_the_one_under_way_and_loads_its_blob(compiled_cache
     assert done and (blob.stat().st_ino, blob.stat().st_mtime_ns) == written  # loaded, not written again
     x = np.arange(24, dtype=np.float32).reshape(2, 3, 2, 2)
     np.testing.assert_allclose(second(x), first(x), rtol=1e-6)
+
+
 def test_precisions_follow_the_cpu(monkeypatch):
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
     assert precision.native_precisions("cpu") == ("fp32",)
