@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from imgest.retrieval.idmap import IdMap, take_rows
+from imgest.retrieval.idmap import IdMap, mapped, take_rows
 from imgest.state.metadata import latest_seq, snapshot_key
 from imgest.state.rows import sql_name, sql_string, unsorted_join
 from imgest.storage import Location
@@ -124,19 +124,6 @@ def _sweep(cache_dir: str, keep: str) -> None:
         with contextlib.suppress(OSError):
             if old != keep and os.path.getmtime(old) < cutoff:
                 os.remove(old)
-
-
-def mapped(path: str) -> pa.Buffer:
-    """The file memory-mapped read-only, for random reads: the kernel reads the pages a lookup touches and no
-    more (MADV_RANDOM; its default readahead brought ~200 kB per cell read, so a served version's resident pages
-    grew to the whole file within a few hundred queries)."""
-    import mmap
-
-    with open(path, "rb") as fh:
-        view = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
-    if hasattr(view, "madvise"):
-        view.madvise(mmap.MADV_RANDOM)
-    return pa.py_buffer(view)
 
 
 def _write(ids_parquet: str, snapshot: str, path: str) -> None:
