@@ -319,18 +319,21 @@ def _state_rows(keys: list[str], status: str, hashes: list[str], shards: list[st
                     schema=STATE_SCHEMA)
 
 
+@pytest.mark.parametrize("previous_order", ["item_id", "written before maps were ordered"])
 def test_an_update_scans_the_state_in_place_and_brings_back_the_change_and_an_id_map_file(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, previous_order):
     """A night's state (a full snapshot and a delta, as load_state finds them) under a DuckDB memory cap about
     the size of its rows (at 10M items the cap is 1 GB against 1.4 GB: BENCHMARKS.md): the full snapshot is
-    scanned in place, not copied; the update joins the previous id map with it in DuckDB, writes the new id
-    map to a file and brings back only the change and one int64 per previous vector. The numbers are those of
-    a fresh build."""
+    scanned in place, not copied; the live items sorted by DuckDB are merged with the previous id map a batch at
+    a time (six batches here), the new id map written to a file, and only the change and one int64 per previous
+    vector come back. The numbers are those of a fresh build. A previous map out of item_id order (a store
+    written before maps were numbered in order) is joined instead, with the same answer."""
     import pyarrow.parquet as pq
 
     from imgest import encoders
     from imgest.state import rows
     from imgest.state.committed import CatalogueState
+    from imgest.tasks.index import update
     from imgest.tasks.index.update import plan_delta
     from imgest.tasks.ingest.plan import ShardPlan, WorkItem
     from imgest.tasks.ingest.writer import ShardWriter
@@ -341,8 +344,10 @@ def test_an_update_scans_the_state_in_place_and_brings_back_the_change_and_an_id
     old_hashes = [f"{i:032x}" for i in range(n)]
     full = _state_rows(old_ids, "live", old_hashes, ["part-old"] * n)  # ~130 MB of rows
     pq.write_table(full, tmp_path / "full.parquet")
-    pq.write_table(full.select(["item_id", "uri", "content_hash"]).add_column(0, "faiss_id", pa.array(np.arange(n))),
-                   tmp_path / "previous-ids.parquet")
+    previous = full.select(["item_id", "uri", "content_hash"]).add_column(0, "faiss_id", pa.array(np.arange(n)))
+    if previous_order != "item_id":
+        previous = previous.take(pa.array(np.random.default_rng(0).permutation(n)))
+    pq.write_table(previous, tmp_path / "previous-ids.parquet")
     del full
     deleted, changed = set(range(0, n, 997)), set(range(5, n, 1009)) - set(range(0, n, 997))
     fresh = sorted([old_ids[i] for i in changed] + [f"catalogue/new-{i:03d}.jpg" for i in range(40)])
@@ -359,6 +364,8 @@ def test_an_update_scans_the_state_in_place_and_brings_back_the_change_and_an_id
     base = rows.StateBase().load([str(tmp_path / "full.parquet"), str(tmp_path / "delta.parquet")])
     assert os.path.getsize(os.path.join(base.folder, "state.duckdb")) < 8 << 20, "the full snapshot is not copied"
 
+    if previous_order == "item_id":  # merged, never joined
+        monkeypatch.setattr(update, "_joined_remap", lambda *_: pytest.fail("an ordered map was joined"))
     got = plan_delta(store, spec.slug, spec.dim, str(tmp_path / "previous-ids.parquet"), CatalogueState(spec.slug,
                                                                                                         base=base))
 

@@ -206,3 +206,55 @@ def _to_arrow_file(parquet: str, path: str) -> None:
         for batch in source.iter_batches(ID_MAP_BATCH, columns=columns):
             writer.write_batch(pa.record_batch(batch.columns, schema=schema))
     os.replace(temp, path)
+
+
+class NotInOrder(Exception):
+    """An id map whose item ids do not ascend (written before maps were numbered in item_id order)."""
+
+
+def merged_remap(previous: str, ordered: str, rows: int) -> np.ndarray:
+    """previous faiss id -> row of `ordered` (-1: the vector left), the same item with the same content being the
+    same vector. `previous` is an id map of `rows` rows, `ordered` a file of (item_id, content_hash) rows, both in
+    item_id order: merged a batch at a time, so what is held is the result (one int64 per previous vector) and a
+    batch of each file, however large the catalogue, never a join of N rows by N. NotInOrder when the previous
+    map's ids do not ascend (a map written before maps were numbered in item_id order); `ordered` is checked by
+    whoever numbers it."""
+    remap = np.full(rows, -1, np.int64)
+    later = _positioned(ordered)
+    window = pa.table({"item_id": pa.array([], pa.string()), "content_hash": pa.array([], pa.string()),
+                       "row": pa.array([], pa.int64())})
+    done, last = False, None
+    for batch in parquet_reader(previous).iter_batches(ID_MAP_BATCH, columns=["faiss_id", "item_id", "content_hash"]):
+        keys = batch.column(1).cast(pa.string())
+        if not len(keys):
+            continue
+        if keys.null_count or (last is not None and keys[0].as_py() <= last) or \
+                pc.any(pc.less_equal(keys[1:], keys[:-1])).as_py():
+            raise NotInOrder(f"{previous}: item ids out of order")
+        last = keys[-1].as_py()
+        # the other file's rows up to this batch's last key (both ascend: no later previous row can match them)
+        while not done and (not len(window) or window["item_id"][-1].as_py() <= last):
+            try:
+                window = pa.concat_tables([window, next(later)])
+            except StopIteration:
+                done = True
+        at = pc.index_in(keys, value_set=window["item_id"])
+        found = pc.is_valid(at).to_numpy(zero_copy_only=False)
+        if found.any():
+            taken = pc.fill_null(at, 0).to_numpy(zero_copy_only=False).astype(np.int64)
+            hashes = pc.fill_null(window["content_hash"], "").take(pa.array(taken))
+            found &= pc.equal(pc.fill_null(batch.column(2).cast(pa.string()), ""), hashes).to_numpy(
+                zero_copy_only=False)
+            remap[batch.column(0).cast(pa.int64()).to_numpy()[found]] = \
+                window["row"].take(pa.array(taken[found])).to_numpy()
+        window = window.filter(pc.greater(window["item_id"], last))
+    return remap
+
+
+def _positioned(path: str):
+    """The file's (item_id, content_hash) as tables of ID_MAP_BATCH rows, with each row's position."""
+    start = 0
+    for batch in parquet_reader(path).iter_batches(ID_MAP_BATCH, columns=["item_id", "content_hash"]):
+        yield pa.table({"item_id": batch.column(0).cast(pa.string()), "content_hash": batch.column(1).cast(pa.string()),
+                        "row": pa.array(np.arange(start, start + len(batch)), pa.int64())})
+        start += len(batch)

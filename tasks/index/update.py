@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from imgest.retrieval.idmap import ID_MAP_BATCH, NotInOrder, merged_remap
 from imgest.retrieval.params import refine_of
 from imgest.retrieval.versions import IdMapFile, IndexIntegrityError
 from imgest.state.committed import LIVE, CatalogueState, shard_run_id
@@ -32,7 +33,7 @@ from imgest.state.layout import shard_key
 from imgest.state.live import read_vectors
 from imgest.state.rows import SORT_MEMORY, one_thread, sql_string
 from imgest.state.shards import UNRECORDED, shard_decoder, shard_encoder
-from imgest.storage import Location
+from imgest.storage import Location, parquet_reader
 from imgest.tasks.index.rerank import emptied, on_disk, renumbered_blocks, write_mapped
 
 SMALL_DELTA_ROWS = 4_000_000  # previous vectors up to which the delta's joins run under SORT_MEMORY (plan_delta)
@@ -56,68 +57,93 @@ class Delta:
         return int((self.remap < 0).sum())
 
 
-def _write_id_map(cur, ids: IdMapFile) -> None:
-    """The live items the index will hold (the view `live` less the table `missing`), numbered as a fresh build
-    numbers them (faiss id = position in item_id order): DuckDB's external sort writes them to a file, which is
-    then numbered batch by batch into the id map."""
-    sorted_path = os.path.join(os.path.dirname(ids.path), "sorted.parquet")
-    with one_thread(cur):
-        cur.execute(f"""COPY (SELECT item_id, uri, hash AS content_hash, shard FROM live l
-                              WHERE NOT EXISTS (SELECT 1 FROM missing m WHERE m.item_id = l.item_id)
-                              ORDER BY item_id) TO {sql_string(sorted_path)} (FORMAT parquet)""")
-    ids.number(sorted_path)
-    os.remove(sorted_path)
-
-
 def plan_delta(store: Location, slug: str, dim: int, previous_ids: str, state: CatalogueState) -> Delta:
     """What differs between the vectors in the previous version (its id map, a Parquet file on local disk) and
-    the live state, new vectors read. Joined in the state's DuckDB (memory capped, spilling), the new id map
-    written from there to a file: what comes into memory is the change and one int64 per previous vector. One
-    thread (one set of buffers beside the index the update holds), under SORT_MEMORY (256 MB) up to
-    SMALL_DELTA_ROWS previous vectors and the state's 512 MB above: DuckDB fills the cap it is given, and the 1M
-    night's index update peaked at 927 MB under 256 MB and 1,084 MB under 512 (2026-12-06), while the join of
-    two 10M id maps ran out of memory under 256 MB."""
-    import duckdb
-
+    the live state, new vectors read. The live items are written in item_id order by DuckDB's external sort (one
+    thread, under SORT_MEMORY up to SMALL_DELTA_ROWS previous vectors and the state's 512 MB above: DuckDB fills
+    the cap it is given), then merged with the previous map, which is in the same order (`merged_remap`): no join
+    of N rows by N, which ran out of memory at 10M items under 256 MB. What comes into memory is the change and
+    one int64 per previous vector and per live item; the new id map is numbered from the sorted file, less the
+    live items whose row is missing from their shard."""
     ids = IdMapFile()
     try:
         previous_rows = pq.read_metadata(previous_ids).num_rows
     except (OSError, pa.ArrowException) as exc:
         raise IndexIntegrityError(f"the previous version's id map does not read as one: {exc}") from exc
     memory = SORT_MEMORY if previous_rows <= SMALL_DELTA_ROWS else None
-    with state.sql() as cur, one_thread(cur, memory):
-        try:
-            cur.execute(f"""CREATE TEMP VIEW prev AS SELECT CAST(faiss_id AS BIGINT) AS faiss_id,
-                            CAST(item_id AS VARCHAR) AS item_id, coalesce(CAST(content_hash AS VARCHAR), '') AS hash
-                            FROM read_parquet({sql_string(previous_ids)})""")
-            n, low, high, distinct = cur.execute(
-                "SELECT count(*), min(faiss_id), max(faiss_id), count(DISTINCT faiss_id) FROM prev").fetchone()
-        except duckdb.Error as exc:
-            raise IndexIntegrityError(f"the previous version's id map does not read as one: {exc}") from exc
-        if n and (low, high, distinct) != (0, n - 1, n):
-            raise IndexIntegrityError(f"the previous version's id map numbers {n} vectors {low}..{high} with "
-                                      f"{distinct} distinct ids, not 0..{n - 1}")
-        cur.execute(f"""CREATE TEMP VIEW live AS SELECT item_id, uri, coalesce(content_hash, '') AS hash, shard
-                        FROM state WHERE status = '{LIVE}'""")
-        # an item is the same vector only with the same content: a changed item leaves and comes back
-        fresh = cur.sql("""SELECT l.item_id, l.shard FROM live l ANTI JOIN prev p
-                           ON p.item_id = l.item_id AND p.hash = l.hash ORDER BY l.item_id""").to_arrow_table()
+    ordered = os.path.join(os.path.dirname(ids.path), "sorted.parquet")
+    try:
+        with state.sql() as cur, one_thread(cur, memory):
+            n = _check_previous(cur, previous_ids)
+            cur.execute(f"""COPY (SELECT item_id, uri, coalesce(content_hash, '') AS content_hash, shard
+                                  FROM state WHERE status = '{LIVE}' ORDER BY item_id)
+                            TO {sql_string(ordered)} (FORMAT parquet)""")
+            try:  # previous faiss id -> its item's row in `ordered`, same content; -1: the vector left
+                kept = merged_remap(previous_ids, ordered, n)
+            except NotInOrder:  # a map written before maps were numbered in item_id order: joined instead
+                kept = _joined_remap(cur, previous_ids, ordered)
+        live = pq.read_metadata(ordered).num_rows
+        carried = np.zeros(live, bool)
+        carried[kept[kept >= 0]] = True
+        fresh_rows = np.flatnonzero(~carried)  # an item is the same vector only with the same content
+        fresh = _rows_at(ordered, fresh_rows, ["item_id", "shard"])
         found, vectors = read_vectors(store, slug, dim, fresh)
-        missing = fresh.filter(pc.invert(pc.is_in(fresh["item_id"], value_set=found["item_id"])))["item_id"]
-        if len(missing):  # a live item without its row: index what is there, say what is not
+        present = pc.is_in(fresh["item_id"], value_set=found["item_id"]).to_numpy(zero_copy_only=False)
+        if not present.all():  # a live item without its row: index what is there, say what is not
+            missing = fresh["item_id"].filter(pa.array(~present))
             logging.getLogger("imgest").warning("model=%s: %d live item(s) have no row in their shard (e.g. %s); "
                                                 "indexing the others", slug, len(missing), missing[:3].to_pylist())
-        cur.register("missing", pa.table({"item_id": missing}))
-        cur.register("found", pa.table({"item_id": found["item_id"], "position": np.arange(len(found))}))
-        _write_id_map(cur, ids)
-        cur.execute(f"CREATE TEMP VIEW numbered AS SELECT * FROM read_parquet({sql_string(ids.path)})")
-        remap = cur.execute("""SELECT coalesce(n.faiss_id, -1) AS new FROM prev p LEFT JOIN numbered n
-                               ON n.item_id = p.item_id AND n.content_hash = p.hash ORDER BY p.faiss_id""").fetchnumpy()
-        added = cur.execute("""SELECT n.faiss_id FROM found f JOIN numbered n ON n.item_id = f.item_id
-                               ORDER BY f.position""").fetchnumpy()
-        by_shard = cur.sql("SELECT shard, count(*) AS rows FROM numbered GROUP BY shard ORDER BY shard"
-                           ).to_arrow_table()
-    return Delta(ids, np.asarray(remap["new"], np.int64), np.asarray(added["faiss_id"], np.int64), vectors, by_shard)
+        skip = fresh_rows[~present]
+        ids.number(ordered, skip=skip)  # faiss id = row in `ordered` less the skipped rows before it
+    finally:
+        if os.path.exists(ordered):
+            os.remove(ordered)
+    remap = np.where(kept >= 0, kept - np.searchsorted(skip, kept), -1)
+    at = pc.index_in(found["item_id"], value_set=fresh["item_id"]).to_numpy(zero_copy_only=False)
+    added_rows = fresh_rows[at.astype(np.int64)]
+    added_ids = added_rows - np.searchsorted(skip, added_rows)
+    with state.sql() as cur:
+        by_shard = cur.sql(f"""SELECT shard, count(*) AS rows FROM read_parquet({sql_string(ids.path)})
+                               GROUP BY shard ORDER BY shard""").to_arrow_table()
+    return Delta(ids, remap.astype(np.int64), added_ids.astype(np.int64), vectors, by_shard)
+
+
+def _check_previous(cur, previous_ids: str) -> int:
+    """The previous map's row count, its faiss ids checked to be 0..n-1 (IndexIntegrityError otherwise)."""
+    import duckdb
+
+    try:
+        n, low, high, distinct = cur.execute(f"""SELECT count(*), min(faiss_id), max(faiss_id), count(DISTINCT faiss_id)
+                                                 FROM read_parquet({sql_string(previous_ids)})""").fetchone()
+    except duckdb.Error as exc:
+        raise IndexIntegrityError(f"the previous version's id map does not read as one: {exc}") from exc
+    if n and (low, high, distinct) != (0, n - 1, n):
+        raise IndexIntegrityError(f"the previous version's id map numbers {n} vectors {low}..{high} with "
+                                  f"{distinct} distinct ids, not 0..{n - 1}")
+    return n
+
+
+def _joined_remap(cur, previous_ids: str, ordered: str) -> np.ndarray:
+    """`merged_remap` for a previous map not in item_id order: a join in DuckDB (memory capped, spilling)."""
+    return np.asarray(cur.execute(f"""
+        SELECT coalesce(o.file_row_number, -1) AS row
+        FROM read_parquet({sql_string(previous_ids)}) p
+        LEFT JOIN read_parquet({sql_string(ordered)}, file_row_number = true) o
+        ON o.item_id = CAST(p.item_id AS VARCHAR) AND o.content_hash = coalesce(CAST(p.content_hash AS VARCHAR), '')
+        ORDER BY p.faiss_id""").fetchnumpy()["row"], np.int64)
+
+
+def _rows_at(path: str, rows: np.ndarray, columns: list[str]) -> pa.Table:
+    """`columns` of the file's rows at `rows` (ascending), read a batch at a time."""
+    parts, start = [], 0
+    for batch in parquet_reader(path).iter_batches(ID_MAP_BATCH, columns=columns):
+        lo, hi = np.searchsorted(rows, [start, start + len(batch)])
+        if hi > lo:
+            parts.append(pa.Table.from_batches([batch]).take(pa.array(rows[lo:hi] - start)))
+        start += len(batch)
+    if not parts:
+        return pa.table({name: pa.array([], pa.string()) for name in columns})
+    return pa.concat_tables(parts)
 
 
 FOOTER_READS = 16  # shard footers read at once (on an object store, a small ranged GET each)
