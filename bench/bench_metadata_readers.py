@@ -11,10 +11,11 @@ after warm-up and after the load).
 Queries by item id are items of the served version (its stored vector is the query, so the figures are the
 service's and the index's, not a model's), sampled with a fixed seed; a filtered query is the same with
 `--where` over the bench catalogue's columns (a category and a price range: about 1 in 40 items), a grouped
-one with `--group-by product_id`. The store is copied first (hard links: imgest writes new files, never into
-old ones), so the sync's watermarks stay out of it. Sequential requests on one kept-alive connection: p50 and
-p99 per kind. The index cache is empty (HOME is a new folder), so the service's warm-up includes making the
-version's metadata file.
+one with `--group-by product_id`. Sequential requests on one kept-alive connection: p50 and p99 per kind. Then
+the same items under load: `--clients` connections at once, each sending the three kinds in turn as fast as the
+answers come (throughput, p50/p99 per kind). The store is copied first (hard links: imgest writes new files,
+never into old ones), so the sync's watermarks stay out of it. The index cache is empty (HOME is a new folder),
+so the service's warm-up includes making the version's metadata file.
 """
 
 from __future__ import annotations
@@ -90,7 +91,40 @@ def served_items(store: str, n: int, seed: int = 0) -> list[str]:
     return [ids[int(r)].as_py() for r in rows]
 
 
-def service(store: str, env: dict, queries: int) -> dict:
+def under_load(port: int, items: list[str], kinds: dict, clients: int) -> dict:
+    """`clients` threads, each on its own kept-alive connection, sending the three kinds in turn (by item id,
+    filtered, grouped) over the same items as fast as answers come: throughput and p50/p99 per kind."""
+    import threading
+
+    taken: dict[str, list[float]] = {kind: [] for kind in kinds}
+    names = list(kinds)
+    lock = threading.Lock()
+
+    def client(number: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        for at in range(number, len(items), clients):
+            kind = names[at % len(names)]
+            took, _ = request(conn, {"item_id": items[at], "k": 10, **kinds[kind]})
+            with lock:
+                taken[kind].append(took)
+        conn.close()
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    out = {"clients": clients, "queries": len(items), "seconds": round(seconds, 1),
+           "per_second": round(len(items) / seconds, 1)}
+    for kind, ms in taken.items():
+        out[kind] = {"p50_ms": round(float(np.percentile(ms, 50)), 2), "p99_ms": round(float(np.percentile(ms, 99)), 2),
+                     "queries": len(ms)}
+    return out
+
+
+def service(store: str, env: dict, queries: int, clients: int = 0) -> dict:
     port = free_port()
     log = open(os.path.join(env["HOME"], "api.log"), "w")
     started = time.perf_counter()
@@ -133,6 +167,11 @@ def service(store: str, env: dict, queries: int) -> dict:
                          "rss_mb": round(status_mb(proc.pid, "VmRSS")),
                          "anon_mb": round(status_mb(proc.pid, "RssAnon")),
                          "file_mb": round(status_mb(proc.pid, "RssFile"))}
+        if clients:
+            out["under_load"] = under_load(port, items, kinds, clients)
+            out["under_load"].update(rss_mb=round(status_mb(proc.pid, "VmRSS")),
+                                     anon_mb=round(status_mb(proc.pid, "RssAnon")),
+                                     file_mb=round(status_mb(proc.pid, "RssFile")))
         out["rss_after_mb"] = round(status_mb(proc.pid, "VmRSS"))
         out["peak_mb"] = round(status_mb(proc.pid, "VmHWM"))
         return out
@@ -146,6 +185,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--store", required=True, help="a store with metadata and a serving index (local folder)")
     parser.add_argument("--queries", type=int, default=300, help="requests per kind")
+    parser.add_argument("--clients", type=int, default=8,
+                        help="then the three kinds mixed from this many concurrent connections (0: none)")
     parser.add_argument("--skip", nargs="*", default=[], choices=("export", "sync", "service"))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -164,7 +205,7 @@ def main() -> None:
                                     f"lancedb://{os.path.join(work, 'lance')}/items"], env)
             print("sync", result["sync"], flush=True)
         if "service" not in args.skip:
-            result["service"] = service(store, env, args.queries)
+            result["service"] = service(store, env, args.queries, args.clients)
             print("service", result["service"], flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
