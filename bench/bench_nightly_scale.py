@@ -92,6 +92,8 @@ STAGES = [
                       "add-part", "add-store-part", "tune-search", "index-card")),
     ("index write and alias", ("write-version", "verify-and-alias", "write-drift-reference")),
     ("history row", ("record-night",)),
+    ("duplicates", ("choose-threshold", "find-duplicates")),
+    ("sync", ("sync",)),
     ("trend artifact", ("nightly-trend",)),
 ]
 
@@ -247,11 +249,13 @@ def nightly_run(args, cat: Catalogue, work: str) -> dict:
                 setup["index_build_seconds"] = round(time.perf_counter() - t, 1)
                 say(f"index built in {setup['index_build_seconds']} s")
                 with open(os.path.join(work, "before", "ready.json"), "w") as fh:
-                    json.dump({"objects": cat.n, "manifest": manifest, "setup": setup}, fh)
+                    json.dump({"objects": cat.n, "copy_every": cat.copy_every, "manifest": manifest, "setup": setup},
+                              fh)
             with open(os.path.join(work, "before", "ready.json")) as fh:
                 ready = json.load(fh)
-            if ready["objects"] != cat.n:
-                raise SystemExit(f"{work} holds a rehearsal of {ready['objects']:,} objects; use another --workdir")
+            if ready["objects"] != cat.n or ready.get("copy_every", 0) != cat.copy_every:
+                raise SystemExit(f"{work} holds a rehearsal of {ready['objects']:,} objects, one copy in every "
+                                 f"{ready.get('copy_every', 0)} (0: none); use another --workdir")
             metadata = metadata_files(cat, os.path.join(work, "before")) if args.metadata else None
             store = os.path.join(work, "night", "store")
             shutil.rmtree(os.path.join(work, "night"), ignore_errors=True)
@@ -262,10 +266,14 @@ def nightly_run(args, cat: Catalogue, work: str) -> dict:
             command = [IMGEST, "nightly", "--store", store,
                        "--catalogue", f"s3://{BUCKET}/{PREFIX}", "--model", MODEL, "--memory", args.memory,
                        "--kind", args.kind, "--target-recall", str(args.target_recall), "--inventory", f"s3://{INVENTORY_BUCKET}/{ready['manifest']}"]
+            command += ["--report-duplicates"] if args.report_duplicates else []
+            command += [flag for target in args.sync_to for flag in ("--sync-to", target)]
             night = sampled_night(command + (["--metadata", metadata["files"][0]] if metadata else []), env,
                                   prefect.env, os.path.join(work, "night"))
             checks = check_store(cat, store)
             checks["index_updated_in_place"] = "updated in place" in night.pop("log")
+            if args.report_duplicates:
+                checks["duplicates"] = check_duplicates(cat, store)
             second = None
             if metadata:
                 checks |= check_first_snapshot(store, metadata)
@@ -381,6 +389,34 @@ def check_store(cat: Catalogue, store_dir: str) -> dict:
             "encoded_tonight": tonight["n"][0].as_py(), "encoded_expected": len(cat.changed) + len(cat.new)}
 
 
+def check_duplicates(cat: Catalogue, store_dir: str) -> dict:
+    """The night's duplicates report against the catalogue's copies: how many copy pairs are live after tonight
+    (neither side changed or deleted; tonight's new copies too: the same JPEG), how many of them the report puts
+    in one group, and its groups and pairs as it counts them."""
+    import glob
+
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    reports = sorted(glob.glob(os.path.join(store_dir, "duplicates", "model=*", "*.parquet")))
+    if not reports or not cat.copy_every:
+        return {"duplicates_report": bool(reports)}
+    ids = np.concatenate([np.arange(cat.n), cat.new])
+    touched = np.zeros(cat.n + len(cat.new), bool)
+    touched[np.concatenate([cat.changed, cat.deleted])] = True
+    copies = ids[(cat.sources(ids) != ids) & ~touched[ids] & ~touched[ids - 1]]
+    copies = copies[(copies < cat.n) | (copies - 1 >= cat.n)]  # a new object copies a new one, an old one an old
+    report = pq.read_table(reports[-1], columns=["group", "item_id"])
+    meta = report.schema.metadata
+    group_of = dict(zip(report["item_id"].to_pylist(), report["group"].to_pylist())) if len(report) < 5_000_000 else {}
+    keys, sources = Catalogue.keys(copies), Catalogue.keys(copies - 1)
+    together = sum(1 for a, b in zip(keys, sources) if a in group_of and group_of.get(a) == group_of.get(b))
+    return {"copy_pairs_live": len(copies), "copy_pairs_grouped": together,
+            "groups": json.loads(meta[b"imgest.groups"]), "grouped_items": json.loads(meta[b"imgest.grouped_items"]),
+            "pairs": int(meta[b"imgest.pairs"]), "report_rows": len(report),
+            "largest_group": int(pc.max(pc.value_counts(report["group"]).field("counts")).as_py() or 0)}
+
+
 PLAN_CHILD = """
 import json, sys, time
 sys.path.insert(0, {root!r})
@@ -475,6 +511,15 @@ def main() -> None:
                         help="with --metadata: after the first night, the caption retriever (minilm-l6) ingests every "
                              "row's text and gets an alias, so the second night must encode exactly the changed "
                              "rows' text (a text model on every row: slow on a CPU past ~100k rows)")
+    parser.add_argument("--copies", type=float, default=0.0,
+                        help="this share of the catalogue are copies of another object (same bytes, own key): 0.05 "
+                             "for a catalogue with 5%% copies, for --report-duplicates")
+    parser.add_argument("--report-duplicates", action="store_true",
+                        help="the nights report duplicate groups (imgest nightly --report-duplicates): stage "
+                             "`duplicates`")
+    parser.add_argument("--sync-to", action="append", default=[],
+                        help="the nights sync the serving model there (imgest nightly --sync-to; repeat for "
+                             "several), e.g. lancedb://<workdir>/lance/items: stage `sync`")
     parser.add_argument("--json", action="store_true", help="the result as one JSON line, last")
     args = parser.parse_args()
     if args.objects < 1000:
@@ -485,10 +530,11 @@ def main() -> None:
         raise SystemExit("--metadata: runs the nightly; leave out --plan-only")
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-scale-")
     os.makedirs(work, exist_ok=True)
-    cat = Catalogue(args.objects)
+    cat = Catalogue(args.objects, copies=args.copies)
     t = time.perf_counter()
     result = plan_run(args, cat, work) if args.plan_only else nightly_run(args, cat, work)
     result = {"objects": args.objects, "mode": "plan-only" if args.plan_only else "nightly", "model": MODEL,
+              "copies": args.copies, "report_duplicates": args.report_duplicates, "sync_to": args.sync_to,
               "memory": args.memory, "kind": args.kind, "target_recall": args.target_recall,
               "date": datetime.now(UTC).isoformat(timespec="seconds"),
               **result,

@@ -40,10 +40,18 @@ def say(text: str) -> None:
 # ---- the catalogue, as numbers -------------------------------------------------------------------------------
 
 class Catalogue:
-    """Object i: its key, size, ETag and 4x4 pattern the night before; tonight's churn picked once from a seed."""
+    """Object i: its key, size, ETag and 4x4 pattern the night before; tonight's churn picked once from a seed.
+    With `copies` (a share, e.g. 0.05), one object in every 1/copies is a copy of the one before it: the same
+    bytes (its ETag, its pattern, so its vector), under its own key, as a catalogue's re-uploaded products are;
+    the other objects' noise is then wider (+-64 instead of +-24), so that two of them drawn around one prototype
+    score under the duplicates' fixed threshold (0.97) and only the copies are duplicates."""
 
-    def __init__(self, n: int, seed: int = 0):
+    def __init__(self, n: int, seed: int = 0, copies: float = 0.0):
         self.n, self.seed = n, seed
+        self.copy_every = round(1 / copies) if copies else 0
+        self.noise = 64 if copies else 24
+        if self.copy_every and SHARD_SIZE % self.copy_every:
+            raise ValueError(f"copies: 1/{self.copy_every} must divide a shard of {SHARD_SIZE} (0.05, 0.01, ...)")
         rng = np.random.default_rng(seed)
         self.prototypes = rng.integers(0, 256, (PROTOTYPES, SIDE, SIDE, 3)).astype(np.int16)
         picks = rng.choice(n, size=n // 100 * 3 // 4, replace=False)  # 0.75% of the objects, touched tonight
@@ -55,9 +63,15 @@ class Catalogue:
     def keys(ids) -> list[str]:
         return [f"products/brand-{i // 4000:05d}/sku-{i:010d}.jpg" for i in np.asarray(ids).tolist()]  # in id order
 
-    @staticmethod
-    def etags(ids) -> list[str]:  # the night before's: never read, so any 32 hex digits
-        return [f"{(i * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF:016x}{i:016x}" for i in np.asarray(ids).tolist()]
+    def sources(self, ids) -> np.ndarray:
+        """Each object's own id, or for a copy the id of the object it copies."""
+        ids = np.asarray(ids, np.int64)
+        if not self.copy_every:
+            return ids
+        return np.where(ids % self.copy_every == self.copy_every - 1, ids - 1, ids)
+
+    def etags(self, ids) -> list[str]:  # the night before's: never read, so any 32 hex digits (a copy's: its source's)
+        return [f"{(i * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF:016x}{i:016x}" for i in self.sources(ids).tolist()]
 
     def sizes(self, ids: np.ndarray) -> np.ndarray:
         return 80_000 + (ids * 7919) % 400_000
@@ -70,7 +84,11 @@ class Catalogue:
             part = ids[start:start + 65_536]
             rng = np.random.default_rng([self.seed, night, int(part[0])])
             proto = self.prototypes[(part * 2654435761 + night) % PROTOTYPES]
-            out[start:start + len(part)] = np.clip(proto + rng.integers(-24, 25, proto.shape), 0, 255)
+            noise = rng.integers(-self.noise, self.noise + 1, proto.shape)
+            out[start:start + len(part)] = np.clip(proto + noise, 0, 255)
+        if self.copy_every and len(ids) > 1:  # a copy has its source's pattern where the source comes just before it
+            copy = np.flatnonzero((self.sources(ids[1:]) != ids[1:]) & (ids[:-1] == ids[1:] - 1)) + 1
+            out[copy] = out[copy - 1]
         return out
 
 
