@@ -241,7 +241,7 @@ def nightly_run(args, cat: Catalogue, work: str) -> dict:
                 say(f"store (shards, snapshot) written in {setup['store_seconds']} s")
                 t = time.perf_counter()
                 built = subprocess.run([IMGEST, "build-index", "--store", base,
-                                        "--model", MODEL, "--memory", args.memory, "--kind", args.kind,
+                                        "--model", cat.model, "--memory", args.memory, "--kind", args.kind,
                                         "--target-recall", str(args.target_recall)],
                                        env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT)
                 if built.returncode:
@@ -249,13 +249,15 @@ def nightly_run(args, cat: Catalogue, work: str) -> dict:
                 setup["index_build_seconds"] = round(time.perf_counter() - t, 1)
                 say(f"index built in {setup['index_build_seconds']} s")
                 with open(os.path.join(work, "before", "ready.json"), "w") as fh:
-                    json.dump({"objects": cat.n, "copy_every": cat.copy_every, "manifest": manifest, "setup": setup},
-                              fh)
+                    json.dump({"objects": cat.n, "copy_every": cat.copy_every, "model": cat.model,
+                               "manifest": manifest, "setup": setup}, fh)
             with open(os.path.join(work, "before", "ready.json")) as fh:
                 ready = json.load(fh)
-            if ready["objects"] != cat.n or ready.get("copy_every", 0) != cat.copy_every:
-                raise SystemExit(f"{work} holds a rehearsal of {ready['objects']:,} objects, one copy in every "
-                                 f"{ready.get('copy_every', 0)} (0: none); use another --workdir")
+            if (ready["objects"], ready.get("copy_every", 0), ready.get("model", MODEL)) != \
+                    (cat.n, cat.copy_every, cat.model):
+                raise SystemExit(f"{work} holds a rehearsal of {ready['objects']:,} objects of "
+                                 f"{ready.get('model', MODEL)}, one copy in every {ready.get('copy_every', 0)} (0: "
+                                 "none); use another --workdir")
             metadata = metadata_files(cat, os.path.join(work, "before")) if args.metadata else None
             store = os.path.join(work, "night", "store")
             shutil.rmtree(os.path.join(work, "night"), ignore_errors=True)
@@ -264,7 +266,8 @@ def nightly_run(args, cat: Catalogue, work: str) -> dict:
             subprocess.run(["cp", "-al", base, store], check=True)  # the night writes new files; the base stays
             say(f"nightly over {cat.n:,} objects{' with its metadata (first snapshot)' if metadata else ''}")
             command = [IMGEST, "nightly", "--store", store,
-                       "--catalogue", f"s3://{BUCKET}/{PREFIX}", "--model", MODEL, "--memory", args.memory,
+                       "--catalogue", f"s3://{BUCKET}/{PREFIX}", "--model", cat.model, "--dtype", cat.dtype,
+                       "--memory", args.memory,
                        "--kind", args.kind, "--target-recall", str(args.target_recall), "--inventory", f"s3://{INVENTORY_BUCKET}/{ready['manifest']}"]
             command += ["--report-duplicates"] if args.report_duplicates else []
             command += [flag for target in args.sync_to for flag in ("--sync-to", target)]
@@ -382,7 +385,7 @@ def check_store(cat: Catalogue, store_dir: str) -> dict:
     from imgest.state.committed import load_state
     from imgest.storage import Location
 
-    state = load_state(Location(store_dir), encoders.resolve(MODEL).slug)
+    state = load_state(Location(store_dir), encoders.resolve(cat.model).slug)
     live = state.count("live")
     tonight = state.query("SELECT count(*) AS n FROM state WHERE run_id <> ? AND status = 'live'", [RUN_BEFORE])
     return {"live": live, "live_expected": cat.n - len(cat.deleted) + len(cat.new),
@@ -473,7 +476,7 @@ def plan_run(args, cat: Catalogue, work: str) -> dict:
     store = os.path.join(folder, "store")
     shutil.rmtree(store, ignore_errors=True)
     subprocess.run(["cp", "-al", os.path.join(folder, "before"), store], check=True)
-    code = PLAN_CHILD.format(root=ROOT, store=store, model=MODEL, manifest=ready["manifest"], bucket=BUCKET,
+    code = PLAN_CHILD.format(root=ROOT, store=store, model=cat.model, manifest=ready["manifest"], bucket=BUCKET,
                              prefix=PREFIX, shard=SHARD_SIZE)
     dropped = drop_page_cache()
     log = os.path.join(folder, "plan.log")
@@ -511,6 +514,10 @@ def main() -> None:
                         help="with --metadata: after the first night, the caption retriever (minilm-l6) ingests every "
                              "row's text and gets an alias, so the second night must encode exactly the changed "
                              "rows' text (a text model on every row: slow on a CPU past ~100k rows)")
+    parser.add_argument("--model", default=MODEL, choices=(MODEL, "efficientnet-lite0"),
+                        help="the catalogue's model: raw-pixels-4 (d=48, its cost is not what is measured) or "
+                             "efficientnet-lite0 (d=1,280 in float16 shards, as users store it; tonight's objects "
+                             "encoded by the real model)")
     parser.add_argument("--copies", type=float, default=0.0,
                         help="this share of the catalogue are copies of another object (same bytes, own key): 0.05 "
                              "for a catalogue with 5%% copies, for --report-duplicates")
@@ -530,10 +537,11 @@ def main() -> None:
         raise SystemExit("--metadata: runs the nightly; leave out --plan-only")
     work = args.workdir or tempfile.mkdtemp(prefix="imgest-scale-")
     os.makedirs(work, exist_ok=True)
-    cat = Catalogue(args.objects, copies=args.copies)
+    cat = Catalogue(args.objects, copies=args.copies, model=args.model)
     t = time.perf_counter()
     result = plan_run(args, cat, work) if args.plan_only else nightly_run(args, cat, work)
-    result = {"objects": args.objects, "mode": "plan-only" if args.plan_only else "nightly", "model": MODEL,
+    result = {"objects": args.objects, "mode": "plan-only" if args.plan_only else "nightly", "model": cat.model,
+              "dtype": cat.dtype,
               "copies": args.copies, "report_duplicates": args.report_duplicates, "sync_to": args.sync_to,
               "memory": args.memory, "kind": args.kind, "target_recall": args.target_recall,
               "date": datetime.now(UTC).isoformat(timespec="seconds"),

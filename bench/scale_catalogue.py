@@ -46,8 +46,9 @@ class Catalogue:
     the other objects' noise is then wider (+-64 instead of +-24), so that two of them drawn around one prototype
     score under the duplicates' fixed threshold (0.97) and only the copies are duplicates."""
 
-    def __init__(self, n: int, seed: int = 0, copies: float = 0.0):
-        self.n, self.seed = n, seed
+    def __init__(self, n: int, seed: int = 0, copies: float = 0.0, model: str = MODEL):
+        self.n, self.seed, self.model = n, seed, model
+        self.dtype = "float32" if model == MODEL else "float16"  # a model's real width is stored as users store it
         self.copy_every = round(1 / copies) if copies else 0
         self.noise = 64 if copies else 24
         if self.copy_every and SHARD_SIZE % self.copy_every:
@@ -97,6 +98,20 @@ def vectors_of(patterns: np.ndarray) -> np.ndarray:
     flat = patterns.transpose(0, 3, 1, 2).reshape(len(patterns), -1).astype(np.float32) / 255.0
     flat -= flat.mean(axis=1, keepdims=True)
     return flat / np.maximum(np.linalg.norm(flat, axis=1, keepdims=True), 1e-12)
+
+
+WIDE_SEED = 12345  # the projection of the 48 pattern values into a wider model's space
+
+
+def wide_vectors(patterns: np.ndarray, dim: int, ids: np.ndarray) -> np.ndarray:
+    """Vectors of `dim` for a wider model (efficientnet-lite0: 1,280): the pattern's 48 values projected by a fixed
+    random matrix, plus noise of the same size fixed by the id, L2-normalised: clustered as the 4x4 patterns are,
+    but of full rank, as real embeddings are (a PQ code or a graph sees `dim` dimensions of signal)."""
+    projection = np.random.default_rng(WIDE_SEED).standard_normal((3 * SIDE * SIDE, dim)).astype(np.float32)
+    out = vectors_of(patterns) @ projection / np.sqrt(3 * SIDE * SIDE)
+    out += np.random.default_rng([WIDE_SEED, int(ids[0]), len(ids)]).standard_normal(out.shape).astype(np.float32) \
+        / np.sqrt(dim) * 0.5
+    return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
 
 
 def jpeg(pattern: np.ndarray) -> bytes:
@@ -201,7 +216,7 @@ def write_store(cat: Catalogue, store_dir: str, with_shards: bool) -> None:
     from imgest.tasks.ingest.plan import ShardPlan, WorkItem
     from imgest.tasks.ingest.writer import ShardWriter
 
-    spec = encoders.resolve(MODEL)
+    spec = encoders.resolve(cat.model)
     store = Location(store_dir)
     write_model_card(store, spec.describe())
     if with_shards:
@@ -210,8 +225,11 @@ def write_store(cat: Catalogue, store_dir: str, with_shards: bool) -> None:
             keys, etags = cat.keys(ids), cat.etags(ids)
             items = [WorkItem(k, f"s3://{BUCKET}/{PREFIX}/{k}", int(s), 1_764_637_200.0, e, None)
                      for k, e, s in zip(keys, etags, cat.sizes(ids))]
-            writer = ShardWriter(store, spec, ShardPlan(RUN_BEFORE, number, tuple(items)), runtime="numpy")
-            writer.add(list(zip(items, etags)), vectors_of(cat.patterns(ids)))
+            writer = ShardWriter(store, spec, ShardPlan(RUN_BEFORE, number, tuple(items)), runtime="numpy",
+                                 dtype=cat.dtype)
+            patterns = cat.patterns(ids)
+            writer.add(list(zip(items, etags)),
+                       vectors_of(patterns) if spec.dim == 3 * SIDE * SIDE else wide_vectors(patterns, spec.dim, ids))
             writer.flush()
             store.delete(commit_key(spec.slug, writer.plan.name))  # folded into the snapshot below
             if number % 500 == 0:
