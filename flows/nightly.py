@@ -11,6 +11,7 @@ from imgest.flows.build_index import build_index
 from imgest.flows.duplicates import duplicates
 from imgest.flows.ingest import ingest
 from imgest.images import decoders
+from imgest.memory import give_back
 from imgest.reports.nightly import render_nightly
 from imgest.reports.run_names import run_name
 from imgest.state.lock import StoreLock, run_owner
@@ -56,12 +57,15 @@ def nightly(config: NightlyConfig) -> dict:
         retired = collect_retired(store_loc, lock.fence)
     found = None
     if config.report_duplicates and runs:  # the serving model's duplicate groups, new ones since the last report
+        give_back()  # the builds' freed memory, before the search over every live item
         found = duplicates(DuplicatesConfig(store=config.store, alias="serving"))
         found.pop("groups")
     if runs:
         trend_artifact_task(store_loc.url)
     # each target: the serving model (its name answers for it), then during a window the other model, into its own
     companions = window_companions(store_loc)
+    if config.sync_to:
+        give_back()  # what the builds and the duplicates freed, before the sync reads the live set
     synced = [sync_task(SyncConfig(store=config.store, to=target, **which)) for target in config.sync_to
               for which in ({"alias": "serving"}, *({"model": slug} for slug in companions))]
     base_rows = [{"ingest": b, "index": {"built": False, "reason": "base of a head"}} for b in bases]

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from imgest.retrieval.idmap import IdMap, mapped, take_rows
+from imgest.retrieval.idmap import IdMap, MappedFile, take_rows
 from imgest.state.metadata import latest_seq, snapshot_key
 from imgest.state.rows import sql_name, sql_string, unsorted_join
 from imgest.storage import Location
@@ -63,7 +63,7 @@ class VersionMetadata:
             _write(ids.parquet, snapshot, path)
             _sweep(cache_dir, keep=path)
             opened = _open(path, len(ids))
-        self.table, schema = opened
+        self.file, self.table, schema = opened
         self.columns: list[dict] = json.loads((schema.metadata or {}).get(COLUMNS_KEY, b"[]"))
         self.names = [n for n in self.table.column_names if n not in INTERNAL]
         self._starts = np.cumsum([0] + [batch.num_rows for batch in self.table.to_batches()])
@@ -99,13 +99,14 @@ class VersionMetadata:
         return self.table.column(name)[int(faiss_id)].as_py()
 
 
-def _open(path: str, rows: int) -> tuple[pa.Table, pa.Schema]:
-    """The file's table (mapped) and schema; ValueError when it does not hold `rows` rows."""
-    reader = pa.ipc.open_file(pa.BufferReader(mapped(path)))
+def _open(path: str, rows: int) -> tuple[MappedFile, pa.Table, pa.Schema]:
+    """The file (mapped), its table and schema; ValueError when it does not hold `rows` rows."""
+    file = MappedFile(path)
+    reader = pa.ipc.open_file(pa.BufferReader(file.buffer))
     table = reader.read_all()
     if table.num_rows != rows or FAISS_ID not in table.column_names or PRESENT not in table.column_names:
         raise ValueError(f"{table.num_rows} rows of {table.column_names}, for the version's {rows} items")
-    return table, reader.schema
+    return file, table, reader.schema
 
 
 UNUSED_DAYS = 7  # a metadata file no searcher has opened for this long is removed when another is made

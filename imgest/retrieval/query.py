@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -243,6 +244,9 @@ class Searcher:
             return self._filters[where]
         metadata = self._metadata()
         table = metadata.table.add_column(0, "item_id", self._ids())
+        for name in [FAISS_ID, *(n for n in table.column_names if re.search(rf"\b{re.escape(n)}\b", where))]:
+            # the columns the predicate may name, read ahead of DuckDB's scan (a name inside a quoted value too)
+            (self.opened.ids.file if name == "item_id" else metadata.file).will_scan(table.column(name))
         try:
             found = matching_items(table, where, select=FAISS_ID, hidden=tuple(INTERNAL))
         except FilterError as exc:
