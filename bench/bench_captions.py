@@ -3,7 +3,7 @@
     OPENBLAS_CORETYPE=Haswell .venv/bin/python bench/bench_captions.py [--per-class 100] [--queries 10]
 
 Catalogue: `--per-class` Fashion-MNIST *train* images per class (PNG), each its own product, with metadata
-from `imgest.demo.product_metadata` (title: colour, material, detail; caption; category; price). Two
+from `imgest.images.demo.product_metadata` (title: colour, material, detail; caption; category; price). Two
 retrievers over it: `captions` = minilm-l6 over the titles and captions, `serving` = efficientnet-lite0 over
 the pixels (real weights, both offline).
 
@@ -57,9 +57,9 @@ def main() -> None:
 
     from PIL import Image
 
-    from imgest.demo import FASHION_CLASSES, product_metadata, read_fashion_mnist
     from imgest.flows.build_index import build_index
     from imgest.flows.ingest import ingest
+    from imgest.images.demo import FASHION_CLASSES, product_metadata, read_fashion_mnist
     from imgest.retrieval.querysets import LabelledQuery
     from imgest.retrieval.routing import traffic_gain
     from imgest.tasks.evaluate.retrievers import run_evaluation

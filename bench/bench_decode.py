@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_decode.py [--images 60] [--side 1200]
 
-JPEGs of real photo content (`imgest.demo.product_photos`, JPEG objects only) rescaled so their longer
+JPEGs of real photo content (`imgest.images.demo.product_photos`, JPEG objects only) rescaled so their longer
 side is `--side` px, quality 85-95, a third progressive. On one core, one run, the same images: decode +
 Lite0 preprocessing (resize and centre crop to 224) img/s for
   - full: a full Pillow decode (the baseline),
@@ -37,9 +37,9 @@ def main() -> None:
     from PIL import Image, ImageOps
 
     from imgest import encoders
-    from imgest.demo import product_photos
     from imgest.images import decode as decode_module
     from imgest.images.decode import decode_image, to_rgb
+    from imgest.images.demo import product_photos
 
     torch.set_num_threads(1)
     encoder = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")

@@ -168,7 +168,7 @@ def shot(art, rng, backgrounds) -> bytes:
 
 
 def products_set(items: int, queries: int) -> tuple[list[bytes], list[bytes], np.ndarray]:
-    from imgest.demo import photo, read_fashion_mnist
+    from imgest.images.demo import photo, read_fashion_mnist
 
     images, _ = read_fashion_mnist("train")
     rng = np.random.default_rng(1)

@@ -30,7 +30,7 @@ def main() -> None:
     from PIL import Image
 
     from imgest import encoders
-    from imgest.demo import read_fashion_mnist
+    from imgest.images.demo import read_fashion_mnist
     from imgest.retrieval.params import set_param
     from imgest.storage import Location
     from imgest.tasks.index.build import build

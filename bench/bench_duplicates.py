@@ -2,7 +2,7 @@
 
     OPENBLAS_CORETYPE=Haswell .venv/bin/python bench/bench_duplicates.py [--art 200] [--photos 28] [--json OUT]
 
-Two catalogues from `imgest.demo.planted_duplicates`, each with copies planted in it by that function (not by
+Two catalogues from `imgest.images.demo.planted_duplicates`, each with copies planted in it by that function (not by
 the calibration's own copier): a JPEG re-encode at quality 60-70 with transparency composited on white, a
 resize to 0.5-2x, a crop of 3-8% per side, in turn, for half of the originals:
   - photos: distinct photos (scikit-image's, and the halves of the wider ones) at 800-1600 px, every fourth a
@@ -64,10 +64,10 @@ def main() -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     from imgest.config import DuplicatesConfig, IndexConfig, IngestConfig
-    from imgest.demo import planted_duplicates
     from imgest.flows.build_index import build_index
     from imgest.flows.duplicates import duplicates
     from imgest.flows.ingest import ingest
+    from imgest.images.demo import planted_duplicates
 
     results = []
     with tempfile.TemporaryDirectory() as tmp, prefect_test_harness(server_startup_timeout=90):

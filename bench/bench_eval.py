@@ -31,11 +31,11 @@ def main() -> None:
 
     from prefect.testing.utilities import prefect_test_harness
 
-    from imgest.demo import build_demo_catalogue
     from imgest.flows.build_index import build_index
     from imgest.flows.evaluate import evaluate
     from imgest.flows.ingest import ingest
     from imgest.flows.nightly import nightly
+    from imgest.images.demo import build_demo_catalogue
     from imgest.reports.evaluation import render_eval
     from imgest.retrieval.querysets import build_class_queries, build_instance_queries
 

@@ -45,11 +45,11 @@ def main() -> None:
     import numpy as np
     from prefect.testing.utilities import prefect_test_harness
 
-    from imgest.demo import build_demo_catalogue
     from imgest.encoders.head import load_module
     from imgest.encoders.head import project as apply_head
     from imgest.flows.ingest import ingest
     from imgest.flows.train_head import train_head_flow
+    from imgest.images.demo import build_demo_catalogue
     from imgest.retrieval.metrics import paired_bootstrap
     from imgest.state.live import load_live_vectors
     from imgest.state.models import find_model

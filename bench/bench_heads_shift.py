@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from imgest.config import IngestConfig, TrainHeadConfig
-from imgest.flow_params import gather_flat
+from imgest.config.flow_params import gather_flat
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

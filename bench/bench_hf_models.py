@@ -353,9 +353,9 @@ def main() -> None:
     import transformers
 
     from imgest import encoders
-    from imgest.demo import product_photos
     from imgest.encoders.base import _cpu_model
     from imgest.encoders.precision import native_precisions
+    from imgest.images.demo import product_photos
     from imgest.storage import Location
     from imgest.tasks.ingest.plan import WorkItem
 

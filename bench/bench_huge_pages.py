@@ -4,7 +4,7 @@ torch allocates a forward pass's activations afresh at every batch; without huge
 4 KB at a time (imgest/memory.py). Each setting runs in a fresh process, because torch and glibc read theirs when
 the process starts: `THP_MEM_ALLOC_ENABLE=0` (torch's switch off, as before imgest set it), imgest's default
 (torch's tensors on huge pages), and that plus glibc's heap (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, as the
-deployment image sets). The photos are the parity sample's product photos (imgest/demo.py), preprocessed once
+deployment image sets). The photos are the parity sample's product photos (imgest/images/demo.py), preprocessed once
 per process; a warm-up batch first, then ROUNDS passes over them, timed.
 
     .venv/bin/python bench/bench_huge_pages.py --model efficientnet-lite0-gem --batch 32 --out huge_pages.json

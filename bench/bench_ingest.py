@@ -43,7 +43,7 @@ print("RESULT " + json.dumps(summary))
 def write_catalogue(root: str, n: int) -> None:
     from PIL import Image
 
-    from imgest.demo import FASHION_CLASSES, read_fashion_mnist
+    from imgest.images.demo import FASHION_CLASSES, read_fashion_mnist
 
     images, labels = read_fashion_mnist("train")
     for i in range(n):

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_ingest_memory.py [--sizes 150,600] [--shard-size 100]
 
-For each size, a product catalogue of that many photos (`imgest.demo.product_photos`: 800-2000 px JPEGs,
+For each size, a product catalogue of that many photos (`imgest.images.demo.product_photos`: 800-2000 px JPEGs,
 some progressive or sideways, PNG cut-outs) is written to a folder and ingested with the command line
 (`imgest ingest --model efficientnet-lite0`, a Prefect run on an ephemeral server) into a fresh store.
 Reported per size: the command's peak RSS (the kernel's ru_maxrss for that process: the flow, its tasks,
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=100)
     args = parser.parse_args()
 
-    from imgest.demo import product_photos
+    from imgest.images.demo import product_photos
     from imgest.storage import Location
 
     imgest = os.path.join(os.path.dirname(sys.executable), "imgest")

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_kept_pixels.py [--images 1500] [--side 256] [--workdir DIR] [--json]
 
-The catalogue: `imgest.demo.product_photos` at 1100-1300 px (real photos, JPEG q85-95, a third progressive, every
+The catalogue: `imgest.images.demo.product_photos` at 1100-1300 px (real photos, JPEG q85-95, a third progressive, every
 fifth stored sideways with an EXIF turn, every tenth a PNG cut-out) in a local folder. Every command runs through
 the CLI, as a user runs it, against one Prefect server:
 
@@ -49,7 +49,7 @@ def say(line: str) -> None:
 
 
 def write_catalogue(folder: str, images: int) -> int:
-    from imgest.demo import product_photos
+    from imgest.images.demo import product_photos
 
     total = 0
     for key, data in product_photos(images, seed=11, sides=(1100, 1300)).items():

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_kept_side.py [--images 64] [--side 448] [--model efficientnet-lite0]
 
-On `imgest.demo.product_photos` at 1100-1300 px (JPEG q85-95, a third progressive, every fifth EXIF-turned, every
+On `imgest.images.demo.product_photos` at 1100-1300 px (JPEG q85-95, a third progressive, every fifth EXIF-turned, every
 tenth a PNG cut-out), one core, the model's own preprocessing: core-ms per image of a decode worker's work
 (`tasks.ingest.encode.prepare`: read, hash, decode, preprocess, and the copy when one is kept) with the model's
 default decode (simplejpeg down to its side), for no copy, a copy at the model's side (made from its decode), and a
@@ -43,8 +43,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from imgest import encoders
-    from imgest.demo import product_photos
     from imgest.images import decoders
+    from imgest.images.demo import product_photos
     from imgest.storage import Location
     from imgest.tasks.ingest.encode import prepare
     from imgest.tasks.ingest.plan import WorkItem

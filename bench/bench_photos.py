@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_photos.py [--images 300] [--workers 2]
 
-The catalogue: `imgest.demo.product_photos`, real photos (scikit-image's) scaled to 800-2000 px,
+The catalogue: `imgest.images.demo.product_photos`, real photos (scikit-image's) scaled to 800-2000 px,
 cropped, re-encoded as JPEG at quality 85-95, a third progressive. Measured in one process, one run, on
 the same images: JPEG decode img/s on one core (full and reduced), the bare model's img/s at the tuned
 batch on preprocessed pixels, and encode_shard end to end (read, hash, decode in threads, encode, write
@@ -70,8 +70,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from imgest import encoders
-    from imgest.demo import product_photos
     from imgest.images.decode import decode_image
+    from imgest.images.demo import product_photos
     from imgest.storage import Location
     from imgest.tasks.ingest.batch_size import measure, tune_batch_size
     from imgest.tasks.ingest.encode import encode_shard

@@ -98,7 +98,7 @@ def pipeline(args, spec, work: str) -> None:
     import torch
 
     from imgest import encoders
-    from imgest.demo import product_photos
+    from imgest.images.demo import product_photos
     from imgest.state.layout import shard_key
     from imgest.state.shards import embedding_matrix
     from imgest.storage import Location
@@ -174,9 +174,9 @@ def pipeline(args, spec, work: str) -> None:
 
 def queries(args, spec) -> None:
     from imgest import encoders
-    from imgest.demo import product_photos
     from imgest.encoders import precision
     from imgest.images.decode import decode_image
+    from imgest.images.demo import product_photos
     from imgest.retrieval.query import query_encoder
 
     photos = [d for d in product_photos(args.query_photos, seed=2, sides=(1100, 1300)).values()]

@@ -179,7 +179,7 @@ def main() -> None:
         sys.exit(f"no usable CUDA device: {unusable_gpu() or 'no GPU here'} (--smoke runs the steps on the CPU)")
     report: dict = {"torch": torch.__version__, "cuda": torch.version.cuda, "cpu_cores": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "smoke": args.smoke}
-    from imgest.demo import product_photos
+    from imgest.images.demo import product_photos
 
     with tempfile.TemporaryDirectory() as root:
         os.environ["IMGEST_COMPILED_CACHE"] = os.path.join(root, "compiled")

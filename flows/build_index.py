@@ -8,14 +8,14 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.utilities.annotations import quote
 
 from imgest.config import IndexConfig
-from imgest.flow_params import configured_flow
+from imgest.config.flow_params import configured_flow
 from imgest.flows.build_version import build_version
-from imgest.lock import StoreLock, run_owner
 from imgest.names import VERSION
 from imgest.plots import markdown_image, recall_sweep_png
 from imgest.reports.index import render_card
 from imgest.reports.run_names import run_name
 from imgest.state.live import live_fingerprint
+from imgest.state.lock import StoreLock, run_owner
 from imgest.state.models import default_model, find_model
 from imgest.storage import open_location
 from imgest.tasks.index.steps import (

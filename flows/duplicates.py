@@ -5,9 +5,9 @@ from __future__ import annotations
 from prefect.artifacts import create_markdown_artifact
 
 from imgest.config import DuplicatesConfig
-from imgest.flow_params import configured_flow
-from imgest.lock import LOCK_WAIT_S, StoreLock, run_owner
+from imgest.config.flow_params import configured_flow
 from imgest.reports.run_names import run_name
+from imgest.state.lock import LOCK_WAIT_S, StoreLock, run_owner
 from imgest.storage import open_location
 from imgest.tasks.duplicates.find import choose_task, find_task
 

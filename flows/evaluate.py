@@ -8,12 +8,12 @@ import hashlib
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from imgest.config import EvalConfig
-from imgest.flow_params import configured_flow
-from imgest.lock import LOCK_WAIT_S, StoreLock, run_owner
+from imgest.config.flow_params import configured_flow
 from imgest.plots import markdown_image
 from imgest.reports.evaluation import candidates_table, render_eval
 from imgest.reports.run_names import run_name
 from imgest.retrieval.querysets import read_query_set
+from imgest.state.lock import LOCK_WAIT_S, StoreLock, run_owner
 from imgest.storage import open_location, read_url
 from imgest.tasks.evaluate.candidates import compare_candidates_task
 from imgest.tasks.evaluate.retrievers import evaluate_task, metrics_table, plot_report, write_outputs

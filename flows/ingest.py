@@ -9,10 +9,9 @@ from prefect.utilities.annotations import quote
 
 from imgest import encoders
 from imgest.config import IngestConfig
-from imgest.flow_params import configured_flow
+from imgest.config.flow_params import configured_flow
 from imgest.images import decoders
 from imgest.images.listing import check_apart
-from imgest.lock import StoreLock, run_owner
 from imgest.memory import give_back
 from imgest.progress import report
 from imgest.reports.ingest import progress_line, render_summary
@@ -20,6 +19,7 @@ from imgest.reports.run_names import run_name
 from imgest.runners import SHARDS_AHEAD, shard_runner, submit_in_order
 from imgest.state import pixels
 from imgest.state.committed import new_run_id
+from imgest.state.lock import StoreLock, run_owner
 from imgest.state.models import default_model
 from imgest.storage import one_line, open_location
 from imgest.tasks.ingest.commit import new_summary

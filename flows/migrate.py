@@ -6,16 +6,16 @@ from prefect.artifacts import create_markdown_artifact
 
 from imgest import encoders
 from imgest.config import IndexConfig, MigrateConfig, ReencodeConfig
-from imgest.flow_params import configured_flow
+from imgest.config.flow_params import configured_flow
 from imgest.flows.build_index import build_index
 from imgest.flows.reencode import reencode
 from imgest.images import decoders
-from imgest.lock import LOCK_WAIT_S, StoreLock, run_owner
 from imgest.memory import give_back
 from imgest.reports.migration import render_finished, render_window
 from imgest.reports.run_names import run_name
 from imgest.retrieval.status import last_run
 from imgest.state.aliases import read_alias
+from imgest.state.lock import LOCK_WAIT_S, StoreLock, run_owner
 from imgest.storage import open_location
 from imgest.tasks.migration import window as migration
 from imgest.tasks.sync.targets import parse_target

@@ -6,15 +6,15 @@ from prefect.artifacts import create_markdown_artifact
 
 from imgest import encoders
 from imgest.config import DuplicatesConfig, NightlyConfig, SyncConfig
-from imgest.flow_params import configured_flow
+from imgest.config.flow_params import configured_flow
 from imgest.flows.build_index import build_index
 from imgest.flows.duplicates import duplicates
 from imgest.flows.ingest import ingest
 from imgest.images import decoders
-from imgest.lock import StoreLock, run_owner
 from imgest.memory import give_back
 from imgest.reports.nightly import render_nightly
 from imgest.reports.run_names import run_name
+from imgest.state.lock import StoreLock, run_owner
 from imgest.state.retention import collect_retired
 from imgest.storage import open_location
 from imgest.tasks.migration.window import check_window_model, nightly_models

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect.artifacts import create_markdown_artifact
 
 from imgest.config import IngestConfig, ReencodeConfig
-from imgest.flow_params import configured_flow
+from imgest.config.flow_params import configured_flow
 from imgest.flows.ingest import ingest
 from imgest.reports.ingest import render_reencode
 from imgest.reports.run_names import run_name

@@ -7,7 +7,7 @@ import sys
 from prefect.artifacts import create_markdown_artifact
 
 from imgest.config import TrainHeadConfig
-from imgest.flow_params import configured_flow
+from imgest.config.flow_params import configured_flow
 from imgest.names import SELF_SUPERVISED_ITEMS, parse_augmentations
 from imgest.plots import markdown_image
 from imgest.reports.heads import render_head, render_whitening

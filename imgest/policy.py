@@ -14,7 +14,7 @@ def is_final(exc: BaseException | None) -> bool:
     import duckdb
 
     from imgest.errors import FinalError
-    from imgest.lock import LockLostError
+    from imgest.state.lock import LockLostError
 
     return isinstance(exc, LockLostError | FinalError | MemoryError | duckdb.OutOfMemoryException)
 

@@ -40,7 +40,7 @@ def test_the_packaged_weights_recognise_real_photos_through_its_preprocessing(na
     vectors, and the same photo cropped stays nearer itself than the others."""
     import torch
 
-    from imgest.demo import photo
+    from imgest.images.demo import photo
 
     encoder = encoders.load(encoders.resolve(name), "cpu")
     side = encoder.input_shape[1]

@@ -113,8 +113,8 @@ def test_caption_retriever_end_to_end(tmp_path, tiny_models):
     from typer.testing import CliRunner
 
     from imgest.cli import app
-    from imgest.demo import FASHION_CLASSES, product_metadata, read_fashion_mnist
     from imgest.flows.build_index import build_index
+    from imgest.images.demo import FASHION_CLASSES, product_metadata, read_fashion_mnist
     from imgest.retrieval.query import search
 
     images, labels = read_fashion_mnist()

@@ -64,7 +64,7 @@ def test_reduced_jpeg_decode_gives_nearly_the_same_embeddings_on_real_photos():
     from PIL import Image
 
     from imgest import encoders
-    from imgest.demo import PHOTOS, photo
+    from imgest.images.demo import PHOTOS, photo
 
     encoder = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
     full, fast, sizes = [], [], []
@@ -108,7 +108,7 @@ def test_the_product_catalogue_is_mixed_like_a_real_one():
 
     from PIL import Image
 
-    from imgest.demo import product_photos
+    from imgest.images.demo import product_photos
 
     files = product_photos(12)
     assert [k for k in files if k.endswith(".png")] == ["p/00007.png"]

@@ -48,7 +48,7 @@ def test_decoders_give_pillows_embeddings_on_product_photos(name):
     reduced decode is upright and gives Lite0 embeddings close to Pillow's full decode, as Pillow's reduced
     decode does (its bound in test_decode.py)."""
     from imgest import encoders
-    from imgest.demo import product_photos
+    from imgest.images.demo import product_photos
 
     encoder = encoders.load(encoders.resolve("efficientnet-lite0"), "cpu")
     files = list(product_photos(20, seed=3, sides=(1000, 1400)).values())
@@ -255,7 +255,7 @@ def test_a_recorded_decoder_missing_here_is_refused_in_one_line_before_any_work(
 @pytest.fixture(scope="module")
 def gate_files():
     """Files for the gate, fewer than the parity sample's 256: real photos at 300-500 px, JPEG and PNG cut-outs."""
-    from imgest.demo import product_photos
+    from imgest.images.demo import product_photos
 
     return tuple(product_photos(24, seed=5, sides=(300, 500)).values())
 
@@ -343,7 +343,7 @@ def test_a_transformers_models_reduced_decode_is_recorded_where_it_passes_its_ga
 
 def test_each_shard_names_its_decoder_and_the_same_bytes_give_the_same_vector(tmp_path, tiny_models, monkeypatch):
     from imgest import encoders
-    from imgest.demo import product_photos
+    from imgest.images.demo import product_photos
     from imgest.state.shards import UNRECORDED, embedding_matrix, shard_decoder
     from imgest.storage import Location
     from imgest.tasks.ingest.encode import encode_shard

@@ -14,8 +14,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from imgest.cli import app
-from imgest.demo import photo, planted_duplicates
 from imgest.images.decode import decode_image
+from imgest.images.demo import photo, planted_duplicates
 from imgest.storage import Location
 from imgest.tasks.duplicates.calibrate import Calibration, latest_calibration, stale, write_calibration
 from imgest.tasks.duplicates.hashes import hamming, perceptual_hash, picture

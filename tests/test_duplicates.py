@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from imgest.cli import app
 from imgest.config import NightlyConfig
-from imgest.demo import PHOTOS, photo
+from imgest.images.demo import PHOTOS, photo
 from imgest.tasks.duplicates.calibrate import choose_hash_signal, choose_threshold
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from imgest import encoders
-from imgest.demo import photo
 from imgest.encoders import EncoderError
 from imgest.images.decode import to_rgb
+from imgest.images.demo import photo
 from imgest.storage import Location
 from imgest.tasks.ingest.batch_size import cached_or_tuned, tune_batch_size
 

@@ -9,10 +9,10 @@ from typer.testing import CliRunner
 
 from imgest.cli import app
 from imgest.config import EvalConfig, IndexConfig, NightlyConfig
-from imgest.demo import FASHION_CLASSES, photo, read_fashion_mnist
 from imgest.flows.build_index import build_index
 from imgest.flows.evaluate import evaluate
 from imgest.flows.nightly import nightly
+from imgest.images.demo import FASHION_CLASSES, photo, read_fashion_mnist
 from imgest.retrieval.querysets import build_class_queries, build_instance_queries, read_query_set
 from imgest.tasks.migration.window import check_gate
 from tests.helpers import ingest_into

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from imgest import encoders
 from imgest.cli import app
 from imgest.config import NightlyConfig
-from imgest.demo import FASHION_CLASSES, photo, read_fashion_mnist
 from imgest.flows.nightly import nightly
+from imgest.images.demo import FASHION_CLASSES, photo, read_fashion_mnist
 from imgest.reports.evaluation import candidates_table
 from imgest.retrieval.querysets import build_class_queries
 from imgest.timing import projected_hours

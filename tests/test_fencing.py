@@ -13,9 +13,16 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from imgest.lock import LockLostError, RecordChangedError, StoreLock, StoreLockedError, current_holder, generations
 from imgest.state.aliases import delete_alias, read_alias, set_alias
 from imgest.state.layout import generation_key
+from imgest.state.lock import (
+    LockLostError,
+    RecordChangedError,
+    StoreLock,
+    StoreLockedError,
+    current_holder,
+    generations,
+)
 from imgest.storage import Location, RecordError
 from imgest.tasks.migration import window as migration
 from tests.s3servers import on as on_s3

@@ -17,10 +17,10 @@ import torch
 from PIL import Image, ImageOps
 
 from imgest import encoders
-from imgest.demo import PHOTOS, photo, product_photos
 from imgest.encoders import efficientnet, hf, parity
 from imgest.images import decoders, tensors
 from imgest.images.decode import DecodeError, decode_image
+from imgest.images.demo import PHOTOS, photo, product_photos
 from imgest.state.shards import embedding_matrix
 from imgest.storage import Location
 from imgest.tasks.ingest.encode import encode_shard

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from imgest.config import EvalConfig, HeadConfig, MigrateConfig, NightlyConfig, TrainHeadConfig
-from imgest.flow_params import gather_flat
+from imgest.config.flow_params import gather_flat
 from imgest.tasks.heads import labels as label_files
 from imgest.tasks.heads.labels import read_label_table, read_labels, stage_labels
 from imgest.tasks.heads.train import HeadError, infonce, proxynca, train_head, triplet_semihard

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from imgest.cli import app
 from imgest.config import IndexConfig, NightlyConfig
-from imgest.demo import PHOTOS, photo
 from imgest.flows.build_index import build_index
 from imgest.flows.nightly import nightly
+from imgest.images.demo import PHOTOS, photo
 from imgest.reports.index import render_card
 from imgest.retrieval.query import Query, Searcher, SearchError, search
 from imgest.retrieval.versions import IndexIntegrityError, open_index

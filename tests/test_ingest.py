@@ -136,8 +136,8 @@ def test_a_dinov2_shaped_model_decodes_product_photos_reduced_and_status_shows_i
     import torch
     from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
 
-    from imgest.demo import product_photos
     from imgest.encoders import parity
+    from imgest.images.demo import product_photos
 
     folder = tmp_path / "models" / "dinov2-256"
     torch.manual_seed(0)
@@ -318,7 +318,7 @@ def _timed_as(winner: str):
 def test_two_fresh_stores_hold_the_same_vectors_however_the_decoders_timings_fall(tmp_path, monkeypatch):
     """Two stores of one catalogue and model, their first runs with the decoders' timings forced apart both ways
     (Pillow ten times cheaper, then simplejpeg): the same decode recorded, the same vectors, bit for bit."""
-    from imgest.demo import product_photos
+    from imgest.images.demo import product_photos
 
     cat = tmp_path / "catalogue"
     photos = product_photos(6, seed=4, sides=(500, 700))
@@ -343,7 +343,7 @@ def test_a_later_run_keeps_a_recorded_decoder_other_than_the_default_and_the_sam
     recorded it (before the decoder was fixed, and before sides were recorded): every later run decodes with it,
     its side is recorded, status says it is not the default, and a copy of a photo gets its vector."""
     from imgest import encoders
-    from imgest.demo import product_photos
+    from imgest.images.demo import product_photos
     from imgest.storage import Location
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"

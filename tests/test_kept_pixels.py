@@ -556,7 +556,7 @@ GATE_PHOTOS = 32
 def photos(tmp_path_factory) -> tuple:
     """(catalogue folder, its files): 40 product photos (800-2000 px JPEGs, progressive, EXIF-rotated, PNG
     cut-outs)."""
-    from imgest.demo import product_photos
+    from imgest.images.demo import product_photos
     from tests.helpers import write_files
 
     files = product_photos(PHOTOS, seed=3)

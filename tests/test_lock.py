@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from imgest.lock import LockLostError, StoreLock, StoreLockedError, current_holder, generations
 from imgest.state.layout import generation_key
+from imgest.state.lock import LockLostError, StoreLock, StoreLockedError, current_holder, generations
 from imgest.storage import Location
 from tests.s3servers import on as on_s3
 from tests.s3servers import use as use_s3

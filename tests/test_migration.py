@@ -256,7 +256,7 @@ def test_promote_then_rollback_and_refusals(tmp_path, tiny_models, monkeypatch):
 def test_promote_rollback_finish_wait_for_the_writer_lock(tmp_path, tiny_models):
     """A nightly build holding the store (it moves aliases too) makes a promote fail with the holder named,
     changing nothing; once it is released the same command goes through."""
-    from imgest.lock import StoreLock, StoreLockedError
+    from imgest.state.lock import StoreLock, StoreLockedError
 
     cat, store = tmp_path / "catalogue", tmp_path / "store"
     catalogue(cat, 6)

@@ -44,7 +44,7 @@ def test_a_multiscale_embedding_is_the_normalised_sum_of_its_single_scale_gem_em
     import torch
     import torch.nn.functional as F
 
-    from imgest.demo import photo
+    from imgest.images.demo import photo
 
     multi = encoders.load(encoders.resolve("efficientnet-lite0-gem-ms"), "cpu")
     single = encoders.load(encoders.resolve("efficientnet-lite0-gem"), "cpu")

@@ -20,9 +20,9 @@ import pytest
 from imgest.config import IndexConfig, MigrateConfig, NightlyConfig
 from imgest.encoders import resolve
 from imgest.flows.build_index import build_index
-from imgest.lock import generations
 from imgest.retrieval.query import Query, Searcher
 from imgest.state.committed import load_state
+from imgest.state.lock import generations
 from imgest.storage import Location
 from tests.helpers import TcpProxy, gradient, ingest_into, live_rows, png_bytes
 from tests.s3servers import SECRET

@@ -23,10 +23,10 @@ from imgest.encoders import resolve
 from imgest.flows.build_index import build_index
 from imgest.flows.migrate import migrate
 from imgest.flows.nightly import nightly
-from imgest.lock import generations
 from imgest.retrieval.following import FollowingSearcher
 from imgest.retrieval.query import Query
 from imgest.state.committed import load_state
+from imgest.state.lock import generations
 from imgest.storage import Location
 from tests.helpers import ingest_into, live_rows
 from tests.s3servers import SECRET, SeaweedServer

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 from imgest.cli import app
 from imgest.config import SyncConfig
-from imgest.lock import StoreLock, StoreLockedError
 from imgest.state.live import load_live_vectors
+from imgest.state.lock import StoreLock, StoreLockedError
 from imgest.state.models import find_model
 from imgest.storage import Location
 from imgest.tasks.sync import watermark

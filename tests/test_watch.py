@@ -234,8 +234,8 @@ def test_a_drift_reference_that_is_not_one_is_refused_and_the_night_goes_on(tmp_
     import io
     import zipfile
 
-    from imgest.records import RecordError
     from imgest.state.drift import Reference, read_reference, reference_key, write_reference
+    from imgest.storage.records import RecordError
 
     store = Location(str(tmp_path / "store"))
     rng = np.random.default_rng(0)

@@ -11,8 +11,8 @@ import typer
 from imgest.cli.app import app, check_decoder, check_model, fail
 from imgest.cli.options import config_command
 from imgest.config import IngestConfig, NightlyConfig, ReencodeConfig
+from imgest.config.fields import OWN_MODEL
 from imgest.errors import USER_ERRORS
-from imgest.fields import OWN_MODEL
 from imgest.names import DEFAULT_DEVICE
 from imgest.progress import reporting
 from imgest.retrieval.fusion import RRF_K
@@ -228,8 +228,8 @@ def demo(
     """Build a demo catalogue of real offline images with its catalogue text, run the nightly job on it (images
     and the caption retriever), search it once, and print the commands to try next."""
     from imgest.cli.index_cmds import build_index_cmd, search_cmd
-    from imgest.demo import build_demo_catalogue, write_demo_metadata
     from imgest.encoders.text import NAME as CAPTION_MODEL
+    from imgest.images.demo import build_demo_catalogue, write_demo_metadata
     from imgest.retrieval.combined import CAPTIONS
     from imgest.state.aliases import read_alias
     from imgest.storage import open_location

@@ -13,8 +13,7 @@ from typing import Annotated, Self
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
 from imgest.config.base import FlowConfig
-from imgest.config.heads import TrainHeadConfig
-from imgest.fields import (
+from imgest.config.fields import (
     MODEL_NAMES,
     OWN_MODEL,
     BatchSize,
@@ -55,6 +54,7 @@ from imgest.fields import (
     parse_batch_size,
     workers_need_dask,
 )
+from imgest.config.heads import TrainHeadConfig
 from imgest.names import (
     ACTIONS,
     DEFAULT_ALIAS,

@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import AfterValidator, Field
 
 from imgest.config.base import ConfigError, FlowConfig
-from imgest.fields import (
+from imgest.config.fields import (
     OWN_MODEL,
     Cli,
     Device,

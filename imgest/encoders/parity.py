@@ -8,7 +8,7 @@ its fp32 ones by >= 0.90 on average. The smallest cosine is recorded, not gated 
 far below the rest and change no ranking). A tower that keeps some layers in fp32 under a reduced precision
 (runtimes.Split) is checked as it runs, and its record names those layers.
 
-The sample is 256 product photos made from scikit-image's photos (`imgest.demo.product_photos`, seed 0: real
+The sample is 256 product photos made from scikit-image's photos (`imgest.images.demo.product_photos`, seed 0: real
 pictures at 800-2000 px, JPEG, every tenth a PNG cut-out on white), through the encoder's own preprocessing,
 and, for a model with a text tower, a fixed list of product queries. The first check of a (model, runtime,
 precision) on a host is kept beside its compiled model (imgest/encoders/compiled.py) and reused, and so are torch
@@ -47,6 +47,8 @@ CHUNK = 16  # images encoded at a time
 SAMPLE_TEXTS = ("a red leather ankle boot", "white sneakers on a wooden floor", "a cup of espresso",
                 "a tabby cat", "stainless steel watch with a black strap", "a blue denim jacket",
                 "astronaut portrait", "a rocket on the launch pad")
+# the sample as records name it (a cache key and a stored field: the words stay as first recorded, though the photos'
+# module now sits in imgest/images/demo.py)
 SAMPLE = (f"{SAMPLE_IMAGES} product photos (imgest.demo.product_photos, seed {SAMPLE_SEED}) through the encoder's "
           f"preprocessing; {len(SAMPLE_TEXTS)} fixed texts for a text tower")
 REFERENCE = "torch fp32"
@@ -292,7 +294,7 @@ def _sample_files() -> tuple[bytes, ...]:
     import PIL
     import skimage
 
-    from imgest.demo import product_photos
+    from imgest.images.demo import product_photos
     from imgest.names import VERSION
 
     key = json.dumps([SAMPLE, VERSION, PIL.__version__, skimage.__version__])

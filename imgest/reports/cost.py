@@ -83,11 +83,11 @@ def kept_pixels_cost(store: Location, slug: str, encoder, images_per_second: flo
     import hashlib
     import os
 
-    from imgest.demo import product_photos
     from imgest.encoders import parity
     from imgest.images import kept
     from imgest.images.decode import decode_image
     from imgest.images.decoders import recorded
+    from imgest.images.demo import product_photos
     from imgest.state import pixels
     from imgest.state.committed import load_state
 

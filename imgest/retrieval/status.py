@@ -4,14 +4,14 @@ index version `serving` points at and what encoded its vectors."""
 from __future__ import annotations
 
 from imgest.images import decoders
-from imgest.lock import current_holder
-from imgest.records import RecordError
 from imgest.retrieval.versions import IndexIntegrityError, IndexNotFoundError, read_card
 from imgest.state import layout, pixels
 from imgest.state.aliases import read_alias
 from imgest.state.committed import DELETED, FAILED, LIVE, REJECTED, latest_snapshot_seq, load_state
+from imgest.state.lock import current_holder
 from imgest.state.models import list_models
 from imgest.storage import Location, open_location
+from imgest.storage.records import RecordError
 
 
 def last_run(store: Location, slug: str) -> dict | None:

@@ -18,15 +18,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from imgest import records
 from imgest.errors import UserError
-from imgest.lock import Fence
 from imgest.retrieval.idmap import IdMap, IdMapFile
 from imgest.retrieval.mapped import open_mapped
 from imgest.state.aliases import list_aliases, read_alias
 from imgest.state.clock import now_iso
 from imgest.state.layout import index_prefix, version_prefix
-from imgest.storage import Location
+from imgest.state.lock import Fence
+from imgest.storage import Location, records
 from imgest.storage.cache import local_copy
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "imgest", "indexes")

@@ -5,13 +5,12 @@
 
 from __future__ import annotations
 
-from imgest import records
 from imgest.errors import UserError
-from imgest.lock import Fence, fenced_delete, fenced_write
 from imgest.names import ALIAS_NAME
 from imgest.state import layout
 from imgest.state.clock import now_iso
-from imgest.storage import Location
+from imgest.state.lock import Fence, fenced_delete, fenced_write
+from imgest.storage import Location, records
 
 
 class AliasError(UserError, ValueError):

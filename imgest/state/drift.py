@@ -9,9 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from imgest import records
 from imgest.state import layout
-from imgest.storage import Location
+from imgest.storage import Location, records
 
 BASE = 4096  # vectors of B
 PROBES = 1024  # vectors of A

@@ -8,7 +8,7 @@ the package spells a store key.
 
 from __future__ import annotations
 
-from imgest import records
+from imgest.storage import records
 
 # -- the top-level folders ----------------------------------------------------------------------------------
 EMBEDDINGS = "embeddings"

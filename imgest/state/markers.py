@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from imgest import records
 from imgest.state.rows import STATE_SCHEMA
+from imgest.storage import records
 
 # What each part of a commit marker's rows holds (tasks/ingest/writer.py writes them), and the types of the fields.
 _OBJECT = {"item_id", "uri", "etag", "size", "mtime", "content_hash"}

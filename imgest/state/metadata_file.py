@@ -26,9 +26,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from imgest.errors import FinalError, UserError
-from imgest.records import depth
 from imgest.storage import Location, redact
 from imgest.storage.cache import local_copy
+from imgest.storage.records import depth
 
 TEXT_COLUMNS = ("title", "caption", "description")
 ID_COLUMNS = ("item_id", "product_id")

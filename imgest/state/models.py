@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 
-from imgest import encoders, records
+from imgest import encoders
 from imgest.errors import UserError
 from imgest.names import DEFAULT_MODEL
 from imgest.state import layout
 from imgest.state.aliases import read_alias
-from imgest.storage import Location, RecordError
+from imgest.storage import Location, RecordError, records
 
 
 class ModelNotFoundError(UserError, LookupError):

@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 
-from imgest import records
-from imgest.lock import Fence
 from imgest.state import layout
 from imgest.state.aliases import list_aliases
 from imgest.state.layout import embeddings_prefix, index_prefix, pixels_prefix, state_prefix
+from imgest.state.lock import Fence
 from imgest.state.models import read_model
-from imgest.storage import Location, RecordError
+from imgest.storage import Location, RecordError, records
 
 
 def needed_slugs(store: Location) -> set[str]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from imgest import records
 from imgest.encoders import EncoderSpec
 from imgest.names import VERSION
+from imgest.storage import records
 
 DTYPES = {"float32": (np.float32, pa.float32()), "float16": (np.float16, pa.float16())}  # names.DTYPES
 

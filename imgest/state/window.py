@@ -5,9 +5,8 @@
 
 from __future__ import annotations
 
-from imgest import records
 from imgest.state.layout import WINDOW_KEY
-from imgest.storage import Location
+from imgest.storage import Location, records
 
 
 def read_window(store: Location) -> dict | None:

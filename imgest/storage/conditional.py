@@ -15,9 +15,9 @@ import os
 import uuid
 from typing import Any
 
-from imgest.records import MAX_RECORD_BYTES, RecordError
 from imgest.redact import redact
 from imgest.storage.faults import store_io
+from imgest.storage.records import MAX_RECORD_BYTES, RecordError
 
 TEMP_PREFIX = ".tmp-"  # a local atomic write's file before its rename (see Location.write_bytes)
 

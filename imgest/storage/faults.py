@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from imgest.errors import UserError
-from imgest.records import RecordError
+from imgest.storage.records import RecordError
 
 
 class StorageError(UserError, RuntimeError):

@@ -18,12 +18,12 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from imgest.records import MAX_RECORD_BYTES, RecordError, parse_record  # noqa: F401  (callers import them here)
 from imgest.redact import USERINFO, one_line, redact  # noqa: F401  (callers import them from here)
 from imgest.storage.conditional import TEMP_PREFIX, ConditionalWrites
 from imgest.storage.credentials import check_no_credentials  # noqa: F401  (callers import it from here)
 from imgest.storage.credentials import storage_options as credential_options
 from imgest.storage.faults import ContainmentError, StorageError, is_transient, store_io, what_to_do  # noqa: F401
+from imgest.storage.records import MAX_RECORD_BYTES, RecordError, parse_record  # noqa: F401  (callers import them here)
 
 MAX_KEY_CHARS = 1024
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")

@@ -16,13 +16,13 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from imgest.images.decode import DecodeError, decode_as
-from imgest.lock import Fence
 from imgest.names import DEFAULT_DUPLICATE_THRESHOLD
 from imgest.progress import report
 from imgest.state.catalogue_images import CatalogueImages, CatalogueRootError
 from imgest.state.clock import now_iso
 from imgest.state.committed import LIVE, load_state
 from imgest.state.live import LiveShards, live_sample, live_set
+from imgest.state.lock import Fence
 from imgest.storage import ContainmentError, Location, StorageError
 from imgest.tasks.duplicates.calibrate import (
     SAMPLE,

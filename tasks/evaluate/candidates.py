@@ -24,7 +24,6 @@ from imgest.encoders import Encoder, EncoderSpec
 from imgest.images import decoders
 from imgest.images.decode import DecodeError, decode_as
 from imgest.progress import report
-from imgest.records import RecordError
 from imgest.retrieval.metrics import evaluate, paired_bootstrap, per_query
 from imgest.retrieval.query import Searcher, catalogue_encoding
 from imgest.retrieval.querysets import LabelledQuery, QuerySetError
@@ -32,6 +31,7 @@ from imgest.state.catalogue_images import CatalogueImages
 from imgest.state.live import LiveShards, live_set, sample_rows
 from imgest.state.rows import sql_string
 from imgest.storage import StorageError, read_url
+from imgest.storage.records import RecordError
 from imgest.tasks.evaluate.retrievers import ExactScan, ranked
 from imgest.timing import Stopwatch, projected_hours
 

@@ -19,7 +19,6 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
-from imgest.lock import Fence
 from imgest.names import DEFAULT_DISK
 from imgest.policy import IO_RETRIES
 from imgest.progress import report
@@ -41,6 +40,7 @@ from imgest.state.committed import LIVE, load_state
 from imgest.state.drift import Reference, reference, write_reference
 from imgest.state.layout import build_record_key
 from imgest.state.live import LiveShards, live_set
+from imgest.state.lock import Fence
 from imgest.storage import Location
 from imgest.tasks.index.build import (
     BuildTimes,

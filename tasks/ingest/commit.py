@@ -9,11 +9,11 @@ from datetime import datetime
 import pyarrow as pa
 
 from imgest.encoders import EncoderSpec
-from imgest.lock import Fence
 from imgest.names import VERSION
 from imgest.state import layout
 from imgest.state.clock import now_iso
 from imgest.state.committed import CatalogueState, read_marker, write_snapshot
+from imgest.state.lock import Fence
 from imgest.storage import Location
 from imgest.tasks.ingest.plan import Plan
 from imgest.tasks.ingest.writer import ShardResult

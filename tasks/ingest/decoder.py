@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from imgest.images import decoders
 from imgest.images.decoders import FULL, UNRECORDED, DecoderError, Record
-from imgest.lock import Fence
 from imgest.state.clock import now_iso
+from imgest.state.lock import Fence
 from imgest.storage import Location
 
 

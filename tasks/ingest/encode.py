@@ -17,9 +17,9 @@ import numpy as np
 from imgest.encoders import Encoder
 from imgest.images import decoders, kept
 from imgest.images.decode import DecodeError, decode_image
-from imgest.lock import Fence
 from imgest.names import DEFAULT_DECODE_WORKERS, DEFAULT_DTYPE, DEFAULT_MAX_PIXELS
 from imgest.state import pixels
+from imgest.state.lock import Fence
 from imgest.storage import Location, StorageError, is_transient, one_line
 from imgest.tasks.ingest import handoff
 from imgest.tasks.ingest.decode_workers import DecodeWorkers, plan_decode, read_ahead

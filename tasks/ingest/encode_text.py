@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 from imgest.encoders import Encoder, EncoderSpec
 from imgest.encoders.text import joined_sql, stripped
 from imgest.images.listing import LISTING_SCHEMA, Listing, SpillFolder
-from imgest.lock import Fence
 from imgest.names import DEFAULT_DTYPE
+from imgest.state.lock import Fence
 from imgest.state.rows import ALLOCATOR_FLUSH, STATE_MEMORY
 from imgest.storage import Location
 from imgest.tasks.ingest.plan import ShardPlan, WorkItem

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from imgest.encoders import EncoderSpec
-from imgest.lock import Fence
 from imgest.names import DEFAULT_DTYPE
+from imgest.state.lock import Fence
 from imgest.tasks.ingest.batch_size import Encoding
 
 

@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 
 from imgest.encoders import EncoderSpec
 from imgest.images import decoders, kept
-from imgest.records import RecordError
 from imgest.state import pixels
 from imgest.state.aliases import read_alias
 from imgest.state.clock import now_iso
@@ -22,6 +21,7 @@ from imgest.state.committed import load_state
 from imgest.state.layout import kept_gate_key as gate_key
 from imgest.state.models import list_models
 from imgest.storage import Location, StorageError
+from imgest.storage.records import RecordError
 from imgest.tasks.ingest.plan import Plan, attach_kept
 
 

@@ -16,12 +16,12 @@ from imgest.encoders import EncoderSpec, parity
 from imgest.events import emit
 from imgest.images import decoders
 from imgest.images.listing import Listing, catalogue_parts, list_catalogue, merge_listings
-from imgest.lock import Fence
 from imgest.names import DEFAULT_MAX_PIXELS
 from imgest.policy import COMMIT_TIMEOUT_S, IO_RETRIES, LIST_TIMEOUT_S, SHARD_RETRIES, io_retrying
 from imgest.state import pixels
 from imgest.state.catalogue_images import record_root
 from imgest.state.committed import CatalogueState, load_state, prepare_state
+from imgest.state.lock import Fence
 from imgest.state.metadata import (
     MetadataReport,
     NoMetadataError,

@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 
 from imgest.encoders import EncoderSpec
-from imgest.lock import Fence
 from imgest.state.clock import now_iso
 from imgest.state.layout import commit_key, shard_key
+from imgest.state.lock import Fence
 from imgest.state.pixels import PixelShardWriter
 from imgest.state.shards import DTYPES, shard_schema
 from imgest.storage import Location

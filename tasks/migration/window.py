@@ -16,13 +16,13 @@ from datetime import UTC, datetime, timedelta
 from imgest.encoders import EncoderSpec
 from imgest.errors import UserError
 from imgest.events import emit
-from imgest.lock import Fence, RecordChangedError, fenced_delete, fenced_write
 from imgest.retrieval.versions import list_versions, open_index, read_card
 from imgest.state import layout
 from imgest.state.aliases import delete_alias, list_aliases, read_alias, set_alias
 from imgest.state.clock import now_iso
 from imgest.state.committed import latest_snapshot_seq
 from imgest.state.layout import WINDOW_KEY, embeddings_prefix, index_prefix, pixels_prefix, state_prefix
+from imgest.state.lock import Fence, RecordChangedError, fenced_delete, fenced_write
 from imgest.state.models import find_model, read_model
 from imgest.state.retention import collect_retired, retired_slugs
 from imgest.state.shadow import check_agreement

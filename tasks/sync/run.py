@@ -18,13 +18,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from imgest.config import SyncConfig
-from imgest.lock import StoreLock, StoreLockedError
 from imgest.progress import report
 from imgest.scratch import scratch_folder
 from imgest.state.clock import now_iso
 from imgest.state.committed import LIVE, load_state
 from imgest.state.layout import shard_key
 from imgest.state.live import LIVE_BATCH, METADATA_BATCH, first_of_each, live_fingerprint, shard_groups
+from imgest.state.lock import StoreLock, StoreLockedError
 from imgest.state.metadata import snapshot_file
 from imgest.state.models import find_model
 from imgest.state.rows import SORT_MEMORY, one_thread, scratch_sql, sql_name, sql_string, unsorted_join

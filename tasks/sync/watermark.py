@@ -1,6 +1,6 @@
 """What a store remembers of each sync target, below `sync/<target-slug>/`:
 
-  locks/writer/...         the target's writer lock (imgest/lock.py): one sync or switch of a target at a time
+  locks/writer/...         the target's writer lock (imgest/state/lock.py): one sync or switch of a target at a time
   <model-slug>/            what one model's collection in the target holds:
     <seq>.intent.parquet   the item ids a sync is about to upsert, written before the target is touched
     <seq>.manifest.parquet every item the target holds after that sync (item_id, content_hash, meta_hash)
@@ -19,10 +19,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from imgest import records
-from imgest.lock import Fence
 from imgest.state.layout import sync_target_prefix
-from imgest.storage import Location
+from imgest.state.lock import Fence
+from imgest.storage import Location, records
 from imgest.storage.cache import local_copy
 
 _NAME = re.compile(r"^(\d{8})(\.json|\.intent\.parquet|\.manifest\.parquet)$")

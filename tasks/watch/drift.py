@@ -15,13 +15,12 @@ import logging
 
 import numpy as np
 
-from imgest import records
 from imgest.retrieval.versions import previous_version
 from imgest.state.committed import LIVE, load_state
 from imgest.state.drift import MIN_NEW, QUANTILE, Reference, nearest, read_reference
 from imgest.state.live import read_vectors
 from imgest.state.models import find_model
-from imgest.storage import Location
+from imgest.storage import Location, records
 
 ALERT_SHARE = 0.25  # at least this share of the new vectors beyond the reference's 95th percentile ...
 ALERT_P = 1e-3  # ... and that share this unlikely under no drift

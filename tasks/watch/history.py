@@ -13,11 +13,10 @@ import logging
 import re
 from collections import Counter
 
-from imgest import records
 from imgest.state.layout import MODEL, embeddings_prefix
 from imgest.state.layout import NIGHTLY_HISTORY as HISTORY
 from imgest.state.layout import nightly_history_prefix as history_prefix
-from imgest.storage import Location
+from imgest.storage import Location, records
 
 ROW_VERSION = 1
 
