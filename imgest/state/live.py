@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
@@ -109,42 +107,29 @@ class LiveShards:
             return con.sql("SELECT item_id, uri, content_hash FROM live SEMI JOIN wanted USING (item_id) "
                            "ORDER BY item_id").to_arrow_table()
 
-    def metadata_by_shard(self, snapshot: str) -> Iterator[tuple[str, pa.Array, pa.Table]]:
-        """(shard, its live item ids in item_id order, their metadata rows row for row: null where an item has
-        none) for every shard, joined with `snapshot` (a metadata snapshot's local Parquet file) by DuckDB on disk,
-        capped and spilling; no whole snapshot, no lookup among every key. The joined rows are as wide as the
-        catalogue's metadata: written in buckets of shards (a hash of the shard), each bucket sorted alone within
-        the cap, so the shards come bucket by bucket, in shard order within a bucket. One sort of every joined
-        row spilled and merged in passes under the cap: at 10M items (~540 bytes a row) the export grew 15x its
-        1M time."""
+    def metadata_by_shard(self, snapshot: str) -> Iterator[pa.Table]:
+        """The metadata rows of the live items, one table per shard in this set's order (shard, then item_id),
+        row for row as the shard's live ids come (null where an item has no row): joined with `snapshot` (a
+        metadata snapshot's local Parquet file) by DuckDB on disk, capped and spilling, then read a batch at a
+        time; no whole snapshot, no lookup among every key."""
         from imgest.state.rows import SORT_MEMORY, one_thread, sql_name, sql_string, unsorted_join
 
-        buckets = max(1, min(METADATA_BUCKETS, -(-self.rows // METADATA_BUCKET_ROWS)))
+        joined = os.path.join(self.folder, "metadata.parquet")
         names = [n for n in pq.read_schema(snapshot).names if n not in ("item_id", "row_hash")]
         picked = "".join(f", m.{sql_name(n)}" for n in names)
-        folder = os.path.join(self.folder, "metadata")
-        shutil.rmtree(folder, ignore_errors=True)  # a second pass over this live set writes its buckets afresh
         with self.connect() as con, one_thread(con, SORT_MEMORY):  # rows as wide as the metadata: one sort's buffers
             # the narrow side (the live ids) is the join's build side, the snapshot's wide rows stream past it;
-            # then the sorts, apart (`unsorted_join`)
-            unsorted = unsorted_join(con, f"""SELECT b.shard, b.item_id{picked}, m.row_hash,
-                                                     hash(b.shard) % {buckets} AS bucket
+            # then the sort, apart (`unsorted_join`)
+            unsorted = unsorted_join(con, f"""SELECT b.shard, b.item_id{picked}, m.row_hash
                                               FROM read_parquet({sql_string(snapshot)}) m
                                               RIGHT JOIN read_parquet({sql_string(self.by_shard)}) b
                                               ON m.item_id = b.item_id""", self.folder, METADATA_BATCH)
-            con.execute(f"""COPY (SELECT * FROM read_parquet({sql_string(unsorted)})) TO {sql_string(folder)}
-                            (FORMAT parquet, PARTITION_BY (bucket), ROW_GROUP_SIZE {METADATA_BATCH})""")
-            os.remove(unsorted)
-            for bucket in range(buckets):
-                files = os.path.join(folder, f"bucket={bucket}", "*.parquet")
-                if not glob.glob(files):
-                    continue
-                reader = con.sql(f"""SELECT * EXCLUDE (row_hash, bucket) FROM read_parquet({sql_string(files)})
-                                     ORDER BY shard, item_id, row_hash""").to_arrow_reader(METADATA_BATCH)
-                for group in shard_runs(reader):
-                    group = first_of_each(group, "item_id")
-                    yield (group["shard"][0].as_py(), group["item_id"].combine_chunks(),
-                           group.drop_columns(["shard", "item_id"]))
+            con.execute(f"""COPY (SELECT * EXCLUDE (row_hash) FROM read_parquet({sql_string(unsorted)})
+                                  ORDER BY shard, item_id, row_hash) TO {sql_string(joined)}
+                            (FORMAT parquet, ROW_GROUP_SIZE {METADATA_BATCH})""")
+        os.remove(unsorted)
+        for group in shard_groups(joined, METADATA_BATCH):
+            yield first_of_each(group, "item_id").drop_columns(["shard", "item_id"])
 
     def shard_rows(self, shards: list[str]) -> pa.Table:
         """(shard, item_id, row) of the live items in `shards` (a few of them: a training sample's)."""
@@ -157,23 +142,14 @@ class LiveShards:
 BY_SHARD_SCHEMA = pa.schema([("shard", pa.string()), ("item_id", pa.string()), ("row", pa.int64())])
 LIVE_BATCH = 16_384  # rows of the live set read at a time (and its files' row groups: a read decodes one)
 METADATA_BATCH = 4_096  # rows of joined metadata read at a time: a row is as wide as the catalogue's metadata
-METADATA_BUCKET_ROWS = 100_000  # joined rows per bucket of shards, sorted at once (~55 MB of product text)
-METADATA_BUCKETS = 64  # at most: DuckDB keeps a writer open per bucket while it writes them
 
 
 def shard_groups(path: str, batch_rows: int = LIVE_BATCH) -> Iterator[pa.Table]:
     """The rows of a Parquet file sorted by its `shard` column, one table per shard, read `batch_rows` at a
     time."""
-    return shard_runs(parquet_reader(path).iter_batches(batch_rows))
-
-
-def shard_runs(batches) -> Iterator[pa.Table]:
-    """Record batches sorted by their `shard` column, regrouped as one table per shard."""
     carry: list[pa.RecordBatch] = []
-    for batch in batches:
+    for batch in parquet_reader(path).iter_batches(batch_rows):
         table = pa.Table.from_batches([*carry, batch]).combine_chunks()
-        if not len(table):
-            continue
         ends = pc.run_end_encode(table["shard"].combine_chunks()).run_ends.to_numpy()
         start = 0
         for end in ends[:-1]:  # the last run may go on in the next batch
@@ -222,18 +198,16 @@ def _live_rows(store: Location, slug: str, shard: str, keep: pa.Array) -> tuple[
 def iter_live_tables(store: Location, state: CatalogueState, metadata: str | None = None) -> Iterator[pa.Table]:
     """One filtered table per shard: only the rows that are an item's current embedding (the live set numbered
     on disk first: one shard's ids in memory at a time). With `metadata` (a snapshot's local Parquet file), each
-    row carries its item's metadata columns (`LiveShards.metadata_by_shard`, whose order of shards it follows; null
-    where it has none; a name the shard uses already is prefixed `metadata_`)."""
+    row carries its item's metadata columns (`LiveShards.metadata_by_shard`; null where it has none; a name the
+    shard uses already is prefixed `metadata_`)."""
     live = LiveShards(state)
-    if not metadata:
-        for shard, keep, _ in live:
-            yield _live_rows(store, state.slug, shard, keep)[0]
-        return
-    for shard, keep, rows in live.metadata_by_shard(metadata):
+    groups = live.metadata_by_shard(metadata) if metadata else None
+    for shard, keep, _ in live:
         table, found = _live_rows(store, state.slug, shard, keep)
-        rows = rows.take(pa.array(found, pa.int64()))  # the group's rows are `keep`'s, in its order
-        for name in rows.column_names:
-            table = table.append_column(f"metadata_{name}" if name in table.column_names else name, rows[name])
+        if groups is not None:
+            rows = next(groups).take(pa.array(found, pa.int64()))  # the group's rows are `keep`'s, in its order
+            for name in rows.column_names:
+                table = table.append_column(f"metadata_{name}" if name in table.column_names else name, rows[name])
         yield table
 
 
