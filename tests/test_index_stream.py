@@ -277,3 +277,23 @@ def test_a_served_id_maps_lookups_keep_only_the_pages_they_read(tmp_path):
     resident = _resident_kb(mapped)
     # ~2 pages per hit read, ~18 per search by halves: a few hundred pages of a ~10 MB file
     assert resident < size_kb // 5, (resident, size_kb)
+
+
+def test_a_map_on_a_filesystem_that_refuses_the_advice_is_still_served(tmp_path, monkeypatch):
+    """Letting the cached pages go is advice: where the filesystem refuses it (read-only, remote), the map is
+    opened and searched as before."""
+    import errno
+
+    from imgest.retrieval.idmap import IdMap
+
+    keys = [f"k{i:03d}.jpg" for i in range(50)]
+    path = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"faiss_id": np.arange(50), "item_id": keys, "uri": [f"s3://x/{k}" for k in keys],
+                             "content_hash": ["h"] * 50}), path)
+
+    def refused(_fd):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(os, "fdatasync", refused)
+    ids = IdMap(str(path), "checksum", str(tmp_path))
+    assert ids.position("k042.jpg") == 42 and ids.items(np.array([7, 3])) == ["k007.jpg", "k003.jpg"]

@@ -4,6 +4,7 @@ update, and opened for lookups memory-mapped, so that neither side holds an obje
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 
 import numpy as np
@@ -128,7 +129,8 @@ class MappedFile:
         import mmap
 
         with open(path, "rb") as fh:
-            if hasattr(os, "posix_fadvise"):
+            # advice only: a filesystem that refuses it (read-only, remote) still serves the file, as before
+            with contextlib.suppress(OSError, AttributeError):
                 os.fdatasync(fh.fileno())
                 os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             self._view = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
