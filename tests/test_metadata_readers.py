@@ -1,5 +1,5 @@
 """The readers of the catalogue metadata at catalogue size: the search service's metadata file per index version
-(mapped, never loaded), export and sync joined with the snapshot on disk, a shard at a time. The mechanism at
+(mapped, never loaded), export and sync merged with the snapshot on item_id, a shard at a time. The mechanism at
 200,000 items with a wide metadata row: what Arrow allocates while each runs (its pool's peak, in a process of its
 own) stays under a cap that the snapshot alone, loaded as a table the way these readers did, exceeds several
 times over."""
@@ -208,3 +208,85 @@ def test_a_damaged_metadata_file_is_made_again(tmp_path):
         fh.truncate(100)
     again = VersionMetadata(store, idmap, str(tmp_path / "cache"))
     assert again.path == first.path and again.rows(np.array([2, 3])) == [{"brand": "b"}, None]
+
+
+def _merge_case(tmp_path, snapshot_order: str):
+    """Keys (every third id of 0..299, each once) and a snapshot of every second id, one id twice (a damaged
+    snapshot), rows before, between and after the keys' range."""
+    rng = np.random.default_rng(5)
+    snap_ids = [f"id-{i:04d}" for i in range(0, 320, 2)] + ["id-0042"]
+    hashes = [f"h{rng.integers(1000):03d}" for _ in snap_ids]
+    hashes[-1] = "a-least"  # the repeat of id-0042 has the least hash: its row is the one kept
+    table = pa.table({"item_id": snap_ids, "title": [f"t-{k}-{h}" for k, h in zip(snap_ids, hashes)],
+                      "price": np.arange(len(snap_ids), dtype=np.float64), "row_hash": hashes})
+    order = pa.compute.sort_indices(table, [("item_id", "ascending")]) if snapshot_order == "item_id" else \
+        pa.array(rng.permutation(len(table)))
+    snapshot = tmp_path / "snapshot.parquet"
+    pq.write_table(table.take(order), snapshot, row_group_size=16)
+    keys = tmp_path / "keys.parquet"
+    key_ids = [f"id-{i:04d}" for i in range(3, 300, 3)]
+    pq.write_table(pa.table({"item_id": key_ids, "shard": [f"s{i % 7}" for i in range(len(key_ids))]}), keys,
+                   row_group_size=10)
+    expected = {}
+    for row in table.to_pylist():
+        held = expected.get(row["item_id"])
+        if held is None or row["row_hash"] < held["row_hash"]:
+            expected[row["item_id"]] = row
+    return snapshot, keys, key_ids, expected
+
+
+@pytest.mark.parametrize("snapshot_order", ["item_id", "written before snapshots were sorted"])
+def test_keys_merged_with_a_snapshot_get_their_rows_or_nulls(tmp_path, snapshot_order):
+    """The readers' merge on item_id, a few rows of each side at a time: each key gets its snapshot row (the one
+    with the least row hash where a damaged snapshot has it twice) or nulls, in the keys' order, with the keys'
+    columns kept; a snapshot out of order is sorted first, with the same answer."""
+    from imgest.state.metadata import write_merged
+
+    snapshot, keys, key_ids, expected = _merge_case(tmp_path, snapshot_order)
+    out = tmp_path / "out.parquet"
+    write_merged(str(snapshot), str(keys), ["shard", "item_id"], ["title", "price"], str(out), 8)
+    got = pq.read_table(out)
+    assert got.column_names == ["shard", "item_id", "title", "price"]
+    assert got["item_id"].to_pylist() == key_ids
+    assert got["shard"].to_pylist() == [f"s{i % 7}" for i in range(len(key_ids))]
+    for row in got.to_pylist():
+        want = expected.get(row["item_id"])
+        assert (row["title"], row["price"]) == ((None, None) if want is None else (want["title"], want["price"]))
+    assert got.filter(pa.compute.equal(got["item_id"], "id-0042"))["title"].to_pylist() == ["t-id-0042-a-least"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keys.parquet", "out.parquet", "snapshot.parquet"]
+
+
+def test_keys_out_of_order_are_refused_not_mismatched(tmp_path):
+    from imgest.state.metadata import NotInOrder, write_merged
+
+    snapshot, _, key_ids, _ = _merge_case(tmp_path, "item_id")
+    keys = tmp_path / "shuffled.parquet"
+    pq.write_table(pa.table({"item_id": key_ids[::-1]}), keys)
+    with pytest.raises(NotInOrder):
+        write_merged(str(snapshot), str(keys), ["item_id"], ["title"], str(tmp_path / "out.parquet"), 8)
+
+
+@pytest.mark.parametrize("map_order", ["item_id", "written before maps were ordered"])
+def test_a_versions_metadata_file_follows_its_faiss_ids_whatever_its_maps_order(tmp_path, map_order):
+    """The service's metadata file: the id map merged with the snapshot, then in faiss id order. A map whose ids
+    are out of item_id order (a store written before maps were numbered in it) is sorted first: the same rows."""
+    import hashlib
+
+    from imgest.retrieval.idmap import ID_MAP_SCHEMA, IdMap
+    from imgest.retrieval.item_metadata import VersionMetadata
+    from imgest.storage import Location
+
+    keys = [f"k{i:03d}" for i in range(40)]
+    titled = [k for i, k in enumerate(keys) if i % 4]
+    snapshot = tmp_path / "store" / snapshot_key(1)
+    snapshot.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"item_id": titled, "title": [f"title of {k}" for k in titled],
+                             "row_hash": [f"h-{k}" for k in titled]}), snapshot, row_group_size=8)
+    order = keys if map_order == "item_id" else list(np.random.default_rng(3).permutation(keys))
+    path = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"faiss_id": np.arange(40), "item_id": order, "uri": order, "content_hash": order,
+                             "shard": ["s"] * 40}, schema=ID_MAP_SCHEMA), path, row_group_size=8)
+    ids = IdMap(str(path), hashlib.sha256(path.read_bytes()).hexdigest(), str(tmp_path / "cache"))
+    metadata = VersionMetadata(Location(str(tmp_path / "store")), ids, str(tmp_path / "cache"))
+    rows = metadata.rows(np.arange(40))
+    assert rows == [{"title": f"title of {k}"} if k in titled else None for k in order]

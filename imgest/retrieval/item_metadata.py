@@ -1,8 +1,9 @@
 """The catalogue metadata of an index version's items, for serving: one row per faiss id, in faiss id order, in an
 uncompressed Arrow file on local disk that is memory-mapped, never loaded.
 
-Made once per (version's id map, metadata snapshot) in the index cache, by DuckDB on disk (memory capped,
-spilling): the version's id map joined with the store's latest snapshot. A hit's metadata is then a read of
+Made once per (version's id map, metadata snapshot) in the index cache: the version's id map merged with the
+store's latest snapshot on item_id, a batch at a time (both are in its order), then sorted by faiss id by DuckDB
+on disk (memory capped, spilling). A hit's metadata is then a read of
 its rows' pages; a `--where` is DuckDB over the columns it names (the file's other columns are never read);
 `--group-by` reads one column at the hits' rows; the columns a search page offers are worked out while the file
 is made and kept in its schema, so serving them scans nothing. What stays resident is what the OS keeps of the
@@ -23,8 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from imgest.retrieval.idmap import IdMap, MappedFile, take_rows
-from imgest.state.metadata import latest_seq, snapshot_key
-from imgest.state.rows import sql_name, sql_string, unsorted_join
+from imgest.state.metadata import NotInOrder, latest_seq, snapshot_key, write_merged
+from imgest.state.rows import sql_name, sql_string
 from imgest.storage import Location
 from imgest.storage.cache import local_copy
 
@@ -128,8 +129,8 @@ def _sweep(cache_dir: str, keep: str) -> None:
 
 
 def _write(ids_parquet: str, snapshot: str, path: str) -> None:
-    """Join the id map (faiss_id, item_id) with the snapshot in faiss id order, stream the rows into an Arrow file
-    beside `path` and rename it into place (a reader never maps half a file)."""
+    """Merge the id map (faiss_id, item_id) with the snapshot, sort the rows by faiss id, stream them into an
+    Arrow file beside `path` and rename it into place (a reader never maps half a file)."""
     import duckdb
 
     from imgest.scratch import scratch_folder
@@ -143,24 +144,24 @@ def _write(ids_parquet: str, snapshot: str, path: str) -> None:
     try:
         con.execute(f"CREATE VIEW snapshot AS SELECT * FROM read_parquet({sql_string(snapshot)})")
         columns = describe(con, names)
-        picked = ", ".join(f"m.{sql_name(n)}" for n in names)
-        # the narrow side (the id map) is the join's build side, the snapshot's rows stream past it; the sort by
-        # faiss id apart (`unsorted_join`)
-        unsorted = unsorted_join(con, f"""SELECT i.faiss_id AS {FAISS_ID}, m.item_id IS NOT NULL AS {PRESENT}
-                                                 {", " + picked if picked else ""}, m.row_hash AS _row_hash
-                                          FROM snapshot m RIGHT JOIN read_parquet({sql_string(ids_parquet)}) i
-                                          ON m.item_id = i.item_id""", folder, BATCH)
-        reader = con.sql(f"""SELECT * EXCLUDE (_row_hash) FROM read_parquet({sql_string(unsorted)})
-                             ORDER BY {FAISS_ID}, _row_hash""").to_arrow_reader(BATCH)
+        # the id map merged with the snapshot on item_id (both in its order: a map written before maps were
+        # ordered is sorted first), then sorted by faiss id apart
+        merged = os.path.join(folder, "merged.parquet")
+        try:
+            write_merged(snapshot, ids_parquet, ["faiss_id", "item_id"], [*names, "row_hash"], merged, BATCH)
+        except NotInOrder:
+            ordered = os.path.join(folder, "ids.parquet")
+            con.execute(f"""COPY (SELECT faiss_id, item_id FROM read_parquet({sql_string(ids_parquet)})
+                                  ORDER BY item_id) TO {sql_string(ordered)}
+                            (FORMAT parquet, ROW_GROUP_SIZE {BATCH})""")
+            write_merged(snapshot, ordered, ["faiss_id", "item_id"], [*names, "row_hash"], merged, BATCH)
+        picked = "".join(f", {sql_name(n)}" for n in names)
+        reader = con.sql(f"""SELECT faiss_id AS {FAISS_ID}, row_hash IS NOT NULL AS {PRESENT}{picked}
+                             FROM read_parquet({sql_string(merged)}) ORDER BY faiss_id""").to_arrow_reader(BATCH)
         schema = reader.schema.with_metadata({COLUMNS_KEY: json.dumps(columns).encode(), b"imgest.format": FORMAT})
-        last = -1
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for batch in reader:
-                # one row per faiss id: an item twice in a damaged snapshot keeps its first row
-                faiss_ids = batch.column(0).to_numpy()
-                first = np.diff(faiss_ids, prepend=last) != 0
-                last = int(faiss_ids[-1]) if len(faiss_ids) else last
-                writer.write_batch(batch if first.all() else batch.filter(pa.array(first)))
+                writer.write_batch(batch)
         os.replace(tmp, path)
     finally:
         con.close()
@@ -186,13 +187,13 @@ def describe(con, names: list[str], max_values: int = MAX_CHOICES) -> list[dict]
     for name in names:
         kind, q = kinds[name].upper(), sql_name(name)
         if kind.startswith(NUMBER_TYPES):
-            count, low, high = con.execute(f"SELECT count({q}), min({q}), max({q}) FROM snapshot").fetchone()
+            (count, low, high), = con.execute(f"SELECT count({q}), min({q}), max({q}) FROM snapshot").fetchall()
             if count:
                 columns.append({"name": name, "type": "number", "min": _plain(low), "max": _plain(high)})
             continue
         if any(mark in kind for mark in ("STRUCT", "MAP", "[]", "UNION")) or kind.startswith(("LIST", "BLOB")):
             continue  # nested: not a filter of the form
-        count, estimate = con.execute(f"SELECT count({q}), approx_count_distinct({q}) FROM snapshot").fetchone()
+        (count, estimate), = con.execute(f"SELECT count({q}), approx_count_distinct({q}) FROM snapshot").fetchall()
         if not count:
             continue
         values = None

@@ -16,7 +16,7 @@ from imgest.storage import Location, open_location
 
 def export_live(store_url: str, model: str | None, out: str) -> dict:
     """One row per live item of ``model`` (None: the store's own, `default_model`), written shard by shard so
-    memory holds one shard at a time; the metadata's columns joined on disk beside them (imgest/state/live.py
+    memory holds one shard at a time; the metadata's columns merged on item_id beside them (imgest/state/live.py
     `iter_live_tables`), never loaded whole."""
     store = open_location(store_url, must_exist=True, what="store")
     card = find_model(store, default_model(store, model))

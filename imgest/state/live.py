@@ -109,27 +109,21 @@ class LiveShards:
 
     def metadata_by_shard(self, snapshot: str) -> Iterator[pa.Table]:
         """The metadata rows of the live items, one table per shard in this set's order (shard, then item_id),
-        row for row as the shard's live ids come (null where an item has no row): joined with `snapshot` (a
-        metadata snapshot's local Parquet file) by DuckDB on disk, capped and spilling, then read a batch at a
-        time; no whole snapshot, no lookup among every key."""
-        from imgest.state.rows import SORT_MEMORY, one_thread, sql_name, sql_string, unsorted_join
+        row for row as the shard's live ids come (null where an item has no row): the live ids (`ordered`)
+        merged with `snapshot` (a metadata snapshot's local Parquet file) a batch at a time, then sorted by shard
+        by DuckDB on disk, capped and spilling, and read a batch at a time; no whole snapshot, no lookup among
+        every key, no join of N rows by N."""
+        from imgest.state.metadata import write_merged
+        from imgest.state.rows import SORT_MEMORY, one_thread, sql_string
 
-        joined = os.path.join(self.folder, "metadata.parquet")
+        merged, joined = (os.path.join(self.folder, f"metadata-{name}.parquet") for name in ("merged", "by-shard"))
         names = [n for n in pq.read_schema(snapshot).names if n not in ("item_id", "row_hash")]
-        picked = "".join(f", m.{sql_name(n)}" for n in names)
+        write_merged(snapshot, self.ordered, ["shard", "item_id"], names, merged, METADATA_BATCH)
         with self.connect() as con, one_thread(con, SORT_MEMORY):  # rows as wide as the metadata: one sort's buffers
-            # the narrow side (the live ids) is the join's build side, the snapshot's wide rows stream past it;
-            # then the sort, apart (`unsorted_join`)
-            unsorted = unsorted_join(con, f"""SELECT b.shard, b.item_id{picked}, m.row_hash
-                                              FROM read_parquet({sql_string(snapshot)}) m
-                                              RIGHT JOIN read_parquet({sql_string(self.by_shard)}) b
-                                              ON m.item_id = b.item_id""", self.folder, METADATA_BATCH)
-            con.execute(f"""COPY (SELECT * EXCLUDE (row_hash) FROM read_parquet({sql_string(unsorted)})
-                                  ORDER BY shard, item_id, row_hash) TO {sql_string(joined)}
-                            (FORMAT parquet, ROW_GROUP_SIZE {METADATA_BATCH})""")
-        os.remove(unsorted)
-        for group in shard_groups(joined, METADATA_BATCH):
-            yield first_of_each(group, "item_id").drop_columns(["shard", "item_id"])
+            con.execute(f"""COPY (SELECT * FROM read_parquet({sql_string(merged)}) ORDER BY shard, item_id)
+                            TO {sql_string(joined)} (FORMAT parquet, ROW_GROUP_SIZE {METADATA_BATCH})""")
+        os.remove(merged)
+        yield from (group.drop_columns(["shard", "item_id"]) for group in shard_groups(joined, METADATA_BATCH))
 
     def shard_rows(self, shards: list[str]) -> pa.Table:
         """(shard, item_id, row) of the live items in `shards` (a few of them: a training sample's)."""

@@ -18,6 +18,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from imgest.scratch import scratch_folder
 from imgest.state.clock import now_iso
@@ -35,8 +37,8 @@ from imgest.state.metadata_file import (
     Parts,
     read_parts,
 )
-from imgest.state.rows import ALLOCATOR_FLUSH, one_thread, sql_name, sql_string
-from imgest.storage import Location, redact
+from imgest.state.rows import ALLOCATOR_FLUSH, one_thread, scratch_sql, sql_name, sql_string
+from imgest.storage import Location, parquet_reader, redact
 from imgest.storage.cache import local_copy
 
 __all__ = ["MAX_BLOCK_BYTES", "MAX_CELL_CHARS", "MAX_JSON_DEPTH", "MAX_LINE_CHARS", "MAX_METADATA_COLUMNS",
@@ -149,6 +151,112 @@ def in_order(con) -> Iterator:
         yield con
     finally:
         con.execute("SET preserve_insertion_order = false")
+
+
+class NotInOrder(ValueError):
+    """Item ids that do not ascend where a merge on item_id needs them to."""
+
+
+class _SnapshotNotInOrder(NotInOrder):
+    pass
+
+
+def write_merged(snapshot: str, keys: str, columns: list[str], names: list[str], out: str, batch_rows: int) -> None:
+    """Write to `out` (a Parquet file) the rows of `keys` (a Parquet file whose `item_id` column ascends, each id
+    once), their `columns`, with the columns `names` of `snapshot` (a snapshot's local file) beside, row for row:
+    null where the item has no row; an item twice in a damaged snapshot gets its row with the least row_hash. The
+    two are merged a batch of `batch_rows` at a time (`merged_rows`), never joined N by N. A snapshot out of
+    item_id order (written before snapshots were sorted) is sorted on disk first, beside `out`; keys out of order
+    are the caller's error (NotInOrder)."""
+    def merged(source: str) -> Iterator[pa.Table]:
+        reader = parquet_reader(keys)
+        batches = (pa.Table.from_batches([b]) for b in reader.iter_batches(batch_rows, columns=columns))
+        fields = [reader.schema_arrow.field(n) for n in columns] + \
+            [parquet_reader(source).schema_arrow.field(n).with_nullable(True) for n in names]  # an item may have none
+        return merged_rows(source, batches, names, batch_rows), pa.schema(fields)
+
+    try:
+        _write_tables(*merged(snapshot), out, batch_rows)
+    except _SnapshotNotInOrder:
+        import uuid
+
+        ordered = f"{out}.{uuid.uuid4().hex}.sorted.parquet"
+        try:
+            with scratch_sql(os.path.dirname(out)) as con, one_thread(con, SORT_MEMORY):
+                con.execute(f"""COPY (SELECT * FROM read_parquet({sql_string(snapshot)}) ORDER BY item_id, row_hash)
+                                TO {sql_string(ordered)} (FORMAT parquet, ROW_GROUP_SIZE {batch_rows})""")
+            _write_tables(*merged(ordered), out, batch_rows)
+        finally:
+            if os.path.exists(ordered):
+                os.remove(ordered)
+
+
+def _write_tables(tables: Iterator[pa.Table], schema: pa.Schema, out: str, row_group: int) -> None:
+    with pq.ParquetWriter(out, schema) as writer:
+        for table in tables:
+            writer.write_table(table.cast(schema), row_group_size=row_group)
+
+
+def merged_rows(snapshot: str, keys: Iterator[pa.Table], names: list[str],
+                batch_rows: int = SNAPSHOT_ROW_GROUP) -> Iterator[pa.Table]:
+    """Each table of `keys` with the snapshot's columns `names` beside (`write_merged`), the snapshot sorted by
+    item_id: what is held is one table of keys and the snapshot rows of its range. NotInOrder when either side's
+    ids do not ascend."""
+    reader = parquet_reader(snapshot)
+    read = ["item_id", "row_hash", *(n for n in names if n != "row_hash")]
+    later = _ascending(reader.iter_batches(batch_rows, columns=read), _SnapshotNotInOrder(snapshot), repeats=True)
+    window = pa.schema([pa.field("item_id", pa.string()), *(reader.schema_arrow.field(n) for n in read[1:])]) \
+        .empty_table()
+    done = False
+    for table in _ascending(keys, NotInOrder("the keys"), repeats=False):
+        ids = table["item_id"]
+        if not len(ids):
+            yield _beside(table, window.select(names).slice(0, 0))
+            continue
+        first, last = ids[0], ids[-1].as_py()
+        while not done and (not len(window) or window["item_id"][-1].as_py() <= last):
+            try:  # the snapshot's rows up to past this table's last id; none before its first can match again
+                batch = next(later)
+                window = pa.concat_tables([window, batch.filter(pc.greater_equal(batch["item_id"], first))])
+            except StopIteration:
+                done = True
+        window = _least_hash_first(window)
+        at = pc.index_in(ids, value_set=window["item_id"].combine_chunks())
+        yield _beside(table, window.select(names).take(at))
+        window = window.filter(pc.greater(window["item_id"], last))
+
+
+def _beside(table: pa.Table, columns: pa.Table) -> pa.Table:
+    for field in columns.schema:
+        table = table.append_column(field, columns[field.name])
+    return table
+
+
+def _ascending(batches, error: NotInOrder, repeats: bool):
+    """`batches` with their item_id column as strings, checked to ascend (with equal neighbours if `repeats`)."""
+    last = None
+    for batch in batches:
+        columns = batch.column_names if isinstance(batch, pa.Table) else batch.schema.names
+        ids = batch.column(columns.index("item_id")).cast(pa.string())
+        ids = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+        step = pc.less if repeats else pc.less_equal
+        if ids.null_count or (last is not None and len(ids) and step(ids[0], pa.scalar(last)).as_py()) or \
+                pc.any(step(ids[1:], ids[:-1])).as_py():
+            raise type(error)(f"{error}: item ids out of order")
+        last = ids[-1].as_py() if len(ids) else last
+        yield (batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])).set_column(
+            columns.index("item_id"), "item_id", ids)
+
+
+def _least_hash_first(window: pa.Table) -> pa.Table:
+    """The window (sorted by item_id) with one row per item: its least row_hash where an item repeats."""
+    ids = window["item_id"].combine_chunks()
+    if len(ids) < 2 or not pc.any(pc.equal(ids.slice(1), ids.slice(0, len(ids) - 1))).as_py():
+        return window
+    window = window.sort_by([("item_id", "ascending"), ("row_hash", "ascending")])
+    ids = window["item_id"].combine_chunks()
+    repeat = pc.equal(ids.slice(1), ids.slice(0, len(ids) - 1))
+    return window.filter(pa.concat_arrays([pa.array([True]), pc.invert(repeat)]))
 
 
 def stage_metadata(url: str) -> StagedMetadata:

@@ -151,18 +151,6 @@ def scratch_sql(folder: str):
                                   "allocator_flush_threshold": ALLOCATOR_FLUSH})
 
 
-def unsorted_join(con, select_sql: str, folder: str, row_group: int) -> str:
-    """`select_sql` (a join, no ORDER BY) written to a Parquet file in `folder`, its path returned, for the caller
-    to read back in the order it needs: a hash join and a sort of rows as wide as catalogue metadata in one
-    statement ran out of DuckDB's memory (the join's table stays pinned while the sort runs: at 1M items under
-    256 MB, where each alone fits). Small row groups: DuckDB's writer holds one while it fills it."""
-    import uuid
-
-    path = os.path.join(folder, f"joined-{uuid.uuid4().hex}.parquet")
-    con.execute(f"COPY ({select_sql}) TO {sql_string(path)} (FORMAT parquet, ROW_GROUP_SIZE {row_group})")
-    return path
-
-
 @contextmanager
 def one_thread(cur, memory: str | None = None) -> Iterator:
     """DuckDB on one thread for the statements inside: an external sort of wide rows keeps one set of buffers,

@@ -25,9 +25,9 @@ from imgest.state.committed import LIVE, load_state
 from imgest.state.layout import shard_key
 from imgest.state.live import LIVE_BATCH, METADATA_BATCH, first_of_each, live_fingerprint, shard_groups
 from imgest.state.lock import StoreLock, StoreLockedError
-from imgest.state.metadata import snapshot_file
+from imgest.state.metadata import snapshot_file, write_merged
 from imgest.state.models import find_model
-from imgest.state.rows import SORT_MEMORY, one_thread, scratch_sql, sql_name, sql_string, unsorted_join
+from imgest.state.rows import SORT_MEMORY, one_thread, scratch_sql, sql_string
 from imgest.state.shards import embedding_matrix
 from imgest.storage import Location, RecordError, open_location
 from imgest.tasks.sync import watermark
@@ -75,54 +75,55 @@ def resolve_model(store: Location, alias: str | None, model: str | None) -> dict
 
 def plan(state, metadata: str | None, before: str | None, maybe_there: pa.Array) -> Plan:
     """Upsert what is new or whose content or metadata changed; delete what was (or may have been) sent and is
-    no longer live. Joined in the state's DuckDB (memory capped, spilling) against the previous manifest's file
-    and `metadata`, the snapshot's local Parquet file (None: the store holds none): the rows to upsert carry
-    their metadata columns, read a shard at a time by `rows_for`."""
+    no longer live. The live rows, in item_id order, are merged with `metadata` (the snapshot's local Parquet
+    file, sorted by item_id; None: the store holds none) for each row's metadata hash, compared with the previous
+    manifest's file in the state's DuckDB (memory capped, spilling), and the rows to upsert merged with the
+    snapshot again for their metadata columns, then sorted by shard: read a shard at a time by `rows_for`."""
     folder = state.base.folder
-    now, upsert, manifest, narrow = (os.path.join(folder, f"sync-{name}.parquet")
-                                     for name in ("now", "upsert", "manifest", "narrow"))
-    snapshot = f"read_parquet({sql_string(metadata)})" if metadata else \
-        "(SELECT NULL::VARCHAR AS item_id, NULL::VARCHAR AS row_hash WHERE false)"
+    live, now, upsert, manifest, narrow, wide = (os.path.join(folder, f"sync-{name}.parquet")
+                                                 for name in ("live", "now", "upsert", "manifest", "narrow", "wide"))
     names = [n for n in pq.read_schema(metadata).names if n not in ("item_id", "row_hash")] if metadata else []
-    picked = "".join(f", m.{sql_name(n)}" for n in names)
     sent = f"read_parquet({sql_string(before)})" if before else \
         "(SELECT NULL::VARCHAR AS item_id, NULL::VARCHAR AS content_hash, NULL::VARCHAR AS meta_hash WHERE false)"
     with state.sql() as cur:
+        cur.execute(f"""COPY (SELECT item_id, content_hash, shard{"" if metadata else ", NULL::VARCHAR AS row_hash"}
+                              FROM state WHERE status = '{LIVE}' ORDER BY item_id) TO {sql_string(live)}
+                        (FORMAT parquet, ROW_GROUP_SIZE {METADATA_BATCH})""")
+    if metadata:  # each live row's metadata hash (its snapshot row's)
+        write_merged(metadata, live, ["item_id", "content_hash", "shard"], ["row_hash"], now, METADATA_BATCH)
+        os.remove(live)
+    else:
+        os.replace(live, now)
+    with state.sql() as cur:
         cur.register("maybe", pa.table({"item_id": maybe_there.cast(pa.string())}))
-        cur.execute(f"""COPY (SELECT l.item_id, l.content_hash, m.meta_hash, l.shard FROM state l
-                              LEFT JOIN (SELECT CAST(item_id AS VARCHAR) AS item_id,
-                                                min(CAST(row_hash AS VARCHAR)) AS meta_hash
-                                         FROM {snapshot} GROUP BY 1) m
-                              ON m.item_id = l.item_id
-                              WHERE l.status = '{LIVE}' ORDER BY l.item_id) TO {sql_string(now)} (FORMAT parquet)""")
+        cur.execute(f"""CREATE TEMP VIEW now AS SELECT item_id, content_hash, shard, row_hash AS meta_hash
+                        FROM read_parquet({sql_string(now)})""")
         cur.execute(f"""CREATE TEMP VIEW sent AS SELECT CAST(item_id AS VARCHAR) AS item_id,
                         CAST(content_hash AS VARCHAR) AS content_hash, CAST(meta_hash AS VARCHAR) AS meta_hash
                         FROM {sent}""")
-        cur.execute(f"""COPY (SELECT n.item_id, n.shard, n.meta_hash FROM read_parquet({sql_string(now)}) n
-                              LEFT JOIN sent b ON b.item_id = n.item_id
+        cur.execute(f"""COPY (SELECT n.item_id, n.shard FROM now n LEFT JOIN sent b ON b.item_id = n.item_id
                               WHERE b.item_id IS NULL OR b.content_hash IS DISTINCT FROM n.content_hash
                                  OR b.meta_hash IS DISTINCT FROM n.meta_hash
-                              ORDER BY n.shard, n.item_id) TO {sql_string(narrow)} (FORMAT parquet)""")
-        delete = cur.sql(f"""SELECT DISTINCT g.item_id FROM (SELECT item_id FROM sent UNION ALL
-                                                               SELECT item_id FROM maybe) g
-                             WHERE NOT EXISTS (SELECT 1 FROM read_parquet({sql_string(now)}) n
-                                               WHERE n.item_id = g.item_id)
-                             ORDER BY g.item_id""").to_arrow_table()["item_id"].combine_chunks()
-        cur.execute(f"""COPY (SELECT item_id, content_hash, meta_hash FROM read_parquet({sql_string(now)}))
-                        TO {sql_string(manifest)} (FORMAT parquet)""")
-    # the rows to send with their metadata: the wide join apart, in a connection of its own on one thread, the
-    # narrow side (the ids to send) its build side and the snapshot's rows streaming past it, then sorted apart
-    # (`unsorted_join`); beside the state's views, in one statement, it ran out of memory at 1M items
-    with scratch_sql(folder) as con, one_thread(con, SORT_MEMORY):
-        unsorted = unsorted_join(con, f"""SELECT u.item_id, u.shard{picked} FROM {snapshot} m
-                                          RIGHT JOIN read_parquet({sql_string(narrow)}) u
-                                          ON m.item_id = u.item_id AND m.row_hash = u.meta_hash""", folder,
-                                 METADATA_BATCH)
-        group = METADATA_BATCH if names else LIVE_BATCH
-        con.execute(f"""COPY (SELECT * FROM read_parquet({sql_string(unsorted)}) ORDER BY shard, item_id)
-                        TO {sql_string(upsert)} (FORMAT parquet, ROW_GROUP_SIZE {group})""")
-    os.remove(unsorted)
-    os.remove(narrow)
+                              ORDER BY n.{"item_id" if metadata else "shard, n.item_id"})
+                        TO {sql_string(narrow if metadata else upsert)}
+                        (FORMAT parquet, ROW_GROUP_SIZE {LIVE_BATCH})""")
+        delete = cur.sql("""SELECT DISTINCT g.item_id FROM (SELECT item_id FROM sent UNION ALL
+                                                              SELECT item_id FROM maybe) g
+                            WHERE NOT EXISTS (SELECT 1 FROM now n WHERE n.item_id = g.item_id)
+                            ORDER BY g.item_id""").to_arrow_table()["item_id"].combine_chunks()
+        cur.execute(f"COPY (SELECT item_id, content_hash, meta_hash FROM now) TO {sql_string(manifest)} "
+                    "(FORMAT parquet)")
+        cur.execute("DROP VIEW now")
+        cur.execute("DROP VIEW sent")
+    os.remove(now)
+    if metadata:  # the rows to send with their metadata columns (the snapshot's row whose hash the plan read),
+        # merged, then sorted by shard apart: on one thread, the rows as wide as the metadata
+        write_merged(metadata, narrow, ["item_id", "shard"], names, wide, METADATA_BATCH)
+        os.remove(narrow)
+        with scratch_sql(folder) as con, one_thread(con, SORT_MEMORY):
+            con.execute(f"""COPY (SELECT * FROM read_parquet({sql_string(wide)}) ORDER BY shard, item_id)
+                            TO {sql_string(upsert)} (FORMAT parquet, ROW_GROUP_SIZE {METADATA_BATCH})""")
+        os.remove(wide)
     upserts = pq.read_metadata(upsert).num_rows
     return Plan(manifest, upsert, upserts, delete, pq.read_metadata(manifest).num_rows)
 
