@@ -189,10 +189,13 @@ def write_merged(snapshot: str, keys: str, columns: list[str], names: list[str],
         finally:
             if os.path.exists(ordered):
                 os.remove(ordered)
+    # the batches' pages back to the system before the caller's sort: the pool kept ~100 MB of them at 1M items
+    pa.default_memory_pool().release_unused()
 
 
 def _write_tables(tables: Iterator[pa.Table], schema: pa.Schema, out: str, row_group: int) -> None:
-    with pq.ParquetWriter(out, schema) as writer:
+    # a scratch file, read once: neither compressed nor dictionary-encoded (its write took 1.4x as long otherwise)
+    with pq.ParquetWriter(out, schema, compression="none", use_dictionary=False) as writer:
         for table in tables:
             writer.write_table(table.cast(schema), row_group_size=row_group)
 
