@@ -1,5 +1,5 @@
-"""One sampler for a process tree (RSS summed, disk reads), and what it saw split by stage: the scale
-rehearsal's measurement (bench/bench_nightly_scale.py)."""
+"""One sampler for a process tree (RSS summed, its anonymous share, disk reads), and what it saw split by stage:
+the scale rehearsal's measurement (bench/bench_nightly_scale.py)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,17 @@ BETWEEN = "flow code between tasks"
 
 
 class TreeSampler(threading.Thread):
-    """RSS summed over a process and its descendants, and the bytes they read from disk (each process's count
-    kept after it exits), every `interval` seconds."""
+    """RSS summed over a process and its descendants (and its anonymous share: RSS less the resident file-backed
+    and shared pages, the memory a process holds rather than the OS's page cache mapped into it), and the bytes
+    they read from disk (each process's count kept after it exits), every `interval` seconds."""
 
     def __init__(self, pid: int, interval: float = 0.1):
         super().__init__(daemon=True)
         import psutil
 
         self.root, self.interval = psutil.Process(pid), interval
-        self.samples: list[tuple[float, int, int, int]] = []  # (time, RSS bytes, bytes read so far, root's RSS)
+        # (time, RSS bytes, bytes read so far, root's RSS, anonymous RSS bytes)
+        self.samples: list[tuple[float, int, int, int, int]] = []
         self.read: dict[int, int] = {}
         self.done = threading.Event()
 
@@ -34,15 +36,17 @@ class TreeSampler(threading.Thread):
                 procs = [self.root, *self.root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 break
-            rss = root = 0
+            rss = root = anonymous = 0
             for proc in procs:
                 try:
-                    rss += proc.memory_info().rss
+                    memory = proc.memory_info()
+                    rss += memory.rss
+                    anonymous += memory.rss - memory.shared
                     root = root or rss  # the first is the flow's own process
                     self.read[proc.pid] = max(self.read.get(proc.pid, 0), proc.io_counters().read_bytes)
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
-            self.samples.append((time.time(), rss, sum(self.read.values()), root))
+            self.samples.append((time.time(), rss, sum(self.read.values()), root, anonymous))
             self.done.wait(self.interval)
 
     def stop(self) -> None:
@@ -61,14 +65,15 @@ def drop_page_cache() -> bool:
         return False
 
 
-def per_stage(samples: list[tuple[float, int, int, int]], intervals: dict[str, list[tuple[float, float]]],
+def per_stage(samples: list[tuple[float, int, int, int, int]], intervals: dict[str, list[tuple[float, float]]],
               start: float, end: float) -> dict:
-    """Seconds (the union of a stage's intervals), peak RSS and disk reads inside them; the rest of the run's
-    samples are BETWEEN (the flow's own code, subflow starts, the process starting)."""
+    """Seconds (the union of a stage's intervals), peak RSS (and peak anonymous RSS) and disk reads inside them;
+    the rest of the run's samples are BETWEEN (the flow's own code, subflow starts, the process starting)."""
     out, claimed = {}, np.zeros(len(samples), bool)
     times = np.array([s[0] for s in samples])
     rss = np.array([s[1] for s in samples])
     own = np.array([s[3] for s in samples])
+    anonymous = np.array([s[4] if len(s) > 4 else 0 for s in samples])
     read = np.diff(np.array([0] + [s[2] for s in samples]))
     step = float(np.median(np.diff(times))) if len(times) > 1 else 0.1
     for stage, spans in intervals.items():
@@ -83,12 +88,14 @@ def per_stage(samples: list[tuple[float, int, int, int]], intervals: dict[str, l
             last = max(last, b)
         out[stage] = {"seconds": round(seconds, 1),
                       "peak_rss_mb": int(rss[inside].max() // MIB) if inside.any() else None,
+                      "peak_anonymous_mb": int(anonymous[inside].max() // MIB) if inside.any() else None,
                       "flow_process_peak_mb": int(own[inside].max() // MIB) if inside.any() else None,
                       "read_mb": round(float(read[inside].sum()) / MIB, 1), "tasks": len(spans)}
     rest = ~claimed & (times >= start) & (times <= end)
     busy = sum(v["seconds"] for v in out.values())
     out[BETWEEN] = {"seconds": round(max(0.0, end - start - busy), 1),
                     "peak_rss_mb": int(rss[rest].max() // MIB) if rest.any() else None,
+                    "peak_anonymous_mb": int(anonymous[rest].max() // MIB) if rest.any() else None,
                     "flow_process_peak_mb": int(own[rest].max() // MIB) if rest.any() else None,
                     "read_mb": round(float(read[rest].sum()) / MIB, 1), "tasks": 0}
     return out
