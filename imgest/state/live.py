@@ -154,18 +154,6 @@ def shard_groups(path: str, batch_rows: int = LIVE_BATCH) -> Iterator[pa.Table]:
         yield pa.Table.from_batches(carry)
 
 
-def first_of_each(table: pa.Table, key: str) -> pa.Table:
-    """The first row of each run of equal `key` values (a table sorted by it): an item twice in a damaged
-    metadata snapshot keeps one row."""
-    keys = table[key].combine_chunks()
-    if len(keys) < 2:
-        return table
-    repeat = pc.equal(keys.slice(1), keys.slice(0, len(keys) - 1)).fill_null(False)
-    if not pc.any(repeat).as_py():
-        return table
-    return table.filter(pa.concat_arrays([pa.array([True]), pc.invert(repeat)]))
-
-
 def read_shard_vectors(store: Location, slug: str, dim: int, shard: str, keep: pa.Array,
                        encoded_by: Counter | None = None,
                        decoded_by: Counter | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -168,15 +168,16 @@ def write_merged(snapshot: str, keys: str, columns: list[str], names: list[str],
     two are merged a batch of `batch_rows` at a time (`merged_rows`), never joined N by N. A snapshot out of
     item_id order (written before snapshots were sorted) is sorted on disk first, beside `out`; keys out of order
     are the caller's error (NotInOrder)."""
-    def merged(source: str) -> Iterator[pa.Table]:
+    def write(source: str) -> None:
         reader = parquet_reader(keys)
         batches = (pa.Table.from_batches([b]) for b in reader.iter_batches(batch_rows, columns=columns))
         fields = [reader.schema_arrow.field(n) for n in columns] + \
-            [parquet_reader(source).schema_arrow.field(n).with_nullable(True) for n in names]  # an item may have none
-        return merged_rows(source, batches, names, batch_rows), pa.schema(fields)
+            [snapshot_fields.field(n).with_nullable(True) for n in names]  # an item may have none
+        _write_tables(merged_rows(source, batches, names, batch_rows), pa.schema(fields), out, batch_rows)
 
+    snapshot_fields = parquet_reader(snapshot).schema_arrow
     try:
-        _write_tables(*merged(snapshot), out, batch_rows)
+        write(snapshot)
     except _SnapshotNotInOrder:
         import uuid
 
@@ -185,7 +186,7 @@ def write_merged(snapshot: str, keys: str, columns: list[str], names: list[str],
             with scratch_sql(os.path.dirname(out)) as con, one_thread(con, SORT_MEMORY):
                 con.execute(f"""COPY (SELECT * FROM read_parquet({sql_string(snapshot)}) ORDER BY item_id, row_hash)
                                 TO {sql_string(ordered)} (FORMAT parquet, ROW_GROUP_SIZE {batch_rows})""")
-            _write_tables(*merged(ordered), out, batch_rows)
+            write(ordered)
         finally:
             if os.path.exists(ordered):
                 os.remove(ordered)
@@ -200,14 +201,14 @@ def _write_tables(tables: Iterator[pa.Table], schema: pa.Schema, out: str, row_g
             writer.write_table(table.cast(schema), row_group_size=row_group)
 
 
-def merged_rows(snapshot: str, keys: Iterator[pa.Table], names: list[str],
-                batch_rows: int = SNAPSHOT_ROW_GROUP) -> Iterator[pa.Table]:
+def merged_rows(snapshot: str, keys: Iterator[pa.Table], names: list[str], batch_rows: int) -> Iterator[pa.Table]:
     """Each table of `keys` with the snapshot's columns `names` beside (`write_merged`), the snapshot sorted by
     item_id: what is held is one table of keys and the snapshot rows of its range. NotInOrder when either side's
     ids do not ascend."""
     reader = parquet_reader(snapshot)
     read = ["item_id", "row_hash", *(n for n in names if n != "row_hash")]
-    later = _ascending(reader.iter_batches(batch_rows, columns=read), _SnapshotNotInOrder(snapshot), repeats=True)
+    later = _ascending((pa.Table.from_batches([b]) for b in reader.iter_batches(batch_rows, columns=read)),
+                       _SnapshotNotInOrder(snapshot), repeats=True)
     window = pa.schema([pa.field("item_id", pa.string()), *(reader.schema_arrow.field(n) for n in read[1:])]) \
         .empty_table()
     done = False
@@ -235,20 +236,16 @@ def _beside(table: pa.Table, columns: pa.Table) -> pa.Table:
     return table
 
 
-def _ascending(batches, error: NotInOrder, repeats: bool):
-    """`batches` with their item_id column as strings, checked to ascend (with equal neighbours if `repeats`)."""
-    last = None
-    for batch in batches:
-        columns = batch.column_names if isinstance(batch, pa.Table) else batch.schema.names
-        ids = batch.column(columns.index("item_id")).cast(pa.string())
-        ids = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
-        step = pc.less if repeats else pc.less_equal
+def _ascending(tables: Iterator[pa.Table], error: NotInOrder, repeats: bool) -> Iterator[pa.Table]:
+    """`tables` with their item_id column as strings, checked to ascend (with equal neighbours if `repeats`)."""
+    step, last = (pc.less if repeats else pc.less_equal), None
+    for table in tables:
+        ids = table["item_id"].cast(pa.string()).combine_chunks()
         if ids.null_count or (last is not None and len(ids) and step(ids[0], pa.scalar(last)).as_py()) or \
                 pc.any(step(ids[1:], ids[:-1])).as_py():
             raise type(error)(f"{error}: item ids out of order")
         last = ids[-1].as_py() if len(ids) else last
-        yield (batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])).set_column(
-            columns.index("item_id"), "item_id", ids)
+        yield table.set_column(table.column_names.index("item_id"), "item_id", ids)
 
 
 def _least_hash_first(window: pa.Table) -> pa.Table:

@@ -23,7 +23,7 @@ from imgest.scratch import scratch_folder
 from imgest.state.clock import now_iso
 from imgest.state.committed import LIVE, load_state
 from imgest.state.layout import shard_key
-from imgest.state.live import LIVE_BATCH, METADATA_BATCH, first_of_each, live_fingerprint, shard_groups
+from imgest.state.live import LIVE_BATCH, METADATA_BATCH, live_fingerprint, shard_groups
 from imgest.state.lock import StoreLock, StoreLockedError
 from imgest.state.metadata import snapshot_file, write_merged
 from imgest.state.models import find_model
@@ -144,7 +144,6 @@ def rows_for(store: Location, slug: str, upsert: str, columns: pa.Schema, dim: i
     pending: list[pa.Table] = []
     size = 0
     for group in shard_groups(upsert, METADATA_BATCH if len(columns) else LIVE_BATCH):
-        group = first_of_each(group, "item_id")  # an item twice in a damaged snapshot: sent once
         shard, keep = group["shard"][0].as_py(), group["item_id"].combine_chunks()
         table = store.read_table(shard_key(slug, shard))
         table = table.filter(pc.is_in(table["item_id"], value_set=keep))
